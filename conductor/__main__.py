@@ -1,0 +1,3 @@
+from conductor.cli import main
+
+raise SystemExit(main())

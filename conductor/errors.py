@@ -1,0 +1,98 @@
+"""The one error hierarchy. Every failure a client can see is a ConductorError subclass; the
+gateway turns them into OpenAI-style bodies in exactly one place (`conductor.http_errors`)."""
+
+from __future__ import annotations
+
+
+class ConductorError(Exception):
+    """Base of every error Conductor raises on purpose."""
+
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class ConfigError(ConductorError):
+    """Bad configuration; raised at start-up, never per request."""
+
+    type = "config_error"
+
+
+class PluginError(ConfigError):
+    """A configured plugin could not be loaded or does not satisfy its protocol."""
+
+
+class BadRequest(ConductorError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ConductorError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ConductorError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(ConductorError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Rejected(ConductorError):
+    """Admission control: the request is predicted to miss its SLO (HTTP 429)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: float) -> None:
+        super().__init__(message, code=reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+class NoHealthyInstance(ConductorError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_instance"
+
+
+class UpstreamError(ConductorError):
+    """A worker failed: refused the connection, reset it, or answered with an error status."""
+
+    status = 502
+    type = "upstream_error"
+    code = "bad_gateway"
+
+    def __init__(self, message: str, *, upstream_status: int | None = None, instance: str | None = None):
+        super().__init__(message)
+        self.upstream_status = upstream_status
+        self.instance = instance
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    type = "upstream_timeout"
+    code = "gateway_timeout"

@@ -1,0 +1,179 @@
+"""The one typed settings object, built at start-up and passed in.
+
+Precedence, lowest first: defaults, the YAML file (`--config`), environment variables
+(`CONDUCTOR_<FIELD>`, nested fields joined with `__`, values parsed as YAML so lists and numbers
+work), then command-line flags.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from conductor.errors import ConfigError
+from policies.types import Role
+
+ENV_PREFIX = "CONDUCTOR_"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InstanceSpec(_Model):
+    """One worker the gateway routes to."""
+
+    url: str  # base URL, e.g. http://10.0.0.5:8100
+    role: Role
+    name: str | None = None  # defaults to "<role>-<n>"
+    bootstrap_port: int | None = None  # Mooncake / SGLang bootstrap server port on the same host
+    kv_events_endpoint: str | None = None  # vLLM KV events ZMQ endpoint, when subscribed
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"instance URL must start with http:// or https://: {v!r}")
+        return v.rstrip("/")
+
+
+class SloSettings(_Model):
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+
+
+class Settings(_Model):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+
+    prefill: tuple[InstanceSpec, ...] = ()
+    decode: tuple[InstanceSpec, ...] = ()
+    mixed: tuple[InstanceSpec, ...] = ()
+    pd_protocol: Literal["nixl", "mooncake", "sglang"] = "nixl"
+    # which generation of vLLM's MooncakeConnector field names to speak (adapters/pd/mooncake.py)
+    mooncake_schema: str = "vllm-0.11"
+
+    models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
+    policy: str = "round_robin"
+    policy_options: Mapping[str, Any] = Field(default_factory=dict)
+    slo: SloSettings = SloSettings()
+    default_max_tokens: int = 256  # assumed output length when a request sets none
+
+    api_keys: tuple[str, ...] = ()  # if set, clients must send one as a Bearer token
+    upstream_api_key: str | None = None  # sent to workers instead of the client's key
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0  # whole upstream request
+    read_timeout_s: float = 120.0  # longest silence from a worker before 504
+    bootstrap_timeout_s: float = 5.0
+
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = 2  # consecutive failed probes
+    min_ready_prefill: int = 1
+    min_ready_decode: int = 1
+
+    block_size: int = 16
+    max_connections_per_upstream: int = 256
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> Settings:
+        for role, specs in (("prefill", self.prefill), ("decode", self.decode), ("mixed", self.mixed)):
+            for spec in specs:
+                if spec.role.value != role:
+                    raise ValueError(f"instance {spec.url} is listed under {role} but has role {spec.role}")
+        names = [spec.name for spec in self.instances()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"instance names must be unique: {names}")
+        if self.pd_protocol in ("mooncake", "sglang"):
+            missing = [p.url for p in self.prefill if p.bootstrap_port is None]
+            if missing:
+                raise ValueError(f"--pd-protocol {self.pd_protocol} needs a bootstrap port for prefill {missing}")
+        return self
+
+    def instances(self) -> tuple[InstanceSpec, ...]:
+        """Every instance, each with its name filled in."""
+        out = []
+        for specs in (self.prefill, self.decode, self.mixed):
+            for n, spec in enumerate(specs):
+                out.append(spec if spec.name else spec.model_copy(update={"name": f"{spec.role.value}-{n}"}))
+        return tuple(out)
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = key[len(ENV_PREFIX) :].lower().split("__")
+        if path[0] not in Settings.model_fields:
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            merged[k] = _merge(dict(merged[k]), v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def _with_roles(data: dict[str, Any]) -> dict[str, Any]:
+    """Let YAML and env say `prefill: [http://a:8100]` or `[{url: ..., bootstrap_port: ...}]`."""
+    for role in ("prefill", "decode", "mixed"):
+        if role in data and data[role] is not None:
+            items = data[role] if isinstance(data[role], list | tuple) else [data[role]]
+            data[role] = [
+                {"url": it, "role": role} if isinstance(it, str) else {"role": role, **it} for it in items
+            ]
+    return data
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build the settings object; any problem is a ConfigError that names the field."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {config_file} must hold a mapping at the top level")
+        data = _with_roles(loaded)
+    data = _merge(data, _with_roles(_env_overrides(os.environ if environ is None else environ)))
+    if overrides:
+        data = _merge(data, _with_roles({k: v for k, v in overrides.items() if v is not None}))
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from exc

@@ -1,0 +1,193 @@
+"""Value objects the scheduling decision is made from and made of.
+
+A policy is a pure function of (RequestView, ClusterSnapshot) -> Decision. Everything here is a
+frozen dataclass with no I/O, so the gateway and the trace simulator hand policies exactly the same
+kind of objects. Times are seconds, sizes are tokens unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Protocol, runtime_checkable
+
+_EMPTY: Mapping[str, float] = MappingProxyType({})
+
+
+class Role(StrEnum):
+    """What an instance does in the P/D split."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"  # a non-disaggregated worker: prefill and decode on one engine
+
+
+class Tier(StrEnum):
+    """Where a cached KV block lives, fastest first."""
+
+    DEVICE = "device"  # the instance's GPU memory (vLLM reports medium "GPU")
+    HOST = "host"  # the instance's CPU memory (offloaded)
+    STORE = "store"  # the pooled Mooncake Store, reachable from every instance
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Service-level objectives a request must meet; None means no bound."""
+
+    ttft_s: float | None = None  # time to first token
+    tbt_s: float | None = None  # time between tokens (mean over the stream)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """How many leading tokens of one request an instance already holds, and where."""
+
+    tokens: int  # leading tokens cached (a whole number of blocks)
+    tier: Tier = Tier.DEVICE
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What a policy may know about a request: sizes and block keys, never prompt text."""
+
+    request_id: str
+    seq: int  # gateway-assigned, increasing: lets stateless policies rotate (round robin)
+    model: str
+    prompt_tokens: int  # exact when tokenized at the gateway, else an estimate
+    max_tokens: int  # output tokens the request may produce (its max_tokens or the default)
+    block_size: int = 16
+    block_keys: tuple[int, ...] = ()  # chained keys of the prompt's full blocks
+    cached: Mapping[str, CachedPrefix] = field(default_factory=dict)  # instance id -> its prefix
+    store_cached_tokens: int = 0  # leading tokens present in the pooled store (Mooncake Store)
+    slo: Slo = Slo()
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedPrefill:
+    """One prefill dispatched to an instance and not finished yet."""
+
+    new_tokens: int  # tokens the instance must compute
+    cached_tokens: int  # tokens it reuses from its cache
+    elapsed_s: float  # time since it was dispatched
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveDecode:
+    """One decode stream running on an instance."""
+
+    context_tokens: int  # prompt plus tokens generated so far: the KV it keeps resident
+    remaining_tokens: int  # tokens still to generate, at most (max_tokens - generated)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """What the gateway knows about one worker at decision time."""
+
+    id: str  # stable name, unique in the cluster
+    role: Role
+    url: str = ""
+    healthy: bool = True
+    prefill_queue: tuple[QueuedPrefill, ...] = ()  # prefills dispatched here and not finished
+    decodes: tuple[ActiveDecode, ...] = ()  # decode streams in flight here
+    kv_capacity_tokens: int | None = None  # None when unknown
+    kv_usage: float | None = None  # 0..1 from the worker's own metrics, when scraped
+    waiting_requests: int | None = None  # from the worker's own metrics, when scraped
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(q.new_tokens for q in self.prefill_queue)
+
+    @property
+    def resident_kv_tokens(self) -> int:
+        return sum(d.context_tokens for d in self.decodes)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """The whole cluster as seen by one gateway at one instant."""
+
+    now: float  # monotonic seconds; policies compare it with nothing but durations
+    instances: tuple[InstanceView, ...]
+
+    def by_role(self, *roles: Role, healthy_only: bool = True) -> tuple[InstanceView, ...]:
+        return tuple(i for i in self.instances if i.role in roles and (i.healthy or not healthy_only))
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    """One instance as the policy weighed it; logged with every decision."""
+
+    instance_id: str
+    role: Role
+    score: float  # the policy's own figure of merit; lower is better
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    detail: Mapping[str, float] = field(default_factory=lambda: _EMPTY)  # named components (transfer_s, queue_s, prefill_s, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a request is refused before anything is forwarded (HTTP 429)."""
+
+    reason: str  # "ttft_slo", "tbt_slo" or "capacity"
+    message: str  # human-readable; says which bound and by how much
+    predicted_s: float | None = None
+    slo_s: float | None = None
+    retry_after_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes, or why it does not go anywhere.
+
+    For a disaggregated cluster both `prefill` and `decode` are set; for mixed workers `prefill`
+    names the one worker that serves the whole request and `decode` is None.
+    """
+
+    request_id: str
+    policy: str
+    prefill: str | None = None
+    decode: str | None = None
+    rejection: Rejection | None = None
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    pull_from: str | None = None  # instance id or "store" the prefill pulls a cached prefix from
+    pull_tokens: int = 0  # tokens of that prefix it pulls instead of recomputing
+    candidates: tuple[CandidateScore, ...] = ()
+
+    @property
+    def rejected(self) -> bool:
+        return self.rejection is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the gateway saw when a request it routed finished (or failed)."""
+
+    request_id: str
+    prefill: str | None
+    decode: str | None
+    prompt_tokens: int
+    cached_tokens: int | None  # as the worker reported (usage.prompt_tokens_details.cached_tokens)
+    predicted_cached_tokens: int  # what the index predicted for the chosen prefill instance
+    queue_and_prefill_s: float | None  # prefill leg: dispatch to first token / prefill response
+    ttft_s: float | None  # at the gateway: arrival to first token sent to the client
+    token_intervals_s: tuple[float, ...] = ()  # decode: gaps between streamed tokens
+    output_tokens: int = 0
+    decode_batch: int = 0  # decode streams on that instance when this one joined
+    decode_resident_kv_tokens: int = 0
+    ok: bool = True
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A scheduling policy. `decide` must not do I/O; `observe` may update fitted state."""
+
+    name: str
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision: ...
+
+    def observe(self, observation: Observation) -> None: ...
