@@ -86,10 +86,23 @@ class UpstreamError(ConductorError):
     type = "upstream_error"
     code = "bad_gateway"
 
-    def __init__(self, message: str, *, upstream_status: int | None = None, instance: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        upstream_status: int | None = None,
+        instance: str | None = None,
+        body: bytes | None = None,
+    ) -> None:
         super().__init__(message)
         self.upstream_status = upstream_status
         self.instance = instance
+        self.body = body  # the worker's own error body, relayed when it is the client's fault (4xx)
+
+    @property
+    def client_fault(self) -> bool:
+        """A worker's 4xx means the request itself is bad: the client gets that status and body."""
+        return self.upstream_status is not None and 400 <= self.upstream_status < 500
 
 
 class UpstreamTimeout(UpstreamError):

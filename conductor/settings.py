@@ -57,7 +57,7 @@ class Settings(_Model):
     mixed: tuple[InstanceSpec, ...] = ()
     pd_protocol: Literal["nixl", "mooncake", "sglang"] = "nixl"
     # which generation of vLLM's MooncakeConnector field names to speak (adapters/pd/mooncake.py)
-    mooncake_schema: str = "vllm-0.11"
+    mooncake_schema: str = "transfer_id"
 
     models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
     policy: str = "round_robin"

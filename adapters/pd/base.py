@@ -1,0 +1,163 @@
+"""What every P/D handshake shares: the targets it talks to, the outgoing request, the result."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import msgspec
+
+from adapters.upstream import Upstream, UpstreamReply, UpstreamStream
+from conductor.errors import UpstreamError
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+# Fields that only make sense for the leg that generates tokens; vLLM's toy proxy strips them from
+# the prefill leg (a 1-token prefill cannot honour a minimum length).
+DECODE_ONLY_FIELDS = ("min_tokens", "min_completion_tokens", "stream_options")
+
+
+def encode_json(obj: Any) -> bytes:
+    return _encode(obj)
+
+
+def decode_json(data: bytes) -> Any:
+    return _decode(data)
+
+
+def host_of(url: str) -> str:
+    """The host part of a URL, IPv6 addresses in brackets (as bootstrap addresses need)."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One chosen worker."""
+
+    name: str
+    upstream: Upstream
+    host: str  # host part of its URL
+    bootstrap_port: int | None = None  # Mooncake / SGLang bootstrap server on that host
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """The client's request as the gateway will forward it."""
+
+    path: str  # "/v1/completions" or "/v1/chat/completions"
+    body: Mapping[str, Any]  # the client's JSON, with any gateway substitutions (token ids)
+    headers: Mapping[str, str]  # X-Request-ID, Content-Type, upstream Authorization
+    request_id: str
+    stream: bool
+
+
+@dataclass(slots=True)
+class Exchange:
+    """The outcome of a handshake: the decode (or only) leg's answer, plus what the prefill leg told.
+
+    Exactly one of `stream` and `reply` is set. `pending` holds legs still running in the
+    background (a concurrent prefill); whoever finishes the exchange must `abort()` or await them.
+    """
+
+    stream: UpstreamStream | None = None
+    reply: UpstreamReply | None = None
+    prefill_s: float | None = None  # prefill leg: sent to answered
+    prefill_cached_tokens: int | None = None  # as the prefill worker reported
+    prefill_failed: BaseException | None = None
+    pending: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def abort(self) -> None:
+        """Cancel every leg still in flight: the workers see their connections close."""
+        for task in self.pending:
+            task.cancel()
+        if self.stream is not None:
+            self.stream.close()
+
+    async def settle(self) -> None:
+        """Wait for background legs to end (after a normal finish)."""
+        for task in self.pending:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+class PDProtocol(Protocol):
+    """A P/D handshake: how one request is split into legs."""
+
+    name: str
+
+    async def start(self, prefills: list[Target]) -> None: ...
+
+    def ready(self, target: Target) -> bool: ...
+
+    async def exchange(self, out: Outgoing, prefill: Target, decode: Target | None) -> Exchange: ...
+
+
+def cached_tokens_of(reply_body: Any) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of an OpenAI response, when present."""
+    if not isinstance(reply_body, dict):
+        return None
+    usage = reply_body.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def prefill_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: one token, not streamed, asking the connector to keep the KV."""
+    out = {k: v for k, v in body.items() if k not in DECODE_ONLY_FIELDS}
+    out["kv_transfer_params"] = dict(kv_transfer_params)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def check_leg(reply: UpstreamReply, target: Target, leg: str) -> Any:
+    """Decode a non-streamed leg's JSON answer; a failed leg becomes an UpstreamError that keeps
+    the worker's own status and body (a 4xx is the client's fault and is passed on as such)."""
+    if reply.status >= 400:
+        raise UpstreamError(
+            f"{leg} leg on {target.name} answered HTTP {reply.status}",
+            upstream_status=reply.status,
+            instance=target.name,
+            body=reply.body,
+        )
+    try:
+        return decode_json(reply.body)
+    except msgspec.DecodeError as exc:
+        raise UpstreamError(f"{leg} leg on {target.name} answered invalid JSON", instance=target.name) from exc
+
+
+async def open_leg(target: Target, out: Outgoing, body: Mapping[str, Any]) -> Exchange:
+    """Send the leg that answers the client: streamed or not, as the client asked."""
+    data = encode_json(body)
+    if out.stream:
+        stream = await target.upstream.open_stream(out.path, data, out.headers)
+        if stream.status >= 400:
+            try:
+                payload = b"".join([c async for c in stream.chunks()])
+            finally:
+                stream.close()
+            raise UpstreamError(
+                f"decode leg on {target.name} answered HTTP {stream.status}",
+                upstream_status=stream.status,
+                instance=target.name,
+                body=payload,
+            )
+        return Exchange(stream=stream)
+    reply = await target.upstream.post(out.path, data, out.headers)
+    if reply.status >= 500:
+        raise UpstreamError(
+            f"decode leg on {target.name} answered HTTP {reply.status}",
+            upstream_status=reply.status,
+            instance=target.name,
+            body=reply.body,
+        )
+    return Exchange(reply=reply)
