@@ -1,0 +1,132 @@
+"""Robust fitting of the small linear-in-parameters models every predictor here uses.
+
+All of Conductor's latency models are linear in their coefficients (t = sum c_i * f_i(x)) with
+physically non-negative coefficients, so one fitting routine serves them all:
+
+* residuals are *relative* ((pred - actual) / actual): latencies span two orders of magnitude and
+  the error we report and care about is a percentage (MAPE), so a 10 ms miss on a 50 ms prefill
+  should weigh what a 100 ms miss on a 500 ms one does;
+* `scipy.optimize.least_squares` with a robust loss (soft_l1 by default) bounds the pull of any
+  single bad sample, and a second pass drops samples whose log-ratio to the first fit lies beyond
+  k * MAD (scaled to a standard deviation) before refitting;
+* an optional prior (the previous coefficients) enters as pseudo-residuals with a small weight, so a
+  direction the window does not excite (say, every sample had cached_tokens = 0) keeps its prior
+  value instead of wandering;
+* the p90 upper bound is multiplicative: the 90th percentile of actual / predicted over the inliers.
+
+Prediction itself (`LinearModel.predict`) is plain float arithmetic: it runs on the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import least_squares
+
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+
+
+@dataclass(frozen=True, slots=True)
+class LinearModel:
+    """y = sum(coef[i] * features[i]); the feature map belongs to the predictor that owns it."""
+
+    coef: tuple[float, ...]  # fitted coefficients, all >= 0 (seconds per unit of each feature)
+    p90_ratio: float = 1.0  # 90th percentile of actual/predicted: p90 upper bound = predicted * this
+    samples: int = 0  # samples the last fit used (inliers), 0 for a prior never fitted to data
+    mape: float = 0.0  # mean absolute percentage error of the last fit on its inliers (0..1)
+
+    def predict(self, features: Sequence[float]) -> float:
+        return sum(c * f for c, f in zip(self.coef, features, strict=True))
+
+    def to_dict(self) -> dict[str, object]:
+        return {"coef": list(self.coef), "p90_ratio": self.p90_ratio, "samples": self.samples, "mape": self.mape}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> LinearModel:
+        coef = data["coef"]
+        if not isinstance(coef, list) or not all(isinstance(c, int | float) for c in coef):
+            raise ValueError(f"model coefficients must be a list of numbers, got {coef!r}")
+        return cls(
+            coef=tuple(float(c) for c in coef),
+            p90_ratio=float(data.get("p90_ratio", 1.0)),  # type: ignore[arg-type]
+            samples=int(data.get("samples", 0)),  # type: ignore[call-overload]
+            mape=float(data.get("mape", 0.0)),  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FitOptions:
+    """How a fit treats noise."""
+
+    loss: str = "soft_l1"  # any least_squares loss: "soft_l1", "huber", "cauchy", "linear"
+    f_scale: float = 0.05  # relative residual where the robust loss turns from quadratic to linear
+    mad_k: float = 4.0  # drop samples whose log(actual/pred) is beyond mad_k sigma of the median
+    prior_weight: float = 0.0  # total weight of the prior pseudo-residuals (0: no prior)
+
+
+def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | None, opts: FitOptions) -> np.ndarray:
+    # scale columns so the solver sees coefficients of order one (c2 of a quadratic is ~1e-8)
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    p_start = np.maximum(start * scale, 1e-12)
+    if prior is not None and opts.prior_weight > 0:
+        p_prior = prior * scale
+        # relative to each coefficient's own size, but a zero prior coefficient must not pin its
+        # coefficient at zero forever: floor the scale at 1% of the model's total contribution
+        denom = np.maximum(np.abs(p_prior), 0.01 * max(float(np.abs(p_prior).sum()), 1e-12))
+        w = np.sqrt(opts.prior_weight / len(p_prior))
+    else:
+        p_prior = None
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        r = (xs @ p - y) / y
+        if p_prior is None:
+            return r
+        return np.concatenate([r, w * (p - p_prior) / denom])
+
+    sol = least_squares(residuals, p_start, bounds=(0.0, np.inf), loss=opts.loss, f_scale=opts.f_scale)
+    return np.asarray(sol.x / scale)
+
+
+def fit_linear(
+    features: Sequence[Sequence[float]],
+    actual: Sequence[float],
+    *,
+    start: Sequence[float] | None = None,
+    prior: Sequence[float] | None = None,
+    options: FitOptions = FitOptions(),
+) -> LinearModel:
+    """Fit non-negative coefficients to (features, actual) robustly; see the module docstring."""
+    x = np.asarray(features, dtype=float)
+    y = np.asarray(actual, dtype=float)
+    if x.ndim != 2 or len(x) != len(y) or len(y) == 0:
+        raise ValueError(f"need a 2-D feature matrix matching {len(y)} positive actuals")
+    keep = np.isfinite(y) & (y > 0) & np.isfinite(x).all(axis=1)
+    x, y = x[keep], y[keep]
+    if len(y) == 0:
+        raise ValueError("no finite positive samples to fit")
+    pri = None if prior is None else np.asarray(prior, dtype=float)
+    p0 = np.asarray(start if start is not None else (prior if prior is not None else np.ones(x.shape[1])), float)
+    coef = _solve(x, y, p0, pri, options)
+    # second pass: reject gross outliers by the MAD of log-ratios, then refit on the rest
+    inliers = np.ones(len(y), dtype=bool)
+    if len(y) >= 8 and options.mad_k > 0:
+        pred = np.maximum(x @ coef, 1e-12)
+        lr = np.log(y / pred)
+        med = float(np.median(lr))
+        mad = float(np.median(np.abs(lr - med))) * MAD_TO_SIGMA
+        if mad > 0:
+            inliers = np.abs(lr - med) <= options.mad_k * mad
+            if inliers.sum() >= x.shape[1] and not inliers.all():
+                coef = _solve(x[inliers], y[inliers], coef, pri, options)
+    pred = np.maximum(x[inliers] @ coef, 1e-12)
+    ratio = y[inliers] / pred
+    return LinearModel(
+        coef=tuple(float(c) for c in coef),
+        p90_ratio=float(np.quantile(ratio, 0.9)),
+        samples=int(inliers.sum()),
+        mape=float(np.mean(np.abs(pred - y[inliers]) / y[inliers])),
+    )

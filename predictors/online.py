@@ -1,0 +1,205 @@
+"""`Predictors`: the fitted models in use, their online refit and their error tracking.
+
+Evaluation (`prefill_s`, `transfer_s`, `queue_s`, `tbt_s`) is float arithmetic on frozen params, cheap
+enough to run for every instance on every request. Learning is split off: `observe_*` append a
+sample to a bounded window per model and every `refit_every` samples the model is refitted on that
+window (robust loss, MAD rejection, previous coefficients as a weak prior, see predictors.linear).
+A refit swaps in a new frozen `PredictorParams`, so a decision never sees half-updated models.
+
+One model per kind serves all instances (the cluster is homogeneous per role); errors are still
+tracked per instance, so a slow instance shows up in the error stats rather than skewing the fit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from policies.types import InstanceView, QueuedPrefill
+from predictors.errors import ErrorStats, ErrorTracker
+from predictors.linear import FitOptions, LinearModel, fit_linear
+from predictors.params import (
+    INSTANCE_LINK,
+    PredictorParams,
+    prefill_features,
+    tbt_features,
+    transfer_features,
+)
+from predictors.profile import bundled_profile, fit_profiles
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineConfig:
+    """How the models learn from observations."""
+
+    enabled: bool = True
+    window: int = 512  # samples kept per model (a sliding window: old behaviour ages out)
+    refit_every: int = 32  # refit after this many new samples (a fit costs ~1-3 ms)
+    min_samples: int = 16  # do not refit on fewer samples than this
+    prior_weight: float = 1.0  # weight of the previous coefficients in a refit
+    loss: str = "soft_l1"
+    f_scale: float = 0.05
+    mad_k: float = 4.0
+    error_window: int = 256  # records per (component, instance) in the error tracker
+    error_max_keys: int = 1024
+
+
+@dataclass(slots=True)
+class _Samples:
+    features: deque[tuple[float, ...]]
+    actual: deque[float]
+    fresh: int = 0  # samples since the last refit
+
+
+def _samples(n: int) -> _Samples:
+    return _Samples(deque(maxlen=n), deque(maxlen=n))
+
+
+class Predictors:
+    """Latency predictions for the scheduler, refitted online. Not thread-safe (one event loop)."""
+
+    def __init__(self, params: PredictorParams, online: OnlineConfig = OnlineConfig()) -> None:
+        self._params = params
+        self._online = online
+        self._prefill = _samples(online.window)
+        self._tbt = _samples(online.window)
+        self._transfer: dict[str, _Samples] = {}
+        self.errors = ErrorTracker(online.error_window, online.error_max_keys)
+        self.refits = 0
+        self._cache_params()
+
+    @classmethod
+    def from_bundled_profile(cls, online: OnlineConfig = OnlineConfig()) -> Predictors:
+        return cls(fit_profiles([bundled_profile()]), online)
+
+    @classmethod
+    def from_file(cls, path: str, online: OnlineConfig = OnlineConfig()) -> Predictors:
+        return cls(PredictorParams.load(path), online)
+
+    def _cache_params(self) -> None:
+        # unpack the coefficients once: prefill_s runs hundreds of times a decision
+        self._pc = self._params.prefill.coef
+        self._tc = self._params.tbt.coef
+        self._links = {k: m.coef for k, m in self._params.transfer.items()}
+
+    @property
+    def params(self) -> PredictorParams:
+        return self._params
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self._params.kv_bytes_per_token
+
+    # ---- evaluation -----------------------------------------------------------------------
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        c0, c1, c2 = self._pc
+        return c0 + c1 * new_tokens + c2 * new_tokens * (new_tokens + 2 * cached_tokens)
+
+    def prefill_p90_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.prefill_s(new_tokens, cached_tokens) * self._params.prefill.p90_ratio
+
+    def transfer_s(self, tokens: int, link: str = INSTANCE_LINK) -> float:
+        """Time to move the KV of `tokens` tokens over a link class."""
+        if tokens <= 0:
+            return 0.0
+        coef = self._links.get(link) or self._links[INSTANCE_LINK]
+        return coef[0] + coef[1] * tokens * self._params.kv_bytes_per_token
+
+    def queue_s(self, queue: Sequence[QueuedPrefill]) -> float:
+        """Predicted time until an instance with this FCFS prefill queue starts a new prefill.
+
+        The head of the queue is the one running: only what is left of it counts. Its elapsed_s
+        is time since dispatch, which overstates its run time when it waited behind others, so
+        the remainder is clamped at zero rather than trusted to be exact.
+        """
+        if not queue:
+            return 0.0
+        c0, c1, c2 = self._pc
+        total = 0.0
+        for q in queue:
+            n = q.new_tokens
+            total += c0 + c1 * n + c2 * n * (n + 2 * q.cached_tokens)
+        head = queue[0]
+        n = head.new_tokens
+        head_t = c0 + c1 * n + c2 * n * (n + 2 * head.cached_tokens)
+        return total - min(head.elapsed_s, head_t)
+
+    def instance_queue_s(self, instance: InstanceView) -> float:
+        return self.queue_s(instance.prefill_queue)
+
+    def tbt_s(self, batch: float, resident_kv_tokens: float) -> float:
+        d0, d1, d2 = self._tc
+        return d0 + d1 * batch + d2 * resident_kv_tokens
+
+    def tbt_p90_s(self, batch: float, resident_kv_tokens: float) -> float:
+        return self.tbt_s(batch, resident_kv_tokens) * self._params.tbt.p90_ratio
+
+    # ---- learning -------------------------------------------------------------------------
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float, instance: str = "") -> None:
+        """A prefill's own compute time (queueing and pulls already taken out by the caller)."""
+        if seconds <= 0 or new_tokens <= 0:
+            return
+        pred = self.prefill_s(new_tokens, cached_tokens)
+        self.errors.record("prefill", instance, pred, pred * self._params.prefill.p90_ratio, seconds)
+        if self._add(self._prefill, prefill_features(new_tokens, cached_tokens), seconds):
+            self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill))
+            self._cache_params()
+
+    def observe_tbt(self, batch: int, resident_kv_tokens: int, seconds: float, instance: str = "") -> None:
+        """Mean time between tokens of a stream that ran with about this batch and resident KV."""
+        if seconds <= 0 or batch <= 0:
+            return
+        pred = self.tbt_s(batch, resident_kv_tokens)
+        self.errors.record("tbt", instance, pred, pred * self._params.tbt.p90_ratio, seconds)
+        if self._add(self._tbt, tbt_features(batch, resident_kv_tokens), seconds):
+            self._params = replace(self._params, tbt=self._refit(self._tbt, self._params.tbt))
+            self._cache_params()
+
+    def observe_transfer(self, link: str, nbytes: float, seconds: float, instance: str = "") -> None:
+        if seconds <= 0 or nbytes <= 0:
+            return
+        model = self._params.transfer_model(link)
+        pred = model.predict(transfer_features(nbytes))
+        self.errors.record(f"transfer_{link}", instance, pred, pred * model.p90_ratio, seconds)
+        win = self._transfer.get(link)
+        if win is None:
+            if len(self._transfer) >= 16:  # link classes are a handful; refuse to grow unbounded
+                return
+            win = self._transfer[link] = _samples(self._online.window)
+        if self._add(win, transfer_features(nbytes), seconds):
+            links = dict(self._params.transfer)
+            links[link] = self._refit(win, model)
+            self._params = replace(self._params, transfer=MappingProxyType(links))
+            self._cache_params()
+
+    def record_error(self, component: str, instance: str, predicted: float, p90: float, actual: float) -> None:
+        self.errors.record(component, instance, predicted, p90, actual)
+
+    def error_stats(self) -> tuple[ErrorStats, ...]:
+        return self.errors.stats()
+
+    def _add(self, win: _Samples, features: tuple[float, ...], actual: float) -> bool:
+        """Append a sample; True when it is time to refit."""
+        if not self._online.enabled:
+            return False
+        win.features.append(features)
+        win.actual.append(actual)
+        win.fresh += 1
+        if win.fresh >= self._online.refit_every and len(win.actual) >= self._online.min_samples:
+            win.fresh = 0
+            return True
+        return False
+
+    def _refit(self, win: _Samples, current: LinearModel) -> LinearModel:
+        o = self._online
+        opts = FitOptions(loss=o.loss, f_scale=o.f_scale, mad_k=o.mad_k, prior_weight=o.prior_weight)
+        try:
+            fitted = fit_linear(list(win.features), list(win.actual), prior=current.coef, options=opts)
+        except ValueError:
+            return current
+        self.refits += 1
+        return fitted

@@ -1,0 +1,126 @@
+"""The fitted parameters of every latency model, and the feature maps that give them meaning.
+
+Model forms (all linear in their coefficients, fitted by `predictors.linear.fit_linear`):
+
+* T_prefill(new, cached) = c0 + c1 * new + c2 * new * (new + 2 * cached)
+  The linear term is the per-token work (projections, MLP: ~2 * params FLOPs a token); the
+  quadratic term is attention: new token i attends to cached + i keys, so the score and value work
+  sums to new * cached + new^2 / 2 = new * (new + 2 * cached) / 2. c0 is the fixed cost of a step
+  (scheduling, kernel launches, sampling, HTTP). With cached = 0 this is the usual quadratic in
+  prompt length; with a cached prefix it charges attention over the cached context but nothing for
+  the MLP of cached tokens, which is exactly what prefix caching saves.
+* T_transfer(bytes) = latency + bytes / bandwidth, one model per link class ("instance" for
+  instance -> instance over RDMA/TCP, "store" for Mooncake Store -> instance).
+* TBT(batch, resident_kv) = d0 + d1 * batch + d2 * resident_kv. A decode step is memory bound: it
+  reads the weights once (d0), the KV of every resident token (d2) and does per-sequence work such
+  as sampling (d1).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from predictors.linear import LinearModel
+
+INSTANCE_LINK = "instance"  # prefix pulled from another instance's memory
+STORE_LINK = "store"  # prefix pulled from the pooled Mooncake Store
+PARAMS_VERSION = 1
+
+
+def prefill_features(new_tokens: float, cached_tokens: float) -> tuple[float, float, float]:
+    return (1.0, new_tokens, new_tokens * (new_tokens + 2.0 * cached_tokens))
+
+
+def transfer_features(nbytes: float) -> tuple[float, float]:
+    return (1.0, nbytes)
+
+
+def tbt_features(batch: float, resident_kv_tokens: float) -> tuple[float, float, float]:
+    return (1.0, batch, resident_kv_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePrior:
+    """Where the TBT model starts when no decode measurements exist (a roofline, not a fit).
+
+    d0 = weight_bytes / hbm_bytes_per_s, d2 = kv_bytes_per_token / hbm_bytes_per_s, d1 =
+    per_sequence_s. Defaults: Qwen3-8B in bf16 (8.2e9 parameters, 16.4 GB) on one H800 (HBM3,
+    3.35 TB/s), 100 us of per-sequence work a step. Online refits from observed token intervals
+    replace it: the prior only anchors directions the observed window does not vary.
+    """
+
+    weight_bytes: float = 16.4e9
+    hbm_bytes_per_s: float = 3.35e12
+    per_sequence_s: float = 1.0e-4
+    p90_ratio: float = 1.25  # assumed spread until residuals are measured
+
+    def model(self, kv_bytes_per_token: float) -> LinearModel:
+        return LinearModel(
+            coef=(
+                self.weight_bytes / self.hbm_bytes_per_s,
+                self.per_sequence_s,
+                kv_bytes_per_token / self.hbm_bytes_per_s,
+            ),
+            p90_ratio=self.p90_ratio,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorParams:
+    """Everything `conductor fit` writes and a policy loads: plain data, JSON round-trippable."""
+
+    prefill: LinearModel  # coefficients of prefill_features, seconds
+    transfer: Mapping[str, LinearModel]  # link class -> coefficients of transfer_features, seconds
+    tbt: LinearModel  # coefficients of tbt_features, seconds
+    kv_bytes_per_token: float  # KV cache bytes one token occupies (all layers, K and V)
+    source: str = ""  # where the fit came from (profile path, "online", ...)
+    notes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def transfer_model(self, link: str) -> LinearModel:
+        model = self.transfer.get(link)
+        if model is None:
+            model = self.transfer[INSTANCE_LINK]
+        return model
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PARAMS_VERSION,
+            "source": self.source,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefill": self.prefill.to_dict(),
+            "transfer": {k: v.to_dict() for k, v in self.transfer.items()},
+            "tbt": self.tbt.to_dict(),
+            "notes": dict(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PredictorParams:
+        if data.get("version") != PARAMS_VERSION:
+            raise ValueError(f"unsupported predictor params version {data.get('version')!r}")
+        transfer = {str(k): LinearModel.from_dict(v) for k, v in dict(data["transfer"]).items()}
+        if INSTANCE_LINK not in transfer:
+            raise ValueError(f"predictor params need a {INSTANCE_LINK!r} transfer link")
+        prefill = LinearModel.from_dict(data["prefill"])
+        tbt = LinearModel.from_dict(data["tbt"])
+        if len(prefill.coef) != 3 or len(tbt.coef) != 3 or any(len(m.coef) != 2 for m in transfer.values()):
+            raise ValueError("predictor params have the wrong number of coefficients")
+        return cls(
+            prefill=prefill,
+            transfer=MappingProxyType(transfer),
+            tbt=tbt,
+            kv_bytes_per_token=float(data["kv_bytes_per_token"]),
+            source=str(data.get("source", "")),
+            notes=MappingProxyType({str(k): str(v) for k, v in dict(data.get("notes", {})).items()}),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> PredictorParams:
+        return cls.from_dict(json.loads(Path(path).read_text()))
