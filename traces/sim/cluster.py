@@ -1,0 +1,188 @@
+"""Mutable state of the simulated instances: prefix caches, prefill queues, decode batches.
+
+These are the simulator's private bookkeeping (not values handed to policies); the engine turns
+them into frozen `InstanceView`s for each decision.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+
+from traces.formats import TraceRequest
+from traces.sim.truth import DecodeTruth
+
+
+class BlockLRU:
+    """Which prompt blocks a cache holds; least recently used blocks are evicted past capacity."""
+
+    __slots__ = ("_blocks", "capacity_blocks")
+
+    def __init__(self, capacity_tokens: int, block_tokens: int) -> None:
+        self.capacity_blocks = capacity_tokens // block_tokens
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hash_ids: tuple[int, ...]) -> int:
+        """Number of leading blocks present (a prefix match; it stops at the first miss)."""
+        blocks = self._blocks
+        n = 0
+        for h in hash_ids:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def touch(self, hash_ids: tuple[int, ...]) -> None:
+        """Mark blocks as just used, inserting the missing ones, then evict down to capacity."""
+        if self.capacity_blocks <= 0:
+            return
+        blocks = self._blocks
+        for h in hash_ids:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+
+
+class Job:
+    """One request's journey through the cluster; times are simulated seconds."""
+
+    __slots__ = (
+        "seq", "req", "arrival", "prefill", "decode", "dispatch", "ready_at", "pull_src", "pull_tokens",
+        "est_new", "est_cached", "predicted_cached", "pred_ttft", "pred_tbt", "prefill_start", "prefill_done",
+        "reused", "local_tokens", "pulled_remote", "pulled_store", "join", "first_token", "finish",
+        "start_step", "batch_at_join", "resident_at_join",
+    )
+
+    def __init__(self, seq: int, req: TraceRequest, arrival: float) -> None:
+        self.seq = seq
+        self.req = req
+        self.arrival = arrival
+        self.prefill = -1
+        self.decode = -1
+        self.dispatch = arrival
+        self.ready_at = arrival  # when any pulled prefix has arrived
+        self.pull_src = ""
+        self.pull_tokens = 0
+        self.est_new = req.input_length
+        self.est_cached = 0
+        self.predicted_cached = 0
+        self.pred_ttft: float | None = None
+        self.pred_tbt: float | None = None
+        self.prefill_start = 0.0
+        self.prefill_done = 0.0
+        self.reused = 0
+        self.local_tokens = 0
+        self.pulled_remote = 0
+        self.pulled_store = 0
+        self.join = 0.0
+        self.first_token = 0.0
+        self.finish = 0.0
+        self.start_step = 0.0
+        self.batch_at_join = 0
+        self.resident_at_join = 0
+
+    @property
+    def output_tokens(self) -> int:
+        return max(1, self.req.output_length)  # a served request yields at least one token
+
+    @property
+    def kv_need(self) -> int:
+        return self.req.input_length + self.output_tokens
+
+
+class PrefillInstance:
+    """FCFS prefill queue with a local prefix cache; one prefill runs at a time."""
+
+    __slots__ = ("id", "cache", "queue", "running", "busy_s", "link_free")
+
+    def __init__(self, instance_id: str, cache_tokens: int, block_tokens: int) -> None:
+        self.id = instance_id
+        self.cache = BlockLRU(cache_tokens, block_tokens)
+        self.queue: deque[Job] = deque()  # dispatched, not finished; the head runs when `running`
+        self.running = False
+        self.busy_s = 0.0
+        self.link_free = 0.0  # inbound KV link (pulled prefixes) is busy until then
+
+
+class DecodeInstance:
+    """Continuous batching, modelled as a fluid: between joins and finishes every running sequence
+    gains one token per step and the step time is constant, so only joins and finishes are events
+    (not every token). Sequences waiting for KV space queue FIFO."""
+
+    __slots__ = (
+        "id", "truth", "steps", "t_last", "tbt", "active", "heap", "sum_prompt", "sum_start", "reserved",
+        "waiting", "version", "busy_s", "link_free", "assigned", "view", "view_at", "view_version",
+    )
+
+    def __init__(self, instance_id: str, truth: DecodeTruth) -> None:
+        self.id = instance_id
+        self.truth = truth
+        self.steps = 0.0  # decode steps done since the start (fractional between events)
+        self.t_last = 0.0
+        self.tbt = truth.base_s
+        self.active: dict[int, Job] = {}
+        self.heap: list[tuple[float, int]] = []  # (step at which the job finishes, job seq)
+        self.sum_prompt = 0
+        self.sum_start = 0.0
+        self.reserved = 0  # KV tokens reserved by running sequences (prompt + all output)
+        self.waiting: deque[Job] = deque()
+        self.version = 0  # bumps on every join or finish; stale tick events are ignored
+        self.busy_s = 0.0
+        self.link_free = 0.0
+        self.assigned: dict[int, Job] = {}  # routed here and not finished (the gateway's view)
+        self.view: tuple[object, ...] = ()
+        self.view_at = -1.0
+        self.view_version = -1
+
+    def advance(self, now: float) -> None:
+        if self.active and now > self.t_last:
+            self.busy_s += now - self.t_last
+            self.steps += (now - self.t_last) / self.tbt
+        self.t_last = now
+
+    def resident_kv(self) -> int:
+        n = len(self.active)
+        return int(self.sum_prompt + n * self.steps - self.sum_start)
+
+    def fits(self, job: Job) -> bool:
+        if not self.active:
+            return True  # an empty instance takes anything: a lone over-long request must not deadlock
+        return len(self.active) < self.truth.max_batch and self.reserved + job.kv_need <= self.truth.kv_capacity_tokens
+
+    def join(self, job: Job, now: float) -> None:
+        self.active[job.seq] = job
+        job.start_step = self.steps
+        job.join = now
+        heapq.heappush(self.heap, (self.steps + job.output_tokens, job.seq))
+        self.sum_prompt += job.req.input_length
+        self.sum_start += self.steps
+        self.reserved += job.kv_need
+        self.version += 1
+
+    def pop_finished(self) -> list[Job]:
+        done = []
+        while self.heap and self.heap[0][0] <= self.steps + 1e-6:
+            _, seq = heapq.heappop(self.heap)
+            job = self.active.pop(seq)
+            self.sum_prompt -= job.req.input_length
+            self.sum_start -= job.start_step
+            self.reserved -= job.kv_need
+            done.append(job)
+        if done:
+            self.version += 1
+        if not self.active:  # keep float drift from accumulating across busy periods
+            self.sum_start = 0.0
+        return done
+
+    def retime(self, noise: float) -> float | None:
+        """New step time for the current batch; returns when the next sequence finishes."""
+        self.tbt = self.truth.tbt_s(len(self.active), self.resident_kv()) * noise
+        if not self.heap:
+            return None
+        return self.t_last + max(0.0, self.heap[0][0] - self.steps) * self.tbt

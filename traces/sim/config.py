@@ -1,0 +1,40 @@
+"""What cluster the simulator models: sizes, capacities, SLOs, noise and speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies.types import Slo
+from traces.sim.truth import TruthModel, fit_truth
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated P/D cluster and how the trace is driven through it."""
+
+    n_prefill: int
+    n_decode: int
+    truth: TruthModel = field(default_factory=fit_truth)
+    prefill_cache_tokens: int = 3_000_000  # each prefill instance's local prefix cache (LRU over blocks)
+    store_capacity_tokens: int = 0  # Mooncake Store pool shared by all instances; 0 = no store
+    slo: Slo = Slo(ttft_s=30.0, tbt_s=0.1)
+    speedup: float = 1.0  # arrivals are replayed at timestamp / speedup
+    noise: float = 0.05  # sigma of the lognormal noise on every prefill and decode step (0 = exact)
+    seed: int = 0
+    model: str = "sim-model"
+    snapshot_refresh_s: float = 0.5  # decode views are rebuilt at least this often (token counts)
+    observe: bool = True  # feed simulated outcomes back to policy.observe()
+
+    def __post_init__(self) -> None:
+        if self.n_prefill < 1 or self.n_decode < 1:
+            raise ValueError("a P/D cluster needs at least one prefill and one decode instance")
+        if self.speedup <= 0:
+            raise ValueError("speedup must be > 0")
+        if self.prefill_cache_tokens < 0 or self.store_capacity_tokens < 0:
+            raise ValueError("cache capacities must be >= 0")
+
+    def prefill_ids(self) -> tuple[str, ...]:
+        return tuple(f"prefill-{i}" for i in range(self.n_prefill))
+
+    def decode_ids(self) -> tuple[str, ...]:
+        return tuple(f"decode-{i}" for i in range(self.n_decode))

@@ -1,0 +1,340 @@
+"""The discrete-event loop: arrivals, policy decisions, prefill, KV transfer, decode, observation.
+
+The policy under test sees what a live gateway would see and nothing more: a RequestView whose
+`cached` comes from the cache index (here exact: the simulator's index knows every block each
+prefill instance and the store hold, as a gateway fed by KV events would) and a ClusterSnapshot of
+prefill queues and decode streams it dispatched. Outcomes go back through `policy.observe`, so the
+policy's own predictors fit online and their error shows in the result.
+
+Modelling choices (documented, deliberate):
+* A prefill instance reuses its *own* cache automatically (vLLM prefix caching). It uses another
+  instance's or the store's blocks only when the decision says `pull_from`/`pull_tokens`.
+* Pulled prefixes travel over the destination's inbound link while the job waits in the queue; the
+  prefill starts when it is at the head and the pull is done.
+* After prefill, the whole prompt's KV goes to the decode instance over its inbound link; the first
+  token comes one decode step after the request joins the decode batch. Waiting for decode KV space
+  therefore shows up in TTFT.
+* Every finished prefill writes its blocks to the store (when configured) and its local cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from policies.types import (
+    ActiveDecode,
+    CachedPrefix,
+    ClusterSnapshot,
+    Decision,
+    InstanceView,
+    Observation,
+    Policy,
+    QueuedPrefill,
+    RequestView,
+    Role,
+)
+from traces.formats import TraceRequest
+from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
+from traces.sim.config import SimConfig
+from traces.sim.results import Dist, PredictionError, RunResult
+
+_PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK = range(4)
+MAX_QUEUE = 100_000  # per-instance bound; past it requests are rejected ("queue_full")
+
+
+class Simulator:
+    """One run of one policy over one trace on one simulated cluster."""
+
+    def __init__(self, policy: Policy, config: SimConfig) -> None:
+        self.policy = policy
+        self.cfg = config
+        self.truth = config.truth
+        self.rng = random.Random(config.seed)
+        block = 512
+        self.block = block
+        self.prefills = [PrefillInstance(i, config.prefill_cache_tokens, block) for i in config.prefill_ids()]
+        self.decodes = [DecodeInstance(i, config.truth.decode) for i in config.decode_ids()]
+        self.p_index = {p.id: n for n, p in enumerate(self.prefills)}
+        self.d_index = {d.id: n for n, d in enumerate(self.decodes)}
+        self.store = BlockLRU(config.store_capacity_tokens, block)
+        self.events: list[tuple[float, int, int, int, object]] = []
+        self._ev_seq = 0
+        self.now = 0.0
+        self.rejections: Counter[str] = Counter()
+        self.done: list[Job] = []
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, target: int, payload: object = None) -> None:
+        self._ev_seq += 1
+        heapq.heappush(self.events, (t, self._ev_seq, kind, target, payload))
+
+    def _noise(self) -> float:
+        s = self.cfg.noise
+        return self.rng.lognormvariate(-0.5 * s * s, s) if s > 0 else 1.0
+
+    # -- the gateway's view -----------------------------------------------------------------
+    def _tokens(self, blocks: int, req: TraceRequest) -> int:
+        return min(blocks * req.block_tokens, req.input_length)
+
+    def _request_view(self, job: Job) -> RequestView:
+        req = job.req
+        cached = {}
+        for p in self.prefills:
+            n = p.cache.match(req.hash_ids)
+            if n:
+                cached[p.id] = CachedPrefix(self._tokens(n, req))
+        store = self._tokens(self.store.match(req.hash_ids), req) if self.store.capacity_blocks else 0
+        return RequestView(
+            request_id=f"r{job.seq}", seq=job.seq, model=self.cfg.model, prompt_tokens=req.input_length,
+            max_tokens=job.output_tokens, block_size=req.block_tokens, block_keys=req.hash_ids, cached=cached,
+            store_cached_tokens=store, slo=self.cfg.slo, stream=True,
+        )
+
+    def _decode_view(self, d: DecodeInstance) -> InstanceView:
+        now = self.now
+        if d.view_version != d.version or now - d.view_at > self.cfg.snapshot_refresh_s or not d.view:
+            d.advance(now)
+            streams = []
+            for j in d.assigned.values():
+                if j.seq in d.active:
+                    gen = int(d.steps - j.start_step)
+                    streams.append(ActiveDecode(j.req.input_length + gen, max(0, j.output_tokens - gen)))
+                else:  # routed here, still in prefill, transfer or waiting for KV space
+                    streams.append(ActiveDecode(j.req.input_length, j.output_tokens))
+            d.view = (InstanceView(
+                id=d.id, role=Role.DECODE, decodes=tuple(streams), kv_capacity_tokens=d.truth.kv_capacity_tokens,
+                kv_usage=min(1.0, d.reserved / max(1, d.truth.kv_capacity_tokens)), waiting_requests=len(d.waiting),
+            ),)
+            d.view_at, d.view_version = now, d.version
+        view = d.view[0]
+        assert isinstance(view, InstanceView)
+        return view
+
+    def _snapshot(self) -> ClusterSnapshot:
+        now = self.now
+        views = [
+            InstanceView(
+                id=p.id, role=Role.PREFILL,
+                prefill_queue=tuple(QueuedPrefill(j.est_new, j.est_cached, now - j.dispatch) for j in p.queue),
+                waiting_requests=len(p.queue) - (1 if p.running else 0),
+            )
+            for p in self.prefills
+        ]
+        views += [self._decode_view(d) for d in self.decodes]
+        return ClusterSnapshot(now=now, instances=tuple(views))
+
+    # -- arrivals and decisions -------------------------------------------------------------
+    def _arrive(self, job: Job) -> None:
+        view = self._request_view(job)
+        decision = self.policy.decide(view, self._snapshot())
+        if decision.rejection is not None:
+            self.rejections[decision.rejection.reason] += 1
+            return
+        p_idx = self.p_index.get(decision.prefill or "")
+        d_idx = self.d_index.get(decision.decode or "")
+        if p_idx is None or d_idx is None:
+            self.rejections["invalid_decision"] += 1
+            return
+        p, d = self.prefills[p_idx], self.decodes[d_idx]
+        if len(p.queue) >= MAX_QUEUE or len(d.assigned) >= MAX_QUEUE:
+            self.rejections["queue_full"] += 1
+            return
+        job.prefill, job.decode, job.dispatch = p_idx, d_idx, self.now
+        job.pred_ttft, job.pred_tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
+        local = view.cached.get(p.id)
+        local_tokens = local.tokens if local else 0
+        job.predicted_cached = local_tokens
+        self._plan_pull(job, decision, p, local_tokens)
+        job.est_cached = min(max(local_tokens, job.pull_tokens), job.req.input_length - 1)
+        job.est_new = job.req.input_length - job.est_cached
+        p.queue.append(job)
+        d.assigned[job.seq] = job
+        d.version += 1
+        if len(p.queue) == 1:
+            self._try_start(p_idx)
+
+    def _plan_pull(self, job: Job, decision: Decision, p: PrefillInstance, local_tokens: int) -> None:
+        src = decision.pull_from
+        if not src or decision.pull_tokens <= local_tokens:
+            return
+        req = job.req
+        if src == "store":
+            avail = self._tokens(self.store.match(req.hash_ids), req)
+        elif src in self.p_index and src != p.id:
+            avail = self._tokens(self.prefills[self.p_index[src]].cache.match(req.hash_ids), req)
+        else:
+            return
+        tokens = min(decision.pull_tokens, avail)
+        if tokens <= local_tokens:
+            return
+        job.pull_src, job.pull_tokens = src, tokens
+        start = max(self.now, p.link_free)
+        job.ready_at = p.link_free = start + self.truth.transfer_s(tokens - local_tokens)
+
+    # -- prefill ----------------------------------------------------------------------------
+    def _try_start(self, p_idx: int) -> None:
+        p = self.prefills[p_idx]
+        if p.running or not p.queue:
+            return
+        job = p.queue[0]
+        if job.ready_at > self.now:
+            self._push(job.ready_at, _PULL_READY, p_idx)
+            return
+        req = job.req
+        local = self._tokens(p.cache.match(req.hash_ids), req)
+        pulled = job.pull_tokens if job.pull_tokens > local else 0
+        job.reused = min(max(local, pulled), req.input_length - 1)
+        job.local_tokens = min(local, job.reused)
+        extra = job.reused - job.local_tokens
+        if job.pull_src == "store":
+            job.pulled_store = extra
+        else:
+            job.pulled_remote = extra
+        new = req.input_length - job.reused
+        dur = self.truth.prefill_s(new, job.reused) * self._noise()
+        p.running = True
+        job.prefill_start = self.now
+        p.busy_s += dur
+        self._push(self.now + dur, _PREFILL_DONE, p_idx)
+
+    def _prefill_done(self, p_idx: int) -> None:
+        p = self.prefills[p_idx]
+        job = p.queue.popleft()
+        p.running = False
+        job.prefill_done = self.now
+        p.cache.touch(job.req.hash_ids)
+        self.store.touch(job.req.hash_ids)
+        d = self.decodes[job.decode]
+        start = max(self.now, d.link_free)
+        d.link_free = start + self.truth.transfer_s(job.req.input_length)
+        self._push(d.link_free, _DECODE_ARRIVE, job.decode, job)
+        self._try_start(p_idx)
+
+    # -- decode -----------------------------------------------------------------------------
+    def _decode_arrive(self, d_idx: int, job: Job) -> None:
+        d = self.decodes[d_idx]
+        d.advance(self.now)
+        d.waiting.append(job)
+        self._admit_and_retime(d_idx)
+
+    def _admit_and_retime(self, d_idx: int) -> None:
+        d = self.decodes[d_idx]
+        joined = []
+        while d.waiting and d.fits(d.waiting[0]):
+            job = d.waiting.popleft()
+            d.join(job, self.now)
+            job.batch_at_join, job.resident_at_join = len(d.active), d.resident_kv() + job.req.input_length
+            joined.append(job)
+        nxt = d.retime(self._noise())
+        for job in joined:
+            job.first_token = self.now + d.tbt
+        if nxt is not None:
+            self._push(nxt, _DECODE_TICK, d_idx, d.version)
+
+    def _decode_tick(self, d_idx: int, version: int) -> None:
+        d = self.decodes[d_idx]
+        if version != d.version:
+            return  # superseded by a later join or finish
+        d.advance(self.now)
+        for job in d.pop_finished():
+            job.finish = max(self.now, job.first_token)
+            del d.assigned[job.seq]
+            self._finish(job)
+        self._admit_and_retime(d_idx)
+
+    def _finish(self, job: Job) -> None:
+        self.done.append(job)
+        if not self.cfg.observe:
+            return
+        out = job.output_tokens
+        mean_tbt = (job.finish - job.first_token) / (out - 1) if out > 1 else 0.0
+        self.policy.observe(Observation(
+            request_id=f"r{job.seq}", prefill=self.prefills[job.prefill].id, decode=self.decodes[job.decode].id,
+            prompt_tokens=job.req.input_length, cached_tokens=job.reused,
+            predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=job.prefill_done - job.dispatch,
+            ttft_s=job.first_token - job.arrival, token_intervals_s=(mean_tbt,) * (out - 1), output_tokens=out,
+            decode_batch=job.batch_at_join, decode_resident_kv_tokens=job.resident_at_join,
+        ))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, trace: Sequence[TraceRequest]) -> RunResult:
+        wall0 = time.perf_counter()
+        order = sorted(trace, key=lambda r: r.arrival_s)
+        t0 = order[0].arrival_s if order else 0.0
+        jobs = [Job(i, r, (r.arrival_s - t0) / self.cfg.speedup) for i, r in enumerate(order)]
+        events = self.events
+        for job in jobs:
+            while events and events[0][0] <= job.arrival:
+                self._dispatch_event()
+            self.now = job.arrival
+            self._arrive(job)
+        while events:
+            self._dispatch_event()
+        return self._result(jobs, time.perf_counter() - wall0)
+
+    def _dispatch_event(self) -> None:
+        t, _, kind, target, payload = heapq.heappop(self.events)
+        self.now = t
+        if kind == _PREFILL_DONE:
+            self._prefill_done(target)
+        elif kind == _PULL_READY:
+            self._try_start(target)
+        elif kind == _DECODE_ARRIVE:
+            assert isinstance(payload, Job)
+            self._decode_arrive(target, payload)
+        else:
+            assert isinstance(payload, int)
+            self._decode_tick(target, payload)
+
+    def _result(self, jobs: list[Job], wall_s: float) -> RunResult:
+        slo = self.cfg.slo
+        ttfts, tbts, met = [], [], 0
+        pred_ttft, pred_tbt = [], []
+        for j in self.done:
+            ttft = j.first_token - j.arrival
+            out = j.output_tokens
+            tbt = (j.finish - j.first_token) / (out - 1) if out > 1 else 0.0
+            ttfts.append(ttft)
+            if out > 1:
+                tbts.append(tbt)
+            if (slo.ttft_s is None or ttft <= slo.ttft_s) and (slo.tbt_s is None or tbt <= slo.tbt_s):
+                met += 1
+            if j.pred_ttft is not None:
+                pred_ttft.append((j.pred_ttft, ttft))
+            if j.pred_tbt is not None and out > 1:
+                pred_tbt.append((j.pred_tbt, tbt))
+        duration = max(1e-3, jobs[-1].arrival - jobs[0].arrival) if jobs else 1e-3
+        makespan = max((j.finish for j in self.done), default=0.0) - (jobs[0].arrival if jobs else 0.0)
+        prompt = sum(j.req.input_length for j in self.done) or 1
+        util = {p.id: p.busy_s / makespan if makespan > 0 else 0.0 for p in self.prefills}
+        util.update({d.id: d.busy_s / makespan if makespan > 0 else 0.0 for d in self.decodes})
+        rejected = sum(self.rejections.values())
+        return RunResult(
+            policy=getattr(self.policy, "name", type(self.policy).__name__), mode="simulate",
+            n_prefill=len(self.prefills), n_decode=len(self.decodes), requests=len(jobs), completed=len(self.done),
+            rejected=rejected, rejections=dict(self.rejections), ttft=Dist.of(ttfts), tbt=Dist.of(tbts),
+            slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s, slo_met=met,
+            slo_attainment=met / len(jobs) if jobs else 0.0, goodput_rps=met / duration, duration_s=duration,
+            makespan_s=makespan,
+            prefix_hit_local=sum(j.local_tokens for j in self.done) / prompt,
+            prefix_hit_remote=sum(j.pulled_remote for j in self.done) / prompt,
+            prefix_hit_store=sum(j.pulled_store for j in self.done) / prompt,
+            utilisation=util, ttft_prediction=PredictionError.of(pred_ttft), tbt_prediction=PredictionError.of(pred_tbt),
+            wall_s=wall_s,
+            extra={"events": float(self._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in self.done)},
+        )
+
+
+def _mean(values: Iterable[float]) -> float:
+    vals = list(values)
+    return math.fsum(vals) / len(vals) if vals else 0.0
+
+
+def simulate(policy: Policy, trace: Sequence[TraceRequest], config: SimConfig) -> RunResult:
+    """Replay `trace` through `policy` on the cluster `config` describes."""
+    return Simulator(policy, config).run(trace)
