@@ -53,10 +53,32 @@ class Job:
     """One request's journey through the cluster; times are simulated seconds."""
 
     __slots__ = (
-        "seq", "req", "arrival", "prefill", "decode", "dispatch", "ready_at", "pull_src", "pull_tokens",
-        "est_new", "est_cached", "predicted_cached", "pred_ttft", "pred_tbt", "prefill_start", "prefill_done",
-        "reused", "local_tokens", "pulled_remote", "pulled_store", "join", "first_token", "finish",
-        "start_step", "batch_at_join", "resident_at_join",
+        "arrival",
+        "batch_at_join",
+        "decode",
+        "dispatch",
+        "est_cached",
+        "est_new",
+        "finish",
+        "first_token",
+        "join",
+        "local_tokens",
+        "pred_tbt",
+        "pred_ttft",
+        "predicted_cached",
+        "prefill",
+        "prefill_done",
+        "prefill_start",
+        "pull_src",
+        "pull_tokens",
+        "pulled_remote",
+        "pulled_store",
+        "ready_at",
+        "req",
+        "resident_at_join",
+        "reused",
+        "seq",
+        "start_step",
     )
 
     def __init__(self, seq: int, req: TraceRequest, arrival: float) -> None:
@@ -99,7 +121,7 @@ class Job:
 class PrefillInstance:
     """FCFS prefill queue with a local prefix cache; one prefill runs at a time."""
 
-    __slots__ = ("id", "cache", "queue", "running", "busy_s", "link_free")
+    __slots__ = ("busy_s", "cache", "id", "link_free", "queue", "running")
 
     def __init__(self, instance_id: str, cache_tokens: int, block_tokens: int) -> None:
         self.id = instance_id
@@ -116,8 +138,24 @@ class DecodeInstance:
     (not every token). Sequences waiting for KV space queue FIFO."""
 
     __slots__ = (
-        "id", "truth", "steps", "t_last", "tbt", "active", "heap", "sum_prompt", "sum_start", "reserved",
-        "waiting", "version", "busy_s", "link_free", "assigned", "view", "view_at", "view_version",
+        "active",
+        "assigned",
+        "busy_s",
+        "heap",
+        "id",
+        "link_free",
+        "reserved",
+        "steps",
+        "sum_prompt",
+        "sum_start",
+        "t_last",
+        "tbt",
+        "truth",
+        "version",
+        "view",
+        "view_at",
+        "view_version",
+        "waiting",
     )
 
     def __init__(self, instance_id: str, truth: DecodeTruth) -> None:

@@ -17,7 +17,7 @@ class SimConfig:
     truth: TruthModel = field(default_factory=fit_truth)
     prefill_cache_tokens: int = 3_000_000  # each prefill instance's local prefix cache (LRU over blocks)
     store_capacity_tokens: int = 0  # Mooncake Store pool shared by all instances; 0 = no store
-    slo: Slo = Slo(ttft_s=30.0, tbt_s=0.1)
+    slo: Slo = field(default_factory=lambda: Slo(ttft_s=30.0, tbt_s=0.1))
     speedup: float = 1.0  # arrivals are replayed at timestamp / speedup
     noise: float = 0.05  # sigma of the lognormal noise on every prefill and decode step (0 = exact)
     seed: int = 0
