@@ -1,0 +1,126 @@
+"""The global KV cache index: block key -> which instances hold that block, and in which tier.
+
+One small async protocol, two backends: `memory.MemoryIndex` (embedded, one gateway) and
+`redis.RedisIndex` (shared by every gateway replica). Both are bounded (a block cap with LRU
+eviction, counted) and both keep two kinds of entries per (block, instance):
+
+- confirmed: the worker said so in a KV event (BlockStored); it stays until BlockRemoved,
+  AllBlocksCleared, the instance being dropped, or eviction;
+- unconfirmed: the gateway dispatched the prompt there and assumes the worker cached it; it
+  expires after `unconfirmed_ttl_s` unless an event confirms it.
+
+Entries are kept per instance (instance-major), so dropping an instance is one operation and a
+prefix match costs one short scan per instance that holds the prompt's first block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from policies.types import CachedPrefix, Tier
+
+# Tier bits stored per (block, instance); a block may sit in both HBM and DRAM (offloading).
+TIER_BITS: Mapping[Tier, int] = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.STORE: 4}
+ALL_TIER_BITS = 7
+
+
+def tier_of_bits(bits: int) -> Tier:
+    """The fastest tier present in a bit set (device beats host beats store)."""
+    if bits & 1:
+        return Tier.DEVICE
+    if bits & 2:
+        return Tier.HOST
+    return Tier.STORE
+
+
+def slower(a: Tier, b: Tier) -> Tier:
+    """The slower of two tiers: a prefix is only as fast as its slowest block."""
+    order = (Tier.DEVICE, Tier.HOST, Tier.STORE)
+    return a if order.index(a) >= order.index(b) else b
+
+
+@dataclass(frozen=True, slots=True)
+class IndexLimits:
+    """Bounds every backend enforces.
+
+    max_blocks: (instance, block) entries kept; beyond it the least recently touched are evicted.
+    unconfirmed_ttl_s: lifetime of a dispatch-only (unconfirmed) entry without a confirming event.
+    key_ttl_s: (Redis) a block key untouched this long expires; touches (inserts) refresh it.
+    """
+
+    max_blocks: int = 1_000_000
+    unconfirmed_ttl_s: float = 30.0
+    key_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.max_blocks <= 0 or self.unconfirmed_ttl_s <= 0 or self.key_ttl_s <= 0:
+            raise ValueError("index limits must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """What an index holds now and has dropped so far.
+
+    blocks: (instance, block) entries held (Redis: members of its LRU set, trimmed on insert).
+    evictions: entries dropped to stay under max_blocks, since the index was created.
+    instances: instance ids holding entries.
+    """
+
+    blocks: int
+    evictions: int
+    instances: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Longest cached leading run of a prompt's blocks, per instance.
+
+    blocks: instance id -> leading blocks it holds (only instances with at least one).
+    tiers: instance id -> slowest tier among those blocks.
+    confirmed_blocks: instance id -> leading blocks backed by events alone (no dispatch guesses).
+    """
+
+    blocks: Mapping[str, int] = field(default_factory=dict)
+    tiers: Mapping[str, Tier] = field(default_factory=dict)
+    confirmed_blocks: Mapping[str, int] = field(default_factory=dict)
+
+    def cached(self, block_size: int) -> dict[str, CachedPrefix]:
+        """As the policies want it: {instance: CachedPrefix(tokens, tier)}."""
+        return {
+            inst: CachedPrefix(tokens=n * block_size, tier=self.tiers.get(inst, Tier.DEVICE))
+            for inst, n in self.blocks.items()
+            if n > 0
+        }
+
+    def best(self) -> int:
+        return max(self.blocks.values(), default=0)
+
+
+class KVIndex(Protocol):
+    """Where blocks live. Keys are 64-bit ints from one `BlockKeyScheme`."""
+
+    limits: IndexLimits
+
+    async def insert(
+        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
+    ) -> None:
+        """Record that `instance` holds `keys` (confirmed by an event, or assumed after a dispatch)."""
+        ...
+
+    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
+        """Forget `keys` on `instance` (in `tier` only, or in every tier when None)."""
+        ...
+
+    async def drop_instance(self, instance: str) -> None:
+        """Forget everything `instance` holds (AllBlocksCleared, resync, instance gone)."""
+        ...
+
+    async def match(self, keys: Sequence[int]) -> PrefixMatch:
+        """Longest leading run of `keys` per instance."""
+        ...
+
+    async def stats(self) -> IndexStats: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,270 @@
+"""The shared cache index on Redis: every gateway replica reads and writes the same blocks.
+
+Instance-major layout under one key prefix P (one prefix per deployment, or per test):
+- P i:<instance>  hash {8-byte block key: value}, value "<tier bits>" for a confirmed block or
+                  "u<expiry ms>" for a dispatch guess; the hash expires after key_ttl_s without
+                  an insert for that instance (inserts are the touch that re-arms it);
+- P instances     set of instance names that hold entries;
+- P lru           sorted set of <instance><8-byte key> by last touch (ms): LRU order for the cap;
+- P evictions     counter of entries dropped to stay under max_blocks.
+
+Every operation is one round trip: a Lua script does the whole job server-side, and the keys travel
+as one packed binary argument so the client never builds thousands of per-key strings. The prefix
+match asks each instance that holds the first block for its blocks in growing HMGET chunks, so a
+fully cached 8,192-block prompt costs a handful of commands, not 8,192. Block keys are built
+inside the scripts, so this needs a single Redis node (or one Cluster slot), not a sharded
+Cluster. Times come from Redis's own clock (TIME), so gateways with skewed clocks agree on what
+has expired. Redis 7.0 has no per-field expiry: entries older than key_ttl_s are trimmed from the
+LRU set and their hash fields deleted on later inserts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from adapters.index.base import TIER_BITS, IndexLimits, IndexStats, PrefixMatch
+from policies.types import Tier
+
+_NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+
+# KEYS: instances, lru, evictions. ARGV: prefix, instance, tier bit, confirmed, unconfirmed ttl ms,
+# key ttl ms, cap, packed keys.
+_INSERT = _NOW_MS + """
+local prefix, inst, tbit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local confirmed, unconf_ms, ttl_ms = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
+local cap, blob = tonumber(ARGV[7]), ARGV[8]
+local hk = prefix .. 'i:' .. inst
+local guess = 'u' .. (now + unconf_ms)
+local n = #blob / 8
+redis.call('SADD', KEYS[1], inst)
+for lo = 0, n - 1, 1000 do
+  local hi = math.min(n, lo + 1000) - 1
+  local fields = {}
+  for i = lo, hi do fields[#fields + 1] = string.sub(blob, i * 8 + 1, i * 8 + 8) end
+  local old = redis.call('HMGET', hk, unpack(fields))
+  local sets, touch = {}, {}
+  for j = 1, #fields do
+    local v = old[j]
+    local f = fields[j]
+    if confirmed then
+      local b = 0
+      if v and string.byte(v, 1) ~= 117 then b = tonumber(v) end
+      sets[#sets + 1] = f
+      sets[#sets + 1] = tostring(bit.bor(b, tbit))
+    elseif not v or string.byte(v, 1) == 117 then
+      sets[#sets + 1] = f
+      sets[#sets + 1] = guess
+    end
+    -- the head of a prompt gets the newest score, so eviction eats chains from their tails
+    touch[#touch + 1] = now + (n - lo - j) * 0.001
+    touch[#touch + 1] = inst .. f
+  end
+  if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
+  redis.call('ZADD', KEYS[2], unpack(touch))
+end
+redis.call('PEXPIRE', hk, ttl_ms)
+-- entries untouched for key_ttl go without counting as evictions (bounded work per call)
+local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl_ms, 'LIMIT', 0, 4096)
+for i = 1, #stale do
+  local m = stale[i]
+  redis.call('HDEL', prefix .. 'i:' .. string.sub(m, 1, -9), string.sub(m, -8))
+  redis.call('ZREM', KEYS[2], m)
+end
+local excess = redis.call('ZCARD', KEYS[2]) - cap
+if excess > 0 then
+  local victims = redis.call('ZPOPMIN', KEYS[2], excess)
+  for i = 1, #victims, 2 do
+    local m = victims[i]
+    redis.call('HDEL', prefix .. 'i:' .. string.sub(m, 1, -9), string.sub(m, -8))
+  end
+  redis.call('INCRBY', KEYS[3], excess)
+  return excess
+end
+return 0
+"""
+
+# KEYS: lru. ARGV: prefix, instance, tier mask, packed keys.
+_REMOVE = """
+local prefix, inst, mask, blob = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local hk = prefix .. 'i:' .. inst
+for off = 1, #blob, 8 do
+  local f = string.sub(blob, off, off + 7)
+  local v = redis.call('HGET', hk, f)
+  if v then
+    local b = 0
+    if string.byte(v, 1) ~= 117 then b = bit.band(tonumber(v), bit.bnot(mask)) end
+    if b == 0 then
+      redis.call('HDEL', hk, f)
+      redis.call('ZREM', KEYS[1], inst .. f)
+    else
+      redis.call('HSET', hk, f, tostring(b))
+    end
+  end
+end
+return 0
+"""
+
+# KEYS: instances. ARGV: prefix, packed keys. Returns [instance, blocks, worst tier rank, confirmed]*.
+_MATCH = _NOW_MS + """
+local prefix, blob = ARGV[1], ARGV[2]
+local n = #blob / 8
+local first = string.sub(blob, 1, 8)
+local out = {}
+local fields = nil
+for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local hk = prefix .. 'i:' .. inst
+  if redis.call('HEXISTS', hk, first) == 1 then
+    if fields == nil then
+      fields = {}
+      for i = 0, n - 1 do fields[i + 1] = string.sub(blob, i * 8 + 1, i * 8 + 8) end
+    end
+    local pos, conf, worst, conf_open, stop = 0, 0, 0, true, false
+    local chunk = 32
+    while pos < n and not stop do
+      local hi = math.min(n, pos + chunk)
+      local vals = redis.call('HMGET', hk, unpack(fields, pos + 1, hi))
+      for j = 1, hi - pos do
+        local v = vals[j]
+        if v == '1' then  -- the common case: confirmed, device only
+          if conf_open then conf = conf + 1 end
+        elseif not v then
+          stop = true
+          break
+        elseif string.byte(v, 1) == 117 then
+          if tonumber(string.sub(v, 2)) <= now then stop = true break end
+          conf_open = false
+        else
+          local b = tonumber(v)
+          local rank = 2
+          if bit.band(b, 1) == 1 then rank = 0 elseif bit.band(b, 2) == 2 then rank = 1 end
+          if rank > worst then worst = rank end
+          if conf_open then conf = conf + 1 end
+        end
+        pos = pos + 1
+      end
+      chunk = math.min(chunk * 4, 4096)
+    end
+    if pos > 0 then
+      out[#out + 1] = inst
+      out[#out + 1] = pos
+      out[#out + 1] = worst
+      out[#out + 1] = conf
+    end
+  end
+end
+return out
+"""
+
+
+_RANK_TIER = (Tier.DEVICE, Tier.HOST, Tier.STORE)
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Keys as one big-endian uint64 blob: one argument instead of thousands."""
+    return np.asarray(keys, dtype=np.uint64).astype(">u8").tobytes()
+
+
+class RedisIndex:
+    """KVIndex on a shared Redis. `prefix` isolates deployments (and tests) on one server."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "conductor:kv:",
+        limits: IndexLimits | None = None,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        self.limits = limits or IndexLimits()
+        self.prefix = prefix
+        self._redis: aioredis.Redis = client or aioredis.Redis.from_url(url)
+        self._own_client = client is None
+        self._k_instances = f"{prefix}instances"
+        self._k_lru = f"{prefix}lru"
+        self._k_evictions = f"{prefix}evictions"
+        self._insert = self._redis.register_script(_INSERT)
+        self._remove = self._redis.register_script(_REMOVE)
+        self._match = self._redis.register_script(_MATCH)
+
+    async def insert(
+        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
+    ) -> None:
+        if not keys:
+            return
+        args: list[Any] = [
+            self.prefix,
+            instance,
+            TIER_BITS[tier],
+            1 if confirmed else 0,
+            int(self.limits.unconfirmed_ttl_s * 1000),
+            int(self.limits.key_ttl_s * 1000),
+            self.limits.max_blocks,
+            pack_keys(keys),
+        ]
+        await self._insert(keys=[self._k_instances, self._k_lru, self._k_evictions], args=args)
+
+    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
+        if not keys:
+            return
+        mask = 7 if tier is None else TIER_BITS[tier]
+        await self._remove(keys=[self._k_lru], args=[self.prefix, instance, mask, pack_keys(keys)])
+
+    async def drop_instance(self, instance: str) -> None:
+        # The instance's LRU members stay until trimmed; evicting one then is a harmless HDEL.
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.unlink(f"{self.prefix}i:{instance}")
+            pipe.srem(self._k_instances, instance)
+            await pipe.execute()
+
+    async def match(self, keys: Sequence[int]) -> PrefixMatch:
+        if not keys:
+            return PrefixMatch()
+        raw = await self._match(keys=[self._k_instances], args=[self.prefix, pack_keys(keys)])
+        blocks: dict[str, int] = {}
+        tiers: dict[str, Tier] = {}
+        confirmed: dict[str, int] = {}
+        for i in range(0, len(raw), 4):
+            name = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
+            blocks[name] = int(raw[i + 1])
+            tiers[name] = _RANK_TIER[int(raw[i + 2])]
+            if int(raw[i + 3]):
+                confirmed[name] = int(raw[i + 3])
+        return PrefixMatch(blocks=blocks, tiers=tiers, confirmed_blocks=confirmed)
+
+    async def stats(self) -> IndexStats:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(self._k_lru)
+            pipe.get(self._k_evictions)
+            pipe.smembers(self._k_instances)
+            blocks, evictions, names = await pipe.execute()
+        return IndexStats(
+            blocks=int(blocks),
+            evictions=int(evictions or 0),
+            instances=tuple(sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)),
+        )
+
+    async def clear(self) -> int:
+        """Delete every key under this prefix (tests, and an operator's reset); returns the count."""
+        deleted = 0
+        async for batch in _scan_batches(self._redis, f"{self.prefix}*"):
+            deleted += await self._redis.unlink(*batch)
+        return deleted
+
+    async def close(self) -> None:
+        if self._own_client:
+            await self._redis.aclose()
+
+
+async def _scan_batches(client: aioredis.Redis, pattern: str, batch: int = 1000) -> Any:
+    keys: list[bytes] = []
+    async for key in client.scan_iter(match=pattern, count=batch):
+        keys.append(key)
+        if len(keys) >= batch:
+            yield keys
+            keys = []
+    if keys:
+        yield keys
