@@ -1,0 +1,80 @@
+"""Command-line options shared by `conductor replay --simulate` and `conductor tune-pd`."""
+
+from __future__ import annotations
+
+import argparse
+
+from policies.types import Slo
+from traces.sim.config import SimConfig
+from traces.sim.truth import (
+    DEFAULT_PROFILE,
+    PAPER_KV_BYTES_PER_TOKEN,
+    PAPER_PREFILL_SCALE,
+    DecodeTruth,
+    fit_truth,
+)
+
+_D = DecodeTruth()
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """Truth model, capacities, SLOs and replay speed."""
+    g = parser.add_argument_group("simulated cluster")
+    g.add_argument("--profile", default=str(DEFAULT_PROFILE),
+                   help="profile CSV the prefill and link truth is fitted from (default: bundled Qwen3-8B/H800)")
+    g.add_argument("--prefill-scale", type=float, default=1.0,
+                   help=f"multiply the profile's prefill cost (70B-class on 8xA800: {PAPER_PREFILL_SCALE:g})")
+    g.add_argument("--paper", action="store_true",
+                   help=f"the FAST'25 setting: --prefill-scale {PAPER_PREFILL_SCALE:g} and "
+                        f"{PAPER_KV_BYTES_PER_TOKEN} KV bytes/token unless given explicitly")
+    g.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV size per token (default: profile's)")
+    g.add_argument("--link-gbps", type=float, default=None,
+                   help="KV link bandwidth in GB/s per instance (default: fitted from the profile)")
+    g.add_argument("--prefill-cache-tokens", type=int, default=3_000_000, help="local prefix cache per prefill")
+    g.add_argument("--store-tokens", type=int, default=0, help="Mooncake Store pool capacity (0: no store)")
+    g.add_argument("--decode-kv-tokens", type=int, default=_D.kv_capacity_tokens, help="KV capacity per decode")
+    g.add_argument("--decode-max-batch", type=int, default=_D.max_batch, help="running sequences per decode")
+    g.add_argument("--tbt-base-ms", type=float, default=_D.base_s * 1e3, help="decode step fixed cost")
+    g.add_argument("--tbt-per-seq-ms", type=float, default=_D.per_seq_s * 1e3, help="decode step cost per sequence")
+    g.add_argument("--tbt-per-mtok-ms", type=float, default=_D.per_kv_token_s * 1e9,
+                   help="decode step cost per million resident KV tokens")
+    g.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT SLO in seconds")
+    g.add_argument("--slo-tbt", type=float, default=0.1, help="TBT SLO in seconds")
+    g.add_argument("--speedup", type=float, default=1.0, help="replay arrivals X times faster")
+    g.add_argument("--noise", type=float, default=0.05, help="lognormal sigma on the truth model (0: exact)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace")
+    g.add_argument("--no-observe", action="store_true", help="do not feed outcomes back to the policy")
+
+
+def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) -> SimConfig:
+    scale = args.prefill_scale
+    kv_bytes = args.kv_bytes_per_token
+    if args.paper:
+        scale = PAPER_PREFILL_SCALE if scale == 1.0 else scale
+        kv_bytes = PAPER_KV_BYTES_PER_TOKEN if kv_bytes is None else kv_bytes
+    decode = DecodeTruth(
+        base_s=args.tbt_base_ms / 1e3,
+        per_seq_s=args.tbt_per_seq_ms / 1e3,
+        per_kv_token_s=args.tbt_per_mtok_ms / 1e9,
+        kv_capacity_tokens=args.decode_kv_tokens,
+        max_batch=args.decode_max_batch,
+    )
+    truth = fit_truth(args.profile).with_options(
+        prefill_scale=scale,
+        kv_bytes_per_token=kv_bytes,
+        link_bandwidth_bps=None if args.link_gbps is None else args.link_gbps * 1e9,
+        decode=decode,
+    )
+    return SimConfig(
+        n_prefill=n_prefill,
+        n_decode=n_decode,
+        truth=truth,
+        prefill_cache_tokens=args.prefill_cache_tokens,
+        store_capacity_tokens=args.store_tokens,
+        slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt),
+        speedup=args.speedup,
+        noise=args.noise,
+        seed=args.seed,
+        observe=not args.no_observe,
+    )
