@@ -113,10 +113,12 @@ def fit_profiles(
     paths: Sequence[str | Path],
     *,
     kv_bytes: float | None = None,
-    decode_prior: DecodePrior = DecodePrior(),
-    options: FitOptions = FitOptions(),
+    decode_prior: DecodePrior | None = None,
+    options: FitOptions | None = None,
 ) -> PredictorParams:
     """Fit every model the CSVs have data for; raise ProfileError if prefill or transfer has none."""
+    decode_prior = decode_prior or DecodePrior()
+    options = options or FitOptions()
     rows = [row for p in paths for row in read_profile(p)]
     prefill = _fit_prefill(rows, options)
     if prefill is None:

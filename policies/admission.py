@@ -1,0 +1,107 @@
+"""SLO admission: reject before anything is forwarded when the predictions say the SLO is lost.
+
+Three modes, so the simulator can reproduce the arXiv report's Table 3 comparison:
+
+* `none`: admit everything (the baselines' default).
+* `early` (arXiv 7.2, "Early Rejection"): judge the decode instance by its load *now*, with this
+  request added. Because a request reaches decode only after its TTFT, this reacts late: decode
+  looks full while the prefills that filled it are done and decodes about to finish are counted, so
+  prefill and decode load oscillate in anti-phase (arXiv 7.3, Fig. 9).
+* `predicted` (arXiv 7.4, "Early Rejection Based on Prediction"): judge the decode instance as it
+  will be when this request reaches it, at now + predicted TTFT: decodes whose remaining tokens
+  will be done by then (remaining_tokens * predicted TBT) have left, and prefills queued anywhere in
+  the cluster that will have finished by then have joined, spread uniformly over the decode pool.
+
+TTFT is checked the same way in both non-`none` modes: the best instance's predicted TTFT against
+`request.slo.ttft_s`. Retry-After is an estimate of when the request would fit: for TTFT, when the
+queue ahead of it will have drained by the excess; for TBT, when enough decodes will have finished.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from policies.estimate import DecodeEstimate, PrefillEstimate, drain_time_s
+from policies.types import Rejection, RequestView
+from predictors.online import Predictors
+
+TTFT_SLO = "ttft_slo"
+TBT_SLO = "tbt_slo"
+MIN_RETRY_S = 1.0  # Retry-After is whole seconds; sooner than this is noise
+MAX_RETRY_S = 60.0  # beyond this the estimate means "much later", not a time
+
+
+class AdmissionMode(StrEnum):
+    NONE = "none"
+    EARLY = "early"
+    PREDICTED = "predicted"
+
+
+def parse_mode(value: str | AdmissionMode) -> AdmissionMode:
+    try:
+        return AdmissionMode(value)
+    except ValueError:
+        known = ", ".join(m.value for m in AdmissionMode)
+        raise ValueError(f"admission must be one of {known}, not {value!r}") from None
+
+
+def _retry(seconds: float) -> float:
+    return min(MAX_RETRY_S, max(MIN_RETRY_S, seconds))
+
+
+def check_ttft(request: RequestView, best: PrefillEstimate) -> Rejection | None:
+    slo = request.slo.ttft_s
+    if slo is None or best.ttft_s <= slo:
+        return None
+    excess = best.ttft_s - slo
+    if best.queue_s >= excess:
+        # the queue ahead is what breaks the SLO: once it has drained by the excess, it fits
+        retry, why = excess, f"queue of {best.queue_s:.3f}s on {best.instance.id}"
+    else:
+        # even an idle instance would be too slow: come back when the queue is gone, if ever
+        retry, why = best.queue_s, "the prompt's own prefill"
+    return Rejection(
+        reason=TTFT_SLO,
+        message=(
+            f"predicted TTFT {best.ttft_s:.3f}s exceeds the TTFT SLO {slo:.3f}s by {excess:.3f}s "
+            f"(best instance {best.instance.id}; dominated by {why})"
+        ),
+        predicted_s=best.ttft_s,
+        slo_s=slo,
+        retry_after_s=_retry(retry),
+    )
+
+
+def check_tbt(pred: Predictors, request: RequestView, decode: DecodeEstimate) -> Rejection | None:
+    slo = request.slo.tbt_s
+    if slo is None or decode.tbt_s <= slo:
+        return None
+    drain = drain_time_s(pred, request, decode.instance, slo)
+    when = "now" if decode.at_s <= 0 else f"in {decode.at_s:.3f}s when this request reaches decode"
+    return Rejection(
+        reason=TBT_SLO,
+        message=(
+            f"predicted TBT {decode.tbt_s * 1e3:.2f}ms on {decode.instance.id} ({when}, "
+            f"{decode.batch:.1f} streams) exceeds the TBT SLO {slo * 1e3:.2f}ms by "
+            f"{(decode.tbt_s - slo) * 1e3:.2f}ms"
+        ),
+        predicted_s=decode.tbt_s,
+        slo_s=slo,
+        retry_after_s=_retry(drain if drain is not None else MAX_RETRY_S),
+    )
+
+
+def admit(
+    pred: Predictors,
+    request: RequestView,
+    mode: AdmissionMode,
+    prefill: PrefillEstimate,
+    decode: DecodeEstimate | None,
+) -> Rejection | None:
+    """The first SLO the request is predicted to miss, or None to admit it."""
+    if mode is AdmissionMode.NONE:
+        return None
+    rejection = check_ttft(request, prefill)
+    if rejection is None and decode is not None:
+        rejection = check_tbt(pred, request, decode)
+    return rejection
