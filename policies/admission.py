@@ -21,8 +21,16 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from policies.estimate import DecodeEstimate, PrefillEstimate, drain_time_s
-from policies.types import Rejection, RequestView
+from policies.estimate import (
+    DecodeEstimate,
+    JoinForecast,
+    PrefillEstimate,
+    drain_time_s,
+    estimate_decode,
+    estimate_prefill,
+    prefill_pool,
+)
+from policies.types import ClusterSnapshot, Rejection, RequestView, Role
 from predictors.online import Predictors
 
 TTFT_SLO = "ttft_slo"
@@ -105,3 +113,33 @@ def admit(
     if rejection is None and decode is not None:
         rejection = check_tbt(pred, request, decode)
     return rejection
+
+
+class BaselineAdmission:
+    """Optional SLO admission for the baseline policies (off by default, as in the peers).
+
+    The baseline picks its instances by its own rule; this only predicts TTFT on the chosen prefill
+    instance (recomputing whatever it lacks: the peers do not pull prefixes) and TBT on the chosen
+    decode instance, and rejects the same way the KVCache-aware policy does.
+    """
+
+    def __init__(self, mode: str = "none", predictor_params: str | None = None) -> None:
+        self.mode = parse_mode(mode)
+        self._pred: Predictors | None = None
+        if self.mode is not AdmissionMode.NONE:
+            self._pred = Predictors.from_file(predictor_params) if predictor_params else Predictors.from_bundled_profile()
+
+    def check(self, request: RequestView, cluster: ClusterSnapshot, prefill: str, decode: str | None) -> Rejection | None:
+        pred = self._pred
+        if pred is None:
+            return None
+        prefills, disaggregated = prefill_pool(cluster)
+        by_id = {i.id: i for i in cluster.instances}
+        p_est = estimate_prefill(pred, request, by_id[prefill], [], allow_pull=False, disaggregated=disaggregated)
+        d_inst = by_id[decode] if decode is not None else by_id[prefill]
+        at, joins = 0.0, None
+        if self.mode is AdmissionMode.PREDICTED:
+            at = p_est.ttft_s
+            if disaggregated:
+                joins = JoinForecast(pred, prefills, len(cluster.by_role(Role.DECODE)))
+        return admit(pred, request, self.mode, p_est, estimate_decode(pred, request, d_inst, at, joins))

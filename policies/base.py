@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from policies.types import Decision, Observation, Rejection, RequestView, Role
+from collections.abc import Sequence
+
+from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, Observation, Rejection, RequestView, Role
 
 NO_INSTANCE = "no_instance"
 
@@ -12,7 +14,7 @@ class BasePolicy:
 
     name = "base"
 
-    def observe(self, observation: Observation) -> None:  # noqa: B027 - deliberately empty
+    def observe(self, observation: Observation) -> None:
         return None
 
 
@@ -23,3 +25,35 @@ def no_instance(request: RequestView, policy: str, role: Role) -> Decision:
         policy=policy,
         rejection=Rejection(reason=NO_INSTANCE, message=f"no healthy {role.value} instance", retry_after_s=5.0),
     )
+
+
+def pools(cluster: ClusterSnapshot) -> tuple[tuple[InstanceView, ...], tuple[InstanceView, ...], bool]:
+    """(prefill-capable, decode, disaggregated): mixed workers form the first pool when no P/D."""
+    prefill = cluster.by_role(Role.PREFILL)
+    decode = cluster.by_role(Role.DECODE)
+    if prefill or decode:
+        return prefill, decode, True
+    return cluster.by_role(Role.MIXED), (), False
+
+
+def missing_pool(request: RequestView, policy: str, prefill: Sequence[InstanceView],
+                 decode: Sequence[InstanceView], disaggregated: bool) -> Decision | None:
+    """The 503 decision when a pool the request needs is empty, else None."""
+    if not prefill:
+        return no_instance(request, policy, Role.PREFILL if disaggregated else Role.MIXED)
+    if disaggregated and not decode:
+        return no_instance(request, policy, Role.DECODE)
+    return None
+
+
+def local_prefix(request: RequestView, instance_id: str) -> int:
+    """Leading prompt tokens an instance holds in its own memory (device or host tier)."""
+    p = request.cached.get(instance_id)
+    return 0 if p is None or p.tier.value == "store" else min(p.tokens, request.prompt_tokens)
+
+
+def decided(request: RequestView, policy: str, prefill: str, decode: str | None,
+            candidates: tuple[CandidateScore, ...] = (), rejection: Rejection | None = None) -> Decision:
+    if rejection is not None:
+        return Decision(request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates)
+    return Decision(request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates)

@@ -13,7 +13,7 @@ class RoundRobinPolicy(BasePolicy):
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         prefill = cluster.by_role(Role.PREFILL)
         decode = cluster.by_role(Role.DECODE)
-        if prefill or decode:
+        if cluster.by_role(Role.PREFILL, Role.DECODE, healthy_only=False):
             if not prefill or not decode:
                 return no_instance(request, self.name, Role.PREFILL if not prefill else Role.DECODE)
             return Decision(

@@ -1,0 +1,183 @@
+"""The gateway's parts, wired once at start-up: settings, instances, policy, prompt analysis,
+P/D protocol and metrics. The HTTP layer (conductor/proxy.py, conductor/app.py) only calls it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from adapters.pd import PDProtocol, make_protocol
+from adapters.upstream import Timeouts, UpstreamPool
+from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
+from conductor.errors import NoHealthyInstance, Rejected, Unauthorized
+from conductor.instances import InstanceRegistry
+from conductor.metrics import GatewayMetrics
+from conductor.settings import Settings
+from policies.base import NO_INSTANCE
+from policies.registry import load_policy
+from policies.types import Decision, Observation, Policy, RequestView, Role, Slo
+
+log = logging.getLogger("conductor.gateway")
+decision_log = logging.getLogger("conductor.decisions")
+
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TBT_HEADER = "x-slo-tbt-ms"
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A request that passed admission: where it goes and what was predicted."""
+
+    decision: Decision
+    analysis: PromptAnalysis
+    view: RequestView
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        policy: Policy | None = None,
+        analyzer: PromptAnalyzer | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or GatewayMetrics()
+        self.pool = UpstreamPool(
+            Timeouts(settings.connect_timeout_s, settings.read_timeout_s, settings.request_timeout_s),
+            settings.max_connections_per_upstream,
+        )
+        self.registry = InstanceRegistry(settings, self.pool)
+        self.policy = policy or load_policy(settings.policy, settings.policy_options)
+        self.analyzer = analyzer or EstimatingAnalyzer()
+        protocol_name = settings.pd_protocol if settings.disaggregated else "mixed"
+        self.protocol: PDProtocol = make_protocol(
+            protocol_name, mooncake_schema=settings.mooncake_schema, bootstrap_timeout_s=settings.bootstrap_timeout_s
+        )
+        self._seq = itertools.count()
+        self._api_keys = frozenset(settings.api_keys)
+
+    async def start(self) -> None:
+        await self.pool.start()
+        await self.registry.start()
+        prefills = [s.target for s in self.registry.states.values() if s.spec.role in (Role.PREFILL, Role.MIXED)]
+        await self.protocol.start(prefills)
+        await self.analyzer.start()
+        log.info(
+            "gateway ready: %d prefill, %d decode, %d mixed; protocol %s; policy %s",
+            len(self.settings.prefill), len(self.settings.decode), len(self.settings.mixed),
+            self.protocol.name, self.policy.name,
+        )
+
+    async def close(self) -> None:
+        await self.analyzer.close()
+        close = getattr(self.protocol, "close", None)
+        if close is not None:
+            await close()
+        await self.registry.close()
+        await self.pool.close()
+
+    # ---- checks ---------------------------------------------------------------------------
+    def authorize(self, authorization: str | None) -> None:
+        if not self._api_keys:
+            return
+        if not authorization or not authorization.startswith("Bearer "):
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        if authorization[7:].strip() not in self._api_keys:
+            raise Unauthorized("invalid API key")
+
+    def known_models(self) -> tuple[str, ...]:
+        return self.settings.models or self.registry.models()
+
+    def ready(self) -> tuple[bool, dict[str, int]]:
+        counts = {role.value: self.registry.healthy_count(role) for role in Role}
+        if self.settings.disaggregated:
+            ok = counts["prefill"] >= self.settings.min_ready_prefill and counts["decode"] >= self.settings.min_ready_decode
+        else:
+            ok = counts["mixed"] >= 1
+        return ok, counts
+
+    # ---- deciding ---------------------------------------------------------------------------
+    def slo_for(self, ttft_header: str | None, tbt_header: str | None) -> Slo:
+        """The request's SLOs: per-request headers (milliseconds) over the configured defaults."""
+        ttft = self.settings.slo.ttft_s
+        tbt = self.settings.slo.tbt_s
+        try:
+            if ttft_header:
+                ttft = float(ttft_header) / 1000.0
+            if tbt_header:
+                tbt = float(tbt_header) / 1000.0
+        except ValueError as exc:
+            from conductor.errors import BadRequest
+
+            raise BadRequest(f"SLO headers must be numbers of milliseconds: {exc}") from exc
+        return Slo(ttft_s=ttft, tbt_s=tbt)
+
+    def decide(self, request_id: str, model: str, max_tokens: int, stream: bool, slo: Slo,
+               analysis: PromptAnalysis) -> Routed:
+        started = time.perf_counter()
+        view = RequestView(
+            request_id=request_id,
+            seq=next(self._seq),
+            model=model,
+            prompt_tokens=analysis.prompt_tokens,
+            max_tokens=max_tokens,
+            block_size=self.settings.block_size,
+            block_keys=analysis.block_keys,
+            cached=analysis.cached,
+            store_cached_tokens=analysis.store_cached_tokens,
+            slo=slo,
+            stream=stream,
+        )
+        decision = self.policy.decide(view, self.registry.snapshot())
+        self.metrics.decision_time.observe(time.perf_counter() - started)
+        if decision_log.isEnabledFor(logging.INFO):
+            decision_log.info("%s", json.dumps(_decision_record(decision, analysis), default=str))
+        if decision.rejection is not None:
+            rejection = decision.rejection
+            self.metrics.rejections.labels(rejection.reason).inc()
+            if rejection.reason == NO_INSTANCE:
+                raise NoHealthyInstance(rejection.message)
+            raise Rejected(rejection.message, reason=rejection.reason, retry_after_s=rejection.retry_after_s)
+        self.metrics.decisions.labels(decision.policy, decision.prefill or "", decision.decode or "").inc()
+        if decision.predicted_ttft_s is not None:
+            self.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
+        return Routed(decision, analysis, view)
+
+    def observe(self, routed: Routed, observation: Observation) -> None:
+        """Feed what happened back to the policy's predictors and the KV index."""
+        try:
+            self.policy.observe(observation)
+        except Exception:  # a policy's learning bug must not fail the request that taught it
+            log.exception("policy %s failed to observe %s", self.policy.name, observation.request_id)
+        try:
+            self.analyzer.on_result(routed.analysis, routed.decision, observation)
+        except Exception:
+            log.exception("prompt analyzer failed on result of %s", observation.request_id)
+        if observation.cached_tokens is not None:
+            self.metrics.cached_tokens.labels("cached").inc(observation.cached_tokens)
+            self.metrics.cached_tokens.labels("computed").inc(max(0, observation.prompt_tokens - observation.cached_tokens))
+
+
+def _decision_record(decision: Decision, analysis: PromptAnalysis) -> dict[str, object]:
+    """What is logged of a decision: ids, sizes and predictions, never prompt text."""
+    return {
+        "request_id": decision.request_id,
+        "policy": decision.policy,
+        "prefill": decision.prefill,
+        "decode": decision.decode,
+        "prompt_tokens": analysis.prompt_tokens,
+        "predicted_ttft_s": decision.predicted_ttft_s,
+        "predicted_tbt_s": decision.predicted_tbt_s,
+        "pull_from": decision.pull_from,
+        "pull_tokens": decision.pull_tokens,
+        "rejection": decision.rejection.reason if decision.rejection else None,
+        "candidates": [
+            {"id": c.instance_id, "score": c.score, "ttft": c.predicted_ttft_s, "tbt": c.predicted_tbt_s, **c.detail}
+            for c in decision.candidates
+        ],
+    }

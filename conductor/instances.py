@@ -1,0 +1,163 @@
+"""The workers the gateway routes to: their health, the load this gateway put on them, and the
+cluster snapshot a policy decides from."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from adapters.pd.base import Target, decode_json, host_of
+from adapters.upstream import UpstreamPool
+from conductor.errors import UpstreamError
+from conductor.settings import InstanceSpec, Settings
+from policies.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
+
+log = logging.getLogger("conductor.instances")
+
+
+@dataclass(slots=True)
+class _Prefill:
+    new_tokens: int
+    cached_tokens: int
+    started: float
+
+
+@dataclass(slots=True)
+class _Decode:
+    context_tokens: int
+    remaining_tokens: int
+
+
+@dataclass(slots=True)
+class InstanceState:
+    """Mutable bookkeeping for one instance; the policy only ever sees frozen InstanceViews of it."""
+
+    spec: InstanceSpec
+    target: Target
+    healthy: bool = False  # unknown until the first probe answers
+    failures: int = 0
+    models: tuple[str, ...] = ()
+    prefills: dict[str, _Prefill] = field(default_factory=dict)  # request id -> work queued here
+    decodes: dict[str, _Decode] = field(default_factory=dict)  # request id -> stream running here
+
+    @property
+    def name(self) -> str:
+        assert self.spec.name is not None
+        return self.spec.name
+
+    def view(self, now: float) -> InstanceView:
+        return InstanceView(
+            id=self.name,
+            role=self.spec.role,
+            url=self.spec.url,
+            healthy=self.healthy,
+            prefill_queue=tuple(
+                QueuedPrefill(p.new_tokens, p.cached_tokens, now - p.started) for p in self.prefills.values()
+            ),
+            decodes=tuple(ActiveDecode(d.context_tokens, d.remaining_tokens) for d in self.decodes.values()),
+        )
+
+
+class InstanceRegistry:
+    """Every configured instance, probed in the background; load accounted per request."""
+
+    def __init__(self, settings: Settings, pool: UpstreamPool) -> None:
+        self._settings = settings
+        self.pool = pool
+        self.states: dict[str, InstanceState] = {}
+        for spec in settings.instances():
+            assert spec.name is not None
+            upstream = pool.add(spec.name, spec.url)
+            target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
+            self.states[spec.name] = InstanceState(spec=spec, target=target)
+        self._probe_task: asyncio.Task[None] | None = None
+
+    # ---- health -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.probe_all()
+        self._probe_task = asyncio.create_task(self._probe_forever())
+
+    async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.health_interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must never kill health checking
+                log.exception("health probe round failed")
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(s) for s in self.states.values()))
+
+    async def _probe(self, state: InstanceState) -> None:
+        timeout = self._settings.health_timeout_s
+        try:
+            reply = await state.target.upstream.get("/health", timeout_s=timeout)
+            ok = reply.status == 200
+            if ok and not state.models:
+                models = await state.target.upstream.get("/v1/models", timeout_s=timeout)
+                if models.status == 200:
+                    data = decode_json(models.body).get("data", [])
+                    state.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
+        except (UpstreamError, ValueError, AttributeError):
+            ok = False
+        self.record_probe(state, ok)
+
+    def record_probe(self, state: InstanceState, ok: bool) -> None:
+        if ok:
+            if not state.healthy:
+                log.info("instance %s (%s) is healthy", state.name, state.spec.url)
+            state.healthy, state.failures = True, 0
+            return
+        state.failures += 1
+        if state.healthy and state.failures >= self._settings.unhealthy_after:
+            log.warning("instance %s (%s) is unhealthy", state.name, state.spec.url)
+            state.healthy = False
+
+    def report_failure(self, name: str) -> None:
+        """A request to the instance failed at the transport level: count it like a failed probe."""
+        state = self.states.get(name)
+        if state is not None:
+            self.record_probe(state, False)
+
+    def healthy_count(self, role: Role) -> int:
+        return sum(1 for s in self.states.values() if s.spec.role == role and s.healthy)
+
+    def models(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for state in self.states.values():
+            for m in state.models:
+                seen[m] = None
+        return tuple(seen)
+
+    # ---- load accounting -----------------------------------------------------------------
+    def snapshot(self) -> ClusterSnapshot:
+        now = time.monotonic()
+        return ClusterSnapshot(now=now, instances=tuple(s.view(now) for s in self.states.values()))
+
+    def add_prefill(self, name: str, request_id: str, new_tokens: int, cached_tokens: int) -> None:
+        self.states[name].prefills[request_id] = _Prefill(new_tokens, cached_tokens, time.monotonic())
+
+    def end_prefill(self, name: str, request_id: str) -> None:
+        state = self.states.get(name)
+        if state is not None:
+            state.prefills.pop(request_id, None)
+
+    def add_decode(self, name: str, request_id: str, context_tokens: int, max_tokens: int) -> None:
+        self.states[name].decodes[request_id] = _Decode(context_tokens, max_tokens)
+
+    def advance_decode(self, name: str, request_id: str, tokens: int) -> None:
+        decode = self.states[name].decodes.get(request_id)
+        if decode is not None:
+            decode.context_tokens += tokens
+            decode.remaining_tokens = max(0, decode.remaining_tokens - tokens)
+
+    def end_decode(self, name: str, request_id: str) -> None:
+        state = self.states.get(name)
+        if state is not None:
+            state.decodes.pop(request_id, None)

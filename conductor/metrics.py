@@ -1,0 +1,67 @@
+"""The gateway's Prometheus metrics, on a registry the app owns (never the global one, so two
+gateways in one process, as in tests, keep their own counts)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "conductor_requests", "Requests answered, by route and HTTP status", ["route", "status"], registry=r
+        )
+        self.rejections = Counter(
+            "conductor_rejections", "Requests refused before forwarding, by reason", ["reason"], registry=r
+        )
+        self.decisions = Counter(
+            "conductor_decisions", "Routing decisions, by policy and chosen instances",
+            ["policy", "prefill", "decode"], registry=r,
+        )
+        self.upstream_errors = Counter(
+            "conductor_upstream_errors", "Failed upstream legs, by instance and kind", ["instance", "kind"], registry=r
+        )
+        self.cancelled = Counter(
+            "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r
+        )
+        self.ttft = Histogram(
+            "conductor_ttft_seconds", "Time to first token at the gateway (streams)", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.predicted_ttft = Histogram(
+            "conductor_predicted_ttft_seconds", "TTFT the policy predicted for admitted requests",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.prefill_leg = Histogram(
+            "conductor_prefill_leg_seconds", "Prefill leg duration (queue + prefill) by instance", ["instance"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.tbt = Histogram(
+            "conductor_tbt_seconds", "Mean time between tokens of each stream", buckets=_TBT_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "conductor_request_seconds", "Arrival to last byte", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.decision_time = Histogram(
+            "conductor_decision_seconds", "Time to analyse a prompt and decide",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05), registry=r,
+        )
+        self.instance_healthy = Gauge(
+            "conductor_instance_healthy", "1 if the instance answers its health probe", ["instance", "role"], registry=r
+        )
+        self.queued_prefill_tokens = Gauge(
+            "conductor_instance_queued_prefill_tokens", "Prefill tokens this gateway has in flight per instance",
+            ["instance"], registry=r,
+        )
+        self.running_decodes = Gauge(
+            "conductor_instance_running_decodes", "Decode streams this gateway has in flight per instance",
+            ["instance"], registry=r,
+        )
+        self.cached_tokens = Counter(
+            "conductor_prompt_tokens", "Prompt tokens routed, by whether the worker reported them cached",
+            ["source"], registry=r,
+        )

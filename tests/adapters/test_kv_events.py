@@ -1,0 +1,222 @@
+"""KV events over real ZMQ sockets, from a publisher written here from vLLM's wire format only."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from adapters.index.feed import IndexFeeder
+from adapters.index.memory import MemoryIndex
+from adapters.kv_events import EventSource, EventSubscriber, decode_batch, subscriber_address
+from conductor.block_keys import VllmKeys, XxhashKeys
+from conductor.vllm_hash import VllmBlockHasher
+from policies.types import Tier
+
+BS = 16
+
+
+class WirePublisher:
+    """vLLM's ZmqEventPublisher as seen on the wire: PUB [topic, seq, batch] plus a ROUTER replay."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, *, bind: bool, replay: bool, port: int | None = None):
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if bind:
+            self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            assert port is not None
+            self.port = port
+            self.pub.connect(f"tcp://127.0.0.1:{port}")
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_port: int | None = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.seq = 0
+        self.buffer: list[tuple[int, bytes]] = []
+        self.task = asyncio.create_task(self._serve_replay()) if self.router else None
+
+    async def publish(self, events: list[dict[str, Any]], *, drop: bool = False) -> None:
+        payload = msgspec.msgpack.encode([time.time(), events, 0])  # EventBatch [ts, events, dp_rank]
+        seq, self.seq = self.seq, self.seq + 1
+        self.buffer.append((seq, payload))
+        if not drop:  # a dropped batch is lost on the wire but stays replayable, as in vLLM
+            await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in self.buffer:
+                if seq >= first:
+                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    async def close(self) -> None:
+        if self.task:
+            self.task.cancel()
+        self.pub.close(0)
+        if self.router:
+            self.router.close(0)
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], medium: str = "GPU") -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BS, "lora_id": None, "medium": medium, "lora_name": None}
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    c = zmq.asyncio.Context()
+    yield c
+    c.term()
+
+
+async def wait_for(cond: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def connect(pub: WirePublisher, sub: EventSubscriber) -> None:
+    """ZMQ subscriptions take a moment: publish empty batches until one arrives."""
+    await sub.start()
+    deadline = time.monotonic() + 5
+    while sub.stats.batches == 0:
+        assert time.monotonic() < deadline
+        await pub.publish([])
+        await asyncio.sleep(0.02)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1000) for _ in range(3 * BS)]
+    return [shared + [rng.randrange(1000) for _ in range(rng.randrange(1, 6) * BS + 5)] for _ in range(n)]
+
+
+def vllm_events(hasher: VllmBlockHasher, prompt: list[int], seen: set[int]) -> dict[str, Any] | None:
+    """What vLLM announces for one request: its newly cached full blocks, chained to the parent."""
+    ids = hasher.event_ids(prompt)
+    new = [i for i, h in enumerate(ids) if h not in seen]
+    if not new:
+        return None
+    first = new[0]
+    seen.update(ids)
+    return stored(ids[first:], ids[first - 1] if first else None, prompt[first * BS : len(ids) * BS])
+
+
+def test_decode_accepts_array_and_map_forms() -> None:
+    ev = stored([1, 2], None, list(range(2 * BS)))
+    a = decode_batch(msgspec.msgpack.encode([1.5, [ev, {"type": "AllBlocksCleared"}], 0]))
+    b = decode_batch(msgspec.msgpack.encode({"ts": 1.5, "events": [ev, {"type": "AllBlocksCleared"}]}))
+    # array_like events of older vLLM versions: [tag, fields in declaration order]
+    old = ["BlockStored", [1, 2], None, list(range(2 * BS)), BS, None, "GPU"]
+    c = decode_batch(msgspec.msgpack.encode([1.5, [old, ["BlockRemoved", [b"\x00" * 24 + (2).to_bytes(8, "big")],
+                                                        "GPU"]]]))
+    assert a.events == b.events and a.events[0] == c.events[0]
+    assert a.data_parallel_rank == 0 and b.data_parallel_rank is None
+    assert c.events[1].block_hashes == (2,)  # type: ignore[union-attr]  # raw digests fold to low 64 bits
+
+
+def test_socket_direction_follows_vllm_rule() -> None:
+    assert subscriber_address("tcp://*:5557", "10.0.0.5") == ("tcp://10.0.0.5:5557", False)
+    assert subscriber_address("tcp://10.0.0.9:5557", "10.0.0.5") == ("tcp://10.0.0.9:5557", True)
+
+
+@pytest.mark.parametrize("mode", ["xxhash", "vllm"])
+async def test_events_build_the_same_index_as_dispatches(ctx: zmq.asyncio.Context, mode: str) -> None:
+    hasher = VllmBlockHasher("sha256_cbor", BS, "42")
+    scheme = XxhashKeys(BS, seed=7) if mode == "xxhash" else VllmKeys(BS, "sha256_cbor", "42")
+    from_events, from_dispatch = MemoryIndex(), MemoryIndex()
+    feeder = IndexFeeder(from_events, scheme, translate=mode == "xxhash")
+    pub = WirePublisher(ctx, bind=True, replay=False)
+    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}"), feeder.on_batch, feeder.on_resync,
+                          context=ctx)
+    try:
+        await connect(pub, sub)
+        seen: set[int] = set()
+        batch = prompts(12, seed=1)
+        for p in batch:
+            ev = vllm_events(hasher, p, seen)
+            if ev:
+                await pub.publish([ev])
+            await from_dispatch.insert("p0", scheme.keys(p), confirmed=True)
+        await wait_for(lambda: feeder.stats.stored >= len(seen))
+        assert feeder.stats.unmapped == 0
+        for p in batch + prompts(3, seed=2):
+            keys = scheme.keys(p)
+            assert from_events.match_sync(keys) == from_dispatch.match_sync(keys)
+        assert from_events.match_sync(scheme.keys(batch[0])).blocks["p0"] == len(batch[0]) // BS
+        # BlockRemoved of the last block of prompt 0 shortens its prefix by one block
+        last = hasher.event_ids(batch[0])[-1]
+        await pub.publish([{"type": "BlockRemoved", "block_hashes": [last], "medium": "GPU"}])
+        await wait_for(lambda: feeder.stats.removed == 1)
+        assert from_events.match_sync(scheme.keys(batch[0])).blocks["p0"] == len(batch[0]) // BS - 1
+        await pub.publish([{"type": "AllBlocksCleared"}])
+        await wait_for(lambda: not from_events.match_sync(scheme.keys(batch[1])).blocks)
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+async def test_subscriber_binds_when_vllm_connects(ctx: zmq.asyncio.Context) -> None:
+    index = MemoryIndex()
+    feeder = IndexFeeder(index, XxhashKeys(BS), translate=True)
+    probe = ctx.socket(zmq.PUB)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(0)
+    sub = EventSubscriber(EventSource("p1", f"tcp://127.0.0.1:{port}"), feeder.on_batch, feeder.on_resync,
+                          context=ctx)
+    assert sub.binds
+    pub = WirePublisher(ctx, bind=False, replay=False, port=port)
+    try:
+        await connect(pub, sub)
+        await pub.publish([stored([11, 12], None, list(range(2 * BS)), medium="CPU")])
+        await wait_for(lambda: feeder.stats.stored == 2)
+        m = index.match_sync(XxhashKeys(BS).keys(list(range(2 * BS))))
+        assert m.blocks == {"p1": 2} and m.tiers == {"p1": Tier.HOST}
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_sequence_gap_is_repaired_by_replay_or_resync(ctx: zmq.asyncio.Context, replay: bool) -> None:
+    index = MemoryIndex()
+    scheme = XxhashKeys(BS)
+    feeder = IndexFeeder(index, scheme, translate=True)
+    pub = WirePublisher(ctx, bind=True, replay=replay)
+    replay_ep = f"tcp://*:{pub.replay_port}" if replay else None
+    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=replay_ep),
+                          feeder.on_batch, feeder.on_resync, context=ctx)
+    a, b, c = (list(range(s, s + 2 * BS)) for s in (0, 1000, 2000))
+    try:
+        await connect(pub, sub)
+        await pub.publish([stored([1, 2], None, a)])
+        await pub.publish([stored([3, 4], None, b)], drop=True)  # lost on the wire
+        await pub.publish([stored([5, 6], None, c)])
+        await wait_for(lambda: index.match_sync(scheme.keys(c)).blocks)
+        st = sub.stats
+        assert st.gaps == 1
+        if replay:
+            assert st.replayed == 1 and st.resyncs == 0
+            assert index.match_sync(scheme.keys(b)).blocks == {"p0": 2}  # the lost batch, replayed
+            assert index.match_sync(scheme.keys(a)).blocks == {"p0": 2}
+        else:
+            assert st.resyncs == 1
+            assert index.match_sync(scheme.keys(b)).blocks == {}  # never seen
+            assert index.match_sync(scheme.keys(a)).blocks == {}  # dropped by the resync
+    finally:
+        await sub.close()
+        await pub.close()

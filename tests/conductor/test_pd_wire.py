@@ -1,0 +1,133 @@
+"""What each leg receives, field by field, for every P/D protocol: asserted against what vLLM's
+and SGLang's own proxies send (toy_proxy_server.py, mooncake_connector_proxy.py, mini_lb.py)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.support.cluster import cluster
+
+
+def _post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=headers or {}, timeout=20)
+
+
+def test_nixl_prefill_first_then_params_verbatim_to_decode() -> None:
+    with cluster("nixl", upstream_api_key="sk-upstream") as c:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "stream": True, "min_tokens": 2,
+                "stream_options": {"include_usage": True}, "top_k": 7, "custom_field": {"a": 1}}
+        r = _post(c.url, "/v1/completions", body, {"Authorization": "Bearer client-secret", "X-Request-ID": "rid-1"})
+        assert r.status_code == 200
+        assert r.text.rstrip().endswith("data: [DONE]")
+        [p] = c.prefills[0].requests
+        [d] = c.decodes[0].requests
+        assert p.body["kv_transfer_params"] == {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        }
+        assert p.body["stream"] is False and p.body["max_tokens"] == 1
+        assert "stream_options" not in p.body and "min_tokens" not in p.body
+        assert p.body["top_k"] == 7 and p.body["custom_field"] == {"a": 1}  # unknown fields pass untouched
+        # the decode leg gets the client's body plus the prefill's answer, verbatim
+        assert d.body["kv_transfer_params"] == {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
+            "remote_engine_id": "engine-p0", "remote_request_id": "rid-1", "remote_host": "127.0.0.1",
+            "remote_port": 5600, "tp_size": 1,
+        }
+        assert {k: v for k, v in d.body.items() if k != "kv_transfer_params"} == body
+        assert p.received < d.received  # sequential
+        for leg in (p, d):
+            assert leg.headers["x-request-id"] == "rid-1"
+            assert leg.headers["authorization"] == "Bearer sk-upstream"  # never the client's key
+
+
+def test_nixl_max_completion_tokens_also_set_to_one_for_chat() -> None:
+    with cluster("nixl") as c:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+        r = _post(c.url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        [p] = c.prefills[0].requests
+        assert p.path == "/v1/chat/completions"
+        assert p.body["max_completion_tokens"] == 1 and p.body["max_tokens"] == 1
+        [d] = c.decodes[0].requests
+        assert d.body["max_completion_tokens"] == 9
+        assert "authorization" not in p.headers  # no upstream key configured, client's key is not sent
+
+
+@pytest.mark.parametrize("shape", ["dp_rank", "engine"])
+def test_mooncake_transfer_id_schema_concurrent_legs(shape: str) -> None:
+    opts = {"prefill": {"prefill_delay_s": 0.3}, "bootstrap": {"shape": shape}}
+    with cluster("mooncake", standin=opts) as c:
+        boot_port = c.gateway.settings.prefill[0].bootstrap_port
+        assert c.bootstraps[0].queries >= 1  # engine id read from GET /query at start-up
+        r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3},
+                  {"X-Request-ID": "rid-m"})
+        assert r.status_code == 200, r.text
+        [p] = c.prefills[0].requests
+        [d] = c.decodes[0].requests
+        tid = p.body["kv_transfer_params"]["transfer_id"]
+        assert p.body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                                "transfer_id": tid}
+        assert p.body["max_tokens"] == 1 and p.body["stream"] is False
+        assert d.body["kv_transfer_params"] == {
+            "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "engine-p0",
+            "remote_bootstrap_addr": f"http://127.0.0.1:{boot_port}", "transfer_id": tid,
+        }
+        assert d.body["max_tokens"] == 3
+        # concurrent: the decode leg arrived while the prefill leg was still being served
+        assert d.received - p.received < 0.25
+        assert p.headers["x-request-id"] == d.headers["x-request-id"] == "rid-m"
+
+
+def test_mooncake_engine_id_schema() -> None:
+    with cluster("mooncake", mooncake_schema="engine_id", standin={"bootstrap": {"shape": "engine"}}) as c:
+        r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        [p] = c.prefills[0].requests
+        [d] = c.decodes[0].requests
+        assert p.body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+        assert p.headers["x-data-parallel-rank"] == "0"
+        params = d.body["kv_transfer_params"]
+        assert params["remote_engine_id"] == "engine-p0" and params["remote_dp_rank"] == 0
+        assert params["do_remote_prefill"] is True and "transfer_id" not in params
+
+
+def test_mooncake_bootstrap_server_schema() -> None:
+    with cluster("mooncake", mooncake_schema="bootstrap_server") as c:
+        r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        [d] = c.decodes[0].requests
+        boot_port = c.gateway.settings.prefill[0].bootstrap_port
+        assert d.body["kv_transfer_params"] == {"do_remote_decode": False, "do_remote_prefill": True,
+                                                "bootstrap_server_host": "127.0.0.1",
+                                                "bootstrap_server_port": boot_port}
+        assert c.bootstraps[0].queries == 0
+
+
+def test_sglang_same_body_with_bootstrap_fields() -> None:
+    with cluster("sglang", standin={"prefill": {"prefill_delay_s": 0.2}}) as c:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
+        r = _post(c.url, "/v1/completions", body)
+        assert r.status_code == 200
+        [p] = c.prefills[0].requests
+        [d] = c.decodes[0].requests
+        assert p.body == d.body
+        boot_port = c.gateway.settings.prefill[0].bootstrap_port
+        assert p.body["bootstrap_host"] == "127.0.0.1" and p.body["bootstrap_port"] == boot_port
+        assert isinstance(p.body["bootstrap_room"], int) and 0 <= p.body["bootstrap_room"] < 2**63
+        assert {k: v for k, v in p.body.items() if not k.startswith("bootstrap_")} == body
+        assert d.received - p.received < 0.15  # concurrent
+        assert p.headers["x-request-id"] == d.headers["x-request-id"]
+        r2 = _post(c.url, "/v1/completions", body)
+        assert r2.status_code == 200
+        assert c.prefills[0].requests[1].body["bootstrap_room"] != p.body["bootstrap_room"]
+
+
+def test_mixed_single_leg_body_untouched() -> None:
+    with cluster(n_prefill=0, n_decode=0, n_mixed=2) as c:
+        body = {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 2, "logit_bias": {"5": 1}, "echo": False}
+        for _ in range(4):
+            assert _post(c.url, "/v1/completions", body).status_code == 200
+        assert [len(m.requests) for m in c.mixed] == [2, 2]  # round robin
+        assert c.mixed[0].requests[0].body == body  # token-id prompt passed through, nothing added

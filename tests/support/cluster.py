@@ -1,0 +1,76 @@
+"""A gateway in front of stand-in workers, all real uvicorn servers on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from conductor.app import create_app
+from conductor.gateway import Gateway
+from conductor.settings import load_settings
+from policies.types import Policy
+from tests.support.servers import ServerThread, serve
+from tests.support.standin import BootstrapStandIn, StandIn
+
+
+@dataclass
+class Cluster:
+    url: str
+    gateway: Gateway
+    prefills: list[StandIn] = field(default_factory=list)
+    decodes: list[StandIn] = field(default_factory=list)
+    mixed: list[StandIn] = field(default_factory=list)
+    bootstraps: list[BootstrapStandIn] = field(default_factory=list)
+    servers: dict[str, ServerThread] = field(default_factory=dict)
+
+
+@contextmanager
+def cluster(
+    protocol: str = "nixl",
+    *,
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    n_mixed: int = 0,
+    policy: Policy | None = None,
+    standin: dict[str, Any] | None = None,
+    **settings: Any,
+) -> Iterator[Cluster]:
+    opts = standin or {}
+    with ExitStack() as stack:
+        c = Cluster(url="", gateway=None)  # type: ignore[arg-type]
+        prefill_specs, decode_specs, mixed_specs = [], [], []
+        for i in range(n_prefill):
+            worker = StandIn(role="prefill", engine_id=f"engine-p{i}", **opts.get("prefill", {}))
+            server = stack.enter_context(serve(worker))
+            boot = BootstrapStandIn(engine_id=f"engine-p{i}", **opts.get("bootstrap", {}))
+            boot_server = stack.enter_context(serve(boot))
+            c.prefills.append(worker)
+            c.bootstraps.append(boot)
+            c.servers[f"prefill-{i}"] = server
+            prefill_specs.append({"url": server.url, "bootstrap_port": boot_server.port})
+        for i in range(n_decode):
+            worker = StandIn(role="decode", **opts.get("decode", {}))
+            server = stack.enter_context(serve(worker))
+            c.decodes.append(worker)
+            c.servers[f"decode-{i}"] = server
+            decode_specs.append(server.url)
+        for i in range(n_mixed):
+            worker = StandIn(role="mixed", **opts.get("mixed", {}))
+            server = stack.enter_context(serve(worker))
+            c.mixed.append(worker)
+            c.servers[f"mixed-{i}"] = server
+            mixed_specs.append(server.url)
+        overrides: dict[str, Any] = {"pd_protocol": protocol, "health_interval_s": 0.5, **settings}
+        if prefill_specs:
+            overrides["prefill"] = prefill_specs
+        if decode_specs:
+            overrides["decode"] = decode_specs
+        if mixed_specs:
+            overrides["mixed"] = mixed_specs
+        gateway = Gateway(load_settings(environ={}, overrides=overrides), policy=policy)
+        gw_server = stack.enter_context(serve(create_app(gateway)))
+        c.url, c.gateway = gw_server.url, gateway
+        c.servers["gateway"] = gw_server
+        yield c

@@ -1,0 +1,58 @@
+"""Real uvicorn servers on ephemeral loopback ports, each on its own thread and event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    def __init__(self, app: Any, port: int | None = None, **config: Any) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False, lifespan="auto", **config
+        )
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve())
+
+    def start(self, timeout: float = 15.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@contextmanager
+def serve(app: Any, port: int | None = None, **config: Any) -> Iterator[ServerThread]:
+    server = ServerThread(app, port, **config).start()
+    try:
+        yield server
+    finally:
+        server.stop()

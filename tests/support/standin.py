@@ -1,0 +1,160 @@
+"""A stand-in vLLM worker for wire-format tests: it records every request body and header it
+receives and answers the way vLLM's OpenAI server and KV connectors do, with knobs for failure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+Scope = dict[str, Any]
+
+
+@dataclass
+class Recorded:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    received: float
+    client_port: int
+
+
+@dataclass
+class StandIn:
+    role: str = "mixed"  # prefill | decode | mixed
+    model: str = "tiny"
+    engine_id: str = "engine-0"
+    token_delay_s: float = 0.0
+    prefill_delay_s: float = 0.0
+    fail_status: int | None = None  # answer every completion with this status
+    hang: bool = False  # never answer completions
+    cached_tokens: int = 0
+    requests: list[Recorded] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def bodies(self, path_suffix: str = "completions") -> list[dict[str, Any]]:
+        return [r.body for r in self.requests if r.path.endswith(path_suffix)]
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if scope["method"] == "GET":
+            if path == "/health":
+                return await _json(send, 200, {})
+            if path == "/v1/models":
+                return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+            return await _json(send, 404, {"error": "no"})
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        body = json.loads(raw)
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        self.requests.append(Recorded(path, body, headers, time.monotonic(), scope["client"][1]))
+        rid = headers.get("x-request-id", "")
+        if self.fail_status is not None:
+            return await _json(send, self.fail_status, {"error": {"message": "boom", "type": "x", "param": None,
+                                                                  "code": self.fail_status}})
+        watcher = asyncio.create_task(_disconnected(receive))
+        try:
+            if self.hang:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.prefill_delay_s)
+            await self._answer(send, path, body, rid)
+            self.finished.append(rid)
+        except (asyncio.CancelledError, OSError):
+            self.cancelled.append(rid)
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _answer(self, send: Any, path: str, body: dict[str, Any], rid: str) -> None:
+        chat = path.endswith("chat/completions")
+        n = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        prompt_tokens = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 10
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        params = body.get("kv_transfer_params") or {}
+        out_params = None
+        if self.role == "prefill" and params.get("do_remote_decode"):
+            out_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
+                          "remote_engine_id": self.engine_id, "remote_request_id": rid, "remote_host": "127.0.0.1",
+                          "remote_port": 5600, "tp_size": 1}
+        cid = ("chatcmpl-" if chat else "cmpl-") + rid
+        if not body.get("stream"):
+            if chat:
+                choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "x " * n},
+                                          "finish_reason": "length"}
+            else:
+                choice = {"index": 0, "text": "x " * n, "finish_reason": "length"}
+            payload = {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": 1,
+                       "model": self.model, "choices": [choice], "usage": usage, "kv_transfer_params": out_params}
+            return await _json(send, 200, payload)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(n):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if chat:
+                chunk = {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": self.model,
+                         "choices": [{"index": 0, "delta": {"content": "x "}, "finish_reason": None}]}
+            else:
+                chunk = {"id": cid, "object": "text_completion", "created": 1, "model": self.model,
+                         "choices": [{"index": 0, "text": "x ", "finish_reason": None}]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            final = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
+                     "model": self.model, "choices": [], "usage": usage}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(final).encode() + b"\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _disconnected(receive: Any) -> None:
+    # Only a real disconnect ends this; uvicorn cancels the app's sends when it happens.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _json(send: Any, status: int, payload: Any) -> None:
+    data = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": data})
+
+
+@dataclass
+class BootstrapStandIn:
+    """The Mooncake bootstrap server of a prefill instance (vLLM's shape of GET /query)."""
+
+    engine_id: str = "engine-0"
+    shape: str = "dp_rank"  # "dp_rank": {dp: {engine_id, worker_addr}}; "engine": {engine_id: {dp: ...}}
+    queries: int = 0
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        self.queries += 1
+        if self.shape == "dp_rank":
+            payload: Any = {"0": {"engine_id": self.engine_id, "worker_addr": {"0": {"0": "127.0.0.1:7000"}}}}
+        else:
+            payload = {self.engine_id: {"0": {"0": {"0": "127.0.0.1:7000"}}}}
+        await _json(send, 200, payload)
