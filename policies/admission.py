@@ -127,15 +127,23 @@ class BaselineAdmission:
         self.mode = parse_mode(mode)
         self._pred: Predictors | None = None
         if self.mode is not AdmissionMode.NONE:
-            self._pred = Predictors.from_file(predictor_params) if predictor_params else Predictors.from_bundled_profile()
+            self._pred = (
+                Predictors.from_file(predictor_params)
+                if predictor_params
+                else Predictors.from_bundled_profile()
+            )
 
-    def check(self, request: RequestView, cluster: ClusterSnapshot, prefill: str, decode: str | None) -> Rejection | None:
+    def check(
+        self, request: RequestView, cluster: ClusterSnapshot, prefill: str, decode: str | None
+    ) -> Rejection | None:
         pred = self._pred
         if pred is None:
             return None
         prefills, disaggregated = prefill_pool(cluster)
         by_id = {i.id: i for i in cluster.instances}
-        p_est = estimate_prefill(pred, request, by_id[prefill], [], allow_pull=False, disaggregated=disaggregated)
+        p_est = estimate_prefill(
+            pred, request, by_id[prefill], [], allow_pull=False, disaggregated=disaggregated
+        )
         d_inst = by_id[decode] if decode is not None else by_id[prefill]
         at, joins = 0.0, None
         if self.mode is AdmissionMode.PREDICTED:

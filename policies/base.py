@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, Observation, Rejection, RequestView, Role
+from policies.types import (
+    CandidateScore,
+    ClusterSnapshot,
+    Decision,
+    InstanceView,
+    Observation,
+    Rejection,
+    RequestView,
+    Role,
+)
 
 NO_INSTANCE = "no_instance"
 
@@ -23,7 +32,9 @@ def no_instance(request: RequestView, policy: str, role: Role) -> Decision:
     return Decision(
         request_id=request.request_id,
         policy=policy,
-        rejection=Rejection(reason=NO_INSTANCE, message=f"no healthy {role.value} instance", retry_after_s=5.0),
+        rejection=Rejection(
+            reason=NO_INSTANCE, message=f"no healthy {role.value} instance", retry_after_s=5.0
+        ),
     )
 
 
@@ -36,8 +47,13 @@ def pools(cluster: ClusterSnapshot) -> tuple[tuple[InstanceView, ...], tuple[Ins
     return cluster.by_role(Role.MIXED), (), False
 
 
-def missing_pool(request: RequestView, policy: str, prefill: Sequence[InstanceView],
-                 decode: Sequence[InstanceView], disaggregated: bool) -> Decision | None:
+def missing_pool(
+    request: RequestView,
+    policy: str,
+    prefill: Sequence[InstanceView],
+    decode: Sequence[InstanceView],
+    disaggregated: bool,
+) -> Decision | None:
     """The 503 decision when a pool the request needs is empty, else None."""
     if not prefill:
         return no_instance(request, policy, Role.PREFILL if disaggregated else Role.MIXED)
@@ -52,8 +68,18 @@ def local_prefix(request: RequestView, instance_id: str) -> int:
     return 0 if p is None or p.tier.value == "store" else min(p.tokens, request.prompt_tokens)
 
 
-def decided(request: RequestView, policy: str, prefill: str, decode: str | None,
-            candidates: tuple[CandidateScore, ...] = (), rejection: Rejection | None = None) -> Decision:
+def decided(
+    request: RequestView,
+    policy: str,
+    prefill: str,
+    decode: str | None,
+    candidates: tuple[CandidateScore, ...] = (),
+    rejection: Rejection | None = None,
+) -> Decision:
     if rejection is not None:
-        return Decision(request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates)
-    return Decision(request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates)
+        return Decision(
+            request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates
+        )
+    return Decision(
+        request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates
+    )

@@ -75,7 +75,10 @@ def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> f
 
 def remote_sources(request: RequestView) -> list[tuple[int, str, str]]:
     """(tokens, source, link) of every place a prefix could be pulled from, longest first."""
-    out = [(p.tokens, iid, STORE_LINK if p.tier is Tier.STORE else INSTANCE_LINK) for iid, p in request.cached.items()]
+    out = [
+        (p.tokens, iid, STORE_LINK if p.tier is Tier.STORE else INSTANCE_LINK)
+        for iid, p in request.cached.items()
+    ]
     if request.store_cached_tokens > 0:
         out.append((request.store_cached_tokens, STORE_SOURCE, STORE_LINK))
     out.sort(key=lambda s: -s[0])
@@ -154,9 +157,7 @@ class JoinForecast:
         return k * self._share, self._cum_tokens[k] * self._share
 
 
-def decode_state(
-    pred: Predictors, decodes: tuple[ActiveDecode, ...], at_s: float
-) -> tuple[float, float]:
+def decode_state(pred: Predictors, decodes: tuple[ActiveDecode, ...], at_s: float) -> tuple[float, float]:
     """(streams, resident KV tokens) of the decodes running now that will still run at `at_s`."""
     if at_s <= 0 or not decodes:
         return float(len(decodes)), float(sum(d.context_tokens for d in decodes))

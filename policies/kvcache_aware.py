@@ -81,7 +81,9 @@ def decode_candidate(est: DecodeEstimate) -> CandidateScore:
         role=est.instance.role,
         score=est.tbt_s,
         predicted_tbt_s=est.tbt_s,
-        detail=MappingProxyType({"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}),
+        detail=MappingProxyType(
+            {"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}
+        ),
     )
 
 
@@ -127,7 +129,9 @@ class KvCacheAwarePolicy(BasePolicy):
             return no_instance(request, self.name, Role.DECODE)
         sources = remote_sources(request) if request.cached or request.store_cached_tokens else []
         ests = [
-            estimate_prefill(pred, request, p, sources, allow_pull=self.allow_pull, disaggregated=disaggregated)
+            estimate_prefill(
+                pred, request, p, sources, allow_pull=self.allow_pull, disaggregated=disaggregated
+            )
             for p in prefills
         ]
         predicted = self.admission is AdmissionMode.PREDICTED
@@ -139,7 +143,9 @@ class KvCacheAwarePolicy(BasePolicy):
             chosen_decode: DecodeEstimate | None = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
         else:
             # mixed: the request decodes where it prefilled, so weigh both on the same worker
-            d_ests = [estimate_decode(pred, request, e.instance, e.ttft_s if predicted else 0.0, None) for e in ests]
+            d_ests = [
+                estimate_decode(pred, request, e.instance, e.ttft_s if predicted else 0.0, None) for e in ests
+            ]
             slo = request.slo.tbt_s
             pairs = list(zip(ests, d_ests, strict=True))
             fitting = [pair for pair in pairs if slo is None or pair[1].tbt_s <= slo] or pairs
@@ -170,7 +176,9 @@ class KvCacheAwarePolicy(BasePolicy):
             candidates=candidates,
         )
 
-    def _remember(self, request_id: str, best: PrefillEstimate, decode: str | None, tbt: float | None) -> None:
+    def _remember(
+        self, request_id: str, best: PrefillEstimate, decode: str | None, tbt: float | None
+    ) -> None:
         self._pending[request_id] = _Pending(
             prefill=best.instance.id,
             decode=decode,

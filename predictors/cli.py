@@ -15,12 +15,22 @@ from predictors.profile import ProfileError, bundled_profile, fit_profiles
 
 def _parser() -> argparse.ArgumentParser:
     prior = DecodePrior()
-    p = argparse.ArgumentParser(prog="conductor fit", description="Fit Conductor's latency predictors from profile CSVs.")
-    p.add_argument("profiles", nargs="*", help=f"profile CSV files (default: the bundled {bundled_profile().name})")
+    p = argparse.ArgumentParser(
+        prog="conductor fit", description="Fit Conductor's latency predictors from profile CSVs."
+    )
+    p.add_argument(
+        "profiles", nargs="*", help=f"profile CSV files (default: the bundled {bundled_profile().name})"
+    )
     p.add_argument("-o", "--output", required=True, help="where to write the params JSON")
-    p.add_argument("--kv-bytes-per-token", type=float, default=None, help="override the profile's KV size per token")
-    p.add_argument("--weight-bytes", type=float, default=prior.weight_bytes, help="TBT prior: model weight bytes")
-    p.add_argument("--hbm-bytes-per-s", type=float, default=prior.hbm_bytes_per_s, help="TBT prior: HBM bandwidth")
+    p.add_argument(
+        "--kv-bytes-per-token", type=float, default=None, help="override the profile's KV size per token"
+    )
+    p.add_argument(
+        "--weight-bytes", type=float, default=prior.weight_bytes, help="TBT prior: model weight bytes"
+    )
+    p.add_argument(
+        "--hbm-bytes-per-s", type=float, default=prior.hbm_bytes_per_s, help="TBT prior: HBM bandwidth"
+    )
     return p
 
 
@@ -35,8 +45,10 @@ def fit_main(argv: list[str] | None = None) -> int:
         return 2
     params.save(args.output)
     c0, c1, c2 = params.prefill.coef
-    print(f"prefill: t = {c0 * 1e3:.3f} ms + {c1 * 1e6:.4f} us*new + {c2 * 1e9:.5f} ns*new*(new+2*cached)"
-          f"  MAPE {params.prefill.mape:.2%}  p90 x{params.prefill.p90_ratio:.3f}  ({params.prefill.samples} rows)")
+    print(
+        f"prefill: t = {c0 * 1e3:.3f} ms + {c1 * 1e6:.4f} us*new + {c2 * 1e9:.5f} ns*new*(new+2*cached)"
+        f"  MAPE {params.prefill.mape:.2%}  p90 x{params.prefill.p90_ratio:.3f}  ({params.prefill.samples} rows)"
+    )
     for link, m in params.transfer.items():
         bw = 1.0 / m.coef[1] if m.coef[1] > 0 else float("inf")
         print(f"transfer[{link}]: {m.coef[0] * 1e3:.3f} ms + bytes / {bw / 1e9:.2f} GB/s  MAPE {m.mape:.2%}")

@@ -41,7 +41,12 @@ class LinearModel:
         return sum(c * f for c, f in zip(self.coef, features, strict=True))
 
     def to_dict(self) -> dict[str, object]:
-        return {"coef": list(self.coef), "p90_ratio": self.p90_ratio, "samples": self.samples, "mape": self.mape}
+        return {
+            "coef": list(self.coef),
+            "p90_ratio": self.p90_ratio,
+            "samples": self.samples,
+            "mape": self.mape,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> LinearModel:
@@ -66,7 +71,9 @@ class FitOptions:
     prior_weight: float = 0.0  # total weight of the prior pseudo-residuals (0: no prior)
 
 
-def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | None, opts: FitOptions) -> np.ndarray:
+def _solve(
+    x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | None, opts: FitOptions
+) -> np.ndarray:
     # scale columns so the solver sees coefficients of order one (c2 of a quadratic is ~1e-8)
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
@@ -109,7 +116,9 @@ def fit_linear(
     if len(y) == 0:
         raise ValueError("no finite positive samples to fit")
     pri = None if prior is None else np.asarray(prior, dtype=float)
-    p0 = np.asarray(start if start is not None else (prior if prior is not None else np.ones(x.shape[1])), float)
+    p0 = np.asarray(
+        start if start is not None else (prior if prior is not None else np.ones(x.shape[1])), float
+    )
     coef = _solve(x, y, p0, pri, options)
     # second pass: reject gross outliers by the MAD of log-ratios, then refit on the rest
     inliers = np.ones(len(y), dtype=bool)

@@ -139,7 +139,9 @@ class Predictors:
 
     # ---- learning -------------------------------------------------------------------------
 
-    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float, instance: str = "") -> None:
+    def observe_prefill(
+        self, new_tokens: int, cached_tokens: int, seconds: float, instance: str = ""
+    ) -> None:
         """A prefill's own compute time (queueing and pulls already taken out by the caller)."""
         if seconds <= 0 or new_tokens <= 0:
             return
@@ -176,7 +178,9 @@ class Predictors:
             self._params = replace(self._params, transfer=MappingProxyType(links))
             self._cache_params()
 
-    def record_error(self, component: str, instance: str, predicted: float, p90: float, actual: float) -> None:
+    def record_error(
+        self, component: str, instance: str, predicted: float, p90: float, actual: float
+    ) -> None:
         self.errors.record(component, instance, predicted, p90, actual)
 
     def error_stats(self) -> tuple[ErrorStats, ...]:

@@ -1,0 +1,99 @@
+"""NVIDIA Dynamo's KV router cost (lib/kv-router/src/scheduling/selector/default.rs, `worker_logit`).
+
+For each worker, in blocks of `block_size` tokens:
+
+    overlap_credit = overlap_score_credit * device_overlap + host_cache_hit_weight * host_overlap
+                     + disk_cache_hit_weight * store_overlap_beyond_device
+    cost = prefill_load_scale * max(active_prefill_blocks + prompt_blocks - overlap_credit, 0)
+           + active_decode_blocks + new_blocks
+
+with defaults prefill_load_scale 1, overlap_score_credit 1, host 0.75, disk 0.25. Dynamo's
+`raw_prefill_blocks` is the worker's queued prefill plus this request's prompt; `decode_cost_blocks`
+is its active decode blocks plus the blocks this request would newly allocate there (prompt blocks
+not already on the device). The pooled store is treated as Dynamo's disk/shared tier (0.25 credit
+for the part of the prefix beyond what the worker holds). Temperature 0 takes the argmin (ties
+broken at random, seeded); above 0 it samples from softmax(-normalised cost / temperature), costs
+min-max normalised first, as Dynamo's `softmax_sample_index` does.
+
+Decode pool (P/D): Dynamo's decode router forces overlap credit to 0, leaving
+cost = active_decode_blocks + new_blocks, i.e. the least decode KV load.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from policies.admission import BaselineAdmission
+from policies.base import BasePolicy, decided, missing_pool, pools
+from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView, Tier
+
+
+class DynamoKvPolicy(BasePolicy):
+    name = "dynamo_kv"
+
+    def __init__(
+        self,
+        prefill_load_scale: float = 1.0,
+        overlap_score_credit: float = 1.0,
+        host_cache_hit_weight: float = 0.75,
+        disk_cache_hit_weight: float = 0.25,
+        temperature: float = 0.0,
+        seed: int | None = 0,
+        admission: str = "none",
+        predictor_params: str | None = None,
+    ) -> None:
+        self.prefill_load_scale = prefill_load_scale
+        self.overlap_score_credit = overlap_score_credit
+        self.host_cache_hit_weight = host_cache_hit_weight
+        self.disk_cache_hit_weight = disk_cache_hit_weight
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+        self._guard = BaselineAdmission(admission, predictor_params)
+
+    def prefill_cost(self, request: RequestView, inst: InstanceView) -> float:
+        bs = request.block_size
+        prompt_blocks = math.ceil(request.prompt_tokens / bs)
+        own = request.cached.get(inst.id)
+        device = own.tokens // bs if own is not None and own.tier is Tier.DEVICE else 0
+        host = own.tokens // bs if own is not None and own.tier is Tier.HOST else 0
+        store_beyond = max(0, request.store_cached_tokens // bs - device - host)
+        credit = (
+            self.overlap_score_credit * device
+            + self.host_cache_hit_weight * host
+            + self.disk_cache_hit_weight * store_beyond
+        )
+        active_prefill = math.ceil(inst.queued_prefill_tokens / bs)
+        return self.prefill_load_scale * max(active_prefill + prompt_blocks - credit, 0.0) + self.decode_cost(
+            request, inst, device
+        )
+
+    @staticmethod
+    def decode_cost(request: RequestView, inst: InstanceView, device_overlap_blocks: int = 0) -> float:
+        bs = request.block_size
+        active = sum(math.ceil(d.context_tokens / bs) for d in inst.decodes)
+        return float(active + max(0, math.ceil(request.prompt_tokens / bs) - device_overlap_blocks))
+
+    def pick(self, costs: list[float]) -> int:
+        lo, hi = min(costs), max(costs)
+        if self.temperature <= 0:
+            ties = [k for k, c in enumerate(costs) if c == lo]
+            return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+        if hi == lo:
+            return self._rng.randrange(len(costs))
+        weights = [math.exp(-(c - lo) / ((hi - lo) * self.temperature)) for c in costs]
+        return self._rng.choices(range(len(costs)), weights=weights)[0]
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        prefill, decode, disaggregated = pools(cluster)
+        missing = missing_pool(request, self.name, prefill, decode, disaggregated)
+        if missing is not None:
+            return missing
+        p_costs = [self.prefill_cost(request, i) for i in prefill]
+        p = prefill[self.pick(p_costs)].id
+        d_costs = [self.decode_cost(request, i) for i in decode]
+        d = decode[self.pick(d_costs)].id if disaggregated else None
+        candidates = tuple(
+            CandidateScore(i.id, i.role, c) for i, c in zip(prefill, p_costs, strict=True)
+        ) + tuple(CandidateScore(i.id, i.role, c) for i, c in zip(decode, d_costs, strict=True))
+        return decided(request, self.name, p, d, candidates, self._guard.check(request, cluster, p, d))
