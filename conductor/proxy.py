@@ -174,6 +174,9 @@ class CompletionsEndpoint:
                 gw.metrics.prefill_leg.labels(prefill.name).observe(exchange.prefill_s)
             if exchange.reply is not None:
                 reply = exchange.reply
+                await exchange.settle()
+                if exchange.prefill_failed is not None:
+                    raise exchange.prefill_failed
                 await send({"type": "http.response.start", "status": reply.status, "headers": [
                     (b"content-type", reply.content_type.encode()), (b"x-request-id", request_id.encode())]})
                 state.response_started = state.response_done = True
@@ -209,6 +212,7 @@ class CompletionsEndpoint:
                     gw.registry.advance_decode(decode_name, request_id, events)
                     tail = chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await exchange.settle()  # a concurrent prefill leg: its answer, or its failure
                 if exchange.prefill_failed is not None:
                     raise exchange.prefill_failed
                 state.response_done = True
@@ -217,7 +221,6 @@ class CompletionsEndpoint:
                 cached_reported = int(match.group(1)) if match else None
                 ok = True
                 status = upstream.status
-                await exchange.settle()
             if intervals:
                 gw.metrics.tbt.observe(sum(intervals) / len(intervals))
             return status

@@ -1,8 +1,8 @@
 """Running a prefill leg in the background while the decode leg answers the client.
 
 Mooncake and SGLang send both legs at once: the decode engine waits for the KV itself. If the
-prefill leg fails, the decode would wait for KV that never comes, so its connection is closed at
-once and the failure is reported in its place.
+prefill leg fails, the decode would wait for KV that never comes, so the decode leg is cancelled
+(or its stream closed) at once and the prefill's failure is reported in its place.
 """
 
 from __future__ import annotations
@@ -22,32 +22,43 @@ async def concurrent_exchange(
     decode_payload: Mapping[str, Any],
     prefill_headers: Mapping[str, str] | None = None,
 ) -> Exchange:
-    holder: dict[str, Exchange] = {}
+    holder: list[Exchange] = []
 
     async def run_prefill() -> None:
-        reply = await prefill.upstream.post(out.path, encode_json(prefill_payload), prefill_headers or out.headers)
-        exchange = holder.get("x")
         try:
+            reply = await prefill.upstream.post(out.path, encode_json(prefill_payload), prefill_headers or out.headers)
             answer = check_leg(reply, prefill, "prefill")
         except Exception as exc:
-            if exchange is not None:
-                exchange.prefill_failed = exc
-                if exchange.stream is not None:
-                    exchange.stream.close()
+            if holder:  # the decode stream is already with the client: end it now
+                holder[0].prefill_failed = exc
+                if holder[0].stream is not None:
+                    holder[0].stream.close()
             raise
-        if exchange is not None:
-            exchange.prefill_s = reply.elapsed_s
-            exchange.prefill_cached_tokens = cached_tokens_of(answer)
+        if holder:
+            holder[0].prefill_s = reply.elapsed_s
+            holder[0].prefill_cached_tokens = cached_tokens_of(answer)
+        else:
+            results["prefill"] = (reply.elapsed_s, cached_tokens_of(answer))
 
+    results: dict[str, tuple[float, int | None]] = {}
     prefill_task = asyncio.create_task(run_prefill())
+    decode_task = asyncio.create_task(open_leg(decode, out, decode_payload))
     try:
-        exchange = await open_leg(decode, out, decode_payload)
+        while not decode_task.done():
+            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is not None:
+                decode_task.cancel()
+                raise prefill_task.exception()  # type: ignore[misc]
+            if prefill_task.done() and not decode_task.done():
+                await asyncio.wait({decode_task})
+        exchange = decode_task.result()
     except BaseException:
         prefill_task.cancel()
+        decode_task.cancel()
         raise
-    holder["x"] = exchange
-    exchange.pending.append(prefill_task)
-    if prefill_task.done() and prefill_task.exception() is not None:
-        exchange.abort()
-        raise prefill_task.exception()  # type: ignore[misc]
+    holder.append(exchange)
+    if "prefill" in results:
+        exchange.prefill_s, exchange.prefill_cached_tokens = results["prefill"]
+    if not prefill_task.done():
+        exchange.pending.append(prefill_task)
     return exchange
