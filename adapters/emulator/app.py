@@ -1,0 +1,287 @@
+"""The emulator's HTTP surface: vLLM's OpenAI server routes plus /emulator/* test hooks.
+
+A plain ASGI app: the token path sends pre-encoded SSE bytes straight to the server, and a watcher
+on `receive()` sees `http.disconnect` the moment a client goes away, aborts the sequence in the
+engine (freeing its batch slot) and records the request id for GET /emulator/cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from adapters.emulator.asgi import (
+    SSE,
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    send_bytes,
+    send_json,
+)
+from adapters.emulator.bootstrap import TransferDone, TransferRegistry, wait_for_prefill
+from adapters.emulator.config import EmulatorConfig
+from adapters.emulator.engine import Engine, RemoteWait, Sequence
+from adapters.emulator.kv_events import KvEventPublisher
+from adapters.emulator.metrics import CONTENT_TYPE, EngineMetrics
+from adapters.emulator.openai_format import (
+    DONE,
+    ApiError,
+    ParsedRequest,
+    Renderer,
+    error_body,
+    parse_request,
+    tokenize_response,
+    usage,
+)
+from adapters.emulator.prefix_cache import PrefixCache
+from adapters.emulator.profile import load_profile
+from adapters.emulator.protocols import LegPlan, NixlAnswer, plan_leg
+from conductor.tokenization import ByteTokenizer
+from conductor.vllm_hash import VllmBlockHasher
+
+log = logging.getLogger(__name__)
+_decode = msgspec.json.Decoder().decode
+
+
+async def _ready() -> bool:
+    return True
+
+
+class EmulatorApp:
+    """One emulated vLLM instance (engine, cache, events, metrics) behind an ASGI callable."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        profile = load_profile(config.profile_path)
+        if config.max_num_seqs is not None:
+            profile = dataclasses.replace(profile, max_num_seqs=config.max_num_seqs)
+        self.profile = profile
+        self.tokenizer = ByteTokenizer()
+        self.hasher = VllmBlockHasher(config.hash_algo, config.block_size, config.hash_seed)
+        self.cache = PrefixCache(config.block_size, config.kv_capacity_tokens)
+        self.metrics = EngineMetrics(config.model)
+        self.publisher: KvEventPublisher | None = None
+        if config.kv_events_endpoint:
+            self.publisher = KvEventPublisher(
+                config.kv_events_endpoint,
+                replay_endpoint=config.kv_events_replay_endpoint,
+                topic=config.kv_events_topic,
+                buffer_steps=config.kv_events_buffer_steps,
+            )
+        self.engine = Engine(profile, self.hasher, self.cache, self.metrics, self.publisher,
+                             time_scale=config.time_scale, noise=config.noise, seed=config.seed)
+        self.registry = TransferRegistry()
+        self.nixl = NixlAnswer(config.engine_id, config.advertised_host, config.side_channel_port, config.block_size)
+        self.requests: deque[dict[str, Any]] = deque(maxlen=config.request_log_size)
+        self.cancelled: deque[str] = deque(maxlen=config.cancelled_log_size)
+        self.created = int(time.time())
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifespan ------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        self.engine.start()
+        if self.publisher is not None:
+            self.publisher.start()
+        self._session = aiohttp.ClientSession()
+
+    async def shutdown(self) -> None:
+        await self.engine.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "http":
+            try:
+                await self._route(scope, receive, send)
+            except Exception:  # never a traceback to the client: a vLLM-shaped 500 instead
+                log.exception("unhandled error on %s", scope.get("path"))
+                with contextlib.suppress(Exception):
+                    await send_bytes(send, 500, error_body(ApiError(500, "Internal server error",
+                                                                     "InternalServerError")))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- routing -------------------------------------------------------------------------------
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if method == "POST" and path == "/v1/completions":
+            await self._generate(scope, receive, send, chat=False)
+        elif method == "POST" and path == "/v1/chat/completions":
+            await self._generate(scope, receive, send, chat=True)
+        elif method == "GET" and path == "/health":
+            await send_bytes(send, 200, b"")
+        elif method == "GET" and path == "/metrics":
+            await send_bytes(send, 200, self.metrics.render(), CONTENT_TYPE.encode())
+        elif method == "GET" and path == "/v1/models":
+            await send_json(send, 200, self._models())
+        elif method == "POST" and path == "/tokenize":
+            await self._tokenize(receive, send)
+        elif method == "GET" and path == "/emulator/requests":
+            await send_json(send, 200, list(self.requests))
+        elif method == "GET" and path == "/emulator/cancelled":
+            await send_json(send, 200, {"request_ids": list(self.cancelled)})
+        elif method == "GET" and path == "/emulator/state":
+            await send_json(send, 200, self._state())
+        elif method == "POST" and path in ("/emulator/reset", "/reset_prefix_cache"):
+            if path == "/emulator/reset":
+                self.requests.clear()
+                self.cancelled.clear()
+            self.engine.reset_cache()
+            await send_json(send, 200, {"status": "ok"})
+        else:
+            await send_json(send, 404, {"detail": "Not Found"})
+
+    def _models(self) -> dict[str, Any]:
+        model = self.config.model
+        card = {"id": model, "object": "model", "created": self.created, "owned_by": "vllm", "root": model,
+                "parent": None, "max_model_len": self.config.max_model_len, "permission": []}
+        return {"object": "list", "data": [card]}
+
+    def _state(self) -> dict[str, Any]:
+        return {"role": self.config.role.value, "engine_id": self.config.engine_id,
+                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                "cached_blocks": len(self.cache), "kv_usage": self.cache.usage(), "steps": self.engine.steps}
+
+    async def _read_json(self, receive: Receive, send: Send) -> tuple[bool, Any]:
+        try:
+            raw = await read_body(receive, self.config.max_body_bytes)
+        except BodyTooLarge as exc:
+            await send_bytes(send, 413, error_body(ApiError(413, str(exc))))
+            return False, None
+        if raw is None:
+            return False, None
+        try:
+            return True, _decode(raw)
+        except msgspec.DecodeError as exc:
+            await send_bytes(send, 400, error_body(ApiError(400, f"Invalid JSON body: {exc}")))
+            return False, None
+
+    async def _tokenize(self, receive: Receive, send: Send) -> None:
+        ok, body = await self._read_json(receive, send)
+        if not ok:
+            return
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            tokens = self.tokenizer.apply_chat_template(body["messages"])
+        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            tokens = self.tokenizer.encode(body["prompt"])
+        else:
+            await send_bytes(send, 400, error_body(ApiError(400, "Provide `prompt` (a string) or `messages`.")))
+            return
+        await send_json(send, 200, tokenize_response(tokens, self.config.max_model_len))
+
+    # -- generation ----------------------------------------------------------------------------
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
+        ok, body = await self._read_json(receive, send)
+        if not ok:
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        self.requests.append({"path": scope["path"], "headers": headers, "body": body, "time": time.time()})
+        base_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        try:
+            req = parse_request(chat, body, tokenizer=self.tokenizer, served_model=self.config.model,
+                                max_model_len=self.config.max_model_len,
+                                default_max_tokens=self.config.default_max_tokens)
+        except ApiError as err:
+            await send_bytes(send, err.status, error_body(err), headers=[(b"x-request-id", base_id.encode())])
+            return
+        plan = plan_leg(self.config.role, self.config.pd_protocol, body)
+        response_id = ("chatcmpl-" if chat else "cmpl-") + base_id
+        seq = self.engine.submit(response_id, req.prompt_ids, 1 if plan.force_one_token else req.max_tokens,
+                                 self._remote_wait(plan))
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive, seq, base_id, plan))
+        renderer = Renderer(chat, response_id, int(time.time()), req.model)
+        extra = [(b"x-request-id", base_id.encode())]
+        try:
+            if req.stream:
+                await self._stream(send, seq, req, renderer, plan, extra)
+            else:
+                await self._complete(send, seq, req, renderer, plan, extra)
+        finally:
+            watcher.cancel()
+
+    def _remote_wait(self, plan: LegPlan) -> RemoteWait | None:
+        if plan.remote_ready:
+            return _ready
+        url = plan.wait_url
+        if url is None:
+            return None
+        session = self._session
+        assert session is not None, "startup() not run"
+        deadline = self.config.remote_wait_s
+        return lambda: wait_for_prefill(session, url, deadline)
+
+    async def _watch(self, receive: Receive, seq: Sequence, base_id: str, plan: LegPlan) -> None:
+        """Abort the sequence when the client disconnects before it finished."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if not seq.finished and not seq.aborted:
+            self.engine.abort(seq)
+            self.cancelled.append(base_id)
+            self._publish(plan, seq, aborted=True)
+
+    def _publish(self, plan: LegPlan, seq: Sequence, *, aborted: bool = False) -> None:
+        if plan.publish_key is not None:
+            self.registry.publish(TransferDone(plan.publish_key, "aborted" if aborted else "done",
+                                               seq.prompt_tokens, seq.cached_tokens, self.config.engine_id))
+
+    def _usage(self, seq: Sequence) -> dict[str, Any]:
+        return usage(seq.prompt_tokens, seq.generated, seq.cached_tokens + seq.external_tokens)
+
+    async def _complete(self, send: Send, seq: Sequence, req: ParsedRequest, renderer: Renderer,
+                        plan: LegPlan, extra: list[tuple[bytes, bytes]]) -> None:
+        first = True
+        while await seq.tokens.get() is not None:
+            if first:
+                first = False
+                self._publish(plan, seq)
+        if seq.aborted:
+            return
+        kv_params = self.nixl.params(seq.request_id, seq.prompt_tokens) if plan.nixl_prefill else None
+        await send_bytes(send, 200, renderer.full(seq.generated, self._usage(seq), kv_params), headers=extra)
+
+    async def _stream(self, send: Send, seq: Sequence, req: ParsedRequest, renderer: Renderer,
+                      plan: LegPlan, extra: list[tuple[bytes, bytes]]) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra]})
+        last_index = seq.max_tokens - 1
+        first = True
+        while (k := await seq.tokens.get()) is not None:
+            chunk = renderer.chunk(k, k == last_index)
+            if first:
+                first = False
+                self._publish(plan, seq)
+                if req.chat:
+                    chunk = renderer.role_chunk() + chunk
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if seq.aborted:
+            return
+        tail = renderer.usage_chunk(self._usage(seq)) + DONE if req.include_usage else DONE
+        await send({"type": "http.response.body", "body": tail, "more_body": False})

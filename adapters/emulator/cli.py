@@ -1,0 +1,114 @@
+"""`conductor emulate ...`: run one emulated vLLM instance (and its bootstrap server) in this process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from adapters.emulator.app import EmulatorApp
+from adapters.emulator.bootstrap import BootstrapApp
+from adapters.emulator.config import EmulatorConfig, _engine_id
+from adapters.emulator.protocols import PdProtocol, Role
+from conductor.vllm_hash import HASH_ALGOS
+
+log = logging.getLogger("adapters.emulator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conductor emulate", description="Run an emulated vLLM worker.")
+    p.add_argument("--role", choices=[r.value for r in Role], default="mixed")
+    p.add_argument("--pd-protocol", choices=[x.value for x in PdProtocol], default="nixl")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="emulated", help="served model name")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--bootstrap-port", type=int, default=None,
+                   help="prefill role, mooncake/sglang: serve the bootstrap server on this port")
+    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replays")
+    p.add_argument("--kv-events-topic", default="")
+    p.add_argument("--profile", default=None, help="YAML/JSON timing profile (default: bundled Qwen3-8B/H800)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration")
+    p.add_argument("--noise", type=float, default=0.0, help="sigma of multiplicative lognormal noise")
+    p.add_argument("--seed", type=int, default=None, help="seed of the timing noise")
+    p.add_argument("--kv-capacity-tokens", type=int, default=1_000_000)
+    p.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
+    p.add_argument("--hash-seed", default=None, help="NONE_HASH seed (default: PYTHONHASHSEED, else vLLM's)")
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--max-model-len", type=int, default=131_072)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--side-channel-port", type=int, default=5600)
+    p.add_argument("--remote-wait-s", type=float, default=120.0)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    return EmulatorConfig(
+        role=Role(args.role), pd_protocol=PdProtocol(args.pd_protocol), host=args.host, port=args.port,
+        model=args.model, block_size=args.block_size, bootstrap_port=args.bootstrap_port,
+        kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic, profile_path=args.profile, time_scale=args.time_scale,
+        noise=args.noise, seed=args.seed, kv_capacity_tokens=args.kv_capacity_tokens, hash_algo=args.hash_algo,
+        hash_seed=args.hash_seed, engine_id=args.engine_id or _engine_id(), max_model_len=args.max_model_len,
+        default_max_tokens=args.default_max_tokens, max_num_seqs=args.max_num_seqs,
+        side_channel_port=args.side_channel_port, remote_wait_s=args.remote_wait_s,
+    )
+
+
+def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, http="httptools", loop="uvloop", access_log=False,
+                          log_level=log_level, lifespan="on", timeout_keep_alive=30)
+
+
+class _QuietServer(uvicorn.Server):
+    """The bootstrap server leaves signal handling to the main server (one process, one shutdown)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(config: EmulatorConfig, log_level: str = "warning") -> None:
+    app = EmulatorApp(config)
+    main = uvicorn.Server(_uvicorn_config(app, config.host, config.port, log_level))
+    boot: uvicorn.Server | None = None
+    boot_task: asyncio.Task[None] | None = None
+    if config.bootstrap_port is not None and config.role is Role.PREFILL:
+        worker_addr = f"{config.advertised_host}:{config.side_channel_port}"
+        boot_app = BootstrapApp(app.registry, config.engine_id, worker_addr, config.block_size)
+        boot = _QuietServer(_uvicorn_config(boot_app, config.host, config.bootstrap_port, log_level))
+        boot_task = asyncio.get_running_loop().create_task(boot.serve())
+    log.warning("emulator %s/%s on %s:%d (bootstrap %s, kv events %s)", config.role.value,
+                config.pd_protocol.value, config.host, config.port, config.bootstrap_port,
+                app.publisher.bound_endpoint if app.publisher else None)
+    try:
+        await main.serve()
+    finally:
+        if boot is not None and boot_task is not None:
+            boot.should_exit = True
+            await boot_task
+
+
+def emulate_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    try:
+        import uvloop
+    except ImportError:  # plain asyncio works, a little slower
+        asyncio.run(serve(config, args.log_level))
+    else:
+        uvloop.run(serve(config, args.log_level))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(emulate_main())

@@ -1,0 +1,50 @@
+"""The emulator's settings: one frozen value built from the command line (or by tests)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from adapters.emulator.protocols import PdProtocol, Role
+
+
+def _engine_id() -> str:
+    return str(uuid.uuid4())
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorConfig:
+    """Everything one emulated vLLM instance needs to know."""
+
+    role: Role = Role.MIXED
+    pd_protocol: PdProtocol = PdProtocol.NIXL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "emulated"
+    block_size: int = 16
+    bootstrap_port: int | None = None  # prefill's bootstrap server (mooncake / sglang); None: none
+    kv_events_endpoint: str | None = None  # ZMQ PUB endpoint, e.g. tcp://*:5557; None: no events
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for replays
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000  # replay buffer, in batches
+    profile_path: str | None = None  # YAML/JSON profile; None: the bundled default
+    time_scale: float = 1.0  # every modelled duration is multiplied by this
+    noise: float = 0.0  # sigma of the multiplicative lognormal noise (0: deterministic)
+    seed: int | None = None  # seeds the noise
+    kv_capacity_tokens: int = 1_000_000  # prefix cache capacity
+    hash_algo: str = "sha256"  # vLLM's --prefix-caching-hash-algo (its default is sha256)
+    hash_seed: str | None = None  # NONE_HASH seed; None: PYTHONHASHSEED, else vLLM's default rule
+    engine_id: str = field(default_factory=_engine_id)
+    max_model_len: int = 131_072
+    default_max_tokens: int = 16  # when the request names none (vLLM: 16 for completions)
+    max_num_seqs: int | None = None  # overrides the profile's running batch limit
+    request_log_size: int = 256  # bodies and headers kept for GET /emulator/requests
+    cancelled_log_size: int = 1024  # request ids kept for GET /emulator/cancelled
+    max_body_bytes: int = 64 << 20
+    side_channel_port: int = 5600  # NIXL side channel advertised in kv_transfer_params (VLLM_NIXL_SIDE_CHANNEL_PORT)
+    remote_wait_s: float = 120.0  # how long a decode leg waits for its prefill before prefilling locally
+
+    @property
+    def advertised_host(self) -> str:
+        """The host other instances reach this one at (a wildcard bind advertises loopback)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host

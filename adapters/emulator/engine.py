@@ -1,0 +1,269 @@
+"""The emulated engine: an FCFS prefill queue and a continuously batched decode loop.
+
+One engine step at a time, as vLLM's scheduler runs them: a step takes at most one waiting request
+into prefill (the whole prompt, FCFS; the running batch limit is `max_num_seqs`) and advances every
+running sequence by one token. The step lasts what the profile says:
+  prefill only:      T_prefill(new, cached)
+  decode only:       TBT(batch, resident KV tokens)
+  both:              T_prefill + (TBT - decode_base)  (the decodes ride along in the prefill's batch)
+New sequences join the batch at step boundaries, so queueing delay is real and shows up in TTFT.
+
+A decode leg whose KV comes from a remote prefill (P/D) waits outside the step loop (vLLM's
+WAITING_FOR_REMOTE_KVS): first for the prefill to be done (`remote_wait`), then for the transfer of
+the prompt's uncached KV; then the received blocks land in this instance's prefix cache and the
+sequence joins the batch, its first token sampled at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, events_for
+from adapters.emulator.metrics import EngineMetrics, RequestTimes
+from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
+from adapters.emulator.profile import Profile
+from conductor.vllm_hash import VllmBlockHasher
+
+# Awaited by a remote-KV decode leg before its transfer starts; False means "no remote KV, prefill here".
+RemoteWait = Callable[[], Awaitable[bool]]
+_SPIN_S = 0.0015  # the last stretch of a step is spun on loop.time(): asyncio.sleep overshoots by ~1 ms
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One request inside the engine. `tokens` yields 0, 1, 2... per generated token, then None."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    digests: list[bytes]
+    arrival: float
+    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    cached_tokens: int = 0  # served from this instance's prefix cache
+    external_tokens: int = 0  # received from a remote prefill
+    held_blocks: int = 0  # leading digests this sequence pins in the cache
+    generated: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    aborted: bool = False
+    finished: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+
+class Engine:
+    """Owns the scheduler state; everything runs on the event loop that called `start()`."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        hasher: VllmBlockHasher,
+        cache: PrefixCache,
+        metrics: EngineMetrics,
+        publisher: KvEventPublisher | None = None,
+        *,
+        time_scale: float = 1.0,
+        noise: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        self.profile = profile
+        self.hasher = hasher
+        self.cache = cache
+        self.metrics = metrics
+        self.publisher = publisher
+        self.time_scale = time_scale
+        self.noise = noise
+        self._rng = random.Random(seed)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._remote: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._pending = CacheChanges()
+        self.steps = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        for task in [self._task, *self._remote]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = None
+
+    # -- requests ----------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, remote_wait: RemoteWait | None = None) -> Sequence:
+        loop = asyncio.get_running_loop()
+        seq = Sequence(request_id, prompt, max(1, max_tokens), self.hasher.digests(prompt), loop.time())
+        if remote_wait is None:
+            self.waiting.append(seq)
+            self._wake.set()
+        else:
+            task = loop.create_task(self._receive_remote(seq, remote_wait))
+            self._remote.add(task)
+            task.add_done_callback(self._remote.discard)
+        self.metrics.waiting.set(len(self.waiting) + len(self._remote))
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """The client went away: free the sequence's slot and blocks at once (vLLM aborts likewise)."""
+        if seq.finished or seq.aborted:
+            return
+        seq.aborted = True
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        self.metrics.success_abort.inc()
+        seq.tokens.put_nowait(None)
+        self._update_gauges()
+
+    def reset_cache(self) -> None:
+        """Drop every cached block and announce AllBlocksCleared (vLLM's /reset_prefix_cache)."""
+        self.cache.clear()
+        for seq in [*self.running, *self.waiting]:
+            seq.held_blocks = 0
+        self._pending = CacheChanges()
+        if self.publisher is not None:
+            self.publisher.publish([all_blocks_cleared()])
+
+    # -- timing --------------------------------------------------------------------------------
+    def scaled(self, seconds: float) -> float:
+        """Profile seconds -> wall seconds: time scale times multiplicative lognormal noise (mean 1)."""
+        if self.noise > 0:
+            seconds *= math.exp(self._rng.gauss(-self.noise * self.noise / 2, self.noise))
+        return seconds * self.time_scale
+
+    @staticmethod
+    async def sleep_until(deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        if remaining > _SPIN_S:
+            await asyncio.sleep(remaining - _SPIN_S)
+        while loop.time() < deadline:
+            await asyncio.sleep(0)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        if seq.held_blocks:
+            self.cache.release(seq.digests[: seq.held_blocks])
+            seq.held_blocks = 0
+
+    def _admit(self, seq: Sequence, hit_blocks: int) -> None:
+        """Pin the cache hit and cache (pin) the rest of the prompt's full blocks."""
+        self.cache.acquire(seq.digests[:hit_blocks])
+        held, changes = self.cache.insert(seq.digests, seq.prompt, hit_blocks)
+        seq.held_blocks = hit_blocks + held
+        self._pending.extend(changes)
+
+    def _flush_events(self) -> None:
+        if self.publisher is not None and (self._pending.stored or self._pending.removed):
+            self.publisher.publish(events_for(self._pending, self.cache.block_size))
+        self._pending = CacheChanges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting) + len(self._remote))
+        self.metrics.kv_usage.set(self.cache.usage())
+
+    async def _receive_remote(self, seq: Sequence, remote_wait: RemoteWait) -> None:
+        loop = asyncio.get_running_loop()
+        if not await remote_wait() or seq.aborted:
+            if not seq.aborted:  # no remote KV after all: prefill locally
+                self.waiting.append(seq)
+                self._wake.set()
+            return
+        hit = self.cache.hit_blocks(seq.digests, seq.prompt_tokens)
+        seq.cached_tokens = hit * self.cache.block_size
+        seq.external_tokens = seq.prompt_tokens - seq.cached_tokens
+        await self.sleep_until(loop.time() + self.scaled(self.profile.transfer_s(seq.external_tokens)))
+        if seq.aborted:
+            return
+        self._admit(seq, hit)
+        self._flush_events()  # the received blocks are announced when they land
+        seq.scheduled_at = loop.time()
+        self.metrics.prompt(seq.prompt_tokens, seq.cached_tokens, seq.external_tokens)
+        self.running.append(seq)
+        self._update_gauges()
+        self._wake.set()
+
+    def _emit(self, seq: Sequence, now: float) -> None:
+        """One token for `seq`; finishes it at max_tokens."""
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft.observe(now - seq.arrival)
+        elif seq.last_token_at is not None:
+            self.metrics.itl.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        seq.tokens.put_nowait(seq.generated)
+        seq.generated += 1
+        self.metrics.generation_tokens.inc()
+        if seq.generated >= seq.max_tokens:
+            seq.finished = True
+            self._release(seq)
+            seq.tokens.put_nowait(None)
+            scheduled = seq.scheduled_at if seq.scheduled_at is not None else seq.arrival
+            self.metrics.finished(
+                RequestTimes(
+                    queue_s=scheduled - seq.arrival,
+                    prefill_s=seq.first_token_at - scheduled,
+                    decode_s=now - seq.first_token_at,
+                    e2e_s=now - seq.arrival,
+                    ttft_s=seq.first_token_at - seq.arrival,
+                )
+            )
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        profile = self.profile
+        while True:
+            if not self.waiting and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start = loop.time()
+            prefill: Sequence | None = None
+            if self.waiting and len(self.running) < profile.max_num_seqs:
+                prefill = self.waiting.popleft()
+                hit = self.cache.hit_blocks(prefill.digests, prefill.prompt_tokens)
+                prefill.cached_tokens = hit * self.cache.block_size
+                prefill.scheduled_at = start
+                self._admit(prefill, hit)
+                self.metrics.prompt(prefill.prompt_tokens, prefill.cached_tokens, 0)
+            batch = list(self.running)
+            duration = 0.0
+            if prefill is not None:
+                new = prefill.prompt_tokens - prefill.cached_tokens
+                duration += profile.prefill_s(new, prefill.cached_tokens)
+            if batch:
+                kv = sum(s.prompt_tokens + s.generated for s in batch)
+                step = profile.decode_step_s(len(batch), kv)
+                duration += step - profile.decode_base_s if prefill is not None else step
+            self._update_gauges()
+            await self.sleep_until(start + self.scaled(duration))
+            self.steps += 1
+            now = loop.time()
+            self._flush_events()
+            for seq in batch:
+                if not seq.aborted and not seq.finished:
+                    self._emit(seq, now)
+            self.running = [s for s in self.running if not s.finished and not s.aborted]
+            if prefill is not None and not prefill.aborted:
+                self._emit(prefill, now)
+                if not prefill.finished:
+                    self.running.append(prefill)
+            self._update_gauges()
