@@ -134,7 +134,8 @@ def fit_profiles(
     if per_token is None or per_token <= 0:
         raise ProfileError("KV bytes per token: give kv_bytes, or a profile with prompt_tokens and kv_bytes")
     prior = decode_prior.model(per_token)
-    tbt = _fit_tbt(rows, prior, FitOptions(options.loss, options.f_scale, options.mad_k, prior_weight=1.0))
+    # a light prior: measured rows should decide every direction they vary, the prior only the rest
+    tbt = _fit_tbt(rows, prior, FitOptions(options.loss, options.f_scale, options.mad_k, prior_weight=0.05))
     notes = {
         "prefill": "fitted to TTFT - transfer_ms (P->D handoff predicted separately)",
         "store_link": "copy of the instance link: no store measurements in the profile",

@@ -1,0 +1,116 @@
+"""Online refit: convergence on noisy synthetic data with outliers, bounded windows, p90 coverage,
+error tracking and the queue model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from policies.types import QueuedPrefill
+from predictors import ErrorTracker, OnlineConfig, Predictors, bundled_profile, fit_profiles
+
+TRUE_PREFILL = (0.06, 5.0e-5, 3.0e-10)  # a slower, 70B-class machine than the bundled profile
+TRUE_TBT = (0.012, 2.0e-4, 6.0e-8)
+
+
+def true_prefill(new: int, cached: int) -> float:
+    c0, c1, c2 = TRUE_PREFILL
+    return c0 + c1 * new + c2 * new * (new + 2 * cached)
+
+
+def noisy(rng: random.Random, value: float, sigma: float = 0.05, outlier_p: float = 0.1) -> float:
+    if rng.random() < outlier_p:
+        return value * rng.choice((0.2, 5.0, 10.0))  # stalls, preemptions, clock glitches
+    return value * math.exp(rng.gauss(0.0, sigma))
+
+
+@pytest.fixture()
+def predictors() -> Predictors:
+    return Predictors(fit_profiles([bundled_profile()]), OnlineConfig(window=400, refit_every=50))
+
+
+def test_prefill_refit_converges_despite_outliers(predictors: Predictors) -> None:
+    rng = random.Random(7)
+    before = predictors.prefill_s(8000, 0)
+    for _ in range(600):
+        new = rng.randint(64, 16000)
+        cached = rng.choice((0, 0, rng.randint(0, 16000)))
+        predictors.observe_prefill(new, cached, noisy(rng, true_prefill(new, cached)), "p0")
+    assert predictors.refits >= 10
+    assert predictors.params.prefill.samples <= 400  # fitted on the bounded window only
+    for new, cached in ((128, 0), (2000, 0), (8000, 0), (16000, 0), (1000, 15000)):
+        assert predictors.prefill_s(new, cached) == pytest.approx(true_prefill(new, cached), rel=0.06)
+    assert abs(before - true_prefill(8000, 0)) / true_prefill(8000, 0) > 0.3  # it really moved
+
+
+def test_tbt_refit_replaces_prior(predictors: Predictors) -> None:
+    rng = random.Random(3)
+
+    def tbt(b: int, kv: int) -> float:
+        return TRUE_TBT[0] + TRUE_TBT[1] * b + TRUE_TBT[2] * kv
+
+    prior_error = abs(predictors.tbt_s(32, 100_000) - tbt(32, 100_000)) / tbt(32, 100_000)
+    for _ in range(400):
+        b = rng.randint(1, 128)
+        kv = b * rng.randint(200, 4000)
+        predictors.observe_tbt(b, kv, noisy(rng, tbt(b, kv), sigma=0.03, outlier_p=0.05), "d0")
+    for b, kv in ((1, 1000), (32, 100_000), (128, 400_000)):
+        assert predictors.tbt_s(b, kv) == pytest.approx(tbt(b, kv), rel=0.05)
+    assert prior_error > 0.3
+
+
+def test_p90_bound_covers_about_90_percent(predictors: Predictors) -> None:
+    rng = random.Random(11)
+    for _ in range(400):
+        new = rng.randint(64, 16000)
+        predictors.observe_prefill(new, 0, true_prefill(new, 0) * math.exp(rng.gauss(0, 0.1)), "p0")
+    tracker = ErrorTracker(window=2000)
+    for _ in range(2000):
+        new = rng.randint(64, 16000)
+        actual = true_prefill(new, 0) * math.exp(rng.gauss(0, 0.1))
+        tracker.record(
+            "prefill", "p0", predictors.prefill_s(new, 0), predictors.prefill_p90_s(new, 0), actual
+        )
+    (stats,) = tracker.stats()
+    assert 0.85 <= stats.p90_coverage <= 0.95
+    assert stats.mape == pytest.approx(0.08, abs=0.02)  # E|lognormal(0, 0.1) - 1| ~ 0.08
+    assert stats.bias == pytest.approx(1.0, abs=0.03)
+
+
+def test_offline_fit_p90_comes_from_residuals() -> None:
+    params = fit_profiles([bundled_profile()])
+    assert 1.0 < params.prefill.p90_ratio < 1.1
+
+
+def test_disabled_online_never_refits() -> None:
+    pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(enabled=False))
+    coef = pred.params.prefill.coef
+    for n in range(100, 10000, 50):
+        pred.observe_prefill(n, 0, 10 * true_prefill(n, 0))
+    assert pred.params.prefill.coef == coef and pred.refits == 0
+    assert pred.error_stats()[0].samples > 0  # errors are still tracked
+
+
+def test_error_tracker_is_bounded() -> None:
+    tracker = ErrorTracker(window=5, max_keys=3)
+    for i in range(10):
+        for k in range(7):
+            tracker.record("ttft", f"p{i}", 1.0, 1.2, 1.0 + k / 10)
+    stats = tracker.stats()
+    assert len(tracker) == 3 and {s.instance for s in stats} == {"p7", "p8", "p9"}
+    assert all(s.samples == 5 for s in stats)
+    tracker.record("ttft", "p9", 0.0, 0.0, 1.0)  # nonsense predictions are ignored
+    assert len(tracker) == 3
+
+
+def test_queue_counts_only_what_is_left_of_the_head(predictors: Predictors) -> None:
+    t = predictors.prefill_s
+    q = (QueuedPrefill(4000, 0, 0.05), QueuedPrefill(2000, 1000, 0.01), QueuedPrefill(8000, 0, 0.0))
+    expected = (t(4000, 0) - 0.05) + t(2000, 1000) + t(8000, 0)
+    assert predictors.queue_s(q) == pytest.approx(expected)
+    # a head that has run longer than predicted counts as done, never negative
+    late = (QueuedPrefill(100, 0, 30.0), QueuedPrefill(100, 0, 1.0))
+    assert predictors.queue_s(late) == pytest.approx(t(100, 0))
+    assert predictors.queue_s(()) == 0.0
