@@ -1,0 +1,132 @@
+"""Start emulated vLLM workers as real subprocesses on free loopback ports.
+
+    with start_emulator(role="prefill", pd_protocol="mooncake", kv_events=True, time_scale=0.01) as emu:
+        httpx.post(emu.url + "/v1/completions", json={...})
+
+Every keyword argument that is not one of the helper's own becomes a command-line flag
+(`block_size=32` -> `--block-size 32`). The helper picks the ports (HTTP, bootstrap for a prefill
+instance, KV events PUB / replay when asked), waits for GET /health, and terminates the process at
+exit, printing its log if it died early.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Emulator:
+    """A running emulator: where to reach it and its process."""
+
+    url: str  # http://127.0.0.1:PORT
+    port: int
+    bootstrap_port: int | None  # prefill's bootstrap server (mooncake / sglang)
+    kv_events_endpoint: str | None  # where a subscriber connects: tcp://127.0.0.1:PORT
+    kv_events_replay_endpoint: str | None
+    engine_id: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _flags(opts: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key, value in opts.items():
+        if value is None or value is False:
+            continue
+        out.append("--" + key.replace("_", "-"))
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+@contextmanager
+def start_emulator(
+    role: str = "mixed",
+    pd_protocol: str = "nixl",
+    *,
+    kv_events: bool = False,
+    kv_events_replay: bool = False,
+    bootstrap: bool | None = None,
+    engine_id: str | None = None,
+    startup_timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+    **opts: Any,
+) -> Iterator[Emulator]:
+    port = free_port()
+    bootstrap_port = free_port() if (bootstrap if bootstrap is not None else role == "prefill") else None
+    events = replay = None
+    engine_id = engine_id or f"emu-{role}-{port}"
+    args = [sys.executable, "-m", "adapters.emulator", "--role", role, "--pd-protocol", pd_protocol,
+            "--port", str(port), "--engine-id", engine_id]
+    if bootstrap_port is not None:
+        args += ["--bootstrap-port", str(bootstrap_port)]
+    if kv_events:
+        events_port = free_port()
+        args += ["--kv-events-endpoint", f"tcp://*:{events_port}"]
+        events = f"tcp://127.0.0.1:{events_port}"
+    if kv_events_replay:
+        replay_port = free_port()
+        args += ["--kv-events-replay-endpoint", f"tcp://*:{replay_port}"]
+        replay = f"tcp://127.0.0.1:{replay_port}"
+    args += _flags(opts)
+    log_file = tempfile.NamedTemporaryFile(prefix=f"emulator-{role}-{port}-", suffix=".log", delete=False)
+    proc_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen(args, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env)
+    emu = Emulator(f"http://127.0.0.1:{port}", port, bootstrap_port, events, replay, engine_id, proc,
+                   Path(log_file.name))
+    try:
+        _wait_healthy(emu, startup_timeout)
+        yield emu
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+        os.unlink(log_file.name)
+
+
+def _wait_healthy(emu: Emulator, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if emu.proc.poll() is not None:
+            raise RuntimeError(f"emulator exited with {emu.proc.returncode}:\n{emu.log()}")
+        try:
+            if httpx.get(emu.url + "/health", timeout=1.0).status_code == 200:
+                if emu.bootstrap_port is None or _port_open(emu.bootstrap_port):
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"emulator on {emu.url} not healthy after {timeout}s:\n{emu.log()}")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
