@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from adapters.pd.base import Exchange, Outgoing, cached_tokens_of, decode_json
+from adapters.pd.base import CACHED_TOKENS_RE, Exchange, Outgoing, cached_tokens_of, decode_json
 from conductor.analysis import RequestKind
 from conductor.errors import ConductorError, NoHealthyInstance, UpstreamError
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway, Routed
@@ -29,7 +28,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _MAX_INTERVALS = 256  # token intervals kept per stream for the TBT fit
 
 
@@ -217,7 +215,7 @@ class CompletionsEndpoint:
                     raise exchange.prefill_failed
                 state.response_done = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-                match = _CACHED_RE.search(tail)
+                match = CACHED_TOKENS_RE.search(tail)
                 cached_reported = int(match.group(1)) if match else None
                 ok = True
                 status = upstream.status

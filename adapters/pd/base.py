@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -14,6 +15,7 @@ import msgspec
 from adapters.upstream import Upstream, UpstreamReply, UpstreamStream
 from conductor.errors import UpstreamError
 
+CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
 
@@ -129,6 +131,10 @@ def check_leg(reply: UpstreamReply, target: Target, leg: str) -> Any:
             instance=target.name,
             body=reply.body,
         )
+    if reply.content_type.startswith("text/event-stream"):
+        # SGLang's prefill leg gets the client's body as is, so it may stream: keep its usage only
+        match = CACHED_TOKENS_RE.search(reply.body)
+        return {"usage": {"prompt_tokens_details": {"cached_tokens": int(match.group(1))}}} if match else {}
     try:
         return decode_json(reply.body)
     except msgspec.DecodeError as exc:

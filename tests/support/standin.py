@@ -67,7 +67,7 @@ class StandIn:
         if self.fail_status is not None:
             return await _json(send, self.fail_status, {"error": {"message": "boom", "type": "x", "param": None,
                                                                   "code": self.fail_status}})
-        watcher = asyncio.create_task(_disconnected(receive))
+        watcher = asyncio.create_task(_disconnected(receive, asyncio.current_task()))
         try:
             if self.hang:
                 await asyncio.sleep(3600)
@@ -123,10 +123,11 @@ class StandIn:
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
-async def _disconnected(receive: Any) -> None:
-    # Only a real disconnect ends this; uvicorn cancels the app's sends when it happens.
+async def _disconnected(receive: Any, task: Any) -> None:
+    # Like vLLM: when the client's connection goes away, the request is aborted.
     while (await receive())["type"] != "http.disconnect":
         pass
+    task.cancel()
 
 
 async def _json(send: Any, status: int, payload: Any) -> None:
