@@ -75,8 +75,9 @@ def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> f
 
 def remote_sources(request: RequestView) -> list[tuple[int, str, str]]:
     """(tokens, source, link) of every place a prefix could be pulled from, longest first."""
+    # a store-tier entry is reachable from every instance through the store, whoever it is filed under
     out = [
-        (p.tokens, iid, STORE_LINK if p.tier is Tier.STORE else INSTANCE_LINK)
+        (p.tokens, STORE_SOURCE, STORE_LINK) if p.tier is Tier.STORE else (p.tokens, iid, INSTANCE_LINK)
         for iid, p in request.cached.items()
     ]
     if request.store_cached_tokens > 0:

@@ -1,0 +1,95 @@
+"""SLO admission: reasons, amounts, Retry-After, and prediction-based vs plain early rejection."""
+
+from __future__ import annotations
+
+import pytest
+from cluster_builders import decode, prefill, request, snapshot
+
+from policies.kvcache_aware import KvCacheAwarePolicy
+from policies.least_loaded import LeastLoadedPolicy
+from policies.types import QueuedPrefill, Slo
+from predictors import OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
+
+
+@pytest.fixture(scope="module")
+def params() -> PredictorParams:
+    return fit_profiles([bundled_profile()])
+
+
+def policy(params: PredictorParams, admission: str = "predicted") -> KvCacheAwarePolicy:
+    return KvCacheAwarePolicy(admission=admission, predictors=Predictors(params, OnlineConfig(enabled=False)))
+
+
+def test_ttft_rejection_says_by_how_much_and_when_to_retry(params: PredictorParams) -> None:
+    cluster = snapshot(prefill("p0", queued=30), prefill("p1", queued=25), decode("d0"))
+    d = policy(params).decide(request(slo=Slo(ttft_s=1.0)), cluster)
+    r = d.rejection
+    assert r is not None and r.reason == "ttft_slo"
+    assert d.prefill is None and d.decode is None
+    assert r.slo_s == 1.0 and r.predicted_s == d.predicted_ttft_s and r.predicted_s is not None
+    excess = r.predicted_s - 1.0
+    assert excess > 2.0
+    assert r.retry_after_s == pytest.approx(excess)  # the queue must drain by the excess
+    assert "TTFT SLO 1.000s" in r.message and f"by {excess:.3f}s" in r.message and "p1" in r.message
+
+
+def test_ttft_slo_no_idle_instance_can_meet(params: PredictorParams) -> None:
+    d = policy(params).decide(request(slo=Slo(ttft_s=0.05)), snapshot(prefill("p0"), decode("d0")))
+    assert d.rejection is not None and d.rejection.reason == "ttft_slo"
+    assert "own prefill" in d.rejection.message and d.rejection.retry_after_s == 1.0
+
+
+def test_tbt_rejection(params: PredictorParams) -> None:
+    heavy = decode("d0", streams=300, context=6000, remaining=4000)
+    for mode in ("early", "predicted"):
+        d = policy(params, mode).decide(
+            request(slo=Slo(ttft_s=5.0, tbt_s=0.05)), snapshot(prefill("p0"), heavy)
+        )
+        r = d.rejection
+        assert r is not None and r.reason == "tbt_slo", mode
+        assert r.predicted_s is not None and r.predicted_s > 0.05 and r.slo_s == 0.05
+        assert "TBT SLO 50.00ms" in r.message and "d0" in r.message
+        assert 1.0 < r.retry_after_s <= 60.0
+
+
+def test_prediction_based_admits_what_plain_early_rejection_refuses(params: PredictorParams) -> None:
+    # decode is overloaded now (~114 ms a step), but every stream has 1 token left: gone before this request's
+    # ~0.2 s prefill is done. Plain early rejection (load now) refuses; prediction-based admits.
+    draining = decode("d0", streams=300, context=6000, remaining=1)
+    cluster = snapshot(prefill("p0"), draining)
+    req = request(slo=Slo(ttft_s=2.0, tbt_s=0.04))
+    early = policy(params, "early").decide(req, cluster)
+    assert early.rejection is not None and early.rejection.reason == "tbt_slo"
+    predicted = policy(params, "predicted").decide(req, cluster)
+    assert not predicted.rejected and predicted.decode == "d0"
+    assert predicted.predicted_tbt_s is not None and predicted.predicted_tbt_s < 0.04
+    assert predicted.candidates[-1].detail["batch"] == 1.0  # only this request left on d0
+    none = policy(params, "none").decide(req, cluster)
+    assert not none.rejected
+
+
+def test_prediction_counts_prefills_that_will_have_joined(params: PredictorParams) -> None:
+    # p1 finishes 40 short prefills before this request's long one: they reach decode first
+    shorts = tuple(QueuedPrefill(256, 0, 0.0) for _ in range(40))
+    busy_p1 = prefill("p1")
+    busy_p1 = type(busy_p1)(busy_p1.id, busy_p1.role, prefill_queue=shorts)
+    cluster = snapshot(prefill("p0"), busy_p1, decode("d0"), decode("d1"))
+    d = policy(params, "predicted").decide(request(prompt=32000), cluster)
+    batch = d.candidates[-1].detail["batch"]
+    assert batch > 1.0  # a share of the joined prefills plus this request
+    assert d.predicted_tbt_s is not None
+    early = policy(params, "early").decide(request(prompt=32000), cluster)
+    assert early.predicted_tbt_s is not None and early.predicted_tbt_s < d.predicted_tbt_s
+
+
+def test_baselines_admit_everything_unless_asked(params: PredictorParams) -> None:
+    heavy = decode("d0", streams=300, context=6000, remaining=4000)
+    req = request(slo=Slo(ttft_s=5.0, tbt_s=0.05))
+    assert not LeastLoadedPolicy().decide(req, snapshot(prefill("p0"), heavy)).rejected
+    d = LeastLoadedPolicy(admission="early").decide(req, snapshot(prefill("p0"), heavy))
+    assert d.rejection is not None and d.rejection.reason == "tbt_slo"
+
+
+def test_bad_admission_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="admission must be one of"):
+        KvCacheAwarePolicy(admission="sometimes")

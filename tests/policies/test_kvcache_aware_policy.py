@@ -1,0 +1,175 @@
+"""The KVCache-aware policy: where it sends a request, when it pulls a prefix, how it learns."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+from cluster_builders import decode, prefill, request, snapshot
+
+from policies.estimate import pull_threshold
+from policies.kvcache_aware import KvCacheAwarePolicy
+from policies.types import ActiveDecode, CachedPrefix, InstanceView, Observation, Role, Slo, Tier
+from predictors import LinearModel, OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
+
+
+@pytest.fixture(scope="module")
+def params() -> PredictorParams:
+    return fit_profiles([bundled_profile()])
+
+
+def with_link(params: PredictorParams, latency_s: float, bytes_per_s: float) -> PredictorParams:
+    link = LinearModel((latency_s, 1.0 / bytes_per_s))
+    return replace(params, transfer=MappingProxyType({"instance": link, "store": link}))
+
+
+def policy(params: PredictorParams, **kw: object) -> KvCacheAwarePolicy:
+    return KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig(enabled=False)), **kw)  # type: ignore[arg-type]
+
+
+def test_busy_holder_pull_prefix_to_idle_instance_when_transfer_is_cheap(params: PredictorParams) -> None:
+    # p0 holds 6144 of the 8192 prompt tokens but has ~0.7 s of prefill queued; p1 is idle
+    cluster = snapshot(prefill("p0", queued=4), prefill("p1"), decode("d0"))
+    d = policy(params).decide(request(cached={"p0": 6144}), cluster)
+    assert (d.prefill, d.decode, d.pull_from, d.pull_tokens) == ("p1", "d0", "p0", 6144)
+    p0, p1 = d.candidates[0], d.candidates[1]
+    assert (
+        p0.detail["queue_s"] > 0.5 and p0.detail["pulled_tokens"] == 0 and p0.detail["cached_tokens"] == 6144
+    )
+    assert p1.detail["pulled_tokens"] == 6144 and 0 < p1.detail["transfer_s"] < 0.05
+    # TTFT is the sum of its parts, and the decision carries the winner's
+    parts = ("transfer_s", "queue_s", "prefill_s", "handoff_s")
+    assert p1.predicted_ttft_s == pytest.approx(sum(p1.detail[k] for k in parts))
+    assert d.predicted_ttft_s == p1.predicted_ttft_s < p0.predicted_ttft_s
+
+
+def test_busy_holder_recompute_elsewhere_when_transfer_is_dear(params: PredictorParams) -> None:
+    slow = with_link(params, 0.005, 1e9)  # 1 GB/s: 6144 tokens of KV take ~0.9 s to move
+    cluster = snapshot(prefill("p0", queued=4), prefill("p1"), decode("d0"))
+    d = policy(slow).decide(request(cached={"p0": 6144}), cluster)
+    assert (d.prefill, d.pull_from, d.pull_tokens) == ("p1", None, 0)
+    p1 = d.candidates[1]
+    assert p1.detail["transfer_s"] == 0 and p1.detail["cached_tokens"] == 0
+
+
+def test_idle_holder_keeps_its_prefix(params: PredictorParams) -> None:
+    cluster = snapshot(prefill("p0"), prefill("p1"), decode("d0"))
+    d = policy(params).decide(request(cached={"p1": 6144}), cluster)
+    assert (d.prefill, d.pull_from, d.pull_tokens) == ("p1", None, 0)
+
+
+def test_pull_threshold_is_the_derived_break_even(params: PredictorParams) -> None:
+    mid = with_link(params, 0.005, 10e9)
+    pred = Predictors(mid)
+    d_star = pull_threshold(pred, 0)
+    assert 200 < d_star < 5000
+    assert pull_threshold(pred, 6000) < d_star  # a longer local context makes recomputing dearer
+    cluster = snapshot(prefill("p0"), prefill("p1", queued=20), decode("d0"))
+    for prefix, pulls in ((math.ceil(d_star) + 64, True), (math.floor(d_star) - 64, False)):
+        d = policy(mid).decide(request(cached={"p1": prefix}), cluster)
+        assert d.prefill == "p0"
+        assert (d.pull_tokens > 0) is pulls, (prefix, d_star)
+
+
+def test_store_prefix_pulled_over_the_store_link(params: PredictorParams) -> None:
+    store_only = replace(
+        params, transfer=MappingProxyType({**params.transfer, "store": LinearModel((0.001, 1e-11))})
+    )
+    d = policy(store_only).decide(request(store=4096), snapshot(prefill("p0"), decode("d0")))
+    assert (d.pull_from, d.pull_tokens) == ("store", 4096)
+    # a store-tier entry in the index counts as remote too, never as local reuse
+    d = policy(params).decide(
+        request(cached={"p0": CachedPrefix(4096, Tier.STORE)}), snapshot(prefill("p0"), decode("d0"))
+    )
+    assert d.pull_tokens == 4096 and d.pull_from == "store"
+
+
+def test_no_pull_option(params: PredictorParams) -> None:
+    cluster = snapshot(prefill("p0", queued=4), prefill("p1"), decode("d0"))
+    d = policy(params, allow_pull=False).decide(request(cached={"p0": 6144}), cluster)
+    assert d.pull_tokens == 0 and d.pull_from is None
+
+
+def test_decode_with_lowest_predicted_tbt(params: PredictorParams) -> None:
+    cluster = snapshot(prefill("p0"), decode("d0", streams=64, remaining=5000), decode("d1", streams=8))
+    d = policy(params).decide(request(), cluster)
+    assert d.decode == "d1"
+    d0, d1 = d.candidates[1], d.candidates[2]
+    assert d0.predicted_tbt_s is not None and d1.predicted_tbt_s is not None
+    assert d1.predicted_tbt_s < d0.predicted_tbt_s and d.predicted_tbt_s == d1.predicted_tbt_s
+
+
+def test_mixed_workers_check_tbt_on_the_same_worker(params: PredictorParams) -> None:
+    busy = tuple(ActiveDecode(8000, 5000) for _ in range(200))
+    m0 = InstanceView("m0", Role.MIXED, decodes=busy)
+    m1 = InstanceView("m1", Role.MIXED)
+    cluster = snapshot(m0, m1)
+    # m0 holds the prefix: fastest TTFT, but its decode batch would break the TBT SLO
+    d = policy(params).decide(request(cached={"m0": 8000}, slo=Slo(ttft_s=5.0, tbt_s=0.05)), cluster)
+    assert (d.prefill, d.decode) == ("m1", None) and not d.rejected
+    d = policy(params).decide(request(cached={"m0": 8000}), cluster)
+    assert d.prefill == "m0" and d.pull_tokens == 0
+
+
+def test_unhealthy_and_missing_pools(params: PredictorParams) -> None:
+    sick = replace(prefill("p1"), healthy=False)
+    d = policy(params).decide(
+        request(cached={"p1": 8000}), snapshot(prefill("p0", queued=10), sick, decode("d0"))
+    )
+    assert d.prefill == "p0"  # never an unhealthy one, however good its cache (but it may pull from it)
+    d = policy(params).decide(request(), snapshot(prefill("p0")))
+    assert d.rejected and d.rejection is not None and d.rejection.reason == "no_instance"
+
+
+def test_observations_refit_predictors_and_track_errors(params: PredictorParams) -> None:
+    pol = KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig(refit_every=8, min_samples=8)))
+    cluster = snapshot(prefill("p0"), decode("d0", streams=4))
+    before = pol.predictors.prefill_s(4000, 0)
+    for i in range(24):  # the machine is twice as slow as the profile says
+        req = request(prompt=4000, rid=f"r{i}")
+        d = pol.decide(req, cluster)
+        assert d.predicted_ttft_s is not None
+        leg = 2 * pol.predictors.prefill_s(4000, 0)
+        pol.observe(
+            Observation(
+                req.request_id,
+                d.prefill,
+                d.decode,
+                4000,
+                0,
+                0,
+                leg,
+                leg + 0.01,
+                token_intervals_s=(0.02,) * 10,
+                output_tokens=10,
+                decode_batch=4,
+                decode_resident_kv_tokens=8000,
+            )
+        )
+    assert pol.predictors.refits >= 2
+    assert pol.predictors.prefill_s(4000, 0) > 1.5 * before
+    comps = {s.component for s in pol.error_stats()}
+    assert {"prefill", "queue_and_prefill", "ttft", "tbt", "tbt_at_decision"} <= comps
+
+
+def test_queued_dispatches_do_not_teach_the_prefill_model(params: PredictorParams) -> None:
+    pol = KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig(refit_every=4, min_samples=4)))
+    cluster = snapshot(prefill("p0", queued=6), decode("d0"))
+    for i in range(12):
+        req = request(prompt=4000, rid=f"q{i}")
+        d = pol.decide(req, cluster)
+        pol.observe(Observation(req.request_id, d.prefill, d.decode, 4000, 0, 0, 1.5, 1.5))  # ~1.2 s queued
+    assert pol.predictors.refits == 0  # queue at dispatch dominated every leg: no prefill samples
+    assert any(s.component == "queue_and_prefill" for s in pol.error_stats())
+
+
+def test_pending_predictions_are_bounded(params: PredictorParams) -> None:
+    pol = policy(params, max_pending=4)
+    cluster = snapshot(prefill("p0"), decode("d0"))
+    for i in range(10):
+        pol.decide(request(rid=f"b{i}"), cluster)
+    assert len(pol._pending) == 4 and "b9" in pol._pending and "b0" not in pol._pending
+    pol.observe(Observation("b0", "p0", "d0", 8192, 0, 0, 0.5, 0.5))  # forgotten: ignored, no error
+    assert pol.error_stats() == ()
