@@ -1,0 +1,72 @@
+"""One typed settings object: defaults < YAML < environment < flags, with errors that name the field."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from conductor.cli import add_serve_args, settings_from_args
+from conductor.errors import ConfigError, PluginError
+from conductor.settings import load_settings
+from policies.registry import load_policy
+from policies.types import Role
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(argv)
+
+
+def test_router_style_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.environ", {})
+    s = settings_from_args(_args([
+        "--prefill", "http://p0:8100", "8998", "--prefill", "http://p1:8100", "none",
+        "--decode", "http://d0:8200", "--decode", "http://d1:8200/", "--pd-protocol", "nixl",
+    ]))
+    assert [(i.name, i.url, i.bootstrap_port) for i in s.instances()] == [
+        ("prefill-0", "http://p0:8100", 8998), ("prefill-1", "http://p1:8100", None),
+        ("decode-0", "http://d0:8200", None), ("decode-1", "http://d1:8200", None),
+    ]
+    # mooncake needs every prefill's bootstrap port: that is checked here, not per request
+    with pytest.raises(ConfigError, match="bootstrap port"):
+        settings_from_args(_args(["--prefill", "http://p1:8100", "--decode", "http://d0:8200",
+                                  "--pd-protocol", "mooncake"]))
+
+
+def test_precedence_yaml_env_flags(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "port: 9000\npolicy: round_robin\nslo: {ttft_s: 5, tbt_s: 0.2}\n"
+        "prefill: [{url: 'http://p:1', bootstrap_port: 7}]\ndecode: ['http://d:2']\n"
+    )
+    s = load_settings(cfg, environ={"CONDUCTOR_PORT": "9100", "CONDUCTOR_SLO__TBT_S": "0.1"},
+                      overrides={"port": 9200})
+    assert s.port == 9200  # flag beats env beats file
+    assert s.slo.ttft_s == 5 and s.slo.tbt_s == 0.1  # env overrides one nested field, the file the other
+    assert s.prefill[0].bootstrap_port == 7 and s.decode[0].role is Role.DECODE
+
+
+def test_errors_name_the_field(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="port"):
+        load_settings(environ={"CONDUCTOR_PORT": "not-a-port"})
+    with pytest.raises(ConfigError, match="http"):
+        load_settings(environ={}, overrides={"decode": ["ftp://x"]})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nonsense_field: 1\n")
+    with pytest.raises(ConfigError, match="nonsense_field"):
+        load_settings(bad, environ={})
+
+
+def test_unknown_policy_fails_loudly() -> None:
+    with pytest.raises(PluginError, match="not registered"):
+        load_policy("no_such_policy")
+
+
+def test_settings_are_frozen() -> None:
+    s = load_settings(environ={})
+    with pytest.raises(Exception):
+        s.port = 1  # type: ignore[misc]
