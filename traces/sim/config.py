@@ -22,7 +22,8 @@ class SimConfig:
     noise: float = 0.05  # sigma of the lognormal noise on every prefill and decode step (0 = exact)
     seed: int = 0
     model: str = "sim-model"
-    snapshot_refresh_s: float = 0.5  # decode views are rebuilt at least this often (token counts)
+    snapshot_refresh_s: float = 0.1  # views handed to policies are rebuilt at least this often
+    max_prefill_queue: int = 256  # prefills queued on one instance; past it: rejected ("queue_full")
     observe: bool = True  # feed simulated outcomes back to policy.observe()
 
     def __post_init__(self) -> None:

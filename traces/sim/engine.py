@@ -44,7 +44,7 @@ from traces.sim.config import SimConfig
 from traces.sim.results import Dist, PredictionError, RunResult
 
 _PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK = range(4)
-MAX_QUEUE = 100_000  # per-instance bound; past it requests are rejected ("queue_full")
+MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
 
 
 class Simulator:
@@ -115,16 +115,22 @@ class Simulator:
         assert isinstance(view, InstanceView)
         return view
 
-    def _snapshot(self) -> ClusterSnapshot:
+    def _prefill_view(self, p: PrefillInstance) -> InstanceView:
+        # Rebuilt when the queue changed or the cached elapsed times are older than the refresh
+        # interval: building every queue for every arrival is quadratic under overload.
         now = self.now
-        views = [
-            InstanceView(
+        if p.view is None or p.view_version != p.version or now - p.view_at > self.cfg.snapshot_refresh_s:
+            p.view = InstanceView(
                 id=p.id, role=Role.PREFILL,
                 prefill_queue=tuple(QueuedPrefill(j.est_new, j.est_cached, now - j.dispatch) for j in p.queue),
                 waiting_requests=len(p.queue) - (1 if p.running else 0),
             )
-            for p in self.prefills
-        ]
+            p.view_at, p.view_version = now, p.version
+        return p.view
+
+    def _snapshot(self) -> ClusterSnapshot:
+        now = self.now
+        views = [self._prefill_view(p) for p in self.prefills]
         views += [self._decode_view(d) for d in self.decodes]
         return ClusterSnapshot(now=now, instances=tuple(views))
 
@@ -141,7 +147,7 @@ class Simulator:
             self.rejections["invalid_decision"] += 1
             return
         p, d = self.prefills[p_idx], self.decodes[d_idx]
-        if len(p.queue) >= MAX_QUEUE or len(d.assigned) >= MAX_QUEUE:
+        if len(p.queue) >= self.cfg.max_prefill_queue or len(d.assigned) >= MAX_QUEUE:
             self.rejections["queue_full"] += 1
             return
         job.prefill, job.decode, job.dispatch = p_idx, d_idx, self.now
@@ -153,6 +159,7 @@ class Simulator:
         job.est_cached = min(max(local_tokens, job.pull_tokens), job.req.input_length - 1)
         job.est_new = job.req.input_length - job.est_cached
         p.queue.append(job)
+        p.version += 1
         d.assigned[job.seq] = job
         d.version += 1
         if len(p.queue) == 1:
@@ -205,6 +212,7 @@ class Simulator:
     def _prefill_done(self, p_idx: int) -> None:
         p = self.prefills[p_idx]
         job = p.queue.popleft()
+        p.version += 1
         p.running = False
         job.prefill_done = self.now
         p.cache.touch(job.req.hash_ids)
