@@ -21,7 +21,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.emulator import start_emulator  # noqa: E402
+from tests.support.emulator import start_emulator
 
 GOAL_RPS = 200.0
 
@@ -67,10 +67,11 @@ def main() -> int:
     with start_emulator("mixed", time_scale=args.time_scale, max_num_seqs=max(args.clients, 256)) as emu:
         try:
             import uvloop
-            runner = uvloop.run
         except ImportError:
-            runner = asyncio.run
-        elapsed, lat, n_tok = runner(run(emu.url + "/v1/completions", args.clients, args.requests, args.tokens))
+            result = asyncio.run(run(emu.url + "/v1/completions", args.clients, args.requests, args.tokens))
+        else:
+            result = uvloop.run(run(emu.url + "/v1/completions", args.clients, args.requests, args.tokens))
+        elapsed, lat, n_tok = result
     rps = args.requests / elapsed
     print(f"emulator: {args.requests} streamed requests x {args.tokens} tokens, {args.clients} clients, "
           f"time scale {args.time_scale}, {os.cpu_count()} CPUs (client and server share them)")

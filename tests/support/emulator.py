@@ -92,7 +92,10 @@ def start_emulator(
         args += ["--kv-events-replay-endpoint", f"tcp://*:{replay_port}"]
         replay = f"tcp://127.0.0.1:{replay_port}"
     args += _flags(opts)
-    log_file = tempfile.NamedTemporaryFile(prefix=f"emulator-{role}-{port}-", suffix=".log", delete=False)
+    # closed in the finally below, after the process that writes it has exited
+    log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115
+        prefix=f"emulator-{role}-{port}-", suffix=".log", delete=False
+    )
     proc_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(args, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env)
     emu = Emulator(f"http://127.0.0.1:{port}", port, bootstrap_port, events, replay, engine_id, proc,
@@ -117,9 +120,9 @@ def _wait_healthy(emu: Emulator, timeout: float) -> None:
         if emu.proc.poll() is not None:
             raise RuntimeError(f"emulator exited with {emu.proc.returncode}:\n{emu.log()}")
         try:
-            if httpx.get(emu.url + "/health", timeout=1.0).status_code == 200:
-                if emu.bootstrap_port is None or _port_open(emu.bootstrap_port):
-                    return
+            healthy = httpx.get(emu.url + "/health", timeout=1.0).status_code == 200
+            if healthy and (emu.bootstrap_port is None or _port_open(emu.bootstrap_port)):
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.05)

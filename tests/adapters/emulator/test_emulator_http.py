@@ -151,7 +151,7 @@ def test_metrics_carry_vllm_names_and_count(mixed: Emulator, client: httpx.Clien
     for _ in range(2):
         client.post(mixed.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3}).raise_for_status()
     text = client.get(mixed.url + "/metrics").text
-    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert types[gauge] == "gauge"
     for counter in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
