@@ -1,8 +1,10 @@
-"""Helpers shared by the built-in policies."""
+"""Helpers shared by the built-in policies, and decisions as log records (`decision_log_record`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 from policies.types import (
     CandidateScore,
@@ -83,3 +85,49 @@ def decided(
     return Decision(
         request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates
     )
+
+
+# ---- decisions as log records: plain JSON-safe dicts, never prompt text (a Decision holds none)
+
+
+def _num(x: float | None) -> float | None:
+    if x is None or not math.isfinite(x):
+        return None
+    return round(x, 6)
+
+
+def _candidate(c: CandidateScore) -> dict[str, Any]:
+    out: dict[str, Any] = {"instance": c.instance_id, "role": c.role.value, "score": _num(c.score)}
+    if c.predicted_ttft_s is not None:
+        out["predicted_ttft_s"] = _num(c.predicted_ttft_s)
+    if c.predicted_tbt_s is not None:
+        out["predicted_tbt_s"] = _num(c.predicted_tbt_s)
+    for key, value in c.detail.items():
+        out[key] = _num(value)
+    return out
+
+
+def decision_log_record(decision: Decision) -> dict[str, Any]:
+    """One structured log line for the gateway's decision logger."""
+    record: dict[str, Any] = {
+        "request_id": decision.request_id,
+        "policy": decision.policy,
+        "prefill": decision.prefill,
+        "decode": decision.decode,
+        "rejected": decision.rejected,
+        "predicted_ttft_s": _num(decision.predicted_ttft_s),
+        "predicted_tbt_s": _num(decision.predicted_tbt_s),
+        "pull_from": decision.pull_from,
+        "pull_tokens": decision.pull_tokens,
+        "candidates": [_candidate(c) for c in decision.candidates],
+    }
+    r = decision.rejection
+    if r is not None:
+        record["rejection"] = {
+            "reason": r.reason,
+            "message": r.message,
+            "predicted_s": _num(r.predicted_s),
+            "slo_s": _num(r.slo_s),
+            "retry_after_s": _num(r.retry_after_s),
+        }
+    return record

@@ -6,7 +6,7 @@ import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
 from policies.kvcache_aware import KvCacheAwarePolicy
-from policies.least_loaded import LeastLoadedPolicy
+from policies.simple import LeastLoadedPolicy
 from policies.types import QueuedPrefill, Slo
 from predictors import OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
 

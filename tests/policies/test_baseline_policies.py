@@ -8,10 +8,9 @@ import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
 from policies.dynamo_kv import DynamoKvPolicy
-from policies.least_loaded import LeastLoadedPolicy
 from policies.llmd import LlmdPolicy
-from policies.random_policy import RandomPolicy
 from policies.sglang_cache_aware import SglangCacheAwarePolicy
+from policies.simple import LeastLoadedPolicy, RandomPolicy
 from policies.types import CachedPrefix, InstanceView, Role, Tier
 
 

@@ -8,7 +8,7 @@ import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
 from policies import RECOMMENDED_POLICY
-from policies.records import decision_log_record
+from policies.base import decision_log_record
 from policies.registry import available_policies, load_policy
 from policies.types import InstanceView, Role, Slo
 

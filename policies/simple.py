@@ -1,15 +1,39 @@
-"""Least loaded: FAST'25 Fig. 5's "Load balancing" baseline, "the instance with the lightest load".
+"""The two simplest baselines of FAST'25 Fig. 5: "Random" and "Load balancing".
 
-Prefill load is the prefill work queued there (tokens still to compute), decode load the number of
-streams; ties go to the fewer queued requests / less resident KV, then to the earlier instance in the
-snapshot. Mixed workers weigh both: queued prefill tokens first, then streams.
+* `random`: a uniformly random prefill and decode instance. Seeded, so a simulation replays the
+  same choices; `seed=None` draws from the OS.
+* `least_loaded`: "the instance with the lightest load". Prefill load is the prefill work queued
+  there (tokens still to compute), decode load the number of streams; ties go to fewer queued
+  requests / less resident KV, then to the earlier instance in the snapshot. Mixed workers weigh
+  queued prefill tokens first, then streams.
 """
 
 from __future__ import annotations
 
+import random
+
 from policies.admission import BaselineAdmission
 from policies.base import BasePolicy, decided, missing_pool, pools
 from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
+
+
+class RandomPolicy(BasePolicy):
+    name = "random"
+
+    def __init__(
+        self, seed: int | None = 0, admission: str = "none", predictor_params: str | None = None
+    ) -> None:
+        self._rng = random.Random(seed)
+        self._guard = BaselineAdmission(admission, predictor_params)
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        prefill, decode, disaggregated = pools(cluster)
+        missing = missing_pool(request, self.name, prefill, decode, disaggregated)
+        if missing is not None:
+            return missing
+        p = self._rng.choice(prefill).id
+        d = self._rng.choice(decode).id if disaggregated else None
+        return decided(request, self.name, p, d, rejection=self._guard.check(request, cluster, p, d))
 
 
 def prefill_load(inst: InstanceView) -> tuple[int, int, int]:
