@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,9 +100,13 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1000:.1f}ms" if x < 1 else f"{x:.2f}s"
 
 
+def _spread(values: Iterable[float]) -> str:
+    vals = list(values)
+    return f"{min(vals):.0%} / {sum(vals) / len(vals):.0%} / {max(vals):.0%}" if vals else "-"
+
+
 def summary_rows(r: RunResult) -> list[tuple[str, str]]:
     """(label, value) pairs of the summary table for one result."""
-    util = list(r.utilisation.values())
     rej = ", ".join(f"{k}={v}" for k, v in sorted(r.rejections.items())) or "-"
     return [
         ("cluster", f"{r.n_prefill}P{r.n_decode}D"),
@@ -118,8 +122,8 @@ def summary_rows(r: RunResult) -> list[tuple[str, str]]:
         ("goodput", f"{r.goodput_rps:.3f} req/s"),
         ("prefix hit local/remote/store",
          f"{r.prefix_hit_local:.1%} / {r.prefix_hit_remote:.1%} / {r.prefix_hit_store:.1%}"),
-        ("utilisation min/mean/max",
-         f"{min(util):.0%} / {sum(util) / len(util):.0%} / {max(util):.0%}" if util else "-"),
+        ("prefill util. min/mean/max", _spread(v for k, v in r.utilisation.items() if k.startswith("prefill"))),
+        ("decode util. min/mean/max", _spread(v for k, v in r.utilisation.items() if k.startswith("decode"))),
         ("TTFT pred. error (n, mean abs, rel)",
          f"{r.ttft_prediction.count}, {_fmt_s(r.ttft_prediction.mean_abs_s)}, {r.ttft_prediction.mean_rel:.0%}"),
         ("TBT pred. error (n, mean abs, rel)",
