@@ -87,6 +87,24 @@ class PredictorParams:
             model = self.transfer[INSTANCE_LINK]
         return model
 
+    def scaled(self, prefill: float = 1.0, tbt: float = 1.0, transfer: float = 1.0) -> PredictorParams:
+        """These params with every time multiplied: e.g. an 8B profile stood in for a 70B-class
+        model (DESIGN: "scale the profile's prefill cost"), or a slower network."""
+
+        def mul(m: LinearModel, k: float) -> LinearModel:
+            return LinearModel(tuple(c * k for c in m.coef), m.p90_ratio, m.samples, m.mape)
+
+        notes = dict(self.notes)
+        notes["scaled"] = f"prefill x{prefill:g}, tbt x{tbt:g}, transfer x{transfer:g}"
+        return PredictorParams(
+            prefill=mul(self.prefill, prefill),
+            transfer=MappingProxyType({k: mul(v, transfer) for k, v in self.transfer.items()}),
+            tbt=mul(self.tbt, tbt),
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            source=self.source,
+            notes=MappingProxyType(notes),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": PARAMS_VERSION,

@@ -107,3 +107,12 @@ def test_params_version_checked(tmp_path: Path, params: PredictorParams) -> None
     data["version"] = 99
     with pytest.raises(ValueError, match="version"):
         PredictorParams.from_dict(data)
+
+
+def test_scaled_params_multiply_every_time(params: PredictorParams) -> None:
+    big = Predictors(params.scaled(prefill=4.0, tbt=2.0))
+    small = Predictors(params)
+    assert big.prefill_s(8000, 1000) == pytest.approx(4 * small.prefill_s(8000, 1000))
+    assert big.tbt_s(32, 100_000) == pytest.approx(2 * small.tbt_s(32, 100_000))
+    assert big.transfer_s(8000) == pytest.approx(small.transfer_s(8000))
+    assert "prefill x4" in big.params.notes["scaled"]
