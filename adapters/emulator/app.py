@@ -166,6 +166,7 @@ class EmulatorApp:
     def _state(self) -> dict[str, Any]:
         return {"role": self.config.role.value, "engine_id": self.config.engine_id,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                "waiting_for_remote_kv": self.engine.waiting_for_remote,
                 "cached_blocks": len(self.cache), "kv_usage": self.cache.usage(), "steps": self.engine.steps}
 
     async def _read_json(self, receive: Receive, send: Send) -> tuple[bool, Any]:

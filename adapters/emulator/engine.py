@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import random
 from collections import deque
@@ -85,7 +86,7 @@ class Engine:
         self._rng = random.Random(seed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._remote: set[asyncio.Task[None]] = set()
+        self._remote: dict[Sequence, asyncio.Task[None]] = {}  # decode legs waiting for remote KV
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pending = CacheChanges()
@@ -97,7 +98,7 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        for task in [self._task, *self._remote]:
+        for task in [self._task, *self._remote.values()]:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -113,16 +114,27 @@ class Engine:
             self._wake.set()
         else:
             task = loop.create_task(self._receive_remote(seq, remote_wait))
-            self._remote.add(task)
-            task.add_done_callback(self._remote.discard)
+            self._remote[seq] = task
+            task.add_done_callback(functools.partial(self._remote_done, seq))
         self.metrics.waiting.set(len(self.waiting) + len(self._remote))
         return seq
+
+    @property
+    def waiting_for_remote(self) -> int:
+        """Decode legs waiting for their prefill or KV transfer (vLLM's WAITING_FOR_REMOTE_KVS)."""
+        return len(self._remote)
+
+    def _remote_done(self, seq: Sequence, _task: asyncio.Task[None]) -> None:
+        self._remote.pop(seq, None)
 
     def abort(self, seq: Sequence) -> None:
         """The client went away: free the sequence's slot and blocks at once (vLLM aborts likewise)."""
         if seq.finished or seq.aborted:
             return
         seq.aborted = True
+        remote = self._remote.pop(seq, None)
+        if remote is not None:  # stop waiting for the prefill / transfer at once
+            remote.cancel()
         with contextlib.suppress(ValueError):
             self.waiting.remove(seq)
         if seq in self.running:

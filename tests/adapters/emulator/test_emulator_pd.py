@@ -122,3 +122,13 @@ def test_decode_prefills_locally_when_the_prefill_never_comes() -> None:
         assert time.monotonic() - t0 >= 0.9
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert body["usage"]["completion_tokens"] == 2
+        # A decode leg whose client leaves while it waits for the prefill is aborted and recorded.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(d.url + "/v1/completions", headers={"X-Request-ID": "left-waiting"}, timeout=0.3,
+                       json={"prompt": PROMPT, "max_tokens": 2,
+                             "kv_transfer_params": {**d_params, "transfer_id": "never-2"}})
+        deadline = time.monotonic() + 5
+        while "left-waiting" not in httpx.get(d.url + "/emulator/cancelled").json()["request_ids"]:
+            assert time.monotonic() < deadline, "abort not recorded"
+            time.sleep(0.05)
+        assert httpx.get(d.url + "/emulator/state").json()["waiting_for_remote_kv"] == 0
