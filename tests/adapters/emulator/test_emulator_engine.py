@@ -39,7 +39,7 @@ async def test_decodes_batch_and_prefills_join_at_step_boundaries() -> None:
     # FCFS: one prefill per step (each also advancing the running batch), then shared decode steps:
     # the 4th sequence is prefilled at step 4 and needs 9 more -> 13 steps; one at a time would be 40.
     assert eng.steps == 13
-    first = [s.first_token_at for s in seqs]
+    first = [s.first_token_at or 0.0 for s in seqs]
     assert first == sorted(first)
 
 
