@@ -4,13 +4,18 @@ Three modes, so the simulator can reproduce the arXiv report's Table 3 compariso
 
 * `none`: admit everything (the baselines' default).
 * `early` (arXiv 7.2, "Early Rejection"): judge the decode instance by its load *now*, with this
-  request added. Because a request reaches decode only after its TTFT, this reacts late: decode
+  request added: the streams decoding there (`ActiveDecode.decoding`), not those still in prefill. Because a request reaches decode only after its TTFT, this reacts late: decode
   looks full while the prefills that filled it are done and decodes about to finish are counted, so
   prefill and decode load oscillate in anti-phase (arXiv 7.3, Fig. 9).
 * `predicted` (arXiv 7.4, "Early Rejection Based on Prediction"): judge the decode instance as it
   will be when this request reaches it, at now + predicted TTFT: decodes whose remaining tokens
-  will be done by then (remaining_tokens * predicted TBT) have left, and prefills queued anywhere in
-  the cluster that will have finished by then have joined, spread uniformly over the decode pool.
+  will be done by then (remaining_tokens * predicted TBT) have left, and prefills that will have
+  finished by then have joined. Joining needs care not to count twice: Conductor's gateway and its
+  simulator list a request under its decode instance from the moment it is dispatched (an
+  ActiveDecode with all its tokens remaining), so queued prefills are already in the decode view,
+  on the very instance they will join. Only for views that do not do this, `forecast_joins=True`
+  adds the prefills queued cluster-wide that finish by then, spread uniformly over the decode pool
+  (the report's system-level prediction).
 
 TTFT is checked the same way in both non-`none` modes: the best instance's predicted TTFT against
 `request.slo.ttft_s`. Retry-After is an estimate of when the request would fit: for TTFT, when the
@@ -123,8 +128,11 @@ class BaselineAdmission:
     decode instance, and rejects the same way the KVCache-aware policy does.
     """
 
-    def __init__(self, mode: str = "none", predictor_params: str | None = None) -> None:
+    def __init__(
+        self, mode: str = "none", predictor_params: str | None = None, forecast_joins: bool = False
+    ) -> None:
         self.mode = parse_mode(mode)
+        self.forecast_joins = forecast_joins
         self._pred: Predictors | None = None
         if self.mode is not AdmissionMode.NONE:
             self._pred = (
@@ -148,6 +156,8 @@ class BaselineAdmission:
         at, joins = 0.0, None
         if self.mode is AdmissionMode.PREDICTED:
             at = p_est.ttft_s
-            if disaggregated:
+            if disaggregated and self.forecast_joins:
                 joins = JoinForecast(pred, prefills, len(cluster.by_role(Role.DECODE)))
-        return admit(pred, request, self.mode, p_est, estimate_decode(pred, request, d_inst, at, joins))
+        pending = self.mode is AdmissionMode.PREDICTED  # early: the load now, decoding streams only
+        d_est = estimate_decode(pred, request, d_inst, at, joins, include_pending=pending)
+        return admit(pred, request, self.mode, p_est, d_est)

@@ -37,6 +37,7 @@ from predictors.params import INSTANCE_LINK, STORE_LINK
 
 STORE_SOURCE = "store"  # Decision.pull_from value for the pooled store
 _CONTEXT = attrgetter("context_tokens")
+_DECODING = attrgetter("decoding")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,16 +161,34 @@ class JoinForecast:
         return k * self._share, self._cum_tokens[k] * self._share
 
 
-def decode_state(pred: Predictors, decodes: tuple[ActiveDecode, ...], at_s: float) -> tuple[float, float]:
-    """(streams, resident KV tokens) of the decodes running now that will still run at `at_s`."""
-    # map/attrgetter and one comprehension: this runs for every decode stream in the cluster on
-    # every decision, and generator expressions cost twice as much here
-    kv_now = sum(map(_CONTEXT, decodes))
-    if at_s <= 0 or not decodes:
-        return float(len(decodes)), float(kv_now)
-    steps = at_s / pred.tbt_s(len(decodes), kv_now)
-    staying = [d.context_tokens for d in decodes if d.remaining_tokens > steps]
-    return float(len(staying)), sum(staying) + len(staying) * steps
+def decode_state(
+    pred: Predictors, decodes: tuple[ActiveDecode, ...], at_s: float, include_pending: bool = True
+) -> tuple[float, float]:
+    """(streams, resident KV tokens) on a decode instance now (`at_s` <= 0) or `at_s` from now.
+
+    Now: every listed stream, or only those already decoding (`include_pending=False`, the plain
+    "load now" of early rejection). Later: decoding streams whose remaining tokens will be done by
+    then have left, the others have grown by the steps taken; streams still in prefill or transfer
+    (`decoding=False`) have joined -- they were dispatched before this request, so they reach
+    decode first (certainly so behind the same FCFS prefill queue).
+    """
+    # map/attrgetter and comprehensions: this runs for every decode stream in the cluster on every
+    # decision, and generator expressions cost about twice as much here
+    pending: tuple[ActiveDecode, ...] = ()
+    if all(map(_DECODING, decodes)):
+        running = decodes
+    else:
+        running = tuple(d for d in decodes if d.decoding)
+        pending = tuple(d for d in decodes if not d.decoding)
+    kv_running = sum(map(_CONTEXT, running))
+    if at_s <= 0 or not running:
+        if not include_pending:
+            return float(len(running)), float(kv_running)
+        return float(len(running) + len(pending)), float(kv_running + sum(map(_CONTEXT, pending)))
+    steps = at_s / pred.tbt_s(len(running), kv_running)
+    staying = [d.context_tokens for d in running if d.remaining_tokens > steps]
+    batch = len(staying) + len(pending)
+    return float(batch), sum(staying) + len(staying) * steps + sum(map(_CONTEXT, pending))
 
 
 def estimate_decode(
@@ -177,10 +196,11 @@ def estimate_decode(
     request: RequestView,
     inst: InstanceView,
     at_s: float,
-    joins: JoinForecast | None,
+    joins: JoinForecast | None = None,
+    include_pending: bool = True,
 ) -> DecodeEstimate:
     """TBT on `inst` with this request joined, the state predicted `at_s` from now."""
-    batch, kv = decode_state(pred, inst.decodes, at_s)
+    batch, kv = decode_state(pred, inst.decodes, at_s, include_pending)
     if joins is not None and at_s > 0:
         j_batch, j_kv = joins.joined_by(at_s)
         batch, kv = batch + j_batch, kv + j_kv

@@ -100,13 +100,18 @@ class KvCacheAwarePolicy(BasePolicy):
         refit_every: int = 32,
         refit_queue_fraction: float = 0.2,
         max_pending: int = 65536,
+        forecast_joins: bool = False,
         predictors: Predictors | None = None,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
-        profile now. `predictors`: an already built Predictors (the simulator shares one)."""
+        profile now. `predictors`: an already built Predictors (the simulator shares one).
+        `forecast_joins`: add queued prefills to the decode pool as they finish (see
+        policies.admission); off because the gateway and the simulator already list a request
+        under its decode instance from the moment it is dispatched."""
         self.admission = parse_mode(admission)
         self.allow_pull = allow_pull
         self.refit_queue_fraction = refit_queue_fraction
+        self.forecast_joins = forecast_joins
         if predictors is None:
             cfg = OnlineConfig(enabled=online, window=window, refit_every=refit_every)
             if predictor_params:
@@ -138,7 +143,7 @@ class KvCacheAwarePolicy(BasePolicy):
         if disaggregated:
             best = min(ests, key=lambda e: e.ttft_s)
             at = best.ttft_s if predicted else 0.0
-            joins = JoinForecast(pred, prefills, len(decodes)) if predicted else None
+            joins = JoinForecast(pred, prefills, len(decodes)) if predicted and self.forecast_joins else None
             d_ests = [estimate_decode(pred, request, d, at, joins) for d in decodes]
             chosen_decode: DecodeEstimate | None = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
         else:
@@ -150,7 +155,11 @@ class KvCacheAwarePolicy(BasePolicy):
             pairs = list(zip(ests, d_ests, strict=True))
             fitting = [pair for pair in pairs if slo is None or pair[1].tbt_s <= slo] or pairs
             best, chosen_decode = min(fitting, key=lambda pair: pair[0].ttft_s)
-        rejection = admit(pred, request, self.admission, best, chosen_decode)
+        judged = chosen_decode
+        if self.admission is AdmissionMode.EARLY and chosen_decode is not None:
+            # plain early rejection judges the load now: the streams already decoding there
+            judged = estimate_decode(pred, request, chosen_decode.instance, 0.0, None, include_pending=False)
+        rejection = admit(pred, request, self.admission, best, judged)
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(decode_candidate(e) for e in d_ests)
         tbt = chosen_decode.tbt_s if chosen_decode is not None else None
         if rejection is not None:

@@ -80,6 +80,9 @@ class ActiveDecode:
 
     context_tokens: int  # prompt plus tokens generated so far: the KV it keeps resident
     remaining_tokens: int  # tokens still to generate, at most (max_tokens - generated)
+    # False while the request is routed here but still in prefill or KV transfer (listed from
+    # dispatch): "load now" (plain early rejection) leaves these out, forecasts count them in
+    decoding: bool = True
 
 
 @dataclass(frozen=True, slots=True)

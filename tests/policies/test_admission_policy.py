@@ -16,8 +16,9 @@ def params() -> PredictorParams:
     return fit_profiles([bundled_profile()])
 
 
-def policy(params: PredictorParams, admission: str = "predicted") -> KvCacheAwarePolicy:
-    return KvCacheAwarePolicy(admission=admission, predictors=Predictors(params, OnlineConfig(enabled=False)))
+def policy(params: PredictorParams, admission: str = "predicted", **kw: bool) -> KvCacheAwarePolicy:
+    pred = Predictors(params, OnlineConfig(enabled=False))
+    return KvCacheAwarePolicy(admission=admission, predictors=pred, **kw)
 
 
 def test_ttft_rejection_says_by_how_much_and_when_to_retry(params: PredictorParams) -> None:
@@ -69,17 +70,21 @@ def test_prediction_based_admits_what_plain_early_rejection_refuses(params: Pred
 
 
 def test_prediction_counts_prefills_that_will_have_joined(params: PredictorParams) -> None:
-    # p1 finishes 40 short prefills before this request's long one: they reach decode first
+    # for views that do not list dispatched requests under their decode instance already:
+    # p1 finishes 40 short prefills before this request's long one, so they reach decode first
     shorts = tuple(QueuedPrefill(256, 0, 0.0) for _ in range(40))
     busy_p1 = prefill("p1")
     busy_p1 = type(busy_p1)(busy_p1.id, busy_p1.role, prefill_queue=shorts)
     cluster = snapshot(prefill("p0"), busy_p1, decode("d0"), decode("d1"))
-    d = policy(params, "predicted").decide(request(prompt=32000), cluster)
+    d = policy(params, "predicted", forecast_joins=True).decide(request(prompt=32000), cluster)
     batch = d.candidates[-1].detail["batch"]
     assert batch > 1.0  # a share of the joined prefills plus this request
     assert d.predicted_tbt_s is not None
     early = policy(params, "early").decide(request(prompt=32000), cluster)
     assert early.predicted_tbt_s is not None and early.predicted_tbt_s < d.predicted_tbt_s
+    # by default the queued prefills are taken to be in the decode view already: not counted again
+    plain = policy(params, "predicted").decide(request(prompt=32000), cluster)
+    assert plain.candidates[-1].detail["batch"] == 1.0
 
 
 def test_baselines_admit_everything_unless_asked(params: PredictorParams) -> None:
