@@ -24,6 +24,9 @@ class SimConfig:
     model: str = "sim-model"
     snapshot_refresh_s: float = 0.1  # views handed to policies are rebuilt at least this often
     max_prefill_queue: int = 256  # prefills queued on one instance; past it: rejected ("queue_full")
+    # The gateway lists a request under its decode instance from dispatch (conductor/proxy.py calls
+    # add_decode before the prefill finishes); False lists only streams already decoding.
+    routed_in_decode_view: bool = True
     observe: bool = True  # feed simulated outcomes back to policy.observe()
 
     def __post_init__(self) -> None:

@@ -104,7 +104,7 @@ class Simulator:
                 if j.seq in d.active:
                     gen = int(d.steps - j.start_step)
                     streams.append(ActiveDecode(j.req.input_length + gen, max(0, j.output_tokens - gen)))
-                else:  # routed here, still in prefill, transfer or waiting for KV space
+                elif self.cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
                     streams.append(ActiveDecode(j.req.input_length, j.output_tokens))
             d.view = (InstanceView(
                 id=d.id, role=Role.DECODE, decodes=tuple(streams), kv_capacity_tokens=d.truth.kv_capacity_tokens,
