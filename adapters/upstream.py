@@ -1,29 +1,29 @@
 """Pooled HTTP clients to the workers.
 
-One aiohttp session (one connection pool) per upstream instance, created at start-up and reused by
-every request: a request never opens a client of its own. aiohttp rather than httpx because the
-gateway's CPU per request is its budget: on this box aiohttp costs about 150 us of CPU per upstream
-call against httpx's 510 us (measured side by side, see benchmarks/). Connections set TCP_NODELAY
-(aiohttp does it for every connection it makes; a test checks the option on the live socket) so
-small SSE writes are not held back by Nagle's algorithm meeting delayed ACKs (the ~40 ms stall seen
-in some routers).
+One keep-alive pool per upstream instance, created at start-up and reused by every request: a
+request never opens a client of its own. The pools are the lean HTTP/1.1 client of
+`adapters/http1.py` (see there for why not aiohttp or httpx); its connections set TCP_NODELAY so
+small SSE writes are not held back by Nagle's algorithm meeting delayed ACKs (the ~40 ms stall
+seen in some routers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-import aiohttp
+from urllib.parse import urlsplit
 
-from conductor.errors import UpstreamError, UpstreamTimeout
+from adapters.http1 import ConnectionFailed, Pool, ReadTimeout, Response
+from conductor.errors import ConfigError, UpstreamError, UpstreamTimeout
 
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     connect_s: float = 5.0
     read_s: float = 120.0  # longest silence between two reads
-    total_s: float = 600.0
+    total_s: float = 600.0  # a non-streamed answer must be complete by then
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,29 +39,24 @@ class UpstreamReply:
 class UpstreamStream:
     """An open streamed upstream answer; iterate the bytes, always close it."""
 
-    def __init__(self, response: aiohttp.ClientResponse, instance: str, read_s: float) -> None:
+    def __init__(self, response: Response, instance: str) -> None:
         self._response = response
         self.status = response.status
-        self.content_type = response.headers.get("Content-Type", "text/event-stream")
+        self.content_type = response.header("content-type", "text/event-stream")
         self.instance = instance
-        self._read_s = read_s
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._response.content.iter_any():
+            async for chunk in self._response.chunks():
                 yield chunk
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamTimeout(f"{self.instance} stopped sending for {self._read_s:g} s", instance=self.instance) from exc
-        except aiohttp.ClientError as exc:
+        except ReadTimeout as exc:
+            raise UpstreamTimeout(f"{self.instance}: {exc}", instance=self.instance) from exc
+        except ConnectionFailed as exc:
             raise UpstreamError(f"{self.instance} broke the stream: {exc}", instance=self.instance) from exc
 
     def close(self) -> None:
-        """Drop the connection: the worker sees the client go away and aborts the request."""
+        """Drop the connection (unless fully read): the worker sees the client leave and aborts."""
         self._response.close()
-
-    async def release(self) -> None:
-        """Return a fully read connection to the pool."""
-        self._response.release()
 
 
 class Upstream:
@@ -72,77 +67,69 @@ class Upstream:
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
         self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: Pool | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self._max_connections,
-            keepalive_timeout=30,
-        )
-        self._session = aiohttp.ClientSession(
-            base_url=self.base_url,
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=self.timeouts.total_s,
-                sock_connect=self.timeouts.connect_s,
-                sock_read=self.timeouts.read_s,
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+        parts = urlsplit(self.base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ConfigError(f"upstream {self.name}: only http:// worker URLs are supported, got {self.base_url}")
+        self._prefix = parts.path.rstrip("/")
+        self._pool = Pool(
+            parts.hostname, parts.port or 80, limit=self._max_connections,
+            connect_timeout_s=self.timeouts.connect_s, read_timeout_s=self.timeouts.read_s,
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def pool(self) -> Pool:
+        if self._pool is None:
             raise RuntimeError(f"upstream {self.name} used before start()")
-        return self._session
+        return self._pool
 
     def _fail(self, exc: BaseException, path: str) -> UpstreamError:
-        if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        if isinstance(exc, ReadTimeout | asyncio.TimeoutError):
             return UpstreamTimeout(f"{self.name} did not answer {path} in time", instance=self.name)
-        return UpstreamError(f"{self.name} failed on {path}: {type(exc).__name__}: {exc}", instance=self.name)
+        return UpstreamError(f"{self.name} failed on {path}: {exc}", instance=self.name)
+
+    async def _request(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+        try:
+            return await self.pool.request(method, self._prefix + path, headers, body)
+        except (ConnectionFailed, ReadTimeout) as exc:
+            raise self._fail(exc, path) from exc
+
+    async def _read(self, response: Response, path: str, started: float, total_s: float) -> UpstreamReply:
+        try:
+            data = await asyncio.wait_for(response.read(), total_s) if total_s else await response.read()
+        except (ConnectionFailed, ReadTimeout, asyncio.TimeoutError) as exc:
+            response.close()
+            raise self._fail(exc, path) from exc
+        return UpstreamReply(response.status, data, response.header("content-type", "application/json"),
+                             time.monotonic() - started)
 
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            async with self.session.post(path, data=body, headers=headers) as resp:
-                data = await resp.read()
-                return UpstreamReply(
-                    resp.status, data, resp.headers.get("Content-Type", "application/json"), loop.time() - started
-                )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise self._fail(exc, path) from exc
+        started = time.monotonic()
+        response = await self._request("POST", path, headers, body)
+        return await self._read(response, path, started, 0.0)
 
     async def open_stream(self, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamStream:
-        try:
-            response = await self.session.post(path, data=body, headers=headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise self._fail(exc, path) from exc
-        return UpstreamStream(response, self.name, self.timeouts.read_s)
+        return UpstreamStream(await self._request("POST", path, headers, body), self.name)
 
     async def get(self, path: str, *, timeout_s: float | None = None) -> UpstreamReply:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        started = time.monotonic()
         try:
-            async with self.session.get(path, timeout=timeout) as resp:
-                data = await resp.read()
-                return UpstreamReply(
-                    resp.status, data, resp.headers.get("Content-Type", ""), loop.time() - started
-                )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            response = await asyncio.wait_for(self._request("GET", path, {}, b""), timeout_s) if timeout_s \
+                else await self._request("GET", path, {}, b"")
+        except asyncio.TimeoutError as exc:
             raise self._fail(exc, path) from exc
+        return await self._read(response, path, started, timeout_s or 0.0)
 
 
 class UpstreamPool:
-    """Every worker's pool, keyed by instance name; plus a shared session for other addresses
-    (bootstrap servers) so those also reuse connections."""
+    """Every worker's pool, keyed by instance name."""
 
     def __init__(self, timeouts: Timeouts, max_connections: int = 256) -> None:
         self.timeouts = timeouts

@@ -18,19 +18,6 @@ log = logging.getLogger("conductor.instances")
 
 
 @dataclass(slots=True)
-class _Prefill:
-    new_tokens: int
-    cached_tokens: int
-    started: float
-
-
-@dataclass(slots=True)
-class _Decode:
-    context_tokens: int
-    remaining_tokens: int
-
-
-@dataclass(slots=True)
 class InstanceState:
     """Mutable bookkeeping for one instance; the policy only ever sees frozen InstanceViews of it."""
 
@@ -39,8 +26,11 @@ class InstanceState:
     healthy: bool = False  # unknown until the first probe answers
     failures: int = 0
     models: tuple[str, ...] = ()
-    prefills: dict[str, _Prefill] = field(default_factory=dict)  # request id -> work queued here
-    decodes: dict[str, _Decode] = field(default_factory=dict)  # request id -> stream running here
+    # request id -> work queued here, in dispatch order (FCFS); the frozen values are what views
+    # hand out, so a snapshot costs a tuple() of them, not an object per in-flight request
+    prefills: dict[str, QueuedPrefill] = field(default_factory=dict)
+    started: dict[str, float] = field(default_factory=dict)  # request id -> dispatch time
+    decodes: dict[str, ActiveDecode] = field(default_factory=dict)  # request id -> stream running here
 
     @property
     def name(self) -> str:
@@ -48,15 +38,18 @@ class InstanceState:
         return self.spec.name
 
     def view(self, now: float) -> InstanceView:
+        queue = tuple(self.prefills.values())
+        if queue:  # only the head of an FCFS queue has run; its elapsed time is the one that matters
+            head_id = next(iter(self.prefills))
+            head = queue[0]
+            queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, now - self.started[head_id]), *queue[1:])
         return InstanceView(
             id=self.name,
             role=self.spec.role,
             url=self.spec.url,
             healthy=self.healthy,
-            prefill_queue=tuple(
-                QueuedPrefill(p.new_tokens, p.cached_tokens, now - p.started) for p in self.prefills.values()
-            ),
-            decodes=tuple(ActiveDecode(d.context_tokens, d.remaining_tokens) for d in self.decodes.values()),
+            prefill_queue=queue,
+            decodes=tuple(self.decodes.values()),
         )
 
 
@@ -141,21 +134,25 @@ class InstanceRegistry:
         return ClusterSnapshot(now=now, instances=tuple(s.view(now) for s in self.states.values()))
 
     def add_prefill(self, name: str, request_id: str, new_tokens: int, cached_tokens: int) -> None:
-        self.states[name].prefills[request_id] = _Prefill(new_tokens, cached_tokens, time.monotonic())
+        state = self.states[name]
+        state.prefills[request_id] = QueuedPrefill(new_tokens, cached_tokens, 0.0)
+        state.started[request_id] = time.monotonic()
 
     def end_prefill(self, name: str, request_id: str) -> None:
         state = self.states.get(name)
-        if state is not None:
-            state.prefills.pop(request_id, None)
+        if state is not None and state.prefills.pop(request_id, None) is not None:
+            del state.started[request_id]
 
     def add_decode(self, name: str, request_id: str, context_tokens: int, max_tokens: int) -> None:
-        self.states[name].decodes[request_id] = _Decode(context_tokens, max_tokens)
+        self.states[name].decodes[request_id] = ActiveDecode(context_tokens, max_tokens)
 
     def advance_decode(self, name: str, request_id: str, tokens: int) -> None:
-        decode = self.states[name].decodes.get(request_id)
-        if decode is not None:
-            decode.context_tokens += tokens
-            decode.remaining_tokens = max(0, decode.remaining_tokens - tokens)
+        decodes = self.states[name].decodes
+        decode = decodes.get(request_id)
+        if decode is not None and tokens:
+            decodes[request_id] = ActiveDecode(
+                decode.context_tokens + tokens, max(0, decode.remaining_tokens - tokens)
+            )
 
     def end_decode(self, name: str, request_id: str) -> None:
         state = self.states.get(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -59,7 +59,7 @@ class CompletionsEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = headers.get("x-request-id") or os.urandom(12).hex()
         if len(request_id) > 128:
             request_id = request_id[:128]
         state = _ClientState()

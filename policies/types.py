@@ -71,7 +71,9 @@ class QueuedPrefill:
 
     new_tokens: int  # tokens the instance must compute
     cached_tokens: int  # tokens it reuses from its cache
-    elapsed_s: float  # time since it was dispatched
+    # time since it was dispatched; meaningful for the head of the FCFS queue (the one running),
+    # which is the only entry whose elapsed time a queue estimate may subtract
+    elapsed_s: float
 
 
 @dataclass(frozen=True, slots=True)

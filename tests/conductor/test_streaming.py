@@ -37,11 +37,10 @@ def test_no_stall_on_kept_alive_stream_at_concurrency_1() -> None:
 def test_upstream_sockets_have_tcp_nodelay() -> None:
     with cluster("nixl") as c:
         assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 200
-        connector = c.gateway.registry.states["decode-0"].target.upstream.session.connector
-        protos = [p for conns in connector._conns.values() for p, _ in conns]  # idle pooled connections
-        assert protos
-        for proto in protos:
-            sock = proto.transport.get_extra_info("socket")
+        pool = c.gateway.registry.states["decode-0"].target.upstream.pool
+        assert pool._idle  # the connection went back to the pool
+        for conn in pool._idle:
+            sock = conn.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 

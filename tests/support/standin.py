@@ -51,6 +51,10 @@ class StandIn:
         if scope["method"] == "GET":
             if path == "/health":
                 return await _json(send, 200, {})
+            if path == "/metrics":
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/plain")]})
+                return await send({"type": "http.response.body", "body": b""})
             if path == "/v1/models":
                 return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
             return await _json(send, 404, {"error": "no"})
