@@ -4,9 +4,10 @@ admission and prediction-based early rejection (Mooncake arXiv report, 7.4). The
 Per request: every prefill-capable instance gets a predicted TTFT (policies.estimate: pull a remote
 prefix only when the predicted transfer beats recomputing it, plus the predicted queue and prefill);
 the minimum wins. The decode instance is the one with the lowest predicted TBT once this request
-joins, judged at the moment the request would reach it (`admission="predicted"`) or now (otherwise).
-Mixed (non-disaggregated) workers are scored the same way, with the TBT check on the same worker:
-among workers whose predicted TBT meets the SLO, the one with the lowest TTFT.
+joins, by its load now; admission then judges that instance at the moment the request would reach
+it (`admission="predicted"`) or by the streams decoding there now (`"early"`); see
+policies.admission. Mixed (non-disaggregated) workers are scored the same way, with the TBT check
+on the same worker: among workers whose predicted TBT meets the SLO, the one with the lowest TTFT.
 
 Learning: `decide` remembers (boundedly) what it predicted for each admitted request; `observe`
 compares that with what happened, records the errors, and feeds the predictors' online refit:
@@ -142,9 +143,10 @@ class KvCacheAwarePolicy(BasePolicy):
         predicted = self.admission is AdmissionMode.PREDICTED
         if disaggregated:
             best = min(ests, key=lambda e: e.ttft_s)
-            at = best.ttft_s if predicted else 0.0
-            joins = JoinForecast(pred, prefills, len(decodes)) if predicted and self.forecast_joins else None
-            d_ests = [estimate_decode(pred, request, d, at, joins) for d in decodes]
+            # the decode instance is chosen by its load now, dispatched-but-prefilling streams
+            # included; choosing by the forecast instead herds requests onto instances whose
+            # streams are about to finish, and their freed capacity is soon taken anyway
+            d_ests = [estimate_decode(pred, request, d, 0.0) for d in decodes]
             chosen_decode: DecodeEstimate | None = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
         else:
             # mixed: the request decodes where it prefilled, so weigh both on the same worker
@@ -156,12 +158,18 @@ class KvCacheAwarePolicy(BasePolicy):
             fitting = [pair for pair in pairs if slo is None or pair[1].tbt_s <= slo] or pairs
             best, chosen_decode = min(fitting, key=lambda pair: pair[0].ttft_s)
         judged = chosen_decode
-        if self.admission is AdmissionMode.EARLY and chosen_decode is not None:
+        if disaggregated and predicted and chosen_decode is not None:
+            # prediction-based early rejection: the chosen instance as it will be on arrival
+            joins = JoinForecast(pred, prefills, len(decodes)) if self.forecast_joins else None
+            judged = estimate_decode(pred, request, chosen_decode.instance, best.ttft_s, joins)
+        elif self.admission is AdmissionMode.EARLY and chosen_decode is not None:
             # plain early rejection judges the load now: the streams already decoding there
             judged = estimate_decode(pred, request, chosen_decode.instance, 0.0, None, include_pending=False)
         rejection = admit(pred, request, self.admission, best, judged)
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(decode_candidate(e) for e in d_ests)
-        tbt = chosen_decode.tbt_s if chosen_decode is not None else None
+        tbt: float | None = None
+        if chosen_decode is not None:  # in predicted mode, the forecast for when it gets there
+            tbt = judged.tbt_s if predicted and judged is not None else chosen_decode.tbt_s
         if rejection is not None:
             return Decision(
                 request_id=request.request_id,

@@ -7,7 +7,7 @@ from cluster_builders import decode, prefill, request, snapshot
 
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.simple import LeastLoadedPolicy
-from policies.types import QueuedPrefill, Slo
+from policies.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
 from predictors import OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
 
 
@@ -64,7 +64,8 @@ def test_prediction_based_admits_what_plain_early_rejection_refuses(params: Pred
     predicted = policy(params, "predicted").decide(req, cluster)
     assert not predicted.rejected and predicted.decode == "d0"
     assert predicted.predicted_tbt_s is not None and predicted.predicted_tbt_s < 0.04
-    assert predicted.candidates[-1].detail["batch"] == 1.0  # only this request left on d0
+    only_this = Predictors(params).tbt_s(1, 8192)  # every other stream gone when it arrives
+    assert predicted.predicted_tbt_s == pytest.approx(only_this)
     none = policy(params, "none").decide(req, cluster)
     assert not none.rejected
 
@@ -77,14 +78,21 @@ def test_prediction_counts_prefills_that_will_have_joined(params: PredictorParam
     busy_p1 = type(busy_p1)(busy_p1.id, busy_p1.role, prefill_queue=shorts)
     cluster = snapshot(prefill("p0"), busy_p1, decode("d0"), decode("d1"))
     d = policy(params, "predicted", forecast_joins=True).decide(request(prompt=32000), cluster)
-    batch = d.candidates[-1].detail["batch"]
-    assert batch > 1.0  # a share of the joined prefills plus this request
-    assert d.predicted_tbt_s is not None
-    early = policy(params, "early").decide(request(prompt=32000), cluster)
-    assert early.predicted_tbt_s is not None and early.predicted_tbt_s < d.predicted_tbt_s
+    alone = Predictors(params).tbt_s(1, 32000)
+    assert d.predicted_tbt_s is not None and d.predicted_tbt_s > alone  # a share of the joined prefills
     # by default the queued prefills are taken to be in the decode view already: not counted again
     plain = policy(params, "predicted").decide(request(prompt=32000), cluster)
-    assert plain.candidates[-1].detail["batch"] == 1.0
+    assert plain.predicted_tbt_s == pytest.approx(alone)
+
+
+def test_early_leaves_out_streams_still_in_prefill(params: PredictorParams) -> None:
+    # 300 requests routed to d0 but still prefilling: not decoding load *now*, but they will be
+    incoming = tuple(ActiveDecode(6000, 500, decoding=False) for _ in range(300))
+    cluster = snapshot(prefill("p0"), InstanceView("d0", Role.DECODE, decodes=incoming))
+    req = request(slo=Slo(ttft_s=2.0, tbt_s=0.04))
+    assert not policy(params, "early").decide(req, cluster).rejected  # the lag of plain early rejection
+    d = policy(params, "predicted").decide(req, cluster)
+    assert d.rejection is not None and d.rejection.reason == "tbt_slo"
 
 
 def test_baselines_admit_everything_unless_asked(params: PredictorParams) -> None:
