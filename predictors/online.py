@@ -76,7 +76,13 @@ class Predictors:
 
     @classmethod
     def from_file(cls, path: str, online: OnlineConfig = OnlineConfig()) -> Predictors:
-        return cls(PredictorParams.load(path), online)
+        try:
+            params = PredictorParams.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors
+            raise ValueError(
+                f"cannot load predictor params {path} (write them with `conductor fit`): {exc}"
+            ) from exc
+        return cls(params, online)
 
     def _cache_params(self) -> None:
         # unpack the coefficients once: prefill_s runs hundreds of times a decision

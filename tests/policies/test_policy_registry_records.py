@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
+from conductor.errors import PluginError
 from policies import RECOMMENDED_POLICY
 from policies.base import decision_log_record
 from policies.registry import available_policies, load_policy
@@ -41,7 +43,7 @@ def test_built_in_loads_and_routes(name: str) -> None:
     json.dumps(decision_log_record(d))
 
 
-def test_kvcache_aware_options_from_config(tmp_path: pytest.TempPathFactory) -> None:
+def test_kvcache_aware_options_from_config() -> None:
     pol = load_policy("kvcache_aware", {"admission": "early", "online": False, "allow_pull": False})
     assert getattr(pol, "admission", None) == "early"
 
@@ -61,3 +63,15 @@ def test_decision_log_record_is_plain_json_without_prompt_text() -> None:
     rrec = decision_log_record(rejected)
     assert rrec["rejected"] is True and rrec["rejection"]["reason"] == "ttft_slo"
     assert rrec["rejection"]["slo_s"] == 0.01 and rrec["prefill"] is None
+
+
+def test_kvcache_aware_loads_fitted_params_file(tmp_path: Path) -> None:
+    from predictors import PredictorParams, bundled_profile, fit_profiles
+
+    path = tmp_path / "params.json"
+    fit_profiles([bundled_profile()]).scaled(prefill=3.0).save(path)
+    pol = load_policy("kvcache_aware", {"predictor_params": str(path)})
+    pred = pol.predictors
+    assert pred.params.prefill.coef == pytest.approx(PredictorParams.load(path).prefill.coef)
+    with pytest.raises(PluginError, match="failed to construct.*missing.json"):
+        load_policy("kvcache_aware", {"predictor_params": str(tmp_path / "missing.json")})
