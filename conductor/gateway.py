@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import socket
 import logging
 import time
 from dataclasses import dataclass
 
+from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
 from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
@@ -51,7 +54,7 @@ class Gateway:
             Timeouts(settings.connect_timeout_s, settings.read_timeout_s, settings.request_timeout_s),
             settings.max_connections_per_upstream,
         )
-        self.registry = InstanceRegistry(settings, self.pool)
+        self.registry = InstanceRegistry(settings, self.pool, _load_share(settings))
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
         self.analyzer = analyzer or EstimatingAnalyzer()
         protocol_name = settings.pd_protocol if settings.disaggregated else "mixed"
@@ -161,6 +164,13 @@ class Gateway:
         if observation.cached_tokens is not None:
             self.metrics.cached_tokens.labels("cached").inc(observation.cached_tokens)
             self.metrics.cached_tokens.labels("computed").inc(max(0, observation.prompt_tokens - observation.cached_tokens))
+
+
+def _load_share(settings: Settings) -> LoadShare:
+    if settings.load_share == "redis":
+        replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{id(settings):x}"
+        return RedisLoadShare(settings.redis_url, replica, interval_s=settings.load_sync_interval_s)
+    return NoLoadShare()
 
 
 def _decision_record(decision: Decision, analysis: PromptAnalysis) -> dict[str, object]:

@@ -9,12 +9,15 @@ import time
 from dataclasses import dataclass, field
 
 from adapters.pd.base import Target, decode_json, host_of
+from adapters.load_share import LoadShare, NoLoadShare, local_table
 from adapters.upstream import UpstreamPool
 from conductor.errors import UpstreamError
 from conductor.settings import InstanceSpec, Settings
 from policies.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
 
 log = logging.getLogger("conductor.instances")
+
+RemoteEntry = tuple[tuple[QueuedPrefill, ...], tuple[ActiveDecode, ...]]
 
 
 @dataclass(slots=True)
@@ -37,28 +40,37 @@ class InstanceState:
         assert self.spec.name is not None
         return self.spec.name
 
-    def view(self, now: float) -> InstanceView:
+    def view(self, now: float, remote: RemoteEntry | None = None) -> InstanceView:
         queue = tuple(self.prefills.values())
         if queue:  # only the head of an FCFS queue has run; its elapsed time is the one that matters
             head_id = next(iter(self.prefills))
             head = queue[0]
             queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, now - self.started[head_id]), *queue[1:])
+        decodes = tuple(self.decodes.values())
+        if remote is not None:  # other gateway replicas' work on the same instance
+            remote_queue, remote_decodes = remote
+            if remote_queue and (not queue or remote_queue[0].elapsed_s > queue[0].elapsed_s):
+                queue = remote_queue + queue  # theirs was dispatched first: it is the running head
+            else:
+                queue = queue + remote_queue
+            decodes = decodes + remote_decodes
         return InstanceView(
             id=self.name,
             role=self.spec.role,
             url=self.spec.url,
             healthy=self.healthy,
             prefill_queue=queue,
-            decodes=tuple(self.decodes.values()),
+            decodes=decodes,
         )
 
 
 class InstanceRegistry:
     """Every configured instance, probed in the background; load accounted per request."""
 
-    def __init__(self, settings: Settings, pool: UpstreamPool) -> None:
+    def __init__(self, settings: Settings, pool: UpstreamPool, load_share: LoadShare | None = None) -> None:
         self._settings = settings
         self.pool = pool
+        self.load_share = load_share or NoLoadShare()
         self.states: dict[str, InstanceState] = {}
         for spec in settings.instances():
             assert spec.name is not None
@@ -71,10 +83,12 @@ class InstanceRegistry:
     async def start(self) -> None:
         await self.probe_all()
         self._probe_task = asyncio.create_task(self._probe_forever())
+        await self.load_share.start(lambda: local_table(self.states))
 
     async def close(self) -> None:
         if self._probe_task is not None:
             self._probe_task.cancel()
+        await self.load_share.close()
 
     async def _probe_forever(self) -> None:
         while True:
@@ -131,7 +145,8 @@ class InstanceRegistry:
     # ---- load accounting -----------------------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
         now = time.monotonic()
-        return ClusterSnapshot(now=now, instances=tuple(s.view(now) for s in self.states.values()))
+        remote = self.load_share.remote()
+        return ClusterSnapshot(now=now, instances=tuple(s.view(now, remote.get(n)) for n, s in self.states.items()))
 
     def add_prefill(self, name: str, request_id: str, new_tokens: int, cached_tokens: int) -> None:
         state = self.states[name]

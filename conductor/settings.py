@@ -80,6 +80,12 @@ class Settings(_Model):
     min_ready_prefill: int = 1
     min_ready_decode: int = 1
 
+    # several gateway replicas in front of the same workers share their in-flight load here
+    load_share: Literal["none", "redis"] = "none"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    replica_id: str | None = None  # defaults to host name and process id
+    load_sync_interval_s: float = 0.1
+
     block_size: int = 16
     max_connections_per_upstream: int = 256
 
