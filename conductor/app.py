@@ -83,6 +83,12 @@ def create_app(gateway: Gateway) -> FastPath:
             m.instance_healthy.labels(state.name, state.spec.role.value).set(1 if state.healthy else 0)
             m.queued_prefill_tokens.labels(state.name).set(sum(p.new_tokens for p in state.prefills.values()))
             m.running_decodes.labels(state.name).set(len(state.decodes))
+        error_stats = getattr(gateway.policy, "error_stats", None)  # policies with fitted predictors
+        if callable(error_stats):
+            for st in error_stats():
+                m.prediction_mape.labels(st.component, st.instance).set(st.mape)
+                m.prediction_coverage.labels(st.component, st.instance).set(st.p90_coverage)
+                m.prediction_samples.labels(st.component, st.instance).set(st.samples)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     return FastPath(app, hot)

@@ -61,6 +61,18 @@ class GatewayMetrics:
             "conductor_instance_running_decodes", "Decode streams this gateway has in flight per instance",
             ["instance"], registry=r,
         )
+        self.prediction_mape = Gauge(
+            "conductor_prediction_mape", "Mean absolute percentage error of a predictor over its recent window",
+            ["component", "instance"], registry=r,
+        )
+        self.prediction_coverage = Gauge(
+            "conductor_prediction_p90_coverage", "Fraction of actuals at or under the predicted p90 (ideal 0.9)",
+            ["component", "instance"], registry=r,
+        )
+        self.prediction_samples = Gauge(
+            "conductor_prediction_samples", "Observations in a predictor's error window",
+            ["component", "instance"], registry=r,
+        )
         self.cached_tokens = Counter(
             "conductor_prompt_tokens", "Prompt tokens routed, by whether the worker reported them cached",
             ["source"], registry=r,

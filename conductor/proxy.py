@@ -146,10 +146,10 @@ class CompletionsEndpoint:
         cached = analysis.cached.get(prefill.name)
         predicted_cached = cached.tokens if cached else 0
         decode_name = decode.name if decode else prefill.name
+        joined = gw.registry.states[decode_name]  # the others already decoding there (this replica's)
+        batch, resident = len(joined.decodes), sum(d.context_tokens for d in joined.decodes.values())
         gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted_cached, predicted_cached)
         gw.registry.add_decode(decode_name, request_id, analysis.prompt_tokens, routed.view.max_tokens)
-        joined = gw.registry.states[decode_name]
-        batch, resident = len(joined.decodes), sum(d.context_tokens for d in joined.decodes.values())
         await gw.analyzer.on_dispatch(analysis, decision)
         loop = asyncio.get_running_loop()
         exchange: Exchange | None = None

@@ -182,8 +182,8 @@ class Observation:
     ttft_s: float | None  # at the gateway: arrival to first token sent to the client
     token_intervals_s: tuple[float, ...] = ()  # decode: gaps between streamed tokens
     output_tokens: int = 0
-    decode_batch: int = 0  # decode streams on that instance when this one joined
-    decode_resident_kv_tokens: int = 0
+    decode_batch: int = 0  # other decode streams on that instance when this one joined (not counting it)
+    decode_resident_kv_tokens: int = 0  # their resident KV tokens then
     ok: bool = True
 
 
