@@ -105,7 +105,7 @@ class Simulator:
                     gen = int(d.steps - j.start_step)
                     streams.append(ActiveDecode(j.req.input_length + gen, max(0, j.output_tokens - gen)))
                 elif self.cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
-                    streams.append(ActiveDecode(j.req.input_length, j.output_tokens))
+                    streams.append(ActiveDecode(j.req.input_length, j.output_tokens, decoding=False))
             d.view = (InstanceView(
                 id=d.id, role=Role.DECODE, decodes=tuple(streams), kv_capacity_tokens=d.truth.kv_capacity_tokens,
                 kv_usage=min(1.0, d.reserved / max(1, d.truth.kv_capacity_tokens)), waiting_requests=len(d.waiting),
