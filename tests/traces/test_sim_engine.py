@@ -206,3 +206,13 @@ def test_observe_feeds_the_real_policy_predictors() -> None:
     assert res.completed == 120
     assert res.ttft_prediction.count == 120 and res.tbt_prediction.count == 120
     assert res.tbt_prediction.mean_rel < 0.5
+
+
+def test_recorded_trace_blocks_keep_capacity_in_tokens() -> None:
+    # a recorded trace has 16-token blocks: 64 blocks fit in a 1,024-token cache, not 2
+    pol = Scripted(to(0))
+    keys = tuple(range(1, 61))
+    trace = [replace(req(0.0, 960, 2, keys), block_tokens=16), replace(req(5.0, 960, 2, keys), block_tokens=16)]
+    res = simulate(pol, trace, cfg(prefill_cache_tokens=1024))
+    assert pol.seen[1][0].cached["prefill-0"].tokens == 960 and pol.seen[1][0].block_size == 16
+    assert res.prefix_hit_local == pytest.approx(959 / 1920)

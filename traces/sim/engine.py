@@ -55,13 +55,11 @@ class Simulator:
         self.cfg = config
         self.truth = config.truth
         self.rng = random.Random(config.seed)
-        block = 512
-        self.block = block
-        self.prefills = [PrefillInstance(i, config.prefill_cache_tokens, block) for i in config.prefill_ids()]
+        self.prefills = [PrefillInstance(i, config.prefill_cache_tokens, 512) for i in config.prefill_ids()]
         self.decodes = [DecodeInstance(i, config.truth.decode) for i in config.decode_ids()]
         self.p_index = {p.id: n for n, p in enumerate(self.prefills)}
         self.d_index = {d.id: n for n, d in enumerate(self.decodes)}
-        self.store = BlockLRU(config.store_capacity_tokens, block)
+        self.store = BlockLRU(config.store_capacity_tokens, 512)
         self.events: list[tuple[float, int, int, int, object]] = []
         self._ev_seq = 0
         self.now = 0.0
@@ -273,6 +271,8 @@ class Simulator:
     def run(self, trace: Sequence[TraceRequest]) -> RunResult:
         wall0 = time.perf_counter()
         order = sorted(trace, key=lambda r: r.arrival_s)
+        if order and order[0].block_tokens != 512:  # recorded traces: capacities stay in tokens
+            self._resize_caches(order[0].block_tokens)
         t0 = order[0].arrival_s if order else 0.0
         jobs = [Job(i, r, (r.arrival_s - t0) / self.cfg.speedup) for i, r in enumerate(order)]
         events = self.events
@@ -284,6 +284,11 @@ class Simulator:
         while events:
             self._dispatch_event()
         return self._result(jobs, time.perf_counter() - wall0)
+
+    def _resize_caches(self, block_tokens: int) -> None:
+        for p in self.prefills:
+            p.cache = BlockLRU(self.cfg.prefill_cache_tokens, block_tokens)
+        self.store = BlockLRU(self.cfg.store_capacity_tokens, block_tokens)
 
     def _dispatch_event(self) -> None:
         t, _, kind, target, payload = heapq.heappop(self.events)

@@ -31,6 +31,8 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--link-gbps", type=float, default=None,
                    help="KV link bandwidth in GB/s per instance (default: fitted from the profile)")
     g.add_argument("--prefill-cache-tokens", type=int, default=3_000_000, help="local prefix cache per prefill")
+    g.add_argument("--max-prefill-queue", type=int, default=256,
+                   help="prefills queued per instance before requests are rejected (queue_full)")
     g.add_argument("--store-tokens", type=int, default=0, help="Mooncake Store pool capacity (0: no store)")
     g.add_argument("--decode-kv-tokens", type=int, default=_D.kv_capacity_tokens, help="KV capacity per decode")
     g.add_argument("--decode-max-batch", type=int, default=_D.max_batch, help="running sequences per decode")
@@ -72,6 +74,7 @@ def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) ->
         truth=truth,
         prefill_cache_tokens=args.prefill_cache_tokens,
         store_capacity_tokens=args.store_tokens,
+        max_prefill_queue=args.max_prefill_queue,
         slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt),
         speedup=args.speedup,
         noise=args.noise,
