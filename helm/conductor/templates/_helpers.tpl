@@ -1,0 +1,184 @@
+{{/*
+Names, labels, and the pieces that must agree between the gateway and the workers: pod DNS names,
+ports and the P/D connector flags are all derived here, from the same values, so switching
+pdProtocol or the replica counts changes both sides at once.
+*/}}
+
+{{- define "conductor.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Resource name prefix; kept short because StatefulSet pod names add "-<role>-<n>". */}}
+{{- define "conductor.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "conductor.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "conductor.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component: call with (dict "root" $ "component" "gateway"). */}}
+{{- define "conductor.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "conductor.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "conductor.servedModel" -}}
+{{- default .Values.model.name .Values.model.servedName -}}
+{{- end -}}
+
+{{/* Are the workers SGLang engines (pdProtocol sglang) rather than vLLM? */}}
+{{- define "conductor.isSglang" -}}
+{{- if eq .Values.pdProtocol "sglang" }}true{{ end -}}
+{{- end -}}
+
+{{/* Does the protocol need the prefill pods' bootstrap port (mooncake, sglang)? */}}
+{{- define "conductor.needsBootstrap" -}}
+{{- if has .Values.pdProtocol (list "mooncake" "sglang") }}true{{ end -}}
+{{- end -}}
+
+{{/* Stable DNS name of worker pod n of a role: (dict "root" $ "role" "prefill" "index" 0). */}}
+{{- define "conductor.workerHost" -}}
+{{- $full := include "conductor.fullname" .root -}}
+{{- printf "%s-%s-%d.%s-%s.%s.svc.%s" $full .role (int .index) $full .role .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "conductor.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis:%d/0" (include "conductor.fullname" .) (int .Values.redis.port) -}}
+{{- else -}}
+{{- .Values.redis.externalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "conductor.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion (toString .image.tag)) -}}
+{{- end -}}
+
+{{/*
+The gateway's settings (conductor/settings.py field names), as YAML: every worker pod with its
+URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.config merged over.
+*/}}
+{{- define "conductor.gatewayConfig" -}}
+{{- $v := .Values -}}
+{{- $cfg := dict "host" "0.0.0.0" "port" (int $v.gateway.port) "pd_protocol" $v.pdProtocol
+      "policy" $v.gateway.policy "block_size" (int $v.model.blockSize)
+      "models" (list (include "conductor.servedModel" .)) -}}
+{{- if eq $v.pdProtocol "mooncake" -}}
+{{- $_ := set $cfg "mooncake_schema" $v.gateway.mooncakeSchema -}}
+{{- end -}}
+{{- $slo := dict -}}
+{{- if not (kindIs "invalid" $v.gateway.slo.ttftSeconds) }}{{ $_ := set $slo "ttft_s" $v.gateway.slo.ttftSeconds }}{{ end -}}
+{{- if not (kindIs "invalid" $v.gateway.slo.tbtSeconds) }}{{ $_ := set $slo "tbt_s" $v.gateway.slo.tbtSeconds }}{{ end -}}
+{{- if $slo }}{{ $_ := set $cfg "slo" $slo }}{{ end -}}
+{{- range $role := list "prefill" "decode" "mixed" -}}
+{{- $specs := list -}}
+{{- range $i := until (int (index $v $role).replicas) -}}
+{{- $host := include "conductor.workerHost" (dict "root" $ "role" $role "index" $i) -}}
+{{- $spec := dict "name" (printf "%s-%d" $role $i) "url" (printf "http://%s:%d" $host (int $v.workers.port)) -}}
+{{- if and (eq $role "prefill") (include "conductor.needsBootstrap" $) -}}
+{{- $_ := set $spec "bootstrap_port" (int $v.workers.bootstrapPort) -}}
+{{- end -}}
+{{- if and $v.workers.kvEvents.enabled $v.gateway.subscribeKvEvents (ne $role "decode") -}}
+{{- $_ := set $spec "kv_events_endpoint" (printf "tcp://%s:%d" $host (int $v.workers.kvEvents.port)) -}}
+{{- end -}}
+{{- $specs = append $specs $spec -}}
+{{- end -}}
+{{- if $specs }}{{ $_ := set $cfg $role $specs }}{{ end -}}
+{{- end -}}
+{{- toYaml (mustMergeOverwrite $cfg (deepCopy $v.gateway.config)) -}}
+{{- end -}}
+
+{{/* --kv-transfer-config JSON of a vLLM worker role (prefill: kv_producer, decode: kv_consumer). */}}
+{{- define "conductor.kvTransferConfig" -}}
+{{- $v := .root.Values -}}
+{{- $connector := ternary "NixlConnector" "MooncakeConnector" (eq $v.pdProtocol "nixl") -}}
+{{- $cfg := dict "kv_connector" $connector "kv_role" (ternary "kv_producer" "kv_consumer" (eq .role "prefill")) -}}
+{{- if $v.workers.kvBufferDevice }}{{ $_ := set $cfg "kv_buffer_device" $v.workers.kvBufferDevice }}{{ end -}}
+{{- if $v.workers.kvConnectorExtraConfig }}{{ $_ := set $cfg "kv_connector_extra_config" $v.workers.kvConnectorExtraConfig }}{{ end -}}
+{{- toJson $cfg -}}
+{{- end -}}
+
+{{/* --kv-events-config JSON: bind the PUB socket on every interface (vLLM binds only with "*"). */}}
+{{- define "conductor.kvEventsConfig" -}}
+{{- $e := .Values.workers.kvEvents -}}
+{{- $cfg := dict "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $e.port)) "topic" $e.topic -}}
+{{- if not (include "conductor.isSglang" .) }}{{ $_ := set $cfg "enable_kv_cache_events" true }}{{ end -}}
+{{- toJson $cfg -}}
+{{- end -}}
+
+{{/* The engine's command and arguments for a role, as a YAML mapping {command: [...], args: [...]}. */}}
+{{- define "conductor.workerCommand" -}}
+{{- $v := .root.Values -}}
+{{- $w := $v.workers -}}
+{{- $args := list -}}
+{{- if include "conductor.isSglang" .root -}}
+{{- $args = list "--model-path" $v.model.name "--host" "0.0.0.0" "--port" (toString $w.port)
+      "--served-model-name" (include "conductor.servedModel" .root) "--page-size" (toString $v.model.blockSize)
+      "--tp-size" (toString $w.tensorParallelSize) "--mem-fraction-static" (toString $w.gpuMemoryUtilization)
+      "--enable-metrics" -}}
+{{- if $v.model.maxModelLen }}{{ $args = concat $args (list "--context-length" (toString $v.model.maxModelLen)) }}{{ end -}}
+{{- if ne .role "mixed" -}}
+{{- $args = concat $args (list "--disaggregation-mode" .role "--disaggregation-transfer-backend" $w.sglang.transferBackend) -}}
+{{- if eq .role "prefill" }}{{ $args = concat $args (list "--disaggregation-bootstrap-port" (toString $w.bootstrapPort)) }}{{ end -}}
+{{- end -}}
+{{- if and $w.kvEvents.enabled (ne .role "decode") }}{{ $args = concat $args (list "--kv-events-config" (include "conductor.kvEventsConfig" .root)) }}{{ end -}}
+{{- $args = concat $args $w.sglang.extraArgs (index $v .role).extraArgs -}}
+command: ["python3", "-m", "sglang.launch_server"]
+{{- else -}}
+{{- $args = list $v.model.name "--host" "0.0.0.0" "--port" (toString $w.port)
+      "--served-model-name" (include "conductor.servedModel" .root) "--block-size" (toString $v.model.blockSize)
+      "--tensor-parallel-size" (toString $w.tensorParallelSize)
+      "--gpu-memory-utilization" (toString $w.gpuMemoryUtilization) -}}
+{{- if $w.enablePrefixCaching }}{{ $args = append $args "--enable-prefix-caching" }}{{ end -}}
+{{- if $v.model.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString $v.model.maxModelLen)) }}{{ end -}}
+{{- if ne .role "mixed" -}}
+{{- $args = concat $args (list "--kv-transfer-config" (include "conductor.kvTransferConfig" .)) -}}
+{{- end -}}
+{{- if and $w.kvEvents.enabled (ne .role "decode") }}{{ $args = concat $args (list "--kv-events-config" (include "conductor.kvEventsConfig" .root)) }}{{ end -}}
+{{- $args = concat $args $w.vllm.extraArgs (index $v .role).extraArgs -}}
+command: ["vllm", "serve"]
+{{- end }}
+args:
+{{- toYaml $args | nindent 2 }}
+{{- end -}}
+
+{{/* Connector environment of a role: pod IP for the transfer engines, bootstrap / side channel ports. */}}
+{{- define "conductor.workerEnv" -}}
+{{- $v := .root.Values -}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: HF_HOME
+  value: {{ $v.workers.modelMountPath | quote }}
+{{- if not (include "conductor.isSglang" .root) }}
+- name: VLLM_HOST_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+{{- if and (eq $v.pdProtocol "mooncake") (eq .role "prefill") }}
+- name: VLLM_MOONCAKE_BOOTSTRAP_PORT
+  value: {{ $v.workers.bootstrapPort | quote }}
+{{- end }}
+{{- if and (eq $v.pdProtocol "nixl") (ne .role "mixed") }}
+- name: VLLM_NIXL_SIDE_CHANNEL_HOST
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: VLLM_NIXL_SIDE_CHANNEL_PORT
+  value: {{ $v.workers.nixlSideChannelPort | quote }}
+{{- end }}
+{{- end }}
+{{- with $v.workers.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
