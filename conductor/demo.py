@@ -1,0 +1,184 @@
+"""`conductor demo`: an emulated P/D cluster behind the gateway, and a slice of a real trace through it.
+
+    conductor demo                          # 2 prefill + 2 decode emulators, kvcache_aware, about a minute
+    conductor demo --requests 100 --pd-protocol mooncake --policy round_robin --json out.json
+
+On loopback it starts the emulated vLLM workers (`python -m adapters.emulator`, the bundled
+Qwen3-8B/H800 profile, 5% timing noise, KV events on) and the gateway (`python -m conductor serve`
+with a generated config), waits for /ready, replays the first N requests of Mooncake's conversation
+trace (bundled `conversation-head400`) through the gateway as streamed completions with synthesized
+token-id prompts (traces.synth), and prints the replay's summary table. Children run in their own
+process groups and are stopped on exit, on error, on Ctrl-C and on SIGTERM.
+
+Scaling, so a 2-core laptop can run it (see traces.synth):
+* `--length-scale` (default 1/8) shrinks prompts and outputs, and the 512-token trace block with
+  them (to 64 tokens), keeping which requests share which prefix;
+* `--speedup` (default 4) replays arrivals that many times faster; the shorter prompts cost the
+  emulated GPUs roughly a quarter of the full ones, so the cluster sees about the trace's load;
+* `--time-scale` (default 1) multiplies every duration the emulators model. With a value other
+  than 1 the kvcache_aware policy is given predictor params scaled by the same factor, so its
+  predictions stay true to the emulators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+
+DEFAULT_TRACE = "conversation-head400"
+DEFAULT_MODEL = "Qwen/Qwen3-8B"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conductor demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=200, help="replay the first N requests of the trace")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="bundled trace name or path")
+    p.add_argument("--prefill", type=int, default=2, help="prefill emulators")
+    p.add_argument("--decode", type=int, default=2, help="decode emulators")
+    p.add_argument("--policy", default="kvcache_aware", help="scheduling policy (registered name)")
+    p.add_argument("--pd-protocol", default="nixl", choices=["nixl", "mooncake", "sglang"])
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply the emulators' modelled durations")
+    p.add_argument("--speedup", type=float, default=4.0, help="replay trace arrivals this many times faster")
+    p.add_argument("--length-scale", type=float, default=0.125,
+                   help="scale prompt/output lengths (and the 512-token block) by this factor, 0 < f <= 1")
+    p.add_argument("--slo-ttft", type=float, default=0.5, help="TTFT SLO in seconds (admission and goodput)")
+    p.add_argument("--slo-tbt", type=float, default=0.04, help="TBT SLO in seconds (admission and goodput)")
+    p.add_argument("--noise", type=float, default=0.05, help="emulators' timing noise (lognormal sigma)")
+    p.add_argument("--concurrency", type=int, default=256, help="most requests in flight at the client")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name the emulators report")
+    p.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON")
+    p.add_argument("--keep-logs", default=None, metavar="DIR", help="write the children's logs here and keep them")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return p
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: unwind like Ctrl-C does, through every finally."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated()
+
+
+def _scaled_params(time_scale: float, log_dir: Path) -> str:
+    """Predictor params fitted from the bundled profile, every time multiplied by `time_scale`."""
+    from predictors.params import PredictorParams
+    from predictors.profile import bundled_profile, fit_profiles
+
+    params: PredictorParams = fit_profiles([bundled_profile()]).scaled(time_scale, time_scale, time_scale)
+    path = log_dir / "predictor-params.json"
+    params.save(path)
+    return str(path)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.requests < 1:
+        return "--requests must be at least 1"
+    if args.prefill < 1 or args.decode < 1:
+        return "--prefill and --decode must be at least 1"
+    if args.time_scale <= 0 or args.speedup <= 0:
+        return "--time-scale and --speedup must be > 0"
+    if not 0 < args.length_scale <= 1:
+        return "--length-scale must be in (0, 1]"
+    return None
+
+
+def demo_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _check(args)
+    if problem:
+        print(f"conductor demo: {problem}", file=sys.stderr)
+        return 2
+    from traces.formats import load_trace, resolve_trace
+
+    path = resolve_trace(args.trace)
+    if not path.exists():
+        print(f"conductor demo: trace {args.trace} not found", file=sys.stderr)
+        return 2
+    requests = load_trace(path, limit=args.requests).requests
+    if not requests:
+        print(f"conductor demo: trace {args.trace} has no usable requests", file=sys.stderr)
+        return 2
+    log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="conductor-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    group = ChildGroup(log_dir)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    ok = False
+    started = time.monotonic()
+    try:
+        ok = _run(args, requests, group, log_dir, started)
+    except (KeyboardInterrupt, _Terminated):
+        print("\nconductor demo: interrupted, stopping the cluster", file=sys.stderr)
+    except RuntimeError as exc:
+        print(f"\nconductor demo: {exc}", file=sys.stderr)
+    finally:
+        # a second Ctrl-C must not cut the shutdown short and orphan workers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        group.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, previous)
+    pids = " ".join(str(c.pid) for c in group.children)
+    print(f"demo: stopped {len(group.children)} processes ({pids}) after {time.monotonic() - started:.1f}s",
+          file=sys.stderr)
+    if ok and not args.keep_logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif not ok:
+        print(f"demo: logs of every process are in {log_dir}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _run(args: argparse.Namespace, requests: tuple, group: ChildGroup, log_dir: Path,  # type: ignore[type-arg]
+         started: float) -> bool:
+    from traces.live import TextProgress, print_live, replay_live
+    from traces.synth import PromptSynthesizer
+
+    options: dict[str, object] = {}
+    if args.policy == "kvcache_aware" and args.time_scale != 1.0:
+        options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
+    spec = ClusterSpec(
+        n_prefill=args.prefill, n_decode=args.decode, pd_protocol=args.pd_protocol, policy=args.policy,
+        model=args.model, time_scale=args.time_scale, noise=args.noise, slo_ttft_s=args.slo_ttft,
+        slo_tbt_s=args.slo_tbt, policy_options=options,
+    )
+    cluster = start_cluster(spec, group)
+    for child in group.children:
+        print(f"demo: {child.name} pid {child.pid} on {child.url}", file=sys.stderr)
+    wait_ready(cluster, group)
+    print(f"demo: {args.prefill}P{args.decode}D ({args.pd_protocol}) ready after "
+          f"{time.monotonic() - started:.1f}s; replaying {len(requests)} requests of {args.trace} "
+          f"(lengths x{args.length_scale:g}, {args.speedup:g}x faster) through {args.policy} at "
+          f"{cluster.gateway_url}", file=sys.stderr)
+    bar = None if args.no_progress else TextProgress()
+    try:
+        result = asyncio.run(replay_live(
+            cluster.gateway_url, requests, time_scale=args.speedup, concurrency_limit=args.concurrency,
+            slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, progress=bar,
+            synthesizer=PromptSynthesizer(args.length_scale, seed=args.seed), model=args.model,
+            label=args.policy,
+        ))
+    finally:
+        if bar is not None:
+            bar.close()
+    dead = group.dead()
+    if dead:
+        raise RuntimeError(f"{dead[0].name} died during the replay:\n{dead[0].log_tail()}")
+    print_live(result)
+    if args.json_out:
+        doc = {"trace": args.trace, "results": [result.run.as_dict()], "live": result.as_dict(),
+               "processes": {c.name: c.pid for c in group.children},
+               "settings": {k: v for k, v in vars(args).items() if k != "json_out"}}
+        Path(args.json_out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"wrote {args.json_out}")
+    return True

@@ -1,0 +1,322 @@
+"""Live trace replay: send a trace through a running gateway over HTTP and measure at the client.
+
+    conductor replay conversation-head400 --live http://127.0.0.1:8000 --limit 200 --speedup 2 \
+        --length-scale 0.125 --slo-ttft 2 --slo-tbt 0.05 --json out.json
+
+Each trace request becomes a streamed `/v1/completions` call with a token-id prompt (traces.synth:
+shared hash ids -> shared token prefixes), `max_tokens` = the (scaled) output length,
+`ignore_eos`, and `stream_options.include_usage`, sent at its arrival time divided by the speed-up.
+Measured at the client, from the moment the request is sent: TTFT (first content chunk), TBT (mean
+gap between content chunks of a request), cached tokens from the final usage chunk, HTTP 429s by the
+reason code in their OpenAI error body, other errors by kind. Goodput is the number of requests that
+met both SLOs per second of (scaled) trace time, as in the simulator.
+
+Prefix hit rate: in P/D serving the decode worker's usage counts the KV it received from prefill as
+cached (vLLM does), so the usage the client sees says little about prefix reuse. When the target is
+a Conductor gateway, the share is read from its `conductor_prompt_tokens_total` counter (cached vs
+computed, as the prefill workers reported them), before and after the replay; otherwise from the
+client's usage chunks. `extra` in the JSON has both, and which one the table shows.
+
+The result is a `traces.sim.results.RunResult` (mode "live"), printed with the simulator's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+
+from traces.formats import TraceRequest, load_trace, resolve_trace
+from traces.live_client import HttpOutcome, fetch_json, gateway_cached_counts, stream_completion
+from traces.sim.results import Dist, RunResult, format_table
+from traces.synth import PromptSynthesizer, SynthRequest
+
+
+@dataclass(frozen=True, slots=True)
+class LiveOutcome:
+    """What happened to one replayed request."""
+
+    line: int  # trace line
+    scheduled_s: float  # arrival after speed-up, seconds from replay start
+    lag_s: float  # how late the client sent it (event-loop or concurrency-limit delay)
+    prompt_tokens: int
+    max_tokens: int
+    http: HttpOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class LiveProgress:
+    """Counts so far, for a progress display."""
+
+    total: int
+    sent: int
+    done: int
+    ok: int
+    rejected: int
+    errors: int
+    elapsed_s: float
+
+
+ProgressSink = Callable[[LiveProgress], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LiveResult:
+    """A live replay: the summary (same type as the simulator's) and every request's outcome."""
+
+    run: RunResult
+    outcomes: tuple[LiveOutcome, ...]
+    errors: Mapping[str, int] = field(default_factory=dict)  # error kind -> count (not 429s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"result": self.run.as_dict(), "errors": dict(self.errors)}
+
+
+class TextProgress:
+    """One updating line on a stream (stderr): `[#####.....] 120/200 ok 110 429 4 err 0 12.3s`."""
+
+    def __init__(self, stream: IO[str] | None = None, width: int = 30, interval_s: float = 0.1) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._shown: LiveProgress | None = None
+
+    def __call__(self, p: LiveProgress) -> None:
+        now = time.monotonic()
+        if p.done < p.total and now - self._last < self.interval_s:
+            return  # redrawing on every chunk would cost more than the replay
+        self._last = now
+        self._shown = p
+        filled = self.width * p.done // max(1, p.total)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {p.done}/{p.total} ok {p.ok} 429 {p.rejected} err {p.errors} "
+                          f"in flight {p.sent - p.done} {p.elapsed_s:.1f}s ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._shown is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _share(cached: float, total: float) -> float:
+    return cached / total if total > 0 else 0.0
+
+
+def summarize(
+    outcomes: Sequence[LiveOutcome], *, label: str, n_prefill: int, n_decode: int,
+    slo_ttft_s: float | None, slo_tbt_s: float | None, wall_s: float,
+    gateway_cached: tuple[float, float] | None = None,
+) -> LiveResult:
+    """The RunResult of a set of outcomes; `gateway_cached` = (cached, computed) token deltas."""
+    ok = [o for o in outcomes if o.http.status == "ok"]
+    ttfts = [o.http.ttft_s for o in ok if o.http.ttft_s is not None]
+    tbts = [o.http.tbt_s for o in ok if o.http.tbt_s is not None]
+    rejections = Counter(o.http.reason or "unknown" for o in outcomes if o.http.status == "rejected")
+    errors = Counter(o.http.reason or "unknown" for o in outcomes if o.http.status == "error")
+    met = sum(
+        1 for o in ok
+        if (slo_ttft_s is None or (o.http.ttft_s is not None and o.http.ttft_s <= slo_ttft_s))
+        and (slo_tbt_s is None or o.http.tbt_s is None or o.http.tbt_s <= slo_tbt_s)
+    )
+    arrivals = [o.scheduled_s for o in outcomes]
+    duration = max(1e-3, (max(arrivals) - min(arrivals)) if arrivals else 0.0)
+    ends = [o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes]
+    makespan = (max(ends) - min(arrivals)) if arrivals else 0.0
+    prompt_reported = sum(o.http.prompt_tokens or 0 for o in ok)
+    client_share = _share(sum(o.http.cached_tokens or 0 for o in ok), prompt_reported)
+    gateway_share = _share(gateway_cached[0], sum(gateway_cached)) if gateway_cached else None
+    lags = Dist.of([o.lag_s for o in outcomes])
+    extra: dict[str, float] = {
+        "errors": float(sum(errors.values())),
+        "client_cached_share": client_share,
+        "client_lag_p99_s": lags.p99,
+        "output_tokens": float(sum(o.http.chunks for o in ok)),
+        "prompt_tokens_sent": float(sum(o.prompt_tokens for o in outcomes)),
+        "hit_rate_from_gateway": 1.0 if gateway_share is not None else 0.0,
+    }
+    if gateway_share is not None:
+        extra["gateway_cached_share"] = gateway_share
+    run = RunResult(
+        policy=label, mode="live", n_prefill=n_prefill, n_decode=n_decode, requests=len(outcomes),
+        completed=len(ok), rejected=sum(rejections.values()), rejections=dict(rejections),
+        ttft=Dist.of(ttfts), tbt=Dist.of(tbts), slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
+        slo_met=met, slo_attainment=met / len(outcomes) if outcomes else 0.0, goodput_rps=met / duration,
+        duration_s=duration, makespan_s=makespan,
+        prefix_hit_local=gateway_share if gateway_share is not None else client_share,
+        wall_s=wall_s, extra=extra,
+    )
+    return LiveResult(run, tuple(outcomes), dict(errors))
+
+
+async def replay_live(
+    url: str,
+    requests: Sequence[TraceRequest] | Sequence[SynthRequest],
+    *,
+    time_scale: float = 1.0,
+    concurrency_limit: int = 256,
+    slo_ttft_s: float | None = None,
+    slo_tbt_s: float | None = None,
+    progress: ProgressSink | None = None,
+    synthesizer: PromptSynthesizer | None = None,
+    model: str | None = None,
+    api_key: str | None = None,
+    label: str = "live",
+    request_timeout_s: float = 600.0,
+) -> LiveResult:
+    """Replay `requests` against the gateway at `url`; arrivals are divided by `time_scale` (a
+    speed-up: 10 replays ten times faster). TraceRequests are synthesized with `synthesizer`
+    (default: full length); SynthRequests are sent as they are. `concurrency_limit` caps requests
+    in flight (and connections); one waiting for a slot counts as late (`lag_s`), not slow."""
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if concurrency_limit < 1:
+        raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+    synth = synthesizer or PromptSynthesizer()
+    items = [r if isinstance(r, SynthRequest) else synth.synthesize(r) for r in requests]
+    base = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    connector = aiohttp.TCPConnector(limit=concurrency_limit, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=10.0)
+    async with aiohttp.ClientSession(base_url=base, connector=connector, timeout=timeout,
+                                     headers=headers) as session:
+        model = model or await _first_model(session)
+        ready = await fetch_json(session, "/ready")
+        healthy = ready.get("healthy", {}) if isinstance(ready, Mapping) else {}
+        before = await gateway_cached_counts(session)
+        outcomes = await _run_schedule(session, items, model, time_scale, concurrency_limit, progress)
+        after = await gateway_cached_counts(session) if before is not None else None
+    wall = max((o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes), default=0.0)
+    delta = None
+    if before is not None and after is not None:
+        delta = (after[0] - before[0], after[1] - before[1])
+    return summarize(
+        outcomes, label=label, n_prefill=int(healthy.get("prefill", 0) or healthy.get("mixed", 0)),
+        n_decode=int(healthy.get("decode", 0)), slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
+        wall_s=wall, gateway_cached=delta if delta and sum(delta) > 0 else None,
+    )
+
+
+async def _first_model(session: aiohttp.ClientSession) -> str:
+    doc = await fetch_json(session, "/v1/models")
+    data = doc.get("data") if isinstance(doc, Mapping) else None
+    if isinstance(data, list) and data and isinstance(data[0], Mapping) and data[0].get("id"):
+        return str(data[0]["id"])
+    raise ValueError("the gateway lists no model on /v1/models; pass --model")
+
+
+async def _run_schedule(
+    session: aiohttp.ClientSession, items: Sequence[SynthRequest], model: str, time_scale: float,
+    limit: int, progress: ProgressSink | None,
+) -> list[LiveOutcome]:
+    loop = asyncio.get_running_loop()
+    gate = asyncio.Semaphore(limit)
+    counts = {"sent": 0, "done": 0, "ok": 0, "rejected": 0, "error": 0}
+    start = loop.time()
+    first = min((i.arrival_s for i in items), default=0.0)
+
+    def report() -> None:
+        if progress is not None:
+            progress(LiveProgress(len(items), counts["sent"], counts["done"], counts["ok"], counts["rejected"],
+                                  counts["error"], loop.time() - start))
+
+    async def one(item: SynthRequest, due: float) -> LiveOutcome:
+        async with gate:
+            sent = loop.time()
+            counts["sent"] += 1
+            body = {"model": model, "prompt": list(item.prompt), "max_tokens": item.max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+            http = await stream_completion(session, body)
+        counts["done"] += 1
+        counts[http.status if http.status in counts else "error"] += 1
+        report()
+        return LiveOutcome(item.line, due - start, sent - due, len(item.prompt), item.max_tokens, http)
+
+    tasks: list[asyncio.Task[LiveOutcome]] = []
+    try:
+        for item in sorted(items, key=lambda i: i.arrival_s):
+            due = start + (item.arrival_s - first) / time_scale
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(item, due)))
+            report()
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:  # on cancellation (Ctrl-C) nothing is left running
+            task.cancel()
+
+
+def add_live_args(parser: argparse.ArgumentParser) -> None:
+    """Options of `conductor replay --live` (added to traces.replay_cli's parser)."""
+    g = parser.add_argument_group("live replay (--live URL)")
+    g.add_argument("--length-scale", type=float, default=1.0,
+                   help="scale prompt and output lengths (and the 512-token block) by this factor, 0 < f <= 1")
+    g.add_argument("--concurrency", type=int, default=256, help="most requests in flight (and connections)")
+    g.add_argument("--model", default=None, help="model name to send (default: the gateway's first)")
+    g.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    g.add_argument("--label", default="live", help="column heading in the table")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
+    """The simulator's table, then what only a live replay has: errors and both hit-rate sources."""
+    stream = out if out is not None else sys.stdout
+    table = format_table([result.run])
+    width = max(len(line.split("  ")[0]) for line in table.splitlines()[2:]) if table else 0
+    errs = ", ".join(f"{k}={v}" for k, v in sorted(result.errors.items())) or "-"
+    extra = result.run.extra
+    rows = [
+        ("errors", f"{int(extra.get('errors', 0))} ({errs})"),
+        ("prefix hit source", "gateway counters" if extra.get("hit_rate_from_gateway") else "client usage"),
+        ("cached share (client usage)", f"{extra.get('client_cached_share', 0.0):.1%}"),
+        ("client send lag p99", f"{extra.get('client_lag_p99_s', 0.0) * 1000:.1f}ms"),
+    ]
+    width = max(width, *(len(k) for k, _ in rows))
+    print(table, file=stream)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}", file=stream)
+
+
+def run_live(args: argparse.Namespace) -> int:
+    """`conductor replay TRACE --live URL ...`: replay, print the table, write --json."""
+    path = resolve_trace(args.trace)
+    if not path.exists():
+        print(f"error: trace {args.trace} not found", file=sys.stderr)
+        return 2
+    loaded = load_trace(path, limit=args.limit)
+    if not loaded.requests:
+        print(f"error: trace {args.trace} has no usable requests", file=sys.stderr)
+        return 2
+    bar = None if getattr(args, "no_progress", False) else TextProgress()
+    try:
+        synth = PromptSynthesizer(getattr(args, "length_scale", 1.0), seed=getattr(args, "seed", 0) or 0)
+        result = asyncio.run(replay_live(
+            args.live, loaded.requests, time_scale=args.speedup, concurrency_limit=getattr(args, "concurrency", 256),
+            slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, progress=bar, synthesizer=synth,
+            model=getattr(args, "model", None), api_key=getattr(args, "api_key", None),
+            label=getattr(args, "label", "live"), request_timeout_s=getattr(args, "request_timeout", 600.0),
+        ))
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        print(f"\nerror: live replay against {args.live} failed: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+    print_live(result)
+    if args.json_out:
+        doc = {"trace": args.trace, "results": [result.run.as_dict()], "live": result.as_dict()}
+        Path(args.json_out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"wrote {args.json_out}")
+    return 0

@@ -1,0 +1,136 @@
+"""The live replay's HTTP client side: one streamed completion, measured; a few small GETs.
+
+Kept apart from traces/live.py (scheduling and summary) so the parsing of OpenAI SSE streams can be
+read on its own. aiohttp, as the rest of the project's load generators.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+_decode = msgspec.json.Decoder().decode
+_CACHED_RE = re.compile(r'^conductor_prompt_tokens_total\{source="(cached|computed)"\}\s+([0-9.eE+-]+)', re.M)
+_MAX_ERROR_TEXT = 300  # keep error messages short: thousands may fail at once
+
+
+@dataclass(frozen=True, slots=True)
+class HttpOutcome:
+    """One request as the client saw it."""
+
+    status: str  # "ok", "rejected" (HTTP 429) or "error"
+    http_status: int | None  # None when no response came (connection refused, timeout)
+    reason: str | None  # 429: the error body's code (e.g. "ttft_slo"); error: a kind such as "http_502"
+    ttft_s: float | None  # send to first content chunk
+    tbt_s: float | None  # mean gap between content chunks (None with fewer than two)
+    chunks: int  # content chunks received
+    prompt_tokens: int | None  # from the usage chunk
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens
+    elapsed_s: float  # send to end of response
+    message: str | None = None  # error text, truncated
+
+
+def _content_of(choice: Any) -> bool:
+    """True when a stream choice carries generated text (completions `text`, chat `delta.content`)."""
+    if not isinstance(choice, dict):
+        return False
+    text = choice.get("text")
+    if text:
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and bool(delta.get("content"))
+
+
+def _error_reason(body: bytes, status: int) -> tuple[str, str]:
+    try:
+        err = _decode(body).get("error", {})
+        code = err.get("code")
+        return (str(code) if code not in (None, "") else str(status)), str(err.get("message", ""))[:_MAX_ERROR_TEXT]
+    except (msgspec.DecodeError, AttributeError):
+        return str(status), body[:_MAX_ERROR_TEXT].decode("utf-8", "replace")
+
+
+async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any],
+                            path: str = "/v1/completions") -> HttpOutcome:
+    """POST a streamed completion and measure it; never raises for HTTP or transport failures."""
+    sent = time.perf_counter()
+    first: float | None = None
+    last = sent
+    chunks = 0
+    prompt_tokens = cached = None
+    try:
+        async with session.post(path, json=body) as resp:
+            if resp.status != 200:
+                reason, message = _error_reason(await resp.read(), resp.status)
+                rejected = resp.status == 429
+                return HttpOutcome("rejected" if rejected else "error", resp.status,
+                                   reason if rejected else f"http_{resp.status}", None, None, 0, None, None,
+                                   time.perf_counter() - sent, message)
+            done = False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                event = _decode(data)
+                if "error" in event:
+                    reason, message = _error_reason(data, 200)
+                    return HttpOutcome("error", 200, "stream_error", None, None, chunks, None, None,
+                                       now - sent, message)
+                choices = event.get("choices") or ()
+                if any(_content_of(c) for c in choices):
+                    chunks += 1
+                    if first is None:
+                        first = now
+                    last = now
+                usage = event.get("usage")
+                if isinstance(usage, dict):
+                    prompt_tokens = usage.get("prompt_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            end = time.perf_counter()
+            if not done or first is None:
+                return HttpOutcome("error", 200, "truncated_stream", None, None, chunks, prompt_tokens, cached,
+                                   end - sent, "stream ended without [DONE] or without content")
+            tbt = (last - first) / (chunks - 1) if chunks > 1 else None
+            return HttpOutcome("ok", 200, None, first - sent, tbt, chunks, prompt_tokens, cached, end - sent)
+    except TimeoutError:
+        return HttpOutcome("error", None, "timeout", None, None, chunks, None, None, time.perf_counter() - sent,
+                           "request timed out")
+    except (aiohttp.ClientError, msgspec.DecodeError) as exc:
+        kind = "bad_json" if isinstance(exc, msgspec.DecodeError) else "transport"
+        return HttpOutcome("error", None, kind, None, None, chunks, None, None, time.perf_counter() - sent,
+                           str(exc)[:_MAX_ERROR_TEXT])
+
+
+async def fetch_json(session: aiohttp.ClientSession, path: str) -> Any:
+    """GET a JSON document; None when it is missing or not JSON (the target may not be Conductor)."""
+    try:
+        async with session.get(path) as resp:
+            return _decode(await resp.read())
+    except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
+        return None
+
+
+async def gateway_cached_counts(session: aiohttp.ClientSession) -> tuple[float, float] | None:
+    """(cached, computed) prompt tokens from a Conductor gateway's /metrics; None if absent."""
+    try:
+        async with session.get("/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
+        return None
+    found = {m.group(1): float(m.group(2)) for m in _CACHED_RE.finditer(text)}
+    if not found and "conductor_prompt_tokens" not in text:
+        return None  # not a Conductor gateway (a fresh one lists the counter with no samples yet)
+    return found.get("cached", 0.0), found.get("computed", 0.0)
