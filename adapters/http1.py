@@ -164,7 +164,7 @@ class _Connection(asyncio.Protocol):
             return None
         if isinstance(item, Exception):
             raise item
-        return item  # type: ignore[no-any-return]
+        return item
 
 
 class Response:
@@ -254,7 +254,7 @@ class Pool:
                 self.loop.create_connection(lambda: _Connection(self), self.host, self.port),
                 self.connect_timeout_s,
             )
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             self._slots.release()
             raise ConnectionFailed(f"connect to {self.host}:{self.port} timed out") from exc
         except OSError as exc:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import msgspec
+from redis.exceptions import RedisError
 
 from policies.types import ActiveDecode, QueuedPrefill
 
@@ -97,8 +98,8 @@ class RedisLoadShare:
             try:
                 await self._redis.delete(self._key)  # type: ignore[attr-defined]
                 await self._redis.zrem(self._prefix + "replicas", self.replica_id)  # type: ignore[attr-defined]
-            except Exception:  # closing: Redis may be gone already
-                pass
+            except (OSError, ConnectionError, RedisError) as exc:  # closing: Redis may be gone already
+                log.debug("could not withdraw this replica's load table: %s", exc)
             await self._redis.aclose()  # type: ignore[attr-defined]
 
     async def _loop(self) -> None:
@@ -106,7 +107,7 @@ class RedisLoadShare:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.sync_once()
-            except Exception as exc:  # Redis down: keep serving on local knowledge
+            except (OSError, ConnectionError, RedisError, msgspec.DecodeError) as exc:  # keep serving on local knowledge
                 log.warning("load sharing through Redis failed: %s", exc)
 
     async def sync_once(self) -> None:

@@ -36,7 +36,7 @@ async def main(n: int, port: int) -> None:
             await c.post(url, content=b"{}")
         t0 = time.process_time()
         for _ in range(n):
-            (await c.post(url, content=b"{}")).content
+            _ = (await c.post(url, content=b"{}")).content
         results["httpx"] = (time.process_time() - t0) / n * 1e6
     async with aiohttp.ClientSession() as s:
         for _ in range(100):

@@ -32,7 +32,7 @@ _MAX_INTERVALS = 256  # token intervals kept per stream for the TBT fit
 
 
 class _ClientState:
-    __slots__ = ("disconnected", "response_started", "response_done")
+    __slots__ = ("disconnected", "response_done", "response_started")
 
     def __init__(self) -> None:
         self.disconnected = False
@@ -102,7 +102,7 @@ class CompletionsEndpoint:
             status = await self._fail(exc, send, state)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
-        except Exception as exc:  # never a traceback to the client; render() logs it
+        except Exception as exc:  # noqa: BLE001 - never a traceback to the client; render() logs it
             status = await self._fail(exc, send, state)
         finally:
             if watcher is not None:

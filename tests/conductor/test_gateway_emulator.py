@@ -56,7 +56,7 @@ def test_pd_through_emulated_workers(protocol: str) -> None:
 def test_repeated_prefix_reported_cached_through_gateway() -> None:
     with ExitStack() as stack:
         m = stack.enter_context(start_emulator("mixed", time_scale=0.01, model="tiny"))
-        server, gateway = _gateway(stack, mixed=[m.url])
+        server, _ = _gateway(stack, mixed=[m.url])
         prompt = [1 + j % 250 for j in range(320)]
         usage = []
         for _ in range(2):

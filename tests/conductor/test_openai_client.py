@@ -15,7 +15,7 @@ def client(request):
 
 
 def test_completions_non_streamed(client) -> None:
-    oa, c = client
+    oa, _ = client
     r = oa.completions.create(model="tiny", prompt="Say hi", max_tokens=5)
     assert r.choices[0].text.strip()
     assert r.usage is not None and r.usage.completion_tokens == 5
@@ -47,7 +47,7 @@ def test_chat_streamed_with_usage(client) -> None:
 
 
 def test_streamed_without_usage_has_none(client) -> None:
-    oa, c = client
+    oa, _ = client
     chunks = list(oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                              max_tokens=2, stream=True))
     assert all(ch.usage is None for ch in chunks)

@@ -45,12 +45,12 @@ def test_upstream_sockets_have_tcp_nodelay() -> None:
 
 
 def _disconnect_after_two_chunks(url: str, path: str, body: dict) -> None:
-    with httpx.Client(timeout=20) as client:
-        with client.stream("POST", url + path, json=body, headers={"X-Request-ID": "leaver"}) as r:
-            assert r.status_code == 200
-            it = r.iter_raw()
-            next(it)
-            next(it)
+    with httpx.Client(timeout=20) as client, \
+            client.stream("POST", url + path, json=body, headers={"X-Request-ID": "leaver"}) as r:
+        assert r.status_code == 200
+        it = r.iter_raw()
+        next(it)
+        next(it)
         # leaving the block closes the connection mid-stream
 
 

@@ -108,7 +108,7 @@ class StandIn:
             return await _json(send, 200, payload)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for i in range(n):
+        for _ in range(n):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             if chat:
