@@ -223,6 +223,23 @@ def _gateway_rows() -> tuple[Row, ...]:
                   (Target(quantile(0.9, "conductor_prefill_leg_seconds", by="instance"), "{{instance}}"),), "s",
                   description="Queue plus prefill on each prefill instance, as the gateway timed it."),
         )),
+        Row("Predictors", (
+            Panel("Prediction error (MAPE) by component",
+                  (Target(f"avg by (component) ({sel('conductor_prediction_mape')})", "{{component}}"),), "percent",
+                  description="Mean absolute percentage error over each predictor's recent window, "
+                  "averaged over instances and gateway replicas."),
+            Panel("MAPE by component and instance",
+                  (Target(f"avg by (component, instance) ({sel('conductor_prediction_mape')})",
+                          "{{component}} {{instance}}"),), "percent"),
+            Panel("p90 coverage (ideal 0.9)",
+                  (Target(f"avg by (component) ({sel('conductor_prediction_p90_coverage')})", "{{component}}"),),
+                  "percentunit", width=5,
+                  description="Share of actuals at or under the predicted p90: well below 0.9 means the "
+                  "predictor is optimistic and admission lets too much in."),
+            Panel("Samples in error window",
+                  (Target(f"sum by (component) ({sel('conductor_prediction_samples')})", "{{component}}"),),
+                  "short", kind="stat", width=3),
+        )),
         Row("Instances (gateway view)", (
             Panel("Queued prefill tokens per instance",
                   (Target(f"sum by (instance) ({sel('conductor_instance_queued_prefill_tokens')})",

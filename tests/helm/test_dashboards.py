@@ -1,0 +1,159 @@
+"""The Grafana dashboards: valid dashboard JSON, and every query reads metrics that really exist.
+
+Metric names come from a real gateway's /metrics (an in-process gateway in front of stand-in
+workers, after a streamed request so labelled series exist) plus the vLLM names the RUNBOOK lists
+as seen on a real vLLM. Runs without helm.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from policies.registry import load_policy
+from tests.support.cluster import cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = sorted((ROOT / "grafana").glob("*.json"))
+
+# vLLM's metric names as seen on a real vLLM 0.32 (RUNBOOK "Metric names seen"), with their types.
+VLLM_METRICS = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries_total": "counter", "vllm:prefix_cache_hits_total": "counter",
+    "vllm:prompt_tokens_by_source_total": "counter", "vllm:generation_tokens_total": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+}
+VLLM_LABELS = {"model_name", "engine", "source", "finished_reason"}
+# labels Prometheus adds at scrape time (kubernetes SD / ServiceMonitor) or histograms carry
+TARGET_LABELS = {"namespace", "pod", "instance", "job", "service", "container", "endpoint", "worker", "le"}
+
+SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
+BY = re.compile(r"\bby \(([^)]*)\)")
+
+
+def _names(type_lines: dict[str, str]) -> set[str]:
+    """Series names a family exposes: histograms as _bucket/_sum/_count."""
+    out = set()
+    for name, kind in type_lines.items():
+        out |= {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}
+    return out
+
+
+@pytest.fixture(scope="module")
+def gateway_exposition() -> Iterator[str]:
+    """/metrics of a gateway running Conductor's own policy after one admitted stream and one 429,
+    so the labelled families (requests, decisions, rejections, predictor errors) have samples."""
+    with cluster("nixl", policy=load_policy("kvcache_aware")) as c:
+        body = {"model": "tiny", "prompt": "hello there " * 20, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}
+        assert httpx.post(c.url + "/v1/completions", json=body, timeout=20).status_code == 200
+        refused = httpx.post(c.url + "/v1/completions", json=body, headers={"x-slo-ttft-ms": "0.001"}, timeout=20)
+        assert refused.status_code == 429, refused.text
+        yield httpx.get(c.url + "/metrics", timeout=10).text
+
+
+@pytest.fixture(scope="module")
+def known(gateway_exposition: str) -> dict[str, set[str]]:
+    """Series name -> label names seen (empty set when the family has no sample yet)."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", gateway_exposition, re.M))
+    out: dict[str, set[str]] = {n: set() for n in _names(types) | _names(VLLM_METRICS)}
+    for name, labels in re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", gateway_exposition, re.M):
+        out.setdefault(name, set()).update(re.findall(r'(\w+)="', labels))
+    for name in out:
+        if name.startswith("vllm:"):
+            out[name] |= VLLM_LABELS
+    return out
+
+
+def _load(path: Path) -> dict[str, Any]:
+    board: dict[str, Any] = json.loads(path.read_text())
+    return board
+
+
+def _targets(board: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            yield panel["title"], target
+
+
+def test_overview_dashboard_exists_and_generated_files_are_current() -> None:
+    assert "conductor-overview.json" in [p.name for p in DASHBOARDS]
+    check = subprocess.run([sys.executable, str(ROOT / "grafana" / "build_dashboards.py"), "--check"],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_is_valid_grafana_json(path: Path) -> None:
+    board = _load(path)
+    assert isinstance(board["schemaVersion"], int) and board["schemaVersion"] >= 36
+    assert board["uid"] and board["title"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    cells: set[tuple[int, int]] = set()
+    for panel in board["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
+        mine = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not mine & cells, f"panel {panel['title']!r} overlaps another"
+        cells |= mine
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+        assert panel["targets"], panel["title"]
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids))
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${DS_PROMETHEUS}"
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_query_reads_existing_metrics_and_labels(path: Path, known: dict[str, set[str]]) -> None:
+    for title, target in _targets(_load(path)):
+        expr = target["expr"]
+        selectors = SELECTOR.findall(expr)
+        assert selectors, f"{title}: no metric selector in {expr}"
+        labels_here: set[str] = set()
+        unsampled = False  # a family with no sample yet: its label names are unknown
+        for name, matchers in selectors:
+            assert name in known, f"{title}: {name} is not exported (gateway /metrics or vLLM)"
+            labels_here |= known[name]
+            unsampled |= not known[name]
+            for label in re.findall(r"(\w+)\s*=~?", matchers):
+                assert label in known[name] | TARGET_LABELS or not known[name], f"{title}: {name} has no {label}"
+        for group in BY.findall(expr):
+            for label in (s.strip() for s in group.split(",")):
+                assert unsampled or label in labels_here | TARGET_LABELS, f"{title}: no label {label!r} in {expr}"
+
+
+def test_dashboard_covers_the_required_signals(known: dict[str, set[str]]) -> None:
+    exprs = " ".join(t["expr"] for _, t in _targets(_load(ROOT / "grafana" / "conductor-overview.json")))
+    for needed in ("conductor_requests_total", "conductor_rejections_total", "conductor_ttft_seconds_bucket",
+                   "conductor_tbt_seconds_bucket", "conductor_predicted_ttft_seconds", "conductor_decision_seconds",
+                   "conductor_instance_queued_prefill_tokens", "conductor_instance_running_decodes",
+                   "conductor_instance_healthy", "conductor_prompt_tokens_total", "conductor_upstream_errors_total",
+                   "conductor_client_disconnects_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                   "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                   "vllm:time_to_first_token_seconds"):
+        assert needed in exprs, needed
+    assert "histogram_quantile(0.99, sum by (le) (rate(conductor_ttft_seconds_bucket" in exprs
+    # every conductor_ family the gateway exports is on the dashboard (new metrics get a panel)
+    families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in known if n.startswith("conductor_")}
+    families = {f for f in families if not f.endswith("_created")}
+    missing = sorted(f for f in families if f not in exprs)
+    assert not missing, f"gateway metrics without a panel: {missing}"
