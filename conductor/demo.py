@@ -12,9 +12,12 @@ process groups and are stopped on exit, on error, on Ctrl-C and on SIGTERM.
 
 Scaling, so a 2-core laptop can run it (see traces.synth):
 * `--length-scale` (default 1/8) shrinks prompts and outputs, and the 512-token trace block with
-  them (to 64 tokens), keeping which requests share which prefix;
-* `--speedup` (default 4) replays arrivals that many times faster; the shorter prompts cost the
-  emulated GPUs roughly a quarter of the full ones, so the cluster sees about the trace's load;
+  them (to 64 tokens), keeping which requests share which prefix; the first 200 requests then send
+  about 350k prompt tokens and ask for about 9k output tokens;
+* `--speedup` (default 1.5) replays arrivals that many times faster: 200 requests span 72 s of
+  trace, so the replay takes about 50 s; the trace's bursts (10 to 16 requests within a second)
+  queue up at the prefill instances and, with the default SLOs (TTFT 0.5 s, TBT 40 ms), a few get
+  HTTP 429 from kvcache_aware's admission;
 * `--time-scale` (default 1) multiplies every duration the emulators model. With a value other
   than 1 the kvcache_aware policy is given predictor params scaled by the same factor, so its
   predictions stay true to the emulators.
@@ -48,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kvcache_aware", help="scheduling policy (registered name)")
     p.add_argument("--pd-protocol", default="nixl", choices=["nixl", "mooncake", "sglang"])
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply the emulators' modelled durations")
-    p.add_argument("--speedup", type=float, default=4.0, help="replay trace arrivals this many times faster")
+    p.add_argument("--speedup", type=float, default=1.5, help="replay trace arrivals this many times faster")
     p.add_argument("--length-scale", type=float, default=0.125,
                    help="scale prompt/output lengths (and the 512-token block) by this factor, 0 < f <= 1")
     p.add_argument("--slo-ttft", type=float, default=0.5, help="TTFT SLO in seconds (admission and goodput)")

@@ -82,29 +82,39 @@ class LiveResult:
 
 
 class TextProgress:
-    """One updating line on a stream (stderr): `[#####.....] 120/200 ok 110 429 4 err 0 12.3s`."""
+    """One updating line on a terminal (stderr): `[#####.....] 120/200 ok 110 429 4 err 0 ...`.
 
-    def __init__(self, stream: IO[str] | None = None, width: int = 30, interval_s: float = 0.1) -> None:
+    When the stream is not a terminal (a log file, a pipe) it writes a plain line every
+    `pipe_interval_s` instead, so logs do not fill with carriage returns."""
+
+    def __init__(self, stream: IO[str] | None = None, width: int = 30, interval_s: float = 0.1,
+                 pipe_interval_s: float = 5.0) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
-        self.interval_s = interval_s
-        self._last = 0.0
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty()) if callable(isatty) else False
+        self.interval_s = interval_s if self.tty else pipe_interval_s
+        self._last = -float("inf")
         self._shown: LiveProgress | None = None
 
     def __call__(self, p: LiveProgress) -> None:
         now = time.monotonic()
-        if p.done < p.total and now - self._last < self.interval_s:
+        final = p.done >= p.total
+        if not final and now - self._last < self.interval_s:
             return  # redrawing on every chunk would cost more than the replay
+        if final and self._shown is not None and self._shown.done >= p.total:
+            return
         self._last = now
         self._shown = p
         filled = self.width * p.done // max(1, p.total)
         bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {p.done}/{p.total} ok {p.ok} 429 {p.rejected} err {p.errors} "
-                          f"in flight {p.sent - p.done} {p.elapsed_s:.1f}s ")
+        text = (f"[{bar}] {p.done}/{p.total} ok {p.ok} 429 {p.rejected} err {p.errors} "
+                f"in flight {p.sent - p.done} {p.elapsed_s:.1f}s")
+        self.stream.write(f"\r{text} " if self.tty else f"{text}\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self._shown is not None:
+        if self._shown is not None and self.tty:
             self.stream.write("\n")
             self.stream.flush()
 

@@ -79,6 +79,11 @@ class PromptSynthesizer:
         self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._cache_limit = cache_blocks  # a long trace has ~10^5 distinct ids: keep the hot ones
 
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks memoised now (at most `cache_blocks`)."""
+        return len(self._cache)
+
     def block_tokens(self, req: TraceRequest) -> int:
         """Tokens per trace block for this request after scaling."""
         return scaled_block_tokens(req.block_tokens, self.length_scale, self.align)
