@@ -33,10 +33,15 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+
+if TYPE_CHECKING:
+    from traces.formats import TraceRequest
 
 DEFAULT_TRACE = "conversation-head400"
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
@@ -142,7 +147,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _run(args: argparse.Namespace, requests: tuple, group: ChildGroup, log_dir: Path,  # type: ignore[type-arg]
+def _run(args: argparse.Namespace, requests: Sequence[TraceRequest], group: ChildGroup, log_dir: Path,
          started: float) -> bool:
     from traces.live import TextProgress, print_live, replay_live
     from traces.synth import PromptSynthesizer

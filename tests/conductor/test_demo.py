@@ -1,0 +1,104 @@
+"""`conductor demo` as a user runs it: a real subprocess that starts emulators and a gateway as its
+own children, replays a trace slice, prints the table, and leaves no process behind, whether it
+finishes, fails to start, or is interrupted (SIGINT, SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--speedup", "8", "--length-scale", "0.0625", "--no-progress"]
+
+
+def _demo(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "conductor", "demo", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _pids(stderr: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^demo: (\S+) pid (\d+) on ", stderr, re.M)}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # still in the table: only acceptable as a zombie nobody could have reaped but us
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[1].startswith("Z")
+
+
+def _row(table: str, label: str) -> str:
+    match = re.search(rf"^{re.escape(label)}\s{{2,}}(.+?)\s*$", table, re.M)
+    assert match, f"no row {label!r} in:\n{table}"
+    return match.group(1)
+
+
+def _seconds(text: str) -> float:
+    return float(text[:-2]) / 1000 if text.endswith("ms") else float(text[:-1])
+
+
+def test_demo_prints_the_table_and_leaves_no_process(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    proc = _demo("--requests", "30", "--json", str(out), *FAST)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    pids = _pids(stderr)
+    assert set(pids) == {"prefill-0", "prefill-1", "decode-0", "decode-1", "gateway"}
+    assert all(_gone(pid) for pid in pids.values()), pids
+    assert "kvcache_aware (live)" in stdout
+    assert _row(stdout, "cluster") == "2P2D" and _row(stdout, "requests") == "30"
+    completed = int(_row(stdout, "completed"))
+    rejected = int(_row(stdout, "rejected").split()[0])
+    errors = int(_row(stdout, "errors").split()[0])
+    assert completed + rejected + errors == 30 and completed >= 20 and errors == 0
+    p50, _, p99 = (_seconds(x) for x in _row(stdout, "TTFT p50/p90/p99").split(" / "))
+    assert 0 < p50 <= p99 < 10
+    tbt50 = _seconds(_row(stdout, "TBT p50/p90/p99").split(" / ")[0])
+    assert 0.005 < tbt50 < 0.5  # the profile's decode step is ~9 ms
+    doc = json.loads(out.read_text())
+    assert doc["processes"] == pids
+    result = doc["results"][0]
+    assert result["completed"] == completed and result["extra"]["hit_rate_from_gateway"] == 1.0
+    assert result["goodput_rps"] > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_demo_stops_every_child(sig: signal.Signals, tmp_path: Path) -> None:
+    proc = _demo("--requests", "200", "--speedup", "1", "--keep-logs", str(tmp_path / "logs"), "--no-progress")
+    assert proc.stderr is not None
+    seen = ""
+    deadline = time.monotonic() + 60
+    while "replaying" not in seen:  # the cluster is up and the replay has begun
+        line = proc.stderr.readline()
+        assert line and time.monotonic() < deadline, seen
+        seen += line
+    pids = _pids(seen)
+    assert len(pids) == 5 and not any(_gone(p) for p in pids.values())
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    _, rest = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "interrupted" in rest and f"logs of every process are in {tmp_path / 'logs'}" in rest
+    assert all(_gone(pid) for pid in pids.values()), pids
+
+
+def test_failed_start_says_where_the_logs_are(tmp_path: Path) -> None:
+    proc = _demo("--requests", "5", "--policy", "no_such_policy", "--keep-logs", str(tmp_path), *FAST)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "gateway" in stderr and "exited" in stderr and "no_such_policy" in stderr
+    assert f"logs of every process are in {tmp_path}" in stderr
+    assert (tmp_path / "gateway.log").exists()
+    assert all(_gone(pid) for pid in _pids(stderr).values())
