@@ -1,0 +1,268 @@
+"""The Helm chart, rendered by a real helm: the gateway's settings name every prefill/decode pod the
+StatefulSets create (with the bootstrap port where the protocol needs one), the engines carry the
+matching connector flags, probes and the dashboards ConfigMap are right, and the gateway accepts the
+rendered settings (parsed by conductor.settings, then the rendered command run for real).
+
+Needs a helm binary on PATH or at .ci/bin/helm (`bash .ci/helm.sh` puts one there); skipped with
+that hint otherwise. The dashboards' own checks are in test_dashboards.py and need no helm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from conductor.settings import load_settings
+from tests.support.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "conductor"
+NAMESPACE = "llm"
+FULL = "rel-conductor"
+
+
+def _helm() -> str | None:
+    local = ROOT / ".ci" / "bin" / "helm"
+    return shutil.which("helm") or (str(local) if os.access(local, os.X_OK) else None)
+
+
+HELM = _helm()
+pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary: run `bash .ci/helm.sh` (installs .ci/bin/helm)")
+
+
+def helm(*args: str) -> str:
+    assert HELM is not None
+    done = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout
+
+
+def render(*sets: str) -> list[dict[str, Any]]:
+    flags = [f for s in sets for f in ("--set", s)]
+    out = helm("template", "rel", str(CHART), "--namespace", NAMESPACE, *flags)
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def container(doc: dict[str, Any]) -> dict[str, Any]:
+    c: dict[str, Any] = doc["spec"]["template"]["spec"]["containers"][0]
+    return c
+
+
+def ports(c: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def flag(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]
+
+
+def env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def gateway_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    cfg: dict[str, Any] = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
+    return cfg
+
+
+def test_lint_default_and_each_protocol() -> None:
+    for protocol in ("nixl", "mooncake", "sglang"):
+        out = helm("lint", "--strict", str(CHART), "--set", f"pdProtocol={protocol}")
+        assert "0 chart(s) failed" in out
+
+
+def test_schema_rejects_an_unknown_protocol() -> None:
+    assert HELM is not None
+    done = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "pdProtocol=tcp"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "pdProtocol" in done.stderr
+
+
+@pytest.mark.parametrize(("protocol", "n_prefill", "n_decode"),
+                         [("nixl", 1, 1), ("mooncake", 3, 2), ("sglang", 2, 3)])
+def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int, n_decode: int,
+                                                     tmp_path: Path) -> None:
+    docs = render(f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}", f"decode.replicas={n_decode}")
+    cfg = gateway_config(docs)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    settings = load_settings(tmp_path / "config.yaml", environ={})  # the gateway accepts it as is
+    assert settings.pd_protocol == protocol
+    assert [s.name for s in settings.prefill] == [f"prefill-{i}" for i in range(n_prefill)]
+    assert [s.name for s in settings.decode] == [f"decode-{i}" for i in range(n_decode)]
+    for role, specs, n in (("prefill", settings.prefill, n_prefill), ("decode", settings.decode, n_decode)):
+        sts = one(docs, "StatefulSet", f"{FULL}-{role}")
+        svc = one(docs, "Service", f"{FULL}-{role}")
+        assert sts["spec"]["replicas"] == n and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+        c = container(sts)
+        args, p = c["args"], ports(c)
+        for i, spec in enumerate(specs):  # pod i of the StatefulSet, through the headless Service
+            host = f"{FULL}-{role}-{i}.{FULL}-{role}.{NAMESPACE}.svc.cluster.local"
+            assert spec.url == f"http://{host}:{p['http']}"
+            if role == "prefill" and protocol != "nixl":
+                assert spec.bootstrap_port == p["bootstrap"] and "bootstrap" in {q["name"] for q in svc["spec"]["ports"]}
+            else:
+                assert spec.bootstrap_port is None
+            if role == "prefill":
+                events = json.loads(flag(args, "--kv-events-config"))
+                assert events["endpoint"] == f"tcp://*:{p['kv-events']}" and events["publisher"] == "zmq"
+                assert spec.kv_events_endpoint == f"tcp://{host}:{p['kv-events']}"
+            else:
+                assert spec.kv_events_endpoint is None and "--kv-events-config" not in args
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        if protocol == "sglang":
+            assert c["command"] == ["python3", "-m", "sglang.launch_server"]
+            assert flag(args, "--disaggregation-mode") == role
+            assert flag(args, "--page-size") == str(settings.block_size)
+            if role == "prefill":
+                assert int(flag(args, "--disaggregation-bootstrap-port")) == specs[0].bootstrap_port
+            assert "--kv-transfer-config" not in args
+            continue
+        assert c["command"] == ["vllm", "serve"]
+        kv = json.loads(flag(args, "--kv-transfer-config"))
+        assert kv["kv_connector"] == {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}[protocol]
+        assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        assert "--enable-prefix-caching" in args
+        assert flag(args, "--block-size") == str(settings.block_size)
+        assert [flag(args, "--served-model-name")] == list(settings.models)
+        e = env(c)
+        assert e["VLLM_HOST_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        if protocol == "mooncake":
+            assert ("VLLM_MOONCAKE_BOOTSTRAP_PORT" in e) == (role == "prefill")
+            if role == "prefill":
+                assert int(e["VLLM_MOONCAKE_BOOTSTRAP_PORT"]) == specs[0].bootstrap_port
+        else:
+            assert int(e["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == p["nixl"]
+            assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_gateway_deployment_probes_config_mount_and_redis() -> None:
+    docs = render("gateway.replicas=3")
+    dep = one(docs, "Deployment", f"{FULL}-gateway")
+    assert dep["spec"]["replicas"] == 3
+    c = container(dep)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    config_path = Path(flag(c["args"], "--config"))
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "config"]
+    assert str(config_path.parent) == mount["mountPath"]
+    [vol] = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    assert config_path.name in one(docs, "ConfigMap", vol["configMap"]["name"])["data"]
+    e = env(c)
+    assert e["CONDUCTOR_REDIS_URL"] == f"redis://{FULL}-redis:6379/0" and e["CONDUCTOR_LOAD_SHARE"] == "redis"
+    redis_svc = one(docs, "Service", f"{FULL}-redis")
+    assert redis_svc["spec"]["ports"][0]["port"] == 6379
+    assert "--maxmemory" in container(one(docs, "Deployment", f"{FULL}-redis"))["args"]  # bounded
+    assert "checksum/config" in dep["spec"]["template"]["metadata"]["annotations"]
+
+    external = render("redis.enabled=false", "redis.externalUrl=redis://cache.infra:6379/2")
+    assert not [d for d in external if d["metadata"]["name"] == f"{FULL}-redis"]
+    assert env(container(one(external, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_REDIS_URL"] == \
+        "redis://cache.infra:6379/2"
+
+
+def test_mixed_workers_only_and_mooncake_master() -> None:
+    docs = render("prefill.replicas=0", "decode.replicas=0", "mixed.replicas=2")
+    cfg = gateway_config(docs)
+    assert "prefill" not in cfg and "decode" not in cfg
+    assert [m["name"] for m in cfg["mixed"]] == ["mixed-0", "mixed-1"]
+    assert not [d for d in docs if d["metadata"]["name"] in (f"{FULL}-prefill", f"{FULL}-decode")]
+    args = container(one(docs, "StatefulSet", f"{FULL}-mixed"))["args"]
+    assert "--kv-transfer-config" not in args and "--kv-events-config" in args
+    master = container(one(docs, "Deployment", f"{FULL}-mooncake-master"))
+    assert master["command"] == ["mooncake_master"]
+    assert "--enable_http_metadata_server=true" in master["args"]
+    assert ports(master) == {"rpc": 50051, "metrics": 9003, "metadata": 8080}
+
+
+def test_dashboards_configmap_carries_every_dashboard() -> None:
+    docs = render()
+    cm = one(docs, "ConfigMap", f"{FULL}-dashboards")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = {p.name: p for p in (ROOT / "grafana").glob("*.json")}
+    assert set(cm["data"]) == set(files) and files
+    for name, text in cm["data"].items():
+        assert json.loads(text) == json.loads(files[name].read_text())
+    assert not [d for d in render("monitoring.dashboards.enabled=false") if d["metadata"]["name"] == cm["metadata"]["name"]]
+
+
+def test_service_monitors_keep_the_gateways_instance_label() -> None:
+    docs = render("monitoring.serviceMonitor.enabled=true", "monitoring.serviceMonitor.labels.release=kps")
+    gw = one(docs, "ServiceMonitor", f"{FULL}-gateway")
+    assert gw["spec"]["endpoints"][0]["honorLabels"] is True
+    assert gw["metadata"]["labels"]["release"] == "kps"
+    gw_labels = one(docs, "Service", f"{FULL}-gateway")["metadata"]["labels"]
+    assert gw["spec"]["selector"]["matchLabels"].items() <= gw_labels.items()
+    workers = one(docs, "ServiceMonitor", f"{FULL}-workers")
+    for role in ("prefill", "decode"):
+        labels = one(docs, "Service", f"{FULL}-{role}")["metadata"]["labels"]
+        assert workers["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_manifests_validate_against_kubernetes_schemas() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    for protocol in ("nixl", "mooncake", "sglang"):
+        for doc in render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558"):
+            kv.validate(doc, "1.33.0", strict=True)
+
+
+@pytest.fixture
+def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """The gateway container's command, run here on the rendered settings (pods unreachable)."""
+    docs = render("pdProtocol=mooncake", "prefill.replicas=2", "decode.replicas=1")
+    c = container(one(docs, "Deployment", f"{FULL}-gateway"))
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])  # verbatim
+    args = [str(config_file) if a == flag(c["args"], "--config") else a for a in c["args"]]
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
+    environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
+    # what kubernetes would fill in, and this machine's Redis for the in-cluster one
+    environ.update(CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc", CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/0",
+                   CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_TIMEOUT_S="0.5")
+    exe = shutil.which(c["command"][0], path=str(ROOT / ".venv" / "bin") + os.pathsep + os.environ["PATH"])
+    assert exe, c["command"]
+    proc = subprocess.Popen([exe, *args], env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_rendered_gateway_command_starts_on_rendered_settings(
+        rendered_gateway: tuple[subprocess.Popen[bytes], str]) -> None:
+    proc, url = rendered_gateway
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "gateway exited"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "gateway did not answer /health"
+        time.sleep(0.1)
+    ready = httpx.get(url + "/ready", timeout=5)
+    assert ready.status_code == 503  # the cluster's pods do not exist here: not ready, but alive
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
+        assert f'conductor_instance_healthy{{instance="{name}",role="{role}"}}' in metrics
