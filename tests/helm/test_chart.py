@@ -266,3 +266,34 @@ def test_rendered_gateway_command_starts_on_rendered_settings(
     metrics = httpx.get(url + "/metrics", timeout=5).text
     for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
         assert f'conductor_instance_healthy{{instance="{name}",role="{role}"}}' in metrics
+
+
+def test_rendered_mooncake_master_command_serves() -> None:
+    """The master's rendered command line, run here: the real binary accepts every flag and serves."""
+    exe = shutil.which("mooncake_master", path=str(ROOT / ".venv" / "bin") + os.pathsep + os.environ["PATH"])
+    if exe is None:
+        pytest.skip("no mooncake_master: pip install -e '.[mooncake]'")
+    rpc, metrics, meta, events = (free_port() for _ in range(4))
+    docs = render(f"mooncakeMaster.rpcPort={rpc}", f"mooncakeMaster.metricsPort={metrics}",
+                  f"mooncakeMaster.httpMetadataServer.port={meta}", f"mooncakeMaster.kvEventsPort={events}")
+    c = container(one(docs, "Deployment", f"{FULL}-mooncake-master"))
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    proc = subprocess.Popen([exe, *c["args"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, "mooncake_master exited: a rendered flag was refused"
+            try:
+                health = httpx.get(f"http://127.0.0.1:{metrics}/health", timeout=1)
+                if health.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "mooncake_master did not answer /health"
+            time.sleep(0.1)
+        assert health.json()["service_ready"] is True
+        # the built-in metadata server the transfer engines use answers on its own port
+        assert httpx.get(f"http://127.0.0.1:{meta}/metadata", params={"key": "none"}, timeout=5).status_code == 404
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
