@@ -154,7 +154,7 @@ def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int
             assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
-def test_gateway_deployment_probes_config_mount_and_redis() -> None:
+def test_gateway_deployment_probes_config_mount_and_redis(tmp_path: Path) -> None:
     docs = render("gateway.replicas=3")
     dep = one(docs, "Deployment", f"{FULL}-gateway")
     assert dep["spec"]["replicas"] == 3
@@ -168,6 +168,11 @@ def test_gateway_deployment_probes_config_mount_and_redis() -> None:
     assert config_path.name in one(docs, "ConfigMap", vol["configMap"]["name"])["data"]
     e = env(c)
     assert e["CONDUCTOR_REDIS_URL"] == f"redis://{FULL}-redis:6379/0" and e["CONDUCTOR_LOAD_SHARE"] == "redis"
+    # the env names are real settings fields (unknown CONDUCTOR_* variables are ignored silently)
+    (tmp_path / "config.yaml").write_text(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
+    literal = {k: v for k, v in e.items() if isinstance(v, str)} | {"CONDUCTOR_REPLICA_ID": "gw-0"}
+    settings = load_settings(tmp_path / "config.yaml", environ=literal)
+    assert (settings.load_share, settings.redis_url, settings.replica_id) == ("redis", e["CONDUCTOR_REDIS_URL"], "gw-0")
     redis_svc = one(docs, "Service", f"{FULL}-redis")
     assert redis_svc["spec"]["ports"][0]["port"] == 6379
     assert "--maxmemory" in container(one(docs, "Deployment", f"{FULL}-redis"))["args"]  # bounded
