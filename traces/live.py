@@ -78,7 +78,16 @@ class LiveResult:
     errors: Mapping[str, int] = field(default_factory=dict)  # error kind -> count (not 429s)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"result": self.run.as_dict(), "errors": dict(self.errors)}
+        """The summary, the error kinds and one small record per request (no prompt tokens)."""
+        requests = [
+            {"line": o.line, "scheduled_s": round(o.scheduled_s, 6), "lag_s": round(o.lag_s, 6),
+             "prompt_tokens": o.prompt_tokens, "max_tokens": o.max_tokens, "status": o.http.status,
+             "http_status": o.http.http_status, "reason": o.http.reason, "ttft_s": o.http.ttft_s,
+             "tbt_s": o.http.tbt_s, "chunks": o.http.chunks, "cached_tokens": o.http.cached_tokens,
+             "elapsed_s": round(o.http.elapsed_s, 6), "message": o.http.message}
+            for o in self.outcomes
+        ]
+        return {"result": self.run.as_dict(), "errors": dict(self.errors), "requests": requests}
 
 
 class TextProgress:

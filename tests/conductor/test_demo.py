@@ -102,3 +102,14 @@ def test_failed_start_says_where_the_logs_are(tmp_path: Path) -> None:
     assert f"logs of every process are in {tmp_path}" in stderr
     assert (tmp_path / "gateway.log").exists()
     assert all(_gone(pid) for pid in _pids(stderr).values())
+
+
+def test_time_scale_scales_the_policy_predictions_with_the_emulators(tmp_path: Path) -> None:
+    from conductor.demo import _scaled_params
+    from predictors.params import PredictorParams
+    from predictors.profile import bundled_profile, fit_profiles
+
+    base = fit_profiles([bundled_profile()])
+    scaled = PredictorParams.load(_scaled_params(0.25, tmp_path))
+    assert scaled.prefill.coef == pytest.approx(tuple(c * 0.25 for c in base.prefill.coef))
+    assert scaled.tbt.coef == pytest.approx(tuple(c * 0.25 for c in base.tbt.coef))

@@ -137,6 +137,11 @@ def test_replay_through_pd_gateway_measures_every_request(pd_workers: tuple[Emul
     assert run.ttft.count == 20 and run.ttft.p50 > 0
     assert run.tbt.count == 20 and 0 < run.tbt.p50 < 1.0
     assert run.slo_met == 20 and run.goodput_rps == pytest.approx(20 / 0.19, rel=0.01)  # arrivals span 1.9 s / 10
+    # arrivals honoured: request i is due at i * 0.1 s / 10, and none was sent early
+    for o in result.outcomes:
+        assert o.scheduled_s == pytest.approx((o.line - 1) * 0.01, abs=1e-9)
+        assert o.lag_s > -0.005
+    assert run.makespan_s >= 0.19
     for o in result.outcomes:
         assert o.http.chunks == o.max_tokens  # every token arrived as its own content chunk
         assert o.http.prompt_tokens == o.prompt_tokens == 4 * 128 - 25
@@ -197,3 +202,6 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
     assert result["mode"] == "live" and result["requests"] == 12
     assert result["completed"] + result["rejected"] + result["extra"]["errors"] == 12
     assert result["completed"] >= 1 and result["ttft"]["count"] == result["completed"]
+    records = doc["live"]["requests"]
+    assert [r["line"] for r in records] == list(range(1, 13))
+    assert sum(r["status"] == "ok" for r in records) == result["completed"]
