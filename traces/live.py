@@ -202,7 +202,8 @@ async def replay_live(
     if concurrency_limit < 1:
         raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
     synth = synthesizer or PromptSynthesizer()
-    items = [r if isinstance(r, SynthRequest) else synth.synthesize(r) for r in requests]
+    # prompts are synthesized when sent: a whole trace's would not fit in memory
+    items: list[TraceRequest | SynthRequest] = list(requests)
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=concurrency_limit, force_close=False)
@@ -213,7 +214,7 @@ async def replay_live(
         ready = await fetch_json(session, "/ready")
         healthy = ready.get("healthy", {}) if isinstance(ready, Mapping) else {}
         before = await gateway_cached_counts(session)
-        outcomes = await _run_schedule(session, items, model, time_scale, concurrency_limit, progress)
+        outcomes = await _run_schedule(session, items, synth, model, time_scale, concurrency_limit, progress)
         after = await gateway_cached_counts(session) if before is not None else None
     wall = max((o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes), default=0.0)
     delta = None
@@ -235,8 +236,8 @@ async def _first_model(session: aiohttp.ClientSession) -> str:
 
 
 async def _run_schedule(
-    session: aiohttp.ClientSession, items: Sequence[SynthRequest], model: str, time_scale: float,
-    limit: int, progress: ProgressSink | None,
+    session: aiohttp.ClientSession, items: Sequence[TraceRequest | SynthRequest], synth: PromptSynthesizer,
+    model: str, time_scale: float, limit: int, progress: ProgressSink | None,
 ) -> list[LiveOutcome]:
     loop = asyncio.get_running_loop()
     gate = asyncio.Semaphore(limit)
@@ -249,8 +250,9 @@ async def _run_schedule(
             progress(LiveProgress(len(items), counts["sent"], counts["done"], counts["ok"], counts["rejected"],
                                   counts["error"], loop.time() - start))
 
-    async def one(item: SynthRequest, due: float) -> LiveOutcome:
-        async with gate:
+    async def one(source: TraceRequest | SynthRequest, due: float) -> LiveOutcome:
+        async with gate:  # at most `limit` prompts exist at once
+            item = source if isinstance(source, SynthRequest) else synth.synthesize(source)
             sent = loop.time()
             counts["sent"] += 1
             body = {"model": model, "prompt": list(item.prompt), "max_tokens": item.max_tokens, "stream": True,
