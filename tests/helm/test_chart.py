@@ -1,7 +1,8 @@
 """The Helm chart, rendered by a real helm: the gateway's settings name every prefill/decode pod the
 StatefulSets create (with the bootstrap port where the protocol needs one), the engines carry the
-matching connector flags, probes and the dashboards ConfigMap are right, and the gateway accepts the
-rendered settings (parsed by conductor.settings, then the rendered command run for real).
+matching connector flags, the gateway accepts the rendered settings (parsed by conductor.settings),
+probes, Redis, ServiceMonitors and the dashboards ConfigMap are right, and every manifest validates
+against the Kubernetes 1.33 schemas. test_chart_run.py runs the rendered command lines.
 
 Needs a helm binary on PATH or at .ci/bin/helm (`bash .ci/helm.sh` puts one there); skipped with
 that hint otherwise. The dashboards' own checks are in test_dashboards.py and need no helm.
@@ -10,76 +11,31 @@ that hint otherwise. The dashboards' own checks are in test_dashboards.py and ne
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import yaml
 
 from conductor.settings import load_settings
-from tests.support.servers import free_port
+from tests.helm.chart import (
+    CHART,
+    FULL,
+    HELM,
+    NAMESPACE,
+    ROOT,
+    container,
+    env,
+    flag,
+    gateway_config,
+    helm,
+    needs_helm,
+    one,
+    ports,
+    render,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "conductor"
-NAMESPACE = "llm"
-FULL = "rel-conductor"
-
-
-def _helm() -> str | None:
-    local = ROOT / ".ci" / "bin" / "helm"
-    return shutil.which("helm") or (str(local) if os.access(local, os.X_OK) else None)
-
-
-HELM = _helm()
-pytestmark = pytest.mark.skipif(HELM is None, reason="no helm binary: run `bash .ci/helm.sh` (installs .ci/bin/helm)")
-
-
-def helm(*args: str) -> str:
-    assert HELM is not None
-    done = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr + done.stdout
-    return done.stdout
-
-
-def render(*sets: str) -> list[dict[str, Any]]:
-    flags = [f for s in sets for f in ("--set", s)]
-    out = helm("template", "rel", str(CHART), "--namespace", NAMESPACE, *flags)
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
-    return found[0]
-
-
-def container(doc: dict[str, Any]) -> dict[str, Any]:
-    c: dict[str, Any] = doc["spec"]["template"]["spec"]["containers"][0]
-    return c
-
-
-def ports(c: dict[str, Any]) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for p in c["ports"]}
-
-
-def flag(args: list[str], name: str) -> str:
-    assert name in args, f"{name} missing from {args}"
-    return args[args.index(name) + 1]
-
-
-def env(c: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
-
-
-def gateway_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    cfg: dict[str, Any] = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
-    return cfg
+pytestmark = needs_helm
 
 
 def test_lint_default_and_each_protocol() -> None:
@@ -227,78 +183,3 @@ def test_manifests_validate_against_kubernetes_schemas() -> None:
     for protocol in ("nixl", "mooncake", "sglang"):
         for doc in render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558"):
             kv.validate(doc, "1.33.0", strict=True)
-
-
-@pytest.fixture
-def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """The gateway container's command, run here on the rendered settings (pods unreachable)."""
-    docs = render("pdProtocol=mooncake", "prefill.replicas=2", "decode.replicas=1")
-    c = container(one(docs, "Deployment", f"{FULL}-gateway"))
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])  # verbatim
-    args = [str(config_file) if a == flag(c["args"], "--config") else a for a in c["args"]]
-    port = free_port()
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
-    environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
-    # what kubernetes would fill in, and this machine's Redis for the in-cluster one
-    environ.update(CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc", CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/0",
-                   CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_TIMEOUT_S="0.5")
-    exe = shutil.which(c["command"][0], path=str(ROOT / ".venv" / "bin") + os.pathsep + os.environ["PATH"])
-    assert exe, c["command"]
-    proc = subprocess.Popen([exe, *args], env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        yield proc, f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def test_rendered_gateway_command_starts_on_rendered_settings(
-        rendered_gateway: tuple[subprocess.Popen[bytes], str]) -> None:
-    proc, url = rendered_gateway
-    deadline = time.monotonic() + 30
-    while True:
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "gateway exited"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "gateway did not answer /health"
-        time.sleep(0.1)
-    ready = httpx.get(url + "/ready", timeout=5)
-    assert ready.status_code == 503  # the cluster's pods do not exist here: not ready, but alive
-    metrics = httpx.get(url + "/metrics", timeout=5).text
-    for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
-        assert f'conductor_instance_healthy{{instance="{name}",role="{role}"}}' in metrics
-
-
-def test_rendered_mooncake_master_command_serves() -> None:
-    """The master's rendered command line, run here: the real binary accepts every flag and serves."""
-    exe = shutil.which("mooncake_master", path=str(ROOT / ".venv" / "bin") + os.pathsep + os.environ["PATH"])
-    if exe is None:
-        pytest.skip("no mooncake_master: pip install -e '.[mooncake]'")
-    rpc, metrics, meta, events = (free_port() for _ in range(4))
-    docs = render(f"mooncakeMaster.rpcPort={rpc}", f"mooncakeMaster.metricsPort={metrics}",
-                  f"mooncakeMaster.httpMetadataServer.port={meta}", f"mooncakeMaster.kvEventsPort={events}")
-    c = container(one(docs, "Deployment", f"{FULL}-mooncake-master"))
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
-    proc = subprocess.Popen([exe, *c["args"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, "mooncake_master exited: a rendered flag was refused"
-            try:
-                health = httpx.get(f"http://127.0.0.1:{metrics}/health", timeout=1)
-                if health.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "mooncake_master did not answer /health"
-            time.sleep(0.1)
-        assert health.json()["service_ready"] is True
-        # the built-in metadata server the transfer engines use answers on its own port
-        assert httpx.get(f"http://127.0.0.1:{meta}/metadata", params={"key": "none"}, timeout=5).status_code == 404
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)

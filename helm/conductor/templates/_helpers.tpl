@@ -126,7 +126,20 @@ URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.conf
 {{- $v := .root.Values -}}
 {{- $w := $v.workers -}}
 {{- $args := list -}}
-{{- if include "conductor.isSglang" .root -}}
+{{- if $w.emulator.enabled -}}
+{{- /* binds the pod IP: the emulator advertises its bind address to its P/D peers */ -}}
+{{- $args = list "emulate" "--role" .role "--pd-protocol" $v.pdProtocol "--host" "$(POD_IP)"
+      "--port" (toString $w.port) "--model" (include "conductor.servedModel" .root)
+      "--block-size" (toString $v.model.blockSize) "--engine-id" "$(POD_NAME)"
+      "--time-scale" (toString $w.emulator.timeScale) -}}
+{{- if and (eq .role "prefill") (include "conductor.needsBootstrap" .root) }}{{ $args = concat $args (list "--bootstrap-port" (toString $w.bootstrapPort)) }}{{ end -}}
+{{- if eq $v.pdProtocol "nixl" }}{{ $args = concat $args (list "--side-channel-port" (toString $w.nixlSideChannelPort)) }}{{ end -}}
+{{- if and $w.kvEvents.enabled (ne .role "decode") -}}
+{{- $args = concat $args (list "--kv-events-endpoint" (printf "tcp://*:%d" (int $w.kvEvents.port)) "--kv-events-topic" $w.kvEvents.topic) -}}
+{{- end -}}
+{{- $args = concat $args $w.emulator.extraArgs (index $v .role).extraArgs -}}
+command: ["conductor"]
+{{- else if include "conductor.isSglang" .root -}}
 {{- $args = list "--model-path" $v.model.name "--host" "0.0.0.0" "--port" (toString $w.port)
       "--served-model-name" (include "conductor.servedModel" .root) "--page-size" (toString $v.model.blockSize)
       "--tp-size" (toString $w.tensorParallelSize) "--mem-fraction-static" (toString $w.gpuMemoryUtilization)
@@ -162,9 +175,11 @@ args:
 {{- $v := .root.Values -}}
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
 - name: HF_HOME
   value: {{ $v.workers.modelMountPath | quote }}
-{{- if not (include "conductor.isSglang" .root) }}
+{{- if not (or (include "conductor.isSglang" .root) $v.workers.emulator.enabled) }}
 - name: VLLM_HOST_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 {{- if and (eq $v.pdProtocol "mooncake") (eq .role "prefill") }}

@@ -1,0 +1,90 @@
+"""Rendering the chart with a real helm, and picking rendered manifests apart (for tests/helm)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "conductor"
+NAMESPACE = "llm"
+FULL = "rel-conductor"
+
+
+def _helm() -> str | None:
+    local = ROOT / ".ci" / "bin" / "helm"
+    return shutil.which("helm") or (str(local) if os.access(local, os.X_OK) else None)
+
+
+HELM = _helm()
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary: run `bash .ci/helm.sh` (installs .ci/bin/helm)")
+
+
+def helm(*args: str) -> str:
+    assert HELM is not None
+    done = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout
+
+
+def render(*sets: str) -> list[dict[str, Any]]:
+    flags = [f for s in sets for f in ("--set", s)]
+    out = helm("template", "rel", str(CHART), "--namespace", NAMESPACE, *flags)
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def container(doc: dict[str, Any]) -> dict[str, Any]:
+    c: dict[str, Any] = doc["spec"]["template"]["spec"]["containers"][0]
+    return c
+
+
+def ports(c: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def flag(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]
+
+
+def env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def gateway_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    cfg: dict[str, Any] = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
+    return cfg
+
+
+def venv_exe(name: str) -> str | None:
+    """A console script of this project's virtualenv (or PATH)."""
+    return shutil.which(name, path=str(ROOT / ".venv" / "bin") + os.pathsep + os.environ.get("PATH", ""))
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0, status: int = 200) -> httpx.Response:
+    """Poll url until it answers `status`; fail at once if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        try:
+            r = httpx.get(url, timeout=1)
+            if r.status_code == status:
+                return r
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer {status} within {timeout_s} s"
+        time.sleep(0.1)
