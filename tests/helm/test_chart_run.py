@@ -7,12 +7,14 @@ loopback here, so each pod's ports are remapped to free ones; everything else is
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.helm.chart import FULL, container, env, flag, needs_helm, one, render, venv_exe, wait_http
 from tests.support.servers import free_port
@@ -73,3 +75,69 @@ def test_rendered_mooncake_master_command_serves() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _remap(args: list[str], pod: str) -> tuple[list[str], dict[str, int]]:
+    """A pod's rendered args for this loopback: the pod's own IP and name, and free ports in place of
+    the ports every pod shares in the cluster. Returns the args and {flag: local port}."""
+    out, local = [], {}
+    for a in args:
+        a = a.replace("$(POD_IP)", "127.0.0.1").replace("$(POD_NAME)", pod)
+        if out and out[-1] in ("--port", "--bootstrap-port"):
+            local[out[-1]] = free_port()
+            a = str(local[out[-1]])
+        elif out and out[-1] == "--kv-events-endpoint":
+            local[out[-1]] = free_port()
+            a = f"tcp://*:{local[out[-1]]}"  # still the rendered wildcard bind, on a free port
+        out.append(a)
+    return out, local
+
+
+@pytest.mark.parametrize(("protocol", "n_prefill"), [("nixl", 1), ("mooncake", 2), ("sglang", 1)])
+def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefill: int, tmp_path: Path) -> None:
+    docs = render("workers.emulator.enabled=true", f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}",
+                  "decode.replicas=1", "gateway.replicas=1", "model.servedName=tiny")
+    cfg = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for role in ("prefill", "decode"):
+            c = container(one(docs, "StatefulSet", f"{FULL}-{role}"))
+            assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+            exe = venv_exe(c["command"][0])
+            assert exe, c["command"]
+            for i, spec in enumerate(cfg[role]):
+                args, local = _remap(c["args"], f"{FULL}-{role}-{i}")
+                # the gateway entry for pod i, pointed at where pod i runs here
+                spec["url"] = f"http://127.0.0.1:{local['--port']}"
+                if "bootstrap_port" in spec:
+                    spec["bootstrap_port"] = local["--bootstrap-port"]
+                if "kv_events_endpoint" in spec:
+                    spec["kv_events_endpoint"] = f"tcp://127.0.0.1:{local['--kv-events-endpoint']}"
+                procs.append(subprocess.Popen([exe, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                wait_http(spec["url"] + "/health", procs[-1])
+        config_file = tmp_path / "config.yaml"
+        config_file.write_text(yaml.safe_dump(cfg))
+        gw = container(one(docs, "Deployment", f"{FULL}-gateway"))
+        port = free_port()
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
+        environ.update(CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_INTERVAL_S="0.2")
+        args = [str(config_file) if a == flag(gw["args"], "--config") else a for a in gw["args"]]
+        gw_exe = venv_exe(gw["command"][0])
+        assert gw_exe
+        procs.append(subprocess.Popen([gw_exe, *args], env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/ready", procs[-1])
+        body = {"model": "tiny", "prompt": "the chart's cluster " * 30, "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        # the request really went prefill -> decode: the decode engine took its prompt from remote KV
+        decode_metrics = httpx.get(cfg["decode"][0]["url"] + "/metrics", timeout=5).text
+        assert re.search(r'vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} [1-9]',
+                         decode_metrics), decode_metrics
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
