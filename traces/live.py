@@ -36,7 +36,14 @@ from typing import IO, Any
 import aiohttp
 
 from traces.formats import TraceRequest, load_trace, resolve_trace
-from traces.live_client import HttpOutcome, fetch_json, gateway_cached_counts, stream_completion
+from traces.live_client import (
+    HttpOutcome,
+    cached_counts,
+    fetch_json,
+    prediction_errors,
+    scrape_metrics,
+    stream_completion,
+)
 from traces.sim.results import Dist, RunResult, format_table
 from traces.synth import PromptSynthesizer, SynthRequest
 
@@ -136,8 +143,10 @@ def summarize(
     outcomes: Sequence[LiveOutcome], *, label: str, n_prefill: int, n_decode: int,
     slo_ttft_s: float | None, slo_tbt_s: float | None, wall_s: float,
     gateway_cached: tuple[float, float] | None = None,
+    predictions: Mapping[str, tuple[float, float]] | None = None,
 ) -> LiveResult:
-    """The RunResult of a set of outcomes; `gateway_cached` = (cached, computed) token deltas."""
+    """The RunResult of a set of outcomes; `gateway_cached` = (cached, computed) token deltas;
+    `predictions` = component -> (samples, MAPE) as the gateway exports them."""
     ok = [o for o in outcomes if o.http.status == "ok"]
     ttfts = [o.http.ttft_s for o in ok if o.http.ttft_s is not None]
     tbts = [o.http.tbt_s for o in ok if o.http.tbt_s is not None]
@@ -166,6 +175,9 @@ def summarize(
     }
     if gateway_share is not None:
         extra["gateway_cached_share"] = gateway_share
+    for component, (samples, mape) in (predictions or {}).items():
+        extra[f"gateway_{component}_mape"] = mape
+        extra[f"gateway_{component}_samples"] = samples
     run = RunResult(
         policy=label, mode="live", n_prefill=n_prefill, n_decode=n_decode, requests=len(outcomes),
         completed=len(ok), rejected=sum(rejections.values()), rejections=dict(rejections),
@@ -213,9 +225,10 @@ async def replay_live(
         model = model or await _first_model(session)
         ready = await fetch_json(session, "/ready")
         healthy = ready.get("healthy", {}) if isinstance(ready, Mapping) else {}
-        before = await gateway_cached_counts(session)
+        before = cached_counts(await scrape_metrics(session))
         outcomes = await _run_schedule(session, items, synth, model, time_scale, concurrency_limit, progress)
-        after = await gateway_cached_counts(session) if before is not None else None
+        metrics_after = await scrape_metrics(session)
+    after = cached_counts(metrics_after)
     wall = max((o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes), default=0.0)
     delta = None
     if before is not None and after is not None:
@@ -224,6 +237,7 @@ async def replay_live(
         outcomes, label=label, n_prefill=int(healthy.get("prefill", 0) or healthy.get("mixed", 0)),
         n_decode=int(healthy.get("decode", 0)), slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
         wall_s=wall, gateway_cached=delta if delta and sum(delta) > 0 else None,
+        predictions=prediction_errors(metrics_after),
     )
 
 
@@ -304,6 +318,10 @@ def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
         ("cached share (client usage)", f"{extra.get('client_cached_share', 0.0):.1%}"),
         ("client send lag p99", f"{extra.get('client_lag_p99_s', 0.0) * 1000:.1f}ms"),
     ]
+    for component in ("ttft", "tbt"):  # the gateway's own error windows (its recent requests)
+        if f"gateway_{component}_mape" in extra:
+            rows.append((f"{component.upper()} pred. MAPE (gateway, n)",
+                         f"{extra[f'gateway_{component}_mape']:.0%}, {int(extra[f'gateway_{component}_samples'])}"))
     width = max(width, *(len(k) for k, _ in rows))
     print(table, file=stream)
     for key, value in rows:

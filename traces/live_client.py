@@ -16,6 +16,9 @@ import msgspec
 
 _decode = msgspec.json.Decoder().decode
 _CACHED_RE = re.compile(r'^conductor_prompt_tokens_total\{source="(cached|computed)"\}\s+([0-9.eE+-]+)', re.M)
+_LABELS = r'\{component="([^"]*)",instance="([^"]*)"\}\s+([0-9.eE+-]+|NaN)'
+_MAPE_RE = re.compile(r"^conductor_prediction_mape" + _LABELS, re.M)
+_SAMPLES_RE = re.compile(r"^conductor_prediction_samples" + _LABELS, re.M)
 _MAX_ERROR_TEXT = 300  # keep error messages short: thousands may fail at once
 
 
@@ -121,16 +124,35 @@ async def fetch_json(session: aiohttp.ClientSession, path: str) -> Any:
         return None
 
 
-async def gateway_cached_counts(session: aiohttp.ClientSession) -> tuple[float, float] | None:
-    """(cached, computed) prompt tokens from a Conductor gateway's /metrics; None if absent."""
+async def scrape_metrics(session: aiohttp.ClientSession) -> str | None:
+    """The target's Prometheus text, or None when it has no /metrics."""
     try:
         async with session.get("/metrics") as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-    except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
+            return await resp.text() if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None
-    found = {m.group(1): float(m.group(2)) for m in _CACHED_RE.finditer(text)}
-    if not found and "conductor_prompt_tokens" not in text:
+
+
+def cached_counts(metrics: str | None) -> tuple[float, float] | None:
+    """(cached, computed) prompt tokens from a Conductor gateway's metrics text; None if absent."""
+    if metrics is None:
+        return None
+    found = {m.group(1): float(m.group(2)) for m in _CACHED_RE.finditer(metrics)}
+    if not found and "conductor_prompt_tokens" not in metrics:
         return None  # not a Conductor gateway (a fresh one lists the counter with no samples yet)
     return found.get("cached", 0.0), found.get("computed", 0.0)
+
+
+def prediction_errors(metrics: str | None) -> dict[str, tuple[float, float]]:
+    """component -> (samples, sample-weighted MAPE) of the gateway's predictors over their recent
+    windows (`conductor_prediction_mape` / `_samples`, per instance, folded together)."""
+    if metrics is None:
+        return {}
+    mape = {(m.group(1), m.group(2)): float(m.group(3)) for m in _MAPE_RE.finditer(metrics)}
+    out: dict[str, tuple[float, float]] = {}
+    for m in _SAMPLES_RE.finditer(metrics):
+        key, n = (m.group(1), m.group(2)), float(m.group(3))
+        if key in mape and n > 0:
+            total, weighted = out.get(key[0], (0.0, 0.0))
+            out[key[0]] = (total + n, weighted + n * mape[key])
+    return {c: (n, w / n) for c, (n, w) in out.items()}

@@ -189,7 +189,7 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
     p, d = pd_workers
     out = tmp_path / "live.json"
     with ExitStack() as stack:
-        gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl")
+        gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl", policy="kvcache_aware")
         printed = io.StringIO()
         with redirect_stdout(printed):
             rc = replay_main(["conversation-head400", "--live", gw.url, "--limit", "12", "--speedup", "20",
@@ -197,6 +197,7 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
     assert rc == 0
     text = printed.getvalue()
     assert "gw (live)" in text and "errors" in text and "prefix hit source" in text
+    assert "TTFT pred. MAPE (gateway, n)" in text  # the policy's own error window, read from /metrics
     doc = json.loads(out.read_text())
     result = doc["results"][0]
     assert result["mode"] == "live" and result["requests"] == 12
@@ -205,3 +206,23 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
     records = doc["live"]["requests"]
     assert [r["line"] for r in records] == list(range(1, 13))
     assert sum(r["status"] == "ok" for r in records) == result["completed"]
+
+
+def test_prediction_errors_fold_instances_by_samples() -> None:
+    from prometheus_client import generate_latest
+
+    from conductor.metrics import GatewayMetrics
+    from traces.live_client import cached_counts, prediction_errors
+
+    m = GatewayMetrics()
+    for instance, mape, n in (("prefill-0", 0.1, 10), ("prefill-1", 0.4, 30)):
+        m.prediction_mape.labels("ttft", instance).set(mape)
+        m.prediction_samples.labels("ttft", instance).set(n)
+    m.cached_tokens.labels("cached").inc(25)
+    m.cached_tokens.labels("computed").inc(75)
+    text = generate_latest(m.registry).decode()
+    n, mape = prediction_errors(text)["ttft"]
+    assert n == 40 and mape == pytest.approx((0.1 * 10 + 0.4 * 30) / 40)
+    assert cached_counts(text) == (25.0, 75.0)
+    assert cached_counts(generate_latest(GatewayMetrics().registry).decode()) == (0.0, 0.0)
+    assert cached_counts("up 1\n") is None
