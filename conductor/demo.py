@@ -38,6 +38,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import aiohttp
+
 from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 
 if TYPE_CHECKING:
@@ -128,7 +130,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         ok = _run(args, requests, group, log_dir, started)
     except (KeyboardInterrupt, _Terminated):
         print("\nconductor demo: interrupted, stopping the cluster", file=sys.stderr)
-    except RuntimeError as exc:
+    except (RuntimeError, OSError, ValueError, aiohttp.ClientError) as exc:
         print(f"\nconductor demo: {exc}", file=sys.stderr)
     finally:
         # a second Ctrl-C must not cut the shutdown short and orphan workers
@@ -189,4 +191,8 @@ def _run(args: argparse.Namespace, requests: Sequence[TraceRequest], group: Chil
                "settings": {k: v for k, v in vars(args).items() if k != "json_out"}}
         Path(args.json_out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         print(f"wrote {args.json_out}")
-    return True
+    failed = sum(result.errors.values())
+    if failed:  # emulators do not fail requests: something is broken, and the logs say what
+        print(f"conductor demo: {failed} of {len(requests)} requests failed "
+              f"({', '.join(f'{k}={v}' for k, v in sorted(result.errors.items()))})", file=sys.stderr)
+    return failed == 0
