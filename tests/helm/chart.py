@@ -79,7 +79,7 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0, 
     """Poll url until it answers `status`; fail at once if the process exits."""
     deadline = time.monotonic() + timeout_s
     while True:
-        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        assert proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
         try:
             r = httpx.get(url, timeout=1)
             if r.status_code == status:

@@ -35,7 +35,9 @@ def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
     environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
     # what kubernetes would fill in, and this machine's Redis for the in-cluster one
     environ.update(CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc", CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/0",
-                   CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_TIMEOUT_S="0.5")
+                   CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
+                   # start-up waits this long for the absent prefill pods' Mooncake bootstrap servers
+                   CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5")
     exe = venv_exe(c["command"][0])
     assert exe, c["command"]
     proc = subprocess.Popen([exe, *args], env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -80,7 +82,8 @@ def test_rendered_mooncake_master_command_serves() -> None:
 def _remap(args: list[str], pod: str) -> tuple[list[str], dict[str, int]]:
     """A pod's rendered args for this loopback: the pod's own IP and name, and free ports in place of
     the ports every pod shares in the cluster. Returns the args and {flag: local port}."""
-    out, local = [], {}
+    out: list[str] = []
+    local: dict[str, int] = {}
     for a in args:
         a = a.replace("$(POD_IP)", "127.0.0.1").replace("$(POD_NAME)", pod)
         if out and out[-1] in ("--port", "--bootstrap-port"):
