@@ -55,11 +55,13 @@ def test_schema_rejects_an_unknown_protocol() -> None:
                          [("nixl", 1, 1), ("mooncake", 3, 2), ("sglang", 2, 3)])
 def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int, n_decode: int,
                                                      tmp_path: Path) -> None:
-    docs = render(f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}", f"decode.replicas={n_decode}")
+    docs = render(f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}", f"decode.replicas={n_decode}",
+                  "gateway.slo.ttftSeconds=2.5", "gateway.config.read_timeout_s=33")
     cfg = gateway_config(docs)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     settings = load_settings(tmp_path / "config.yaml", environ={})  # the gateway accepts it as is
     assert settings.pd_protocol == protocol
+    assert (settings.slo.ttft_s, settings.slo.tbt_s, settings.read_timeout_s) == (2.5, None, 33)
     assert [s.name for s in settings.prefill] == [f"prefill-{i}" for i in range(n_prefill)]
     assert [s.name for s in settings.decode] == [f"decode-{i}" for i in range(n_decode)]
     for role, specs, n in (("prefill", settings.prefill, n_prefill), ("decode", settings.decode, n_decode)):
