@@ -44,11 +44,13 @@ def test_lint_default_and_each_protocol() -> None:
         assert "0 chart(s) failed" in out
 
 
-def test_schema_rejects_an_unknown_protocol() -> None:
+def test_schema_rejects_bad_values() -> None:
     assert HELM is not None
-    done = subprocess.run([HELM, "template", "rel", str(CHART), "--set", "pdProtocol=tcp"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "pdProtocol" in done.stderr
+    for bad, where in (("pdProtocol=tcp", "pdProtocol"), ("gateway.slo.ttftSeconds=soon", "ttftSeconds"),
+                       ("prefill.replicas=-1", "replicas"), ("gateway.replicas=0", "replicas")):
+        done = subprocess.run([HELM, "template", "rel", str(CHART), "--set", bad],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and where in done.stderr, bad
 
 
 @pytest.mark.parametrize(("protocol", "n_prefill", "n_decode"),

@@ -82,8 +82,8 @@ URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.conf
 {{- $_ := set $cfg "mooncake_schema" $v.gateway.mooncakeSchema -}}
 {{- end -}}
 {{- $slo := dict -}}
-{{- if not (kindIs "invalid" $v.gateway.slo.ttftSeconds) }}{{ $_ := set $slo "ttft_s" $v.gateway.slo.ttftSeconds }}{{ end -}}
-{{- if not (kindIs "invalid" $v.gateway.slo.tbtSeconds) }}{{ $_ := set $slo "tbt_s" $v.gateway.slo.tbtSeconds }}{{ end -}}
+{{- if not (kindIs "invalid" $v.gateway.slo.ttftSeconds) }}{{ $_ := set $slo "ttft_s" (float64 $v.gateway.slo.ttftSeconds) }}{{ end -}}
+{{- if not (kindIs "invalid" $v.gateway.slo.tbtSeconds) }}{{ $_ := set $slo "tbt_s" (float64 $v.gateway.slo.tbtSeconds) }}{{ end -}}
 {{- if $slo }}{{ $_ := set $cfg "slo" $slo }}{{ end -}}
 {{- range $role := list "prefill" "decode" "mixed" -}}
 {{- $specs := list -}}
