@@ -33,8 +33,8 @@ def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
     environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
-    # what kubernetes would fill in, and this machine's Redis for the in-cluster one
-    environ.update(CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc", CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/0",
+    # what kubernetes would fill in, and this machine's Redis (own db: other tests share the load prefix)
+    environ.update(CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc", CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14",
                    CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
                    # start-up waits this long for the absent prefill pods' Mooncake bootstrap servers
                    CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5")
