@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import yaml
 
 from tests.helm.chart import FULL, container, env, flag, needs_helm, one, render, venv_exe, wait_http
@@ -56,6 +57,8 @@ def test_rendered_gateway_command_starts_on_rendered_settings(
     metrics = httpx.get(url + "/metrics", timeout=5).text
     for name, role in (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")):
         assert f'conductor_instance_healthy{{instance="{name}",role="{role}"}}' in metrics
+    # the Deployment's env switched on load sharing: this replica publishes its table to Redis
+    assert redis.Redis(db=14).exists("conductor:load:rel-conductor-gateway-abc") == 1
 
 
 def test_rendered_mooncake_master_command_serves() -> None:
