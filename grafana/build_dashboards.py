@@ -140,7 +140,7 @@ def _panel_json(p: Panel, panel_id: int) -> dict[str, Any]:
 
 
 def _templating() -> dict[str, Any]:
-    namespace_query = "label_values(conductor_requests_total, namespace)"
+    namespace_query = "label_values(conductor_instance_healthy, namespace)"  # present from the first scrape
     return {"list": [
         {"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource", "query": "prometheus",
          "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},

@@ -124,7 +124,13 @@ def test_dashboard_is_valid_grafana_json(path: Path) -> None:
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_every_query_reads_existing_metrics_and_labels(path: Path, known: dict[str, set[str]]) -> None:
-    for title, target in _targets(_load(path)):
+    board = _load(path)
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", var["definition"]).groups()  # type: ignore[union-attr]
+            assert metric in known and known[metric], f"variable {var['name']}: {metric} has no series at start"
+            assert label in TARGET_LABELS | known[metric]
+    for title, target in _targets(board):
         expr = target["expr"]
         selectors = SELECTOR.findall(expr)
         assert selectors, f"{title}: no metric selector in {expr}"
