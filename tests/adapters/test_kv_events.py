@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -79,7 +80,7 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int], medium: str
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c = zmq.asyncio.Context()
     yield c
-    c.term()
+    c.destroy(linger=0)
 
 
 async def wait_for(cond: Any, timeout: float = 5.0) -> None:
@@ -173,9 +174,9 @@ async def test_events_build_the_same_index_as_dispatches(ctx: zmq.asyncio.Contex
 async def test_subscriber_binds_when_vllm_connects(ctx: zmq.asyncio.Context) -> None:
     index = MemoryIndex()
     feeder = IndexFeeder(index, XxhashKeys(BS), translate=True)
-    probe = ctx.socket(zmq.PUB)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(0)
+    with socket.socket() as probe:  # a free port for us to bind, as vLLM would be told to connect there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     sub = EventSubscriber(EventSource("p1", f"tcp://127.0.0.1:{port}"), feeder.on_batch, feeder.on_resync,
                           context=ctx)
     assert sub.binds
