@@ -1,0 +1,207 @@
+"""Tokenizing at the gateway: a local Hugging Face tokenizer directory, or a worker's /tokenize.
+
+Never a hub download: `HFTokenizer` reads `tokenizer.json` (the `tokenizers` library) and the chat
+template from `tokenizer_config.json` (or `chat_template.jinja` / `chat_template.json`) in a
+directory on disk. Chat prompts are rendered as vLLM renders them through transformers'
+`apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`: a sandboxed jinja2
+environment with trim_blocks and lstrip_blocks, the tokenizer's special tokens as variables, a
+`raise_exception` global and a `tojson` filter; the text is then encoded without adding special
+tokens (the template already holds them). Completions prompts are encoded with special tokens,
+as vLLM does for a text prompt.
+
+All tokenizers are used through the async `PromptTokenizer` protocol, so the gateway treats a local
+tokenizer and a remote /tokenize alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from conductor.errors import ConfigError, UpstreamError
+from conductor.tokenization import Tokenizer
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class PromptTokenizer(Protocol):
+    """Token ids of a completions prompt and of a chat conversation, as the workers would see them."""
+
+    async def encode_prompt(self, text: str) -> list[int]: ...
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalTokenizer:
+    """Any synchronous `conductor.tokenization.Tokenizer` (the built-in byte tokenizer, HF) as async."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+    async def close(self) -> None:
+        return None
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens as strings or as AddedToken dicts
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _parts_text(parts: list[Any]) -> str:
+    return "\n".join(p.get("text", "") for p in parts if isinstance(p, Mapping) and p.get("type") == "text")
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _load_template(directory: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    json_file = directory / "chat_template.json"
+    template: Any = config.get("chat_template")
+    if template is None and json_file.is_file():
+        template = json.loads(json_file.read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: vLLM uses the one called "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory read from disk; satisfies `Tokenizer`."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.directory = Path(directory)
+        tok_file = self.directory / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ConfigError(f"no tokenizer.json in {self.directory} (the gateway never downloads one)")
+        self._tok = RustTokenizer.from_file(str(tok_file))
+        config_file = self.directory / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+        source = _load_template(self.directory, config)
+        self._template = self._compile(source) if source else None
+
+    @staticmethod
+    def _compile(source: str) -> Any:
+        # jinja2 is only needed for chat templates; imported here so the core does not require it
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env.from_string(source)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> str:
+        """The prompt text vLLM would build for these messages (add_generation_prompt=True)."""
+        if self._template is None:
+            raise ConfigError(f"{self.directory} has no chat template (tokenizer_config.json chat_template)")
+        # vLLM hands string-format templates the text parts of a content list joined by newlines
+        plain = [{**m, "content": _parts_text(m["content"])} if isinstance(m.get("content"), list) else dict(m)
+                 for m in messages]
+        variables: dict[str, Any] = {"messages": plain, "add_generation_prompt": True, "tools": None,
+                                     "documents": None, **self.special_tokens, **extra}
+        return str(self._template.render(**variables))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Without added special tokens: for rendered chat prompts, which carry their own."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.encode_plain(self.render_chat(messages))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(token_ids)))
+
+
+class HFPromptTokenizer(LocalTokenizer):
+    """HFTokenizer, honouring per-request chat_template_kwargs; big prompts tokenized off the loop."""
+
+    OFFLOAD_CHARS = 64 * 1024  # beyond this, tokenizing takes milliseconds: run it in a thread
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        super().__init__(tokenizer)
+        self.hf = tokenizer
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        if len(text) > self.OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.hf.encode, text)
+        return self.hf.encode(text)
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
+        kwargs = body.get("chat_template_kwargs") or {}
+        text = self.hf.render_chat(messages, **kwargs)
+        if len(text) > self.OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.hf.encode_plain, text)
+        return self.hf.encode_plain(text)
+
+
+class WorkerTokenizer:
+    """Asks a vLLM worker's POST /tokenize (completions: `prompt`; chat: `messages`)."""
+
+    def __init__(self, base_url: str, *, model: str | None = None, timeout_s: float = 5.0,
+                 client: httpx.AsyncClient | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        self._own = client is None
+
+    async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
+        if self.model is not None:
+            payload.setdefault("model", self.model)
+        try:
+            resp = await self._client.post(f"{self.base_url}/tokenize", json=payload)
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"/tokenize at {self.base_url} failed: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise UpstreamError(f"/tokenize at {self.base_url} answered {resp.status_code}: {resp.text[:200]}",
+                                upstream_status=resp.status_code)
+        return [int(t) for t in resp.json()["tokens"]]
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        return await self._tokenize({"prompt": text})
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
+        payload: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": True}
+        if body.get("model"):
+            payload["model"] = body["model"]
+        if body.get("chat_template_kwargs"):
+            payload["chat_template_kwargs"] = body["chat_template_kwargs"]
+        return await self._tokenize(payload)
+
+    async def close(self) -> None:
+        if self._own:
+            await self._client.aclose()

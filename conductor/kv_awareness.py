@@ -1,0 +1,324 @@
+"""The real PromptAnalyzer: tokenize, key the blocks, ask the index where they live.
+
+Wiring, per request: tokenizer -> block keys (`conductor.block_keys`) -> `KVIndex.match` (and a
+Mooncake Store probe) -> PromptAnalysis. After the decision the prompt's keys are inserted for the
+chosen prefill instance as unconfirmed entries; vLLM's KV events confirm (or remove) them. When a
+request finishes, the cached tokens the worker reports are compared with what the index predicted
+(`HashAgreement`): if the index keeps predicting hits that the workers never see, the gateway's
+block keys do not match the workers' (wrong block size, hash algorithm or PYTHONHASHSEED), and a
+loud warning says so.
+
+Build it with `build_analyzer(options, instances, registry)`; options are `KVAwarenessSettings`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import httpx
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
+
+from adapters.index.base import IndexLimits, KVIndex
+from adapters.index.feed import IndexFeeder
+from adapters.kv_events import EventSource, EventSubscriber
+from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings, StoreProbe
+from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
+from conductor.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
+from conductor.block_keys import BlockKeyScheme, VllmKeys, make_scheme
+from conductor.errors import ConductorError, ConfigError
+from conductor.tokenization import ByteTokenizer
+from policies.types import Decision, Observation, Role
+
+log = logging.getLogger(__name__)
+
+InstanceInfo = tuple[str, Role, str]  # (id, role, base URL)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KVEventsEndpoint(_Model):
+    """One instance's vLLM --kv-events-config, as given to that worker."""
+
+    endpoint: str  # e.g. "tcp://*:5557" (vLLM binds, we connect) or "tcp://gateway:5557" (we bind)
+    replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
+    topic: str = ""
+
+
+class KVAwarenessSettings(_Model):
+    """Options of the KV-aware analyzer; nested in the gateway settings as `kv`."""
+
+    enabled: bool = False  # off: the gateway keeps its estimating analyzer
+    tokenizer: str = "builtin"  # "builtin" (byte-level), "worker" (POST /tokenize) or a local HF dir
+    tokenizer_url: str | None = None  # for "worker": defaults to the first prefill/mixed instance
+    forward_token_ids: bool = True  # send completions prompts on as token ids (tokenized once)
+    block_size: int = Field(16, gt=0)  # must equal the workers' --block-size
+    key_mode: Literal["xxhash", "vllm"] = "xxhash"
+    hash_seed: int = 0  # xxhash mode: seed of the key chain (all replicas must agree)
+    vllm_hash_algo: str = "sha256"  # vllm mode: the workers' --prefix-caching-hash-algo
+    vllm_hash_seed: str | None = None  # vllm mode: the workers' PYTHONHASHSEED, None if unset
+    index: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "conductor:kv:"
+    max_blocks: int = Field(1_000_000, gt=0)  # (instance, block) entries kept
+    key_ttl_s: float = Field(3600.0, gt=0)
+    unconfirmed_ttl_s: float = Field(30.0, gt=0)
+    kv_events: Mapping[str, KVEventsEndpoint] = Field(default_factory=dict)  # instance id -> endpoint
+    replay_timeout_s: float = 1.0
+    events_silence_s: float = 30.0  # no events this long and a failed /health: drop the instance
+    mooncake: MooncakeStoreSettings | None = None
+    agreement_window: int = Field(200, gt=0)  # requests in the hash agreement window
+    agreement_min_samples: int = Field(20, gt=0)
+    agreement_alarm_below: float = 0.2  # reported/predicted cached tokens below this: warn
+
+
+class HashAgreement:
+    """Predicted vs worker-reported cached tokens over a sliding window of finished requests."""
+
+    def __init__(self, registry: CollectorRegistry, *, window: int = 200, min_samples: int = 20,
+                 alarm_below: float = 0.2) -> None:
+        self._window: deque[tuple[int, int]] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self._alarm_below = alarm_below
+        self.alarmed = False
+        self._ratio = Gauge("conductor_kv_hash_agreement",
+                            "Worker-reported / index-predicted cached prompt tokens over the recent window "
+                            "(1 = the index's block keys match the workers')", registry=registry)
+        self._predicted = Counter("conductor_kv_predicted_cached_tokens",
+                                  "Cached prompt tokens the index predicted on the chosen prefill instance",
+                                  registry=registry)
+        self._reported = Counter("conductor_kv_reported_cached_tokens",
+                                 "Cached prompt tokens the workers reported", registry=registry)
+        self._ratio.set(1.0)
+
+    def observe(self, predicted: int, reported: int | None) -> None:
+        if reported is None:  # the worker did not say (no usage details): nothing to compare
+            return
+        self._predicted.inc(predicted)
+        self._reported.inc(reported)
+        self._window.append((predicted, reported))
+        self._check()
+
+    @property
+    def ratio(self) -> float:
+        predicted = sum(p for p, _ in self._window)
+        if predicted == 0:
+            return 1.0
+        return min(sum(min(p, r) for p, r in self._window) / predicted, 1.0)
+
+    def _check(self) -> None:
+        ratio = self.ratio
+        self._ratio.set(ratio)
+        hits = sum(1 for p, _ in self._window if p > 0)
+        if hits < self._min_samples:
+            return
+        if ratio < self._alarm_below and not self.alarmed:
+            self.alarmed = True
+            predicted = sum(p for p, _ in self._window)
+            reported = sum(min(p, r) for p, r in self._window)
+            log.warning(
+                "KV HASH AGREEMENT COLLAPSED: over the last %d requests the index predicted %d cached tokens "
+                "on the chosen instances but the workers reported %d (%.0f%%). The gateway's block keys do not "
+                "match the workers': check kv.block_size against --block-size, kv.key_mode/vllm_hash_algo "
+                "against --prefix-caching-hash-algo, and kv.vllm_hash_seed against the workers' "
+                "PYTHONHASHSEED.", len(self._window), predicted, reported, 100 * ratio)
+        elif ratio >= 2 * self._alarm_below and self.alarmed:
+            self.alarmed = False
+            log.warning("KV hash agreement recovered: %.0f%%", 100 * ratio)
+
+
+class KVAwareAnalyzer:
+    """PromptAnalyzer backed by a tokenizer, a block key scheme, an index and its feeds."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: PromptTokenizer,
+        scheme: BlockKeyScheme,
+        index: KVIndex,
+        feeder: IndexFeeder,
+        agreement: HashAgreement,
+        subscribers: Sequence[EventSubscriber] = (),
+        store: StoreProbe | None = None,
+        instances: Sequence[InstanceInfo] = (),
+        forward_token_ids: bool = True,
+        events_silence_s: float = 30.0,
+        zmq_context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.scheme = scheme
+        self.index = index
+        self.feeder = feeder
+        self.agreement = agreement
+        self.subscribers = tuple(subscribers)
+        self.store = store
+        self.instances = {i[0]: i for i in instances}
+        self.forward_token_ids = forward_token_ids
+        self.events_silence_s = events_silence_s
+        self._ctx = zmq_context
+        self._watchdog: asyncio.Task[None] | None = None
+        self._gone: set[str] = set()
+
+    async def start(self) -> None:
+        for sub in self.subscribers:
+            await sub.start()
+        if isinstance(self.store, MooncakeStoreProbe):
+            await self.store.start()
+        if self.subscribers:
+            self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        for sub in self.subscribers:
+            await sub.close()
+        if self.store is not None:
+            await self.store.close()
+        await self.tokenizer.close()
+        await self.index.close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+
+    async def _token_ids(self, kind: RequestKind, body: Mapping[str, Any]) -> tuple[list[int] | None, bool]:
+        """(token ids, came from text) or (None, False) when the prompt is a batch or unusable."""
+        if kind == "chat":
+            messages = body.get("messages")
+            return (await self.tokenizer.encode_chat(messages, body), False) if messages else (None, False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return await self.tokenizer.encode_prompt(prompt), True
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt], False
+        if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one
+            one = prompt[0]
+            if isinstance(one, str):
+                return await self.tokenizer.encode_prompt(one), False
+            if isinstance(one, list) and all(isinstance(t, int) for t in one):
+                return [int(t) for t in one], False
+        return None, False
+
+    async def analyse(self, kind: RequestKind, body: Mapping[str, Any]) -> PromptAnalysis:
+        try:
+            ids, from_text = await self._token_ids(kind, body)
+        except ConductorError as exc:  # a worker's /tokenize down must not fail the request
+            log.warning("tokenizing failed, estimating instead: %s", exc.message)
+            ids, from_text = None, False
+        if ids is None:
+            tokens, exact = estimate_prompt_tokens(kind, body)
+            return PromptAnalysis(prompt_tokens=tokens, exact=exact)
+        keys = self.scheme.keys(ids)
+        match = await self.index.match(keys)
+        store_tokens = 0
+        if self.store is not None and keys:
+            if isinstance(self.scheme, VllmKeys):
+                hashes = [d.hex() for d in self.scheme.digests(ids)]
+            else:
+                hashes = [f"{k:016x}" for k in keys]
+            store_tokens = await self.store.leading_blocks(hashes, keys) * self.scheme.block_size
+        forward = tuple(ids) if from_text and self.forward_token_ids and kind == "completions" else None
+        return PromptAnalysis(
+            prompt_tokens=len(ids),
+            exact=True,
+            block_keys=tuple(keys),
+            cached=match.cached(self.scheme.block_size),
+            store_cached_tokens=store_tokens,
+            forward_token_ids=forward,
+        )
+
+    async def on_dispatch(self, analysis: PromptAnalysis, decision: Decision) -> None:
+        if decision.rejected or decision.prefill is None or not analysis.block_keys:
+            return
+        await self.feeder.on_dispatch(decision.prefill, analysis.block_keys)
+
+    def on_result(self, analysis: PromptAnalysis, decision: Decision, observation: Observation) -> None:
+        if observation.ok and analysis.block_keys:
+            self.agreement.observe(observation.predicted_cached_tokens, observation.cached_tokens)
+
+    async def _watch(self) -> None:
+        """Drop instances whose events stopped and whose /health fails; they come back with events."""
+        interval = max(self.events_silence_s / 2, 0.05)
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                await asyncio.sleep(interval)
+                now = asyncio.get_running_loop().time()
+                for sub in self.subscribers:
+                    inst = sub.source.instance
+                    last = sub.stats.last_event_at
+                    if last is not None and now - last < self.events_silence_s:
+                        self._gone.discard(inst)
+                        continue
+                    if inst in self._gone or inst not in self.instances:
+                        continue
+                    if not await _healthy(client, self.instances[inst][2]):
+                        log.warning("instance %s: no KV events for %.0fs and /health fails: dropped from the "
+                                    "index", inst, self.events_silence_s)
+                        self._gone.add(inst)
+                        await self.feeder.on_resync(inst, "instance gone")
+
+
+async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
+    try:
+        return (await client.get(f"{url.rstrip('/')}/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _make_tokenizer(s: KVAwarenessSettings, instances: Sequence[InstanceInfo]) -> PromptTokenizer:
+    if s.tokenizer == "builtin":
+        return LocalTokenizer(ByteTokenizer())
+    if s.tokenizer == "worker":
+        url = s.tokenizer_url or next((u for _, role, u in instances if role != Role.DECODE), None)
+        if url is None:
+            raise ConfigError("kv.tokenizer 'worker' needs kv.tokenizer_url or a prefill/mixed instance")
+        return WorkerTokenizer(url)
+    return HFPromptTokenizer(HFTokenizer(s.tokenizer))
+
+
+def _make_index(s: KVAwarenessSettings) -> KVIndex:
+    limits = IndexLimits(max_blocks=s.max_blocks, unconfirmed_ttl_s=s.unconfirmed_ttl_s, key_ttl_s=s.key_ttl_s)
+    if s.index == "redis":
+        from adapters.index.redis import RedisIndex
+
+        return RedisIndex(s.redis_url, prefix=s.redis_prefix, limits=limits)
+    from adapters.index.memory import MemoryIndex
+
+    return MemoryIndex(limits)
+
+
+def build_analyzer(
+    options: Mapping[str, Any] | KVAwarenessSettings,
+    instances: Sequence[InstanceInfo],
+    registry: CollectorRegistry | None = None,
+) -> PromptAnalyzer:
+    """The analyzer the settings describe. `instances` are (id, role, base URL); call `start()` next."""
+    s = options if isinstance(options, KVAwarenessSettings) else KVAwarenessSettings.model_validate(options)
+    scheme = make_scheme(s.key_mode, s.block_size, seed=s.hash_seed, algo=s.vllm_hash_algo,
+                         vllm_seed=s.vllm_hash_seed)
+    index = _make_index(s)
+    feeder = IndexFeeder(index, scheme, translate=s.key_mode == "xxhash", max_mapped_per_instance=s.max_blocks)
+    urls = {iid: url for iid, _, url in instances}
+    unknown = set(s.kv_events) - set(urls)
+    if unknown:
+        raise ConfigError(f"kv.kv_events names unknown instances: {sorted(unknown)}")
+    ctx = zmq.asyncio.Context() if s.kv_events else None
+    subscribers = [
+        EventSubscriber(EventSource.for_instance(iid, urls[iid], ep.endpoint, ep.replay_endpoint, ep.topic),
+                        feeder.on_batch, feeder.on_resync, context=ctx, replay_timeout_s=s.replay_timeout_s)
+        for iid, ep in s.kv_events.items()
+        if ctx is not None
+    ]
+    store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None
+    agreement = HashAgreement(registry or CollectorRegistry(), window=s.agreement_window,
+                              min_samples=s.agreement_min_samples, alarm_below=s.agreement_alarm_below)
+    return KVAwareAnalyzer(tokenizer=_make_tokenizer(s, instances), scheme=scheme, index=index, feeder=feeder,
+                           agreement=agreement, subscribers=subscribers, store=store, instances=instances,
+                           forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
+                           zmq_context=ctx)
