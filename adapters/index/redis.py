@@ -5,7 +5,8 @@ Instance-major layout under one key prefix P (one prefix per deployment, or per 
                   "u<expiry ms>" for a dispatch guess; the hash expires after key_ttl_s without
                   an insert for that instance (inserts are the touch that re-arms it);
 - P instances     set of instance names that hold entries;
-- P lru           sorted set of <instance><8-byte key> by last touch (ms): LRU order for the cap;
+- P lru           sorted set of <instance><8-byte key> by last touch: LRU order for the cap;
+- P clock         counter the touch scores come from (strict order across replicas);
 - P evictions     counter of entries dropped to stay under max_blocks.
 
 Every operation is one round trip: a Lua script does the whole job server-side, and the keys travel
@@ -13,9 +14,10 @@ as one packed binary argument so the client never builds thousands of per-key st
 match asks each instance that holds the first block for its blocks in growing HMGET chunks, so a
 fully cached 8,192-block prompt costs a handful of commands, not 8,192. Block keys are built
 inside the scripts, so this needs a single Redis node (or one Cluster slot), not a sharded
-Cluster. Times come from Redis's own clock (TIME), so gateways with skewed clocks agree on what
-has expired. Redis 7.0 has no per-field expiry: entries older than key_ttl_s are trimmed from the
-LRU set and their hash fields deleted on later inserts.
+Cluster. Dispatch guesses expire by Redis's own clock (TIME), so gateways with skewed clocks
+agree. Redis 7.0 has no per-field expiry, so a block's entry lives until the cap evicts it, a
+removal event, or its whole instance hash expiring (an instance nobody touched for key_ttl_s);
+LRU members of an expired hash are harmless and leave through the cap like any other.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from policies.types import Tier
 
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 
-# KEYS: instances, lru, evictions. ARGV: prefix, instance, tier bit, confirmed, unconfirmed ttl ms,
-# key ttl ms, cap, packed keys.
+# KEYS: instances, lru, evictions, clock. ARGV: prefix, instance, tier bit, confirmed,
+# unconfirmed ttl ms, key ttl ms, cap, packed keys.
 _INSERT = _NOW_MS + """
 local prefix, inst, tbit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local confirmed, unconf_ms, ttl_ms = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -40,6 +42,8 @@ local cap, blob = tonumber(ARGV[7]), ARGV[8]
 local hk = prefix .. 'i:' .. inst
 local guess = 'u' .. (now + unconf_ms)
 local n = #blob / 8
+-- LRU scores come from one shared counter, so touches from every replica are strictly ordered
+local base = redis.call('INCRBY', KEYS[4], n) - n
 redis.call('SADD', KEYS[1], inst)
 for lo = 0, n - 1, 1000 do
   local hi = math.min(n, lo + 1000) - 1
@@ -60,20 +64,13 @@ for lo = 0, n - 1, 1000 do
       sets[#sets + 1] = guess
     end
     -- the head of a prompt gets the newest score, so eviction eats chains from their tails
-    touch[#touch + 1] = now + (n - lo - j) * 0.001
+    touch[#touch + 1] = base + n - (lo + j - 1)
     touch[#touch + 1] = inst .. f
   end
   if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
   redis.call('ZADD', KEYS[2], unpack(touch))
 end
 redis.call('PEXPIRE', hk, ttl_ms)
--- entries untouched for key_ttl go without counting as evictions (bounded work per call)
-local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl_ms, 'LIMIT', 0, 4096)
-for i = 1, #stale do
-  local m = stale[i]
-  redis.call('HDEL', prefix .. 'i:' .. string.sub(m, 1, -9), string.sub(m, -8))
-  redis.call('ZREM', KEYS[2], m)
-end
 local excess = redis.call('ZCARD', KEYS[2]) - cap
 if excess > 0 then
   local victims = redis.call('ZPOPMIN', KEYS[2], excess)
@@ -186,6 +183,7 @@ class RedisIndex:
         self._k_instances = f"{prefix}instances"
         self._k_lru = f"{prefix}lru"
         self._k_evictions = f"{prefix}evictions"
+        self._k_clock = f"{prefix}clock"
         self._insert = self._redis.register_script(_INSERT)
         self._remove = self._redis.register_script(_REMOVE)
         self._match = self._redis.register_script(_MATCH)
@@ -205,7 +203,7 @@ class RedisIndex:
             self.limits.max_blocks,
             pack_keys(keys),
         ]
-        await self._insert(keys=[self._k_instances, self._k_lru, self._k_evictions], args=args)
+        await self._insert(keys=[self._k_instances, self._k_lru, self._k_evictions, self._k_clock], args=args)
 
     async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
         if not keys:
