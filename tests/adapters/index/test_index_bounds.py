@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import subprocess
 import sys
 import tracemalloc
 from collections.abc import Callable
@@ -99,9 +99,11 @@ async def test_two_processes_share_one_redis_index(redis_index_factory: Callable
     keys = XxhashKeys(16).keys(list(range(12 * 16)))
     await idx.insert("gw-a", keys[:12], confirmed=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _PEER, idx.prefix, "7", "12", REDIS_URL], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60, check=True)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _PEER, idx.prefix, "7", "12", REDIS_URL,
+                                                env=env, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0
     # the other process sees this one's blocks (and its own dispatch)
-    assert json.loads(out.stdout) == {"gw-a": 12, "peer-b": 7}
+    assert json.loads(out) == {"gw-a": 12, "peer-b": 7}
     # and this one sees the other's
     assert (await idx.match(keys)).blocks == {"gw-a": 12, "peer-b": 7}
