@@ -104,7 +104,7 @@ class Upstream:
     async def _read(self, response: Response, path: str, started: float, total_s: float) -> UpstreamReply:
         try:
             data = await asyncio.wait_for(response.read(), total_s) if total_s else await response.read()
-        except (ConnectionFailed, ReadTimeout, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ConnectionFailed, ReadTimeout) as exc:
             response.close()
             raise self._fail(exc, path) from exc
         return UpstreamReply(response.status, data, response.header("content-type", "application/json"),
@@ -123,7 +123,7 @@ class Upstream:
         try:
             response = await asyncio.wait_for(self._request("GET", path, {}, b""), timeout_s) if timeout_s \
                 else await self._request("GET", path, {}, b"")
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise self._fail(exc, path) from exc
         return await self._read(response, path, started, timeout_s or 0.0)
 

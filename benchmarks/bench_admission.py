@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Processes, free_port, wait_http  # noqa: E402
+from common import Processes, free_port, wait_http
 
 PROMPT_TOKENS = (2048, 6144)  # uniform; the profile's prefill of 4K tokens is ~124 ms
 OUTPUT_TOKENS = 32

@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cpu_seconds, free_port, wait_http  # noqa: E402
+from common import ROOT, cpu_seconds, free_port, wait_http
 
 
 @dataclass

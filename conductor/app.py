@@ -4,9 +4,9 @@ the operational ones: /v1/models, /health, /ready, /metrics."""
 from __future__ import annotations
 
 import time
-from typing import Any
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import socket
-import logging
 import time
 from dataclasses import dataclass
 

@@ -8,8 +8,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from adapters.pd.base import Target, decode_json, host_of
 from adapters.load_share import LoadShare, NoLoadShare, local_table
+from adapters.pd.base import Target, decode_json, host_of
 from adapters.upstream import UpstreamPool
 from conductor.errors import UpstreamError
 from conductor.settings import InstanceSpec, Settings

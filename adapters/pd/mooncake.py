@@ -156,7 +156,7 @@ class MooncakeProtocol:
                         self._engines[target.name] = parse_query(decode_json(data), addr)
                         log.info("prefill %s: mooncake engine %s", target.name, self._engines[target.name].engine_id)
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 log.debug("bootstrap %s not ready: %s", addr, exc)
             await asyncio.sleep(self._retry_s)
 
