@@ -17,6 +17,7 @@ from adapters.upstream import Timeouts, UpstreamPool
 from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
 from conductor.errors import NoHealthyInstance, Rejected, Unauthorized
 from conductor.instances import InstanceRegistry
+from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.metrics import GatewayMetrics
 from conductor.settings import Settings
 from policies.base import NO_INSTANCE
@@ -56,7 +57,7 @@ class Gateway:
         )
         self.registry = InstanceRegistry(settings, self.pool, _load_share(settings))
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
-        self.analyzer = analyzer or EstimatingAnalyzer()
+        self.analyzer = analyzer or _analyzer(settings, self.metrics)
         protocol_name = settings.pd_protocol if settings.disaggregated else "mixed"
         self.protocol: PDProtocol = make_protocol(
             protocol_name, mooncake_schema=settings.mooncake_schema, bootstrap_timeout_s=settings.bootstrap_timeout_s
@@ -164,6 +165,29 @@ class Gateway:
         if observation.cached_tokens is not None:
             self.metrics.cached_tokens.labels("cached").inc(observation.cached_tokens)
             self.metrics.cached_tokens.labels("computed").inc(max(0, observation.prompt_tokens - observation.cached_tokens))
+
+
+def kv_settings(settings: Settings) -> KVAwarenessSettings:
+    """The KV-awareness options with what the gateway settings already say filled in: the block size,
+    each instance's KV events endpoint, and whether prompts may be forwarded as token ids (only with
+    the model's own tokenizer, unless asked: the built-in one's ids mean nothing to a real model)."""
+    kv = settings.kv
+    events = {
+        spec.name: KVEventsEndpoint(endpoint=spec.kv_events_endpoint)
+        for spec in settings.instances()
+        if spec.kv_events_endpoint and spec.name
+    }
+    update: dict[str, object] = {"block_size": settings.block_size, "kv_events": {**events, **kv.kv_events}}
+    if "forward_token_ids" not in kv.model_fields_set:
+        update["forward_token_ids"] = kv.tokenizer != "builtin"
+    return kv.model_copy(update=update)
+
+
+def _analyzer(settings: Settings, metrics: GatewayMetrics) -> PromptAnalyzer:
+    if not settings.kv.enabled:
+        return EstimatingAnalyzer()
+    instances = [(spec.name or "", spec.role, spec.url) for spec in settings.instances()]
+    return build_analyzer(kv_settings(settings), instances, metrics.registry)
 
 
 def _load_share(settings: Settings) -> LoadShare:

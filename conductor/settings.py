@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conductor.errors import ConfigError
+from conductor.kv_awareness import KVAwarenessSettings
 from policies.types import Role
 
 ENV_PREFIX = "CONDUCTOR_"
@@ -32,7 +33,10 @@ class InstanceSpec(_Model):
     role: Role
     name: str | None = None  # defaults to "<role>-<n>"
     bootstrap_port: int | None = None  # Mooncake / SGLang bootstrap server port on the same host
-    kv_events_endpoint: str | None = None  # vLLM KV events ZMQ endpoint, when subscribed
+    # vLLM KV events endpoint exactly as in the worker's --kv-events-config: "tcp://*:5557" (the worker
+    # binds, the gateway connects to the worker's host) or "tcp://gateway-host:5557" (the worker connects,
+    # the gateway binds there). vLLM's own rule, applied by adapters/kv_events.py.
+    kv_events_endpoint: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -86,7 +90,10 @@ class Settings(_Model):
     replica_id: str | None = None  # defaults to host name and process id
     load_sync_interval_s: float = 0.1
 
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV block: must equal the workers' --block-size
+    # KV-cache awareness: tokenizer, block keys, the cache index and its feeds (conductor/kv_awareness.py).
+    # Its block size is the one above; its KV event endpoints default to each instance's kv_events_endpoint.
+    kv: KVAwarenessSettings = KVAwarenessSettings()
     max_connections_per_upstream: int = 256
 
     @model_validator(mode="after")
@@ -98,6 +105,8 @@ class Settings(_Model):
         names = [spec.name for spec in self.instances()]
         if len(set(names)) != len(names):
             raise ValueError(f"instance names must be unique: {names}")
+        if "block_size" in self.kv.model_fields_set and self.kv.block_size != self.block_size:
+            raise ValueError(f"kv.block_size {self.kv.block_size} differs from block_size {self.block_size}: set block_size only")
         if self.pd_protocol in ("mooncake", "sglang"):
             missing = [p.url for p in self.prefill if p.bootstrap_port is None]
             if missing:
