@@ -228,7 +228,7 @@ class KVAwareAnalyzer:
             prompt_tokens=len(ids),
             exact=True,
             block_keys=tuple(keys),
-            cached=match.cached(self.scheme.block_size),
+            cached=match.cached(self.scheme.block_size, len(ids)),
             store_cached_tokens=store_tokens,
             forward_token_ids=forward,
         )

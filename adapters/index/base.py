@@ -86,13 +86,19 @@ class PrefixMatch:
     tiers: Mapping[str, Tier] = field(default_factory=dict)
     confirmed_blocks: Mapping[str, int] = field(default_factory=dict)
 
-    def cached(self, block_size: int) -> dict[str, CachedPrefix]:
-        """As the policies want it: {instance: CachedPrefix(tokens, tier)}."""
-        return {
-            inst: CachedPrefix(tokens=n * block_size, tier=self.tiers.get(inst, Tier.DEVICE))
-            for inst, n in self.blocks.items()
-            if n > 0
-        }
+    def cached(self, block_size: int, prompt_tokens: int | None = None) -> dict[str, CachedPrefix]:
+        """As the policies want it: {instance: CachedPrefix(tokens, tier)}.
+
+        With `prompt_tokens`, a hit is capped as vLLM caps it: at least the last token is always
+        computed, so a fully cached prompt of whole blocks reuses all but its last block.
+        """
+        limit = None if prompt_tokens is None else max(prompt_tokens - 1, 0) // block_size
+        out = {}
+        for inst, n in self.blocks.items():
+            usable = n if limit is None else min(n, limit)
+            if usable > 0:
+                out[inst] = CachedPrefix(tokens=usable * block_size, tier=self.tiers.get(inst, Tier.DEVICE))
+        return out
 
     def best(self) -> int:
         return max(self.blocks.values(), default=0)
