@@ -144,6 +144,14 @@ def test_gateway_deployment_probes_config_mount_and_redis(tmp_path: Path) -> Non
         "redis://cache.infra:6379/2"
 
 
+def test_gateway_disruption_budget_only_with_several_replicas() -> None:
+    docs = render("gateway.replicas=3")
+    pdb = one(docs, "PodDisruptionBudget", f"{FULL}-gateway")
+    pod_labels = one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["minAvailable"] == 1 and pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert not [d for d in render("gateway.replicas=1") if d["kind"] == "PodDisruptionBudget"]
+
+
 def test_mixed_workers_only_and_mooncake_master() -> None:
     docs = render("prefill.replicas=0", "decode.replicas=0", "mixed.replicas=2")
     cfg = gateway_config(docs)

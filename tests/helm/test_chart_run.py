@@ -142,6 +142,12 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         decode_metrics = httpx.get(cfg["decode"][0]["url"] + "/metrics", timeout=5).text
         assert re.search(r'vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} [1-9]',
                          decode_metrics), decode_metrics
+        # `helm test`'s script, pointed at this gateway instead of the in-cluster Service
+        smoke = one(docs, "Pod", f"{FULL}-smoke")["spec"]["containers"][0]
+        script = smoke["args"][0].replace(f"http://{FULL}-gateway:8000", url)
+        done = subprocess.run([*smoke["command"], script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert '"object":"text_completion"' in done.stdout.replace(" ", "")
     finally:
         for proc in reversed(procs):
             proc.terminate()
