@@ -5,9 +5,9 @@ Two schemes share one small protocol (`BlockKeyScheme`):
 - `XxhashKeys` (the default): key_i = xxh3_64(tokens of block i as little-endian uint32, seed=key_{i-1}),
   with key_{-1} = the configured seed. Because each key seeds the next, two prompts share the keys
   of exactly their common leading full blocks and differ from the first block that holds a
-  differing token onwards. The token array is converted once with numpy and the chain walks a
-  memoryview of it, so a 128K-token prompt costs about 1 ms at block size 16 (see
-  benchmarks/bench_index.py); the chain itself is inherently sequential.
+  differing token onwards. The token ids are converted to bytes once and the chain walks a
+  memoryview of them, so a 128K-token prompt costs about 1.5 ms at block size 16 and 0.6 ms at
+  512 (see benchmarks/bench_index.py); the chain itself is inherently sequential.
 - `VllmKeys`: vLLM's own block hashes (`conductor.vllm_hash`), as the low 64 bits its KV events
   carry. Index keys then equal event hashes, so events need no translation; this needs the
   workers' `--prefix-caching-hash-algo` and PYTHONHASHSEED to be known to the gateway.
@@ -17,6 +17,8 @@ Pure: no I/O, no event loop.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -47,8 +49,18 @@ class BlockKeyScheme(Protocol):
 
 
 def _as_u32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:
-    # One conversion for the whole prompt; '<u4' pins the byte order so keys agree across hosts.
-    arr = np.asarray(token_ids, dtype="<u4")
+    """The whole prompt as little-endian uint32 bytes, converted once.
+
+    array('I') reads a Python list about 3x faster than numpy does (0.55 vs 1.8 ms for 128K ids);
+    little-endian is pinned so that keys agree across hosts.
+    """
+    if isinstance(token_ids, np.ndarray):
+        return memoryview(token_ids.astype("<u4", copy=False).tobytes())
+    arr = array("I", token_ids)
+    if arr.itemsize != 4:  # platforms whose C unsigned int is not 32 bits: fall back to numpy
+        return memoryview(np.asarray(token_ids, dtype="<u4").tobytes())
+    if sys.byteorder == "big":
+        arr.byteswap()
     return memoryview(arr.tobytes())
 
 

@@ -124,7 +124,16 @@ for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     while pos < n and not stop do
       local hi = math.min(n, pos + chunk)
       local vals = redis.call('HMGET', hk, unpack(fields, pos + 1, hi))
-      for j = 1, hi - pos do
+      local count = hi - pos
+      -- fast path, in C: a chunk of confirmed device-only blocks concatenates to "111...1"
+      -- (a missing field is `false`, which makes table.concat fail: then take the slow path)
+      local ok, joined = pcall(table.concat, vals)
+      if ok and conf_open and joined == string.rep('1', count) then
+        pos = hi
+        conf = conf + count
+        count = 0
+      end
+      for j = 1, count do
         local v = vals[j]
         if v == '1' then  -- the common case: confirmed, device only
           if conf_open then conf = conf + 1 end
