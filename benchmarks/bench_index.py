@@ -18,6 +18,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import numpy as np
 
@@ -64,12 +65,12 @@ async def run(redis_url: str | None, with_vllm: bool) -> None:
             tokens = rng.integers(0, 150_000, size=n, dtype=np.int64).tolist()
             scheme = XxhashKeys(block_size=bs, seed=1)
             reps = max(5, min(200, 400_000 // n))
-            keys_ms = _median_ms(lambda: scheme.keys(tokens), reps)
+            keys_ms = _median_ms(partial(scheme.keys, tokens), reps)
             keys = scheme.keys(tokens)
             mem = MemoryIndex(IndexLimits(max_blocks=10_000_000))
             for inst, frac in (("p0", 1.0), ("p1", 0.5), ("p2", 0.25)):
                 mem.insert_sync(inst, keys[: int(len(keys) * frac)], confirmed=True)
-            mem_ms = _median_ms(lambda: mem.match_sync(keys), reps)
+            mem_ms = _median_ms(partial(mem.match_sync, keys), reps)
             assert mem.match_sync(keys).blocks["p0"] == len(keys)
             row = f"{n:>7} {bs:>4} {len(keys):>6} | {keys_ms:>7.3f} {mem_ms:>7.3f} {keys_ms + mem_ms:>7.3f}"
             if redis_url:
@@ -78,7 +79,7 @@ async def run(redis_url: str | None, with_vllm: bool) -> None:
                 try:
                     for inst, frac in (("p0", 1.0), ("p1", 0.5), ("p2", 0.25)):
                         await ridx.insert(inst, keys[: int(len(keys) * frac)], confirmed=True)
-                    redis_ms = await _amedian_ms(lambda: ridx.match(keys), reps)
+                    redis_ms = await _amedian_ms(partial(ridx.match, keys), reps)
                     assert (await ridx.match(keys)).blocks["p0"] == len(keys)
                 finally:
                     await ridx.clear()
@@ -86,7 +87,7 @@ async def run(redis_url: str | None, with_vllm: bool) -> None:
                 row += f" | {redis_ms:>7.3f} {keys_ms + redis_ms:>7.3f}"
             if with_vllm:
                 vk = VllmKeys(bs, "sha256_cbor", "0")
-                row += f" | {_median_ms(lambda: vk.keys(tokens), max(3, reps // 10)):>9.3f}"
+                row += f" | {_median_ms(partial(vk.keys, tokens), max(3, reps // 10)):>9.3f}"
             print(row)
     print("goal: 128K tokens keyed and looked up in <= 2 ms in memory, <= 4 ms on Redis")
 
