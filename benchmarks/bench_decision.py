@@ -40,28 +40,16 @@ def make_case(rng: random.Random, i: int) -> tuple[RequestView, ClusterSnapshot]
     instances = []
     for p in range(16):
         queue = tuple(
-            QueuedPrefill(
-                rng.randint(512, 16384), rng.choice((0, 0, rng.randint(0, 8192))), rng.uniform(0, 0.3)
-            )
+            QueuedPrefill(rng.randint(512, 16384), rng.choice((0, 0, rng.randint(0, 8192))), rng.uniform(0, 0.3))
             for _ in range(rng.randint(0, 8))
         )
-        instances.append(
-            InstanceView(f"prefill-{p}", Role.PREFILL, prefill_queue=queue, kv_usage=rng.random())
-        )
+        instances.append(InstanceView(f"prefill-{p}", Role.PREFILL, prefill_queue=queue, kv_usage=rng.random()))
     for d in range(16):
-        decodes = tuple(
-            ActiveDecode(rng.randint(1024, 32768), rng.randint(1, 1024)) for _ in range(rng.randint(32, 128))
-        )
-        instances.append(
-            InstanceView(
-                f"decode-{d}", Role.DECODE, decodes=decodes, kv_capacity_tokens=4_000_000, kv_usage=None
-            )
-        )
+        decodes = tuple(ActiveDecode(rng.randint(1024, 32768), rng.randint(1, 1024)) for _ in range(rng.randint(32, 128)))
+        instances.append(InstanceView(f"decode-{d}", Role.DECODE, decodes=decodes, kv_capacity_tokens=4_000_000, kv_usage=None))
     holders = rng.sample(range(16), 6)
     cached = {
-        f"prefill-{h}": CachedPrefix(
-            BLOCK * rng.randint(1, PROMPT // BLOCK), rng.choice((Tier.DEVICE, Tier.HOST))
-        )
+        f"prefill-{h}": CachedPrefix(BLOCK * rng.randint(1, PROMPT // BLOCK), rng.choice((Tier.DEVICE, Tier.HOST)))
         for h in holders
     }
     keys = tuple(rng.getrandbits(64) for _ in range(PROMPT // BLOCK))
@@ -124,9 +112,7 @@ def main() -> None:
         ("kvcache_aware[predicted]", "kvcache_aware", {"admission": "predicted", "online": False}),
     ]
     print(f"{args.n} decisions each; 16 prefill + 16 decode instances; {PROMPT}-token prompt")
-    print(
-        f"{'policy':<26}{'wall p50':>10}{'wall p99':>10}{'cpu p50':>10}{'cpu p99':>10}  cpu p50 / round_robin (us)"
-    )
+    print(f"{'policy':<26}{'wall p50':>10}{'wall p99':>10}{'cpu p50':>10}{'cpu p99':>10}  cpu p50 / round_robin (us)")
     base = None
     for label, name, options in runs:
         wall, cpu = measure(name, options, cases)

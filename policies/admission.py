@@ -4,9 +4,10 @@ Three modes, so the simulator can reproduce the arXiv report's Table 3 compariso
 
 * `none`: admit everything (the baselines' default).
 * `early` (arXiv 7.2, "Early Rejection"): judge the decode instance by its load *now*, with this
-  request added: the streams decoding there (`ActiveDecode.decoding`), not those still in prefill. Because a request reaches decode only after its TTFT, this reacts late: decode
-  looks full while the prefills that filled it are done and decodes about to finish are counted, so
-  prefill and decode load oscillate in anti-phase (arXiv 7.3, Fig. 9).
+  request added: the streams decoding there (`ActiveDecode.decoding`), not those routed there and
+  still in prefill. Because a request reaches decode only after its TTFT, this reacts late: decode
+  looks idle while the prefills that will fill it run, and full while streams about to finish are
+  counted, so prefill and decode load oscillate in anti-phase (arXiv 7.3, Fig. 9).
 * `predicted` (arXiv 7.4, "Early Rejection Based on Prediction"): judge the decode instance as it
   will be when this request reaches it, at now + predicted TTFT: decodes whose remaining tokens
   will be done by then (remaining_tokens * predicted TBT) have left, and prefills that will have
@@ -128,30 +129,20 @@ class BaselineAdmission:
     decode instance, and rejects the same way the KVCache-aware policy does.
     """
 
-    def __init__(
-        self, mode: str = "none", predictor_params: str | None = None, forecast_joins: bool = False
-    ) -> None:
+    def __init__(self, mode: str = "none", predictor_params: str | None = None, forecast_joins: bool = False) -> None:
         self.mode = parse_mode(mode)
         self.forecast_joins = forecast_joins
         self._pred: Predictors | None = None
         if self.mode is not AdmissionMode.NONE:
-            self._pred = (
-                Predictors.from_file(predictor_params)
-                if predictor_params
-                else Predictors.from_bundled_profile()
-            )
+            self._pred = Predictors.from_file(predictor_params) if predictor_params else Predictors.from_bundled_profile()
 
-    def check(
-        self, request: RequestView, cluster: ClusterSnapshot, prefill: str, decode: str | None
-    ) -> Rejection | None:
+    def check(self, request: RequestView, cluster: ClusterSnapshot, prefill: str, decode: str | None) -> Rejection | None:
         pred = self._pred
         if pred is None:
             return None
         prefills, disaggregated = prefill_pool(cluster)
         by_id = {i.id: i for i in cluster.instances}
-        p_est = estimate_prefill(
-            pred, request, by_id[prefill], [], allow_pull=False, disaggregated=disaggregated
-        )
+        p_est = estimate_prefill(pred, request, by_id[prefill], [], allow_pull=False, disaggregated=disaggregated)
         d_inst = by_id[decode] if decode is not None else by_id[prefill]
         at, joins = 0.0, None
         if self.mode is AdmissionMode.PREDICTED:

@@ -34,9 +34,7 @@ def no_instance(request: RequestView, policy: str, role: Role) -> Decision:
     return Decision(
         request_id=request.request_id,
         policy=policy,
-        rejection=Rejection(
-            reason=NO_INSTANCE, message=f"no healthy {role.value} instance", retry_after_s=5.0
-        ),
+        rejection=Rejection(reason=NO_INSTANCE, message=f"no healthy {role.value} instance", retry_after_s=5.0),
     )
 
 
@@ -79,12 +77,8 @@ def decided(
     rejection: Rejection | None = None,
 ) -> Decision:
     if rejection is not None:
-        return Decision(
-            request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates
-        )
-    return Decision(
-        request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates
-    )
+        return Decision(request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates)
+    return Decision(request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates)
 
 
 # ---- decisions as log records: plain JSON-safe dicts, never prompt text (a Decision holds none)

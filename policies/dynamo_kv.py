@@ -59,9 +59,7 @@ class DynamoKvPolicy(BasePolicy):
         host = own.tokens // bs if own is not None and own.tier is Tier.HOST else 0
         store_beyond = max(0, request.store_cached_tokens // bs - device - host)
         credit = (
-            self.overlap_score_credit * device
-            + self.host_cache_hit_weight * host
-            + self.disk_cache_hit_weight * store_beyond
+            self.overlap_score_credit * device + self.host_cache_hit_weight * host + self.disk_cache_hit_weight * store_beyond
         )
         active_prefill = math.ceil(inst.queued_prefill_tokens / bs)
         return self.prefill_load_scale * max(active_prefill + prompt_blocks - credit, 0.0) + self.decode_cost(
@@ -93,7 +91,7 @@ class DynamoKvPolicy(BasePolicy):
         p = prefill[self.pick(p_costs)].id
         d_costs = [self.decode_cost(request, i) for i in decode]
         d = decode[self.pick(d_costs)].id if disaggregated else None
-        candidates = tuple(
-            CandidateScore(i.id, i.role, c) for i, c in zip(prefill, p_costs, strict=True)
-        ) + tuple(CandidateScore(i.id, i.role, c) for i, c in zip(decode, d_costs, strict=True))
+        candidates = tuple(CandidateScore(i.id, i.role, c) for i, c in zip(prefill, p_costs, strict=True)) + tuple(
+            CandidateScore(i.id, i.role, c) for i, c in zip(decode, d_costs, strict=True)
+        )
         return decided(request, self.name, p, d, candidates, self._guard.check(request, cluster, p, d))

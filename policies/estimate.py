@@ -137,7 +137,9 @@ class JoinForecast:
 
     Each prefill instance runs its queue FCFS; the finish time of its k-th entry is the remaining
     time of the head plus the predicted prefill time of entries 1..k. Finished prefills are spread
-    uniformly over the decode instances (the arXiv report's system-level prediction, 7.4).
+    uniformly over the decode instances (the arXiv report's system-level prediction, 7.4). Only for
+    cluster views that do not already list dispatched requests under their decode instance
+    (`forecast_joins=True`); Conductor's gateway and simulator do list them.
     """
 
     def __init__(self, pred: Predictors, prefills: tuple[InstanceView, ...], n_decode: int) -> None:

@@ -82,9 +82,7 @@ def decode_candidate(est: DecodeEstimate) -> CandidateScore:
         role=est.instance.role,
         score=est.tbt_s,
         predicted_tbt_s=est.tbt_s,
-        detail=MappingProxyType(
-            {"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}
-        ),
+        detail=MappingProxyType({"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}),
     )
 
 
@@ -115,10 +113,8 @@ class KvCacheAwarePolicy(BasePolicy):
         self.forecast_joins = forecast_joins
         if predictors is None:
             cfg = OnlineConfig(enabled=online, window=window, refit_every=refit_every)
-            if predictor_params:
-                predictors = Predictors.from_file(predictor_params, cfg)
-            else:
-                predictors = Predictors.from_bundled_profile(cfg)
+            fitted = Predictors.from_file(predictor_params, cfg) if predictor_params else None
+            predictors = fitted or Predictors.from_bundled_profile(cfg)
         self.predictors = predictors
         self._max_pending = max(1, max_pending)
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
@@ -135,10 +131,7 @@ class KvCacheAwarePolicy(BasePolicy):
             return no_instance(request, self.name, Role.DECODE)
         sources = remote_sources(request) if request.cached or request.store_cached_tokens else []
         ests = [
-            estimate_prefill(
-                pred, request, p, sources, allow_pull=self.allow_pull, disaggregated=disaggregated
-            )
-            for p in prefills
+            estimate_prefill(pred, request, p, sources, allow_pull=self.allow_pull, disaggregated=disaggregated) for p in prefills
         ]
         predicted = self.admission is AdmissionMode.PREDICTED
         if disaggregated:
@@ -150,9 +143,7 @@ class KvCacheAwarePolicy(BasePolicy):
             chosen_decode: DecodeEstimate | None = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
         else:
             # mixed: the request decodes where it prefilled, so weigh both on the same worker
-            d_ests = [
-                estimate_decode(pred, request, e.instance, e.ttft_s if predicted else 0.0, None) for e in ests
-            ]
+            d_ests = [estimate_decode(pred, request, e.instance, e.ttft_s if predicted else 0.0, None) for e in ests]
             slo = request.slo.tbt_s
             pairs = list(zip(ests, d_ests, strict=True))
             fitting = [pair for pair in pairs if slo is None or pair[1].tbt_s <= slo] or pairs
@@ -193,9 +184,7 @@ class KvCacheAwarePolicy(BasePolicy):
             candidates=candidates,
         )
 
-    def _remember(
-        self, request_id: str, best: PrefillEstimate, decode: str | None, tbt: float | None
-    ) -> None:
+    def _remember(self, request_id: str, best: PrefillEstimate, decode: str | None, tbt: float | None) -> None:
         self._pending[request_id] = _Pending(
             prefill=best.instance.id,
             decode=decode,

@@ -68,9 +68,7 @@ class LlmdPolicy(BasePolicy):
             out.append((queue, 1.0 - kv_usage(inst), prefix))
         return out
 
-    def pick(
-        self, request: RequestView, pool: Sequence[InstanceView]
-    ) -> tuple[InstanceView, list[CandidateScore]]:
+    def pick(self, request: RequestView, pool: Sequence[InstanceView]) -> tuple[InstanceView, list[CandidateScore]]:
         wq, wk, wp = self.weights
         totals = []
         cands = []
@@ -78,9 +76,7 @@ class LlmdPolicy(BasePolicy):
             total = wq * q + wk * k + wp * p
             totals.append(total)
             # CandidateScore.score is lower-is-better: store the negated total
-            cands.append(
-                CandidateScore(inst.id, inst.role, -total, detail={"queue": q, "kv_cache": k, "prefix": p})
-            )
+            cands.append(CandidateScore(inst.id, inst.role, -total, detail={"queue": q, "kv_cache": k, "prefix": p}))
         best = max(totals)
         ties = [i for i, t in enumerate(totals) if t == best]
         return pool[ties[0] if len(ties) == 1 else self._rng.choice(ties)], cands
@@ -97,6 +93,4 @@ class LlmdPolicy(BasePolicy):
             d, d_cands = self.pick(request, decode)
             d_id = d.id
         candidates = tuple(p_cands) + tuple(d_cands)
-        return decided(
-            request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id)
-        )
+        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id))

@@ -20,9 +20,7 @@ from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceVi
 class RandomPolicy(BasePolicy):
     name = "random"
 
-    def __init__(
-        self, seed: int | None = 0, admission: str = "none", predictor_params: str | None = None
-    ) -> None:
+    def __init__(self, seed: int | None = 0, admission: str = "none", predictor_params: str | None = None) -> None:
         self._rng = random.Random(seed)
         self._guard = BaselineAdmission(admission, predictor_params)
 
@@ -57,10 +55,8 @@ class LeastLoadedPolicy(BasePolicy):
             return missing
         p = min(prefill, key=prefill_load)
         d = min(decode, key=decode_load) if disaggregated else None
-        candidates = tuple(
-            CandidateScore(i.id, i.role, float(i.queued_prefill_tokens)) for i in prefill
-        ) + tuple(CandidateScore(i.id, i.role, float(len(i.decodes))) for i in decode)
-        d_id = d.id if d is not None else None
-        return decided(
-            request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id)
+        candidates = tuple(CandidateScore(i.id, i.role, float(i.queued_prefill_tokens)) for i in prefill) + tuple(
+            CandidateScore(i.id, i.role, float(len(i.decodes))) for i in decode
         )
+        d_id = d.id if d is not None else None
+        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id))

@@ -15,22 +15,12 @@ from predictors.profile import ProfileError, bundled_profile, fit_profiles
 
 def _parser() -> argparse.ArgumentParser:
     prior = DecodePrior()
-    p = argparse.ArgumentParser(
-        prog="conductor fit", description="Fit Conductor's latency predictors from profile CSVs."
-    )
-    p.add_argument(
-        "profiles", nargs="*", help=f"profile CSV files (default: the bundled {bundled_profile().name})"
-    )
+    p = argparse.ArgumentParser(prog="conductor fit", description="Fit Conductor's latency predictors from profile CSVs.")
+    p.add_argument("profiles", nargs="*", help=f"profile CSV files (default: the bundled {bundled_profile().name})")
     p.add_argument("-o", "--output", required=True, help="where to write the params JSON")
-    p.add_argument(
-        "--kv-bytes-per-token", type=float, default=None, help="override the profile's KV size per token"
-    )
-    p.add_argument(
-        "--weight-bytes", type=float, default=prior.weight_bytes, help="TBT prior: model weight bytes"
-    )
-    p.add_argument(
-        "--hbm-bytes-per-s", type=float, default=prior.hbm_bytes_per_s, help="TBT prior: HBM bandwidth"
-    )
+    p.add_argument("--kv-bytes-per-token", type=float, default=None, help="override the profile's KV size per token")
+    p.add_argument("--weight-bytes", type=float, default=prior.weight_bytes, help="TBT prior: model weight bytes")
+    p.add_argument("--hbm-bytes-per-s", type=float, default=prior.hbm_bytes_per_s, help="TBT prior: HBM bandwidth")
     return p
 
 

@@ -71,9 +71,7 @@ class FitOptions:
     prior_weight: float = 0.0  # total weight of the prior pseudo-residuals (0: no prior)
 
 
-def _solve(
-    x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | None, opts: FitOptions
-) -> np.ndarray:
+def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | None, opts: FitOptions) -> np.ndarray:
     # scale columns so the solver sees coefficients of order one (c2 of a quadratic is ~1e-8)
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
@@ -116,9 +114,7 @@ def fit_linear(
     if len(y) == 0:
         raise ValueError("no finite positive samples to fit")
     pri = None if prior is None else np.asarray(prior, dtype=float)
-    p0 = np.asarray(
-        start if start is not None else (prior if prior is not None else np.ones(x.shape[1])), float
-    )
+    p0 = np.asarray(start if start is not None else (prior if prior is not None else np.ones(x.shape[1])), float)
     coef = _solve(x, y, p0, pri, options)
     # second pass: reject gross outliers by the MAD of log-ratios, then refit on the rest
     inliers = np.ones(len(y), dtype=bool)

@@ -79,9 +79,7 @@ class Predictors:
         try:
             params = PredictorParams.load(path)
         except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors
-            raise ValueError(
-                f"cannot load predictor params {path} (write them with `conductor fit`): {exc}"
-            ) from exc
+            raise ValueError(f"cannot load predictor params {path} (write them with `conductor fit`): {exc}") from exc
         return cls(params, online)
 
     def _cache_params(self) -> None:
@@ -145,9 +143,7 @@ class Predictors:
 
     # ---- learning -------------------------------------------------------------------------
 
-    def observe_prefill(
-        self, new_tokens: int, cached_tokens: int, seconds: float, instance: str = ""
-    ) -> None:
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float, instance: str = "") -> None:
         """A prefill's own compute time (queueing and pulls already taken out by the caller)."""
         if seconds <= 0 or new_tokens <= 0:
             return
@@ -184,9 +180,7 @@ class Predictors:
             self._params = replace(self._params, transfer=MappingProxyType(links))
             self._cache_params()
 
-    def record_error(
-        self, component: str, instance: str, predicted: float, p90: float, actual: float
-    ) -> None:
+    def record_error(self, component: str, instance: str, predicted: float, p90: float, actual: float) -> None:
         self.errors.record(component, instance, predicted, p90, actual)
 
     def error_stats(self) -> tuple[ErrorStats, ...]:

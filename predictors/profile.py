@@ -88,9 +88,7 @@ def _fit_prefill(rows: Sequence[dict[str, float]], options: FitOptions) -> Linea
 
 
 def _fit_transfer(rows: Sequence[dict[str, float]], options: FitOptions) -> LinearModel | None:
-    pairs = [
-        (r["kv_bytes"], r["transfer_ms"] / 1000.0) for r in rows if "kv_bytes" in r and "transfer_ms" in r
-    ]
+    pairs = [(r["kv_bytes"], r["transfer_ms"] / 1000.0) for r in rows if "kv_bytes" in r and "transfer_ms" in r]
     if len(pairs) < 2:
         return None
     return fit_linear([transfer_features(b) for b, _ in pairs], [t for _, t in pairs], options=options)
@@ -124,9 +122,7 @@ def fit_profiles(
     rows = [row for p in paths for row in read_profile(p)]
     prefill = _fit_prefill(rows, options)
     if prefill is None:
-        raise ProfileError(
-            f"no prefill rows (prompt_tokens + one of {_TTFT_COLUMNS}) in {list(map(str, paths))}"
-        )
+        raise ProfileError(f"no prefill rows (prompt_tokens + one of {_TTFT_COLUMNS}) in {list(map(str, paths))}")
     transfer = _fit_transfer(rows, options)
     if transfer is None:
         raise ProfileError(f"no transfer rows (kv_bytes + transfer_ms) in {list(map(str, paths))}")
@@ -139,9 +135,7 @@ def fit_profiles(
     notes = {
         "prefill": "fitted to TTFT - transfer_ms (P->D handoff predicted separately)",
         "store_link": "copy of the instance link: no store measurements in the profile",
-        "tbt": "fitted to decode rows"
-        if tbt is not None
-        else "roofline prior (DecodePrior), refitted online",
+        "tbt": "fitted to decode rows" if tbt is not None else "roofline prior (DecodePrior), refitted online",
     }
     return PredictorParams(
         prefill=prefill,

@@ -60,16 +60,12 @@ def test_third_party_policy_routes(installed: None) -> None:
 
 
 def test_plugin_that_fails_to_import(installed: None) -> None:
-    with pytest.raises(
-        PluginError, match=r"'demo_broken'.*failed to import.*conductor_demo_plugin_missing_dependency"
-    ):
+    with pytest.raises(PluginError, match=r"'demo_broken'.*failed to import.*conductor_demo_plugin_missing_dependency"):
         load_policy("demo_broken")
 
 
 def test_plugin_without_decide(installed: None) -> None:
-    with pytest.raises(
-        PluginError, match=r"'demo_nodecide'.*does not satisfy the Policy protocol.*decide\(\)"
-    ):
+    with pytest.raises(PluginError, match=r"'demo_nodecide'.*does not satisfy the Policy protocol.*decide\(\)"):
         load_policy("demo_nodecide")
 
 

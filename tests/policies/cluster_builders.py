@@ -18,15 +18,11 @@ from policies.types import (
 
 def prefill(iid: str, queued: int = 0, tokens: int = 8000) -> InstanceView:
     """A prefill instance with `queued` prefills of `tokens` uncached tokens waiting."""
-    return InstanceView(
-        iid, Role.PREFILL, prefill_queue=tuple(QueuedPrefill(tokens, 0, 0.0) for _ in range(queued))
-    )
+    return InstanceView(iid, Role.PREFILL, prefill_queue=tuple(QueuedPrefill(tokens, 0, 0.0) for _ in range(queued)))
 
 
 def decode(iid: str, streams: int = 0, context: int = 2000, remaining: int = 200) -> InstanceView:
-    return InstanceView(
-        iid, Role.DECODE, decodes=tuple(ActiveDecode(context, remaining) for _ in range(streams))
-    )
+    return InstanceView(iid, Role.DECODE, decodes=tuple(ActiveDecode(context, remaining) for _ in range(streams)))
 
 
 def request(

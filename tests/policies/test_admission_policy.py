@@ -43,9 +43,7 @@ def test_ttft_slo_no_idle_instance_can_meet(params: PredictorParams) -> None:
 def test_tbt_rejection(params: PredictorParams) -> None:
     heavy = decode("d0", streams=300, context=6000, remaining=4000)
     for mode in ("early", "predicted"):
-        d = policy(params, mode).decide(
-            request(slo=Slo(ttft_s=5.0, tbt_s=0.05)), snapshot(prefill("p0"), heavy)
-        )
+        d = policy(params, mode).decide(request(slo=Slo(ttft_s=5.0, tbt_s=0.05)), snapshot(prefill("p0"), heavy))
         r = d.rejection
         assert r is not None and r.reason == "tbt_slo", mode
         assert r.predicted_s is not None and r.predicted_s > 0.05 and r.slo_s == 0.05

@@ -50,9 +50,7 @@ def test_sglang_match_threshold_then_smallest_tree() -> None:
     d = pol.decide(request(prompt=1000, cached={"p2": 320}), cluster)  # ratio 0.32 > 0.3
     assert (d.prefill, d.decode) == ("p2", "d1")  # decode: least load
     # below the threshold: the worker with the smallest tree, and trees grow with what was routed
-    seen = [
-        pol.decide(request(prompt=1000, cached={"p2": 290}, rid=f"x{i}"), cluster).prefill for i in range(3)
-    ]
+    seen = [pol.decide(request(prompt=1000, cached={"p2": 290}, rid=f"x{i}"), cluster).prefill for i in range(3)]
     assert seen == ["p0", "p1", "p2"]  # trees: p2 680 (its hit was inserted minus the match), then 1000 each
 
 
@@ -128,9 +126,7 @@ def test_llmd_falls_back_to_gateway_counts() -> None:
     assert (d.prefill, d.decode) == ("p1", "d1")
 
 
-@pytest.mark.parametrize(
-    "cls", [RandomPolicy, LeastLoadedPolicy, SglangCacheAwarePolicy, DynamoKvPolicy, LlmdPolicy]
-)
+@pytest.mark.parametrize("cls", [RandomPolicy, LeastLoadedPolicy, SglangCacheAwarePolicy, DynamoKvPolicy, LlmdPolicy])
 def test_baselines_serve_mixed_workers_and_report_missing_pools(cls: type) -> None:
     pol = cls()
     mixed = snapshot(InstanceView("m0", Role.MIXED), InstanceView("m1", Role.MIXED))

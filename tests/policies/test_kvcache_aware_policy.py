@@ -35,9 +35,7 @@ def test_busy_holder_pull_prefix_to_idle_instance_when_transfer_is_cheap(params:
     d = policy(params).decide(request(cached={"p0": 6144}), cluster)
     assert (d.prefill, d.decode, d.pull_from, d.pull_tokens) == ("p1", "d0", "p0", 6144)
     p0, p1 = d.candidates[0], d.candidates[1]
-    assert (
-        p0.detail["queue_s"] > 0.5 and p0.detail["pulled_tokens"] == 0 and p0.detail["cached_tokens"] == 6144
-    )
+    assert p0.detail["queue_s"] > 0.5 and p0.detail["pulled_tokens"] == 0 and p0.detail["cached_tokens"] == 6144
     assert p1.detail["pulled_tokens"] == 6144 and 0 < p1.detail["transfer_s"] < 0.05
     # TTFT is the sum of its parts, and the decision carries the winner's
     parts = ("transfer_s", "queue_s", "prefill_s", "handoff_s")
@@ -74,15 +72,11 @@ def test_pull_threshold_is_the_derived_break_even(params: PredictorParams) -> No
 
 
 def test_store_prefix_pulled_over_the_store_link(params: PredictorParams) -> None:
-    store_only = replace(
-        params, transfer=MappingProxyType({**params.transfer, "store": LinearModel((0.001, 1e-11))})
-    )
+    store_only = replace(params, transfer=MappingProxyType({**params.transfer, "store": LinearModel((0.001, 1e-11))}))
     d = policy(store_only).decide(request(store=4096), snapshot(prefill("p0"), decode("d0")))
     assert (d.pull_from, d.pull_tokens) == ("store", 4096)
     # a store-tier entry in the index counts as remote too, never as local reuse
-    d = policy(params).decide(
-        request(cached={"p0": CachedPrefix(4096, Tier.STORE)}), snapshot(prefill("p0"), decode("d0"))
-    )
+    d = policy(params).decide(request(cached={"p0": CachedPrefix(4096, Tier.STORE)}), snapshot(prefill("p0"), decode("d0")))
     assert d.pull_tokens == 4096 and d.pull_from == "store"
 
 
@@ -117,9 +111,7 @@ def test_mixed_workers_check_tbt_on_the_same_worker(params: PredictorParams) -> 
 
 def test_unhealthy_and_missing_pools(params: PredictorParams) -> None:
     sick = replace(prefill("p1"), healthy=False)
-    d = policy(params).decide(
-        request(cached={"p1": 8000}), snapshot(prefill("p0", queued=10), sick, decode("d0"))
-    )
+    d = policy(params).decide(request(cached={"p1": 8000}), snapshot(prefill("p0", queued=10), sick, decode("d0")))
     assert d.prefill == "p0"  # never an unhealthy one, however good its cache (but it may pull from it)
     d = policy(params).decide(request(), snapshot(prefill("p0")))
     assert d.rejected and d.rejection is not None and d.rejection.reason == "no_instance"

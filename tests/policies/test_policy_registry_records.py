@@ -73,5 +73,5 @@ def test_kvcache_aware_loads_fitted_params_file(tmp_path: Path) -> None:
     pol = load_policy("kvcache_aware", {"predictor_params": str(path)})
     pred = pol.predictors
     assert pred.params.prefill.coef == pytest.approx(PredictorParams.load(path).prefill.coef)
-    with pytest.raises(PluginError, match="failed to construct.*missing.json"):
+    with pytest.raises(PluginError, match=r"failed to construct.*missing\.json"):
         load_policy("kvcache_aware", {"predictor_params": str(tmp_path / "missing.json")})

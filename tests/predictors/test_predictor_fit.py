@@ -77,9 +77,7 @@ def test_decode_rows_are_fitted(tmp_path: Path) -> None:
     assert fitted.tbt.coef == pytest.approx((8e-3, 5e-5, 2e-8), rel=0.05)
 
 
-def test_params_round_trip_and_cli(
-    tmp_path: Path, params: PredictorParams, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_params_round_trip_and_cli(tmp_path: Path, params: PredictorParams, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "params.json"
     assert fit_main(["-o", str(out)]) == 0
     assert "MAPE" in capsys.readouterr().out

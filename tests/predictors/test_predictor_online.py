@@ -70,9 +70,7 @@ def test_p90_bound_covers_about_90_percent(predictors: Predictors) -> None:
     for _ in range(2000):
         new = rng.randint(64, 16000)
         actual = true_prefill(new, 0) * math.exp(rng.gauss(0, 0.1))
-        tracker.record(
-            "prefill", "p0", predictors.prefill_s(new, 0), predictors.prefill_p90_s(new, 0), actual
-        )
+        tracker.record("prefill", "p0", predictors.prefill_s(new, 0), predictors.prefill_p90_s(new, 0), actual)
     (stats,) = tracker.stats()
     assert 0.85 <= stats.p90_coverage <= 0.95
     assert stats.mape == pytest.approx(0.08, abs=0.02)  # E|lognormal(0, 0.1) - 1| ~ 0.08

@@ -29,13 +29,9 @@ def build_wheel(wheel_directory: str, config_settings: Any = None, metadata_dire
         for path in sorted(pkg.parent.rglob("*.py")):
             files[path.as_posix()] = path.read_bytes()
     files[f"{dist_info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-    files[f"{dist_info}/WHEEL"] = (
-        b"Wheel-Version: 1.0\nGenerator: demo_build\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    )
+    files[f"{dist_info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: demo_build\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     groups = project.get("entry-points", {})
-    lines = [
-        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for group, eps in groups.items()
-    ]
+    lines = [f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for group, eps in groups.items()]
     files[f"{dist_info}/entry_points.txt"] = "\n".join(lines).encode()
     record = [_record_line(p, d) for p, d in files.items()] + [f"{dist_info}/RECORD,,"]
     files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()

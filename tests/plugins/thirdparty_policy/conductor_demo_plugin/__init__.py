@@ -15,9 +15,7 @@ class LastInstancePolicy:
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         prefill = max(i.id for i in cluster.by_role(Role.PREFILL))
         decode = max(i.id for i in cluster.by_role(Role.DECODE))
-        return Decision(
-            request_id=request.request_id, policy=self.name + self.tag, prefill=prefill, decode=decode
-        )
+        return Decision(request_id=request.request_id, policy=self.name + self.tag, prefill=prefill, decode=decode)
 
     def observe(self, observation: Observation) -> None:
         self.observed += 1
