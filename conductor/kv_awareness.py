@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.index.base import IndexLimits, KVIndex
 from adapters.index.feed import IndexFeeder
+from adapters.index.memory import MemoryIndex
 from adapters.kv_events import EventSource, EventSubscriber
 from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
@@ -137,6 +138,8 @@ class HashAgreement:
 class KVAwareAnalyzer:
     """PromptAnalyzer backed by a tokenizer, a block key scheme, an index and its feeds."""
 
+    MAX_PENDING_DISPATCHES = 256  # background index inserts in flight before dispatches wait
+
     def __init__(
         self,
         *,
@@ -165,6 +168,7 @@ class KVAwareAnalyzer:
         self._ctx = zmq_context
         self._watchdog: asyncio.Task[None] | None = None
         self._gone: set[str] = set()
+        self._pending: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         for sub in self.subscribers:
@@ -178,6 +182,7 @@ class KVAwareAnalyzer:
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        await asyncio.gather(*self._pending, return_exceptions=True)
         for sub in self.subscribers:
             await sub.close()
         if self.store is not None:
@@ -236,7 +241,20 @@ class KVAwareAnalyzer:
     async def on_dispatch(self, analysis: PromptAnalysis, decision: Decision) -> None:
         if decision.rejected or decision.prefill is None or not analysis.block_keys:
             return
-        await self.feeder.on_dispatch(decision.prefill, analysis.block_keys)
+        if isinstance(self.index, MemoryIndex) or len(self._pending) >= self.MAX_PENDING_DISPATCHES:
+            # in-process inserts are quick; a remote index falls back to waiting when too far behind
+            await self.feeder.on_dispatch(decision.prefill, analysis.block_keys)
+            return
+        # A remote (Redis) insert of a long prompt is a round trip of milliseconds that the
+        # request need not wait for: the bookkeeping runs beside it, bounded in number.
+        task = asyncio.create_task(self.feeder.on_dispatch(decision.prefill, analysis.block_keys))
+        self._pending.add(task)
+        task.add_done_callback(self._dispatch_done)
+
+    def _dispatch_done(self, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("recording a dispatch in the KV index failed: %r", task.exception())
 
     def on_result(self, analysis: PromptAnalysis, decision: Decision, observation: Observation) -> None:
         if observation.ok and analysis.block_keys:
@@ -288,8 +306,6 @@ def _make_index(s: KVAwarenessSettings) -> KVIndex:
         from adapters.index.redis import RedisIndex
 
         return RedisIndex(s.redis_url, prefix=s.redis_prefix, limits=limits)
-    from adapters.index.memory import MemoryIndex
-
     return MemoryIndex(limits)
 
 

@@ -181,3 +181,22 @@ async def test_silent_unhealthy_instance_is_dropped(unused_tcp_port: int) -> Non
         assert analyzer.feeder.stats.cleared == 1
     finally:
         await analyzer.close()
+
+
+async def test_redis_backed_analyzer_records_dispatches_for_other_replicas() -> None:
+    prefix = f"test:kvaware:{time.monotonic_ns()}:"
+    options = {"enabled": True, "index": "redis", "redis_prefix": prefix, "block_size": 16}
+    one = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
+    two = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
+    assert isinstance(one, KVAwareAnalyzer) and isinstance(two, KVAwareAnalyzer)
+    try:
+        body = {"prompt": "shared system prompt " * 10}
+        a = await one.analyse("completions", body)
+        await one.on_dispatch(a, _decision("p0"))
+        await asyncio.gather(*one._pending)
+        seen = await two.analyse("completions", body)  # another gateway replica, same Redis
+        assert seen.cached == {"p0": CachedPrefix(len(a.block_keys) * 16)}
+    finally:
+        await one.index.clear()  # type: ignore[attr-defined]
+        await one.close()
+        await two.close()
