@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
 import zmq.asyncio
@@ -60,7 +60,7 @@ class KVAwarenessSettings(_Model):
     tokenizer: str = "builtin"  # "builtin" (byte-level), "worker" (POST /tokenize) or a local HF dir
     tokenizer_url: str | None = None  # for "worker": defaults to the first prefill/mixed instance
     forward_token_ids: bool = True  # send completions prompts on as token ids (tokenized once)
-    block_size: int = Field(16, gt=0)  # must equal the workers' --block-size
+    block_size: Annotated[int, Field(gt=0)] = 16  # must equal the workers' --block-size
     key_mode: Literal["xxhash", "vllm"] = "xxhash"
     hash_seed: int = 0  # xxhash mode: seed of the key chain (all replicas must agree)
     vllm_hash_algo: str = "sha256"  # vllm mode: the workers' --prefix-caching-hash-algo
@@ -68,15 +68,15 @@ class KVAwarenessSettings(_Model):
     index: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "conductor:kv:"
-    max_blocks: int = Field(1_000_000, gt=0)  # (instance, block) entries kept
-    key_ttl_s: float = Field(3600.0, gt=0)
-    unconfirmed_ttl_s: float = Field(30.0, gt=0)
+    max_blocks: Annotated[int, Field(gt=0)] = 1_000_000  # (instance, block) entries kept
+    key_ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+    unconfirmed_ttl_s: Annotated[float, Field(gt=0)] = 30.0
     kv_events: Mapping[str, KVEventsEndpoint] = Field(default_factory=dict)  # instance id -> endpoint
     replay_timeout_s: float = 1.0
     events_silence_s: float = 30.0  # no events this long and a failed /health: drop the instance
     mooncake: MooncakeStoreSettings | None = None
-    agreement_window: int = Field(200, gt=0)  # requests in the hash agreement window
-    agreement_min_samples: int = Field(20, gt=0)
+    agreement_window: Annotated[int, Field(gt=0)] = 200  # requests in the hash agreement window
+    agreement_min_samples: Annotated[int, Field(gt=0)] = 20
     agreement_alarm_below: float = 0.2  # reported/predicted cached tokens below this: warn
 
 
