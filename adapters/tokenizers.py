@@ -33,7 +33,7 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token"
 class PromptTokenizer(Protocol):
     """Token ids of a completions prompt and of a chat conversation, as the workers would see them."""
 
-    async def encode_prompt(self, text: str) -> list[int]: ...
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]: ...
 
@@ -46,8 +46,8 @@ class LocalTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    async def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text)  # the built-in byte tokenizer adds no special tokens
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages)
@@ -156,10 +156,11 @@ class HFPromptTokenizer(LocalTokenizer):
         super().__init__(tokenizer)
         self.hf = tokenizer
 
-    async def encode_prompt(self, text: str) -> list[int]:
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        encode = self.hf.encode if add_special_tokens else self.hf.encode_plain
         if len(text) > self.OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.hf.encode, text)
-        return self.hf.encode(text)
+            return await asyncio.to_thread(encode, text)
+        return encode(text)
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
         kwargs = body.get("chat_template_kwargs") or {}
@@ -191,8 +192,8 @@ class WorkerTokenizer:
                                 upstream_status=resp.status_code)
         return [int(t) for t in resp.json()["tokens"]]
 
-    async def encode_prompt(self, text: str) -> list[int]:
-        return await self._tokenize({"prompt": text})
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._tokenize({"prompt": text, "add_special_tokens": add_special_tokens})
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
         payload: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": True}

@@ -198,14 +198,15 @@ class KVAwareAnalyzer:
             messages = body.get("messages")
             return (await self.tokenizer.encode_chat(messages, body), False) if messages else (None, False)
         prompt = body.get("prompt")
+        specials = body.get("add_special_tokens", True) is not False  # vLLM's completions default
         if isinstance(prompt, str):
-            return await self.tokenizer.encode_prompt(prompt), True
+            return await self.tokenizer.encode_prompt(prompt, specials), True
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return [int(t) for t in prompt], False
         if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one
             one = prompt[0]
             if isinstance(one, str):
-                return await self.tokenizer.encode_prompt(one), False
+                return await self.tokenizer.encode_prompt(one, specials), False
             if isinstance(one, list) and all(isinstance(t, int) for t in one):
                 return [int(t) for t in one], False
         return None, False

@@ -62,6 +62,8 @@ async def test_hf_prompt_tokenizer_and_analyzer_forward_token_ids(hf_dir: Path) 
         a = await analyzer.analyse("completions", {"prompt": "hello world the cache"})
         assert a.exact and a.prompt_tokens == 5 and a.forward_token_ids == (1, 6, 7, 8, 9)
         assert a.block_keys == tuple(scheme.keys([1, 6, 7, 8, 9]))
+        plain = await analyzer.analyse("completions", {"prompt": "hello world", "add_special_tokens": False})
+        assert plain.forward_token_ids == (6, 7)
         chat = await analyzer.analyse("chat", {"messages": [{"role": "user", "content": "hello"}]})
         assert chat.forward_token_ids is None and chat.prompt_tokens == 5  # <s> <|user|> hello </s> <|assistant|>
         batch = await analyzer.analyse("completions", {"prompt": ["a b", "c d"]})
