@@ -157,6 +157,16 @@ class EventSource:
         return EventSource(instance, endpoint, urlsplit(url).hostname or "127.0.0.1", replay_endpoint, topic)
 
 
+def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """Where data-parallel rank r publishes: vLLM adds r to a tcp port, or "_dp{r}" to inproc/ipc."""
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + data_parallel_rank}"
+    return f"{endpoint}_dp{data_parallel_rank}"
+
+
 def publisher_binds(endpoint: str) -> bool:
     """vLLM's own rule for its PUB socket."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

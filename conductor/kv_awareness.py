@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from adapters.index.base import IndexLimits, KVIndex
 from adapters.index.feed import IndexFeeder
 from adapters.index.memory import MemoryIndex
-from adapters.kv_events import EventSource, EventSubscriber
+from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
 from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
 from conductor.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
@@ -51,6 +51,7 @@ class KVEventsEndpoint(_Model):
     endpoint: str  # e.g. "tcp://*:5557" (vLLM binds, we connect) or "tcp://gateway:5557" (we bind)
     replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
     topic: str = ""
+    data_parallel_size: Annotated[int, Field(gt=0)] = 1  # rank r publishes on port + r (vLLM's rule)
 
 
 class KVAwarenessSettings(_Model):
@@ -327,9 +328,13 @@ def build_analyzer(
         raise ConfigError(f"kv.kv_events names unknown instances: {sorted(unknown)}")
     ctx = zmq.asyncio.Context() if s.kv_events else None
     subscribers = [
-        EventSubscriber(EventSource.for_instance(iid, urls[iid], ep.endpoint, ep.replay_endpoint, ep.topic),
-                        feeder.on_batch, feeder.on_resync, context=ctx, replay_timeout_s=s.replay_timeout_s)
+        EventSubscriber(
+            EventSource.for_instance(
+                iid, urls[iid], offset_endpoint(ep.endpoint, rank),
+                None if ep.replay_endpoint is None else offset_endpoint(ep.replay_endpoint, rank), ep.topic),
+            feeder.on_batch, feeder.on_resync, context=ctx, replay_timeout_s=s.replay_timeout_s)
         for iid, ep in s.kv_events.items()
+        for rank in range(ep.data_parallel_size)
         if ctx is not None
     ]
     store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None

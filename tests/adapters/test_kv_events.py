@@ -14,9 +14,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from adapters.index.base import KVIndex
 from adapters.index.feed import IndexFeeder
 from adapters.index.memory import MemoryIndex
-from adapters.kv_events import EventSource, EventSubscriber, decode_batch, subscriber_address
+from adapters.index.redis import RedisIndex
+from adapters.kv_events import EventSource, EventSubscriber, decode_batch, offset_endpoint, subscriber_address
 from conductor.block_keys import VllmKeys, XxhashKeys
 from conductor.vllm_hash import VllmBlockHasher
 from policies.types import Tier
@@ -133,13 +135,22 @@ def test_decode_accepts_array_and_map_forms() -> None:
 def test_socket_direction_follows_vllm_rule() -> None:
     assert subscriber_address("tcp://*:5557", "10.0.0.5") == ("tcp://10.0.0.5:5557", False)
     assert subscriber_address("tcp://10.0.0.9:5557", "10.0.0.5") == ("tcp://10.0.0.9:5557", True)
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
 
 
+def make_index(backend: str, tag: str) -> KVIndex:
+    if backend == "memory":
+        return MemoryIndex()
+    return RedisIndex("redis://127.0.0.1:6379/0", prefix=f"test:kvevents:{tag}:{time.monotonic_ns()}:")
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
 @pytest.mark.parametrize("mode", ["xxhash", "vllm"])
-async def test_events_build_the_same_index_as_dispatches(ctx: zmq.asyncio.Context, mode: str) -> None:
+async def test_events_build_the_same_index_as_dispatches(ctx: zmq.asyncio.Context, mode: str, backend: str) -> None:
     hasher = VllmBlockHasher("sha256_cbor", BS, "42")
     scheme = XxhashKeys(BS, seed=7) if mode == "xxhash" else VllmKeys(BS, "sha256_cbor", "42")
-    from_events, from_dispatch = MemoryIndex(), MemoryIndex()
+    from_events, from_dispatch = make_index(backend, "events"), make_index(backend, "dispatch")
     feeder = IndexFeeder(from_events, scheme, translate=mode == "xxhash")
     pub = WirePublisher(ctx, bind=True, replay=False)
     sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}"), feeder.on_batch, feeder.on_resync,
@@ -157,18 +168,25 @@ async def test_events_build_the_same_index_as_dispatches(ctx: zmq.asyncio.Contex
         assert feeder.stats.unmapped == 0
         for p in batch + prompts(3, seed=2):
             keys = scheme.keys(p)
-            assert from_events.match_sync(keys) == from_dispatch.match_sync(keys)
-        assert from_events.match_sync(scheme.keys(batch[0])).blocks["p0"] == len(batch[0]) // BS
+            assert await from_events.match(keys) == await from_dispatch.match(keys)
+        assert (await from_events.match(scheme.keys(batch[0]))).blocks["p0"] == len(batch[0]) // BS
         # BlockRemoved of the last block of prompt 0 shortens its prefix by one block
         last = hasher.event_ids(batch[0])[-1]
         await pub.publish([{"type": "BlockRemoved", "block_hashes": [last], "medium": "GPU"}])
         await wait_for(lambda: feeder.stats.removed == 1)
-        assert from_events.match_sync(scheme.keys(batch[0])).blocks["p0"] == len(batch[0]) // BS - 1
+        assert (await from_events.match(scheme.keys(batch[0]))).blocks["p0"] == len(batch[0]) // BS - 1
         await pub.publish([{"type": "AllBlocksCleared"}])
-        await wait_for(lambda: not from_events.match_sync(scheme.keys(batch[1])).blocks)
+        deadline = time.monotonic() + 5
+        while (await from_events.match(scheme.keys(batch[1]))).blocks:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
     finally:
         await sub.close()
         await pub.close()
+        for idx in (from_events, from_dispatch):
+            if isinstance(idx, RedisIndex):
+                await idx.clear()
+            await idx.close()
 
 
 async def test_subscriber_binds_when_vllm_connects(ctx: zmq.asyncio.Context) -> None:
