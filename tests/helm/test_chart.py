@@ -84,7 +84,8 @@ def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int
             if role == "prefill":
                 events = json.loads(flag(args, "--kv-events-config"))
                 assert events["endpoint"] == f"tcp://*:{p['kv-events']}" and events["publisher"] == "zmq"
-                assert spec.kv_events_endpoint == f"tcp://{host}:{p['kv-events']}"
+                # the engine's own endpoint: "*" = it binds, each gateway replica connects to the pod
+                assert spec.kv_events_endpoint == events["endpoint"]
             else:
                 assert spec.kv_events_endpoint is None and "--kv-events-config" not in args
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -133,6 +134,9 @@ def test_gateway_deployment_probes_config_mount_and_redis(tmp_path: Path) -> Non
     literal = {k: v for k, v in e.items() if isinstance(v, str)} | {"CONDUCTOR_REPLICA_ID": "gw-0"}
     settings = load_settings(tmp_path / "config.yaml", environ=literal)
     assert (settings.load_share, settings.redis_url, settings.replica_id) == ("redis", e["CONDUCTOR_REDIS_URL"], "gw-0")
+    # KV awareness on, with the index shared in the same Redis
+    assert (settings.kv.enabled, settings.kv.tokenizer, settings.kv.index) == (True, "worker", "redis")
+    assert settings.kv.redis_url == e["CONDUCTOR_REDIS_URL"] and settings.kv.mooncake is None
     redis_svc = one(docs, "Service", f"{FULL}-redis")
     assert redis_svc["spec"]["ports"][0]["port"] == 6379
     assert "--maxmemory" in container(one(docs, "Deployment", f"{FULL}-redis"))["args"]  # bounded
@@ -142,6 +146,25 @@ def test_gateway_deployment_probes_config_mount_and_redis(tmp_path: Path) -> Non
     assert not [d for d in external if d["metadata"]["name"] == f"{FULL}-redis"]
     assert env(container(one(external, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_REDIS_URL"] == \
         "redis://cache.infra:6379/2"
+    assert gateway_config(external)["kv"]["redis_url"] == "redis://cache.infra:6379/2"
+    no_redis = render("redis.enabled=false", "gateway.replicas=1")
+    assert gateway_config(no_redis)["kv"]["index"] == "memory"
+    assert "CONDUCTOR_REDIS_URL" not in env(container(one(no_redis, "Deployment", f"{FULL}-gateway")))
+
+
+def test_mooncake_store_probe_points_at_the_master(tmp_path: Path) -> None:
+    docs = render("gateway.kv.mooncakeStore=true", "model.servedName=qwen")
+    (tmp_path / "config.yaml").write_text(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
+    settings = load_settings(tmp_path / "config.yaml", environ={"CONDUCTOR_KV__MOONCAKE__LOCAL_HOSTNAME": "10.1.2.3"})
+    store = settings.kv.mooncake
+    assert store is not None and settings.kv.key_mode == "vllm"
+    master = one(docs, "Service", f"{FULL}-mooncake-master")
+    svc_ports = {p["name"]: p["port"] for p in master["spec"]["ports"]}
+    assert store.master == f"{FULL}-mooncake-master:{svc_ports['rpc']}"
+    assert store.metadata_server == f"http://{FULL}-mooncake-master:{svc_ports['metadata']}/metadata"
+    assert (store.model, store.local_hostname) == ("qwen", "10.1.2.3")
+    gw_env = env(container(one(docs, "Deployment", f"{FULL}-gateway")))
+    assert gw_env["CONDUCTOR_KV__MOONCAKE__LOCAL_HOSTNAME"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
 def test_gateway_disruption_budget_only_with_several_replicas() -> None:

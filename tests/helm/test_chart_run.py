@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +38,7 @@ def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
     environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
     # what kubernetes would fill in, and this machine's Redis (own db: other tests share the load prefix)
     environ.update(CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc", CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14",
+                   CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
                    CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
                    # start-up waits this long for the absent prefill pods' Mooncake bootstrap servers
                    CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5")
@@ -105,6 +108,7 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
                   "decode.replicas=1", "gateway.replicas=1", "model.servedName=tiny")
     cfg = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
     procs: list[subprocess.Popen[bytes]] = []
+    index, prefix = redis.Redis(db=14), f"conductor:kv:test-{uuid.uuid4().hex}:"  # this test's own index
     try:
         for role in ("prefill", "decode"):
             c = container(one(docs, "StatefulSet", f"{FULL}-{role}"))
@@ -118,7 +122,7 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
                 if "bootstrap_port" in spec:
                     spec["bootstrap_port"] = local["--bootstrap-port"]
                 if "kv_events_endpoint" in spec:
-                    spec["kv_events_endpoint"] = f"tcp://127.0.0.1:{local['--kv-events-endpoint']}"
+                    spec["kv_events_endpoint"] = f"tcp://*:{local['--kv-events-endpoint']}"
                 procs.append(subprocess.Popen([exe, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 wait_http(spec["url"] + "/health", procs[-1])
         config_file = tmp_path / "config.yaml"
@@ -126,7 +130,10 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         gw = container(one(docs, "Deployment", f"{FULL}-gateway"))
         port = free_port()
         environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
-        environ.update(CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_INTERVAL_S="0.2")
+        environ.update(CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_INTERVAL_S="0.2",
+                       CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
+                       # quoted: env values are read as YAML
+                       CONDUCTOR_KV__REDIS_PREFIX=f'"{prefix}"')
         args = [str(config_file) if a == flag(gw["args"], "--config") else a for a in gw["args"]]
         gw_exe = venv_exe(gw["command"][0])
         assert gw_exe
@@ -142,6 +149,12 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         decode_metrics = httpx.get(cfg["decode"][0]["url"] + "/metrics", timeout=5).text
         assert re.search(r'vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} [1-9]',
                          decode_metrics), decode_metrics
+        # the prefill engine's KV events reached the gateway through the rendered endpoint: the shared
+        # Redis index holds confirmed entries (dispatch guesses are stored as "u<expiry>")
+        deadline = time.monotonic() + 10
+        while not [v for v in index.hvals(f"{prefix}i:prefill-0") if v[:1].isdigit()]:
+            assert time.monotonic() < deadline, "no KV event confirmed a block in the index"
+            time.sleep(0.05)
         # `helm test`'s script, pointed at this gateway instead of the in-cluster Service
         smoke = one(docs, "Pod", f"{FULL}-smoke")["spec"]["containers"][0]
         script = smoke["args"][0].replace(f"http://{FULL}-gateway:8000", url)
@@ -153,3 +166,5 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=10)
+        for key in index.scan_iter(prefix + "*"):
+            index.delete(key)

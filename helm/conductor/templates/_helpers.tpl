@@ -94,12 +94,29 @@ URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.conf
 {{- $_ := set $spec "bootstrap_port" (int $v.workers.bootstrapPort) -}}
 {{- end -}}
 {{- if and $v.workers.kvEvents.enabled $v.gateway.subscribeKvEvents (ne $role "decode") -}}
-{{- $_ := set $spec "kv_events_endpoint" (printf "tcp://%s:%d" $host (int $v.workers.kvEvents.port)) -}}
+{{- /* the endpoint exactly as the engine has it: "*" means the engine binds and the gateway connects
+       to the instance's host (vLLM's rule), which is what lets every gateway replica subscribe */ -}}
+{{- $_ := set $spec "kv_events_endpoint" (printf "tcp://*:%d" (int $v.workers.kvEvents.port)) -}}
 {{- end -}}
 {{- $specs = append $specs $spec -}}
 {{- end -}}
 {{- if $specs }}{{ $_ := set $cfg $role $specs }}{{ end -}}
 {{- end -}}
+{{- $kv := $v.gateway.kv -}}
+{{- $redisUrl := include "conductor.redisUrl" . -}}
+{{- $index := $kv.index -}}
+{{- if eq $index "auto" }}{{ $index = ternary "redis" "memory" (ne $redisUrl "") }}{{ end -}}
+{{- $kvCfg := dict "enabled" $kv.enabled "tokenizer" $kv.tokenizer "index" $index "max_blocks" (int $kv.maxBlocks) -}}
+{{- if eq $index "redis" }}{{ $_ := set $kvCfg "redis_url" $redisUrl }}{{ end -}}
+{{- if $kv.mooncakeStore -}}
+{{- $m := $v.mooncakeMaster -}}
+{{- $master := printf "%s-mooncake-master" (include "conductor.fullname" .) -}}
+{{- $meta := ternary (printf "http://%s:%d/metadata" $master (int $m.httpMetadataServer.port)) "P2PHANDSHAKE" $m.httpMetadataServer.enabled -}}
+{{- $_ := set $kvCfg "mooncake" (dict "master" (printf "%s:%d" $master (int $m.rpcPort)) "metadata_server" $meta "model" (include "conductor.servedModel" .)) -}}
+{{- /* store objects are named by vLLM's own block hashes */ -}}
+{{- $_ := set $kvCfg "key_mode" "vllm" -}}
+{{- end -}}
+{{- $_ := set $cfg "kv" $kvCfg -}}
 {{- toYaml (mustMergeOverwrite $cfg (deepCopy $v.gateway.config)) -}}
 {{- end -}}
 
