@@ -24,7 +24,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters.index.base import IndexLimits, KVIndex
+from adapters.index.base import IndexLimits, KVIndex, PrefixMatch
 from adapters.index.feed import IndexFeeder
 from adapters.index.memory import MemoryIndex
 from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
@@ -170,6 +170,7 @@ class KVAwareAnalyzer:
         self._watchdog: asyncio.Task[None] | None = None
         self._gone: set[str] = set()
         self._pending: set[asyncio.Task[None]] = set()
+        self._index_failures = 0
 
     async def start(self) -> None:
         for sub in self.subscribers:
@@ -222,7 +223,14 @@ class KVAwareAnalyzer:
             tokens, exact = estimate_prompt_tokens(kind, body)
             return PromptAnalysis(prompt_tokens=tokens, exact=exact)
         keys = self.scheme.keys(ids)
-        match = await self.index.match(keys)
+        try:
+            match = await self.index.match(keys)
+        except Exception as exc:  # noqa: BLE001  # a shared index being down must not fail requests
+            self._index_failures += 1
+            if self._index_failures & (self._index_failures - 1) == 0:  # 1st, 2nd, 4th, 8th...: not a flood
+                log.warning("KV index lookup failed (%d so far), routing without cache knowledge: %r",
+                            self._index_failures, exc)
+            match = PrefixMatch()
         store_tokens = 0
         if self.store is not None and keys:
             if isinstance(self.scheme, VllmKeys):
@@ -245,7 +253,10 @@ class KVAwareAnalyzer:
             return
         if isinstance(self.index, MemoryIndex) or len(self._pending) >= self.MAX_PENDING_DISPATCHES:
             # in-process inserts are quick; a remote index falls back to waiting when too far behind
-            await self.feeder.on_dispatch(decision.prefill, analysis.block_keys)
+            try:
+                await self.feeder.on_dispatch(decision.prefill, analysis.block_keys)
+            except Exception as exc:  # noqa: BLE001  # bookkeeping must not fail the request
+                log.warning("recording a dispatch in the KV index failed: %r", exc)
             return
         # A remote (Redis) insert of a long prompt is a round trip of milliseconds that the
         # request need not wait for: the bookkeeping runs beside it, bounded in number.

@@ -202,3 +202,15 @@ async def test_redis_backed_analyzer_records_dispatches_for_other_replicas() -> 
         await one.index.clear()  # type: ignore[attr-defined]
         await one.close()
         await two.close()
+
+
+async def test_index_down_degrades_to_no_cache_knowledge() -> None:
+    # a real Redis client pointed at a port where nothing listens
+    options = {"enabled": True, "index": "redis", "redis_url": "redis://127.0.0.1:9/0"}
+    analyzer = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
+    try:
+        a = await analyzer.analyse("completions", {"prompt": "y" * 100})
+        assert a.exact and a.cached == {} and len(a.block_keys) == 6
+        await analyzer.on_dispatch(a, _decision("p0"))  # must not raise either
+    finally:
+        await analyzer.close()
