@@ -251,6 +251,18 @@ def _gateway_rows() -> tuple[Row, ...]:
                                              "{{role}} {{instance}}"),), "short", kind="stat",
                   mappings=_HEALTH, description="Worst health probe result across gateway replicas."),
         )),
+        Row("KV cache index", (
+            Panel("Index hash agreement", (Target(f"min({sel('conductor_kv_hash_agreement')})", "worst replica"),
+                                           Target(f"avg({sel('conductor_kv_hash_agreement')})", "mean")),
+                  "percentunit", width=8,
+                  description="Worker-reported / index-predicted cached tokens over each replica's recent "
+                  "window. Near 1: the gateway's block keys match the engines'. Far below: wrong block "
+                  "size, hash algorithm or PYTHONHASHSEED, and routing is blind to the cache."),
+            Panel("Cached prompt tokens: predicted vs reported", (
+                Target(f"sum({rate('conductor_kv_predicted_cached_tokens_total')})", "predicted by the index"),
+                Target(f"sum({rate('conductor_kv_reported_cached_tokens_total')})", "reported by workers"),
+            ), "short", width=16),
+        )),
         Row("Prefix cache", (
             Panel("Prefix hit rate (gateway)", (Target(
                 f"sum({cached}) / "

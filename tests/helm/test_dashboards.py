@@ -52,9 +52,10 @@ def _names(type_lines: dict[str, str]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def gateway_exposition() -> Iterator[str]:
-    """/metrics of a gateway running Conductor's own policy after one admitted stream and one 429,
-    so the labelled families (requests, decisions, rejections, predictor errors) have samples."""
-    with cluster("nixl", policy=load_policy("kvcache_aware")) as c:
+    """/metrics of a gateway running Conductor's own policy with KV awareness on, after one admitted
+    stream and one 429, so the labelled families (requests, decisions, rejections, predictor errors)
+    have samples."""
+    with cluster("nixl", policy=load_policy("kvcache_aware"), kv={"enabled": True}) as c:
         body = {"model": "tiny", "prompt": "hello there " * 20, "max_tokens": 4, "stream": True,
                 "stream_options": {"include_usage": True}}
         assert httpx.post(c.url + "/v1/completions", json=body, timeout=20).status_code == 200
