@@ -88,6 +88,16 @@ class Exchange:
                 await task
 
 
+class NoBootstrap:
+    """For handshakes that need nothing from the prefill instances before the first request."""
+
+    async def start(self, prefills: list[Target]) -> None:
+        return None
+
+    def ready(self, target: Target) -> bool:
+        return True
+
+
 class PDProtocol(Protocol):
     """A P/D handshake: how one request is split into legs."""
 
@@ -121,16 +131,17 @@ def prefill_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any])
     return out
 
 
+def leg_failed(target: Target, leg: str, status: int, body: bytes) -> UpstreamError:
+    """A leg answered an error status: the error keeps the worker's own status and body (a 4xx is
+    the client's fault and is passed on as such)."""
+    return UpstreamError(f"{leg} leg on {target.name} answered HTTP {status}", upstream_status=status,
+                         instance=target.name, body=body)
+
+
 def check_leg(reply: UpstreamReply, target: Target, leg: str) -> Any:
-    """Decode a non-streamed leg's JSON answer; a failed leg becomes an UpstreamError that keeps
-    the worker's own status and body (a 4xx is the client's fault and is passed on as such)."""
+    """Decode a non-streamed leg's JSON answer, or raise `leg_failed`."""
     if reply.status >= 400:
-        raise UpstreamError(
-            f"{leg} leg on {target.name} answered HTTP {reply.status}",
-            upstream_status=reply.status,
-            instance=target.name,
-            body=reply.body,
-        )
+        raise leg_failed(target, leg, reply.status, reply.body)
     if reply.content_type.startswith("text/event-stream"):
         # SGLang's prefill leg gets the client's body as is, so it may stream: keep its usage only
         match = CACHED_TOKENS_RE.search(reply.body)
@@ -151,19 +162,9 @@ async def open_leg(target: Target, out: Outgoing, body: Mapping[str, Any]) -> Ex
                 payload = b"".join([c async for c in stream.chunks()])
             finally:
                 stream.close()
-            raise UpstreamError(
-                f"decode leg on {target.name} answered HTTP {stream.status}",
-                upstream_status=stream.status,
-                instance=target.name,
-                body=payload,
-            )
+            raise leg_failed(target, "decode", stream.status, payload)
         return Exchange(stream=stream)
     reply = await target.upstream.post(out.path, data, out.headers)
-    if reply.status >= 500:
-        raise UpstreamError(
-            f"decode leg on {target.name} answered HTTP {reply.status}",
-            upstream_status=reply.status,
-            instance=target.name,
-            body=reply.body,
-        )
+    if reply.status >= 500:  # a 4xx answer is relayed to the client as the worker wrote it
+        raise leg_failed(target, "decode", reply.status, reply.body)
     return Exchange(reply=reply)

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-from adapters.pd.base import Exchange, Outgoing, Target, open_leg
+from adapters.pd.base import Exchange, NoBootstrap, Outgoing, Target, open_leg
 
 
-class MixedProtocol:
+class MixedProtocol(NoBootstrap):
     name = "mixed"
-
-    async def start(self, prefills: list[Target]) -> None:
-        return None
-
-    def ready(self, target: Target) -> bool:
-        return True
 
     async def exchange(self, out: Outgoing, prefill: Target, decode: Target | None) -> Exchange:
         return await open_leg(prefill, out, out.body)

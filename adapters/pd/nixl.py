@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from adapters.pd.base import (
     Exchange,
+    NoBootstrap,
     Outgoing,
     Target,
     cached_tokens_of,
@@ -30,14 +31,8 @@ PREFILL_PARAMS = {
 }
 
 
-class NixlProtocol:
+class NixlProtocol(NoBootstrap):
     name = "nixl"
-
-    async def start(self, prefills: list[Target]) -> None:
-        return None
-
-    def ready(self, target: Target) -> bool:
-        return True
 
     async def exchange(self, out: Outgoing, prefill: Target, decode: Target | None) -> Exchange:
         if decode is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 
-from adapters.pd.base import Exchange, Outgoing, Target
+from adapters.pd.base import Exchange, NoBootstrap, Outgoing, Target
 from adapters.pd.concurrent import concurrent_exchange
 
 
@@ -17,14 +17,8 @@ def bootstrap_room() -> int:
     return secrets.randbits(63)
 
 
-class SGLangProtocol:
+class SGLangProtocol(NoBootstrap):
     name = "sglang"
-
-    async def start(self, prefills: list[Target]) -> None:
-        return None
-
-    def ready(self, target: Target) -> bool:
-        return True
 
     async def exchange(self, out: Outgoing, prefill: Target, decode: Target | None) -> Exchange:
         if decode is None:

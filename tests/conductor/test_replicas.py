@@ -16,15 +16,7 @@ from conductor.settings import load_settings
 from policies.types import Role
 from tests.support.servers import serve
 from tests.support.standin import StandIn
-
-
-def _wait(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+from tests.support.waiting import wait_for
 
 
 def test_replicas_share_load_through_redis() -> None:
@@ -50,14 +42,14 @@ def test_replicas_share_load_through_redis() -> None:
 
         t = threading.Thread(target=stream_a)
         t.start()
-        assert _wait(lambda: sum(len(s.decodes) for s in gw_a.registry.states.values()) == 1)
+        assert wait_for(lambda: sum(len(s.decodes) for s in gw_a.registry.states.values()) == 1)
         busy = next(n for n, s in gw_a.registry.states.items() if s.decodes)
 
         # replica B sees it without having dispatched anything itself
         def b_sees() -> bool:
             view = {i.id: i for i in gw_b.registry.snapshot().instances}
             return len(view[busy].decodes) == 1
-        assert _wait(b_sees)
+        assert wait_for(b_sees)
         assert all(not s.decodes for s in gw_b.registry.states.values())  # B's own table is empty
 
         # and routes B's next request to the other, idle decode instance
@@ -68,4 +60,4 @@ def test_replicas_share_load_through_redis() -> None:
         assert len(decodes[idle_index].requests) == 1
         t.join()
         # once A's stream ends, B stops counting it
-        assert _wait(lambda: all(not i.decodes for i in gw_b.registry.snapshot().instances))
+        assert wait_for(lambda: all(not i.decodes for i in gw_b.registry.snapshot().instances))

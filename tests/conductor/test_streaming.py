@@ -9,6 +9,7 @@ import time
 import httpx
 
 from tests.support.cluster import cluster
+from tests.support.waiting import wait_for
 
 
 def test_no_stall_on_kept_alive_stream_at_concurrency_1() -> None:
@@ -54,22 +55,14 @@ def _disconnect_after_two_chunks(url: str, path: str, body: dict) -> None:
         # leaving the block closes the connection mid-stream
 
 
-def _wait_for(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
 
 def test_client_disconnect_cancels_decode_leg() -> None:
     with cluster("nixl", standin={"decode": {"token_delay_s": 0.05}}) as c:
         _disconnect_after_two_chunks(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 200,
                                                                  "stream": True})
-        assert _wait_for(lambda: "leaver" in c.decodes[0].cancelled)
+        assert wait_for(lambda: "leaver" in c.decodes[0].cancelled)
         assert "leaver" not in c.decodes[0].finished
-        assert _wait_for(lambda: not c.gateway.registry.states["decode-0"].decodes)  # load released
+        assert wait_for(lambda: not c.gateway.registry.states["decode-0"].decodes)  # load released
         assert "conductor_client_disconnects_total 1.0" in httpx.get(c.url + "/metrics").text
 
 
@@ -78,5 +71,5 @@ def test_client_disconnect_cancels_both_concurrent_legs() -> None:
     with cluster("sglang", standin={"prefill": {"prefill_delay_s": 30}, "decode": {"token_delay_s": 0.05}}) as c:
         _disconnect_after_two_chunks(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 200,
                                                                  "stream": True})
-        assert _wait_for(lambda: "leaver" in c.decodes[0].cancelled)
-        assert _wait_for(lambda: "leaver" in c.prefills[0].cancelled)
+        assert wait_for(lambda: "leaver" in c.decodes[0].cancelled)
+        assert wait_for(lambda: "leaver" in c.prefills[0].cancelled)

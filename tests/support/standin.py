@@ -40,13 +40,7 @@ class StandIn:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await _lifespan(receive, send)
         path = scope["path"]
         if scope["method"] == "GET":
             if path == "/health":
@@ -127,6 +121,16 @@ class StandIn:
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 async def _disconnected(receive: Any, task: Any) -> None:
     # Like vLLM: when the client's connection goes away, the request is aborted.
     while (await receive())["type"] != "http.disconnect":
@@ -150,13 +154,7 @@ class BootstrapStandIn:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await _lifespan(receive, send)
         self.queries += 1
         if self.shape == "dp_rank":
             payload: Any = {"0": {"engine_id": self.engine_id, "worker_addr": {"0": {"0": "127.0.0.1:7000"}}}}
