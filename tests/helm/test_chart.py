@@ -39,8 +39,9 @@ pytestmark = needs_helm
 
 
 def test_lint_default_and_each_protocol() -> None:
-    for protocol in ("nixl", "mooncake", "sglang"):
-        out = helm("lint", "--strict", str(CHART), "--set", f"pdProtocol={protocol}")
+    for sets in ("pdProtocol=nixl", "pdProtocol=mooncake", "pdProtocol=sglang",
+                 "workers.emulator.enabled=true,gateway.kv.mooncakeStore=true,monitoring.serviceMonitor.enabled=true"):
+        out = helm("lint", "--strict", str(CHART), "--set", sets)
         assert "0 chart(s) failed" in out
 
 
@@ -218,3 +219,5 @@ def test_manifests_validate_against_kubernetes_schemas() -> None:
     for protocol in ("nixl", "mooncake", "sglang"):
         for doc in render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558"):
             kv.validate(doc, "1.33.0", strict=True)
+    for doc in render("workers.emulator.enabled=true", "gateway.kv.mooncakeStore=true"):
+        kv.validate(doc, "1.33.0", strict=True)
