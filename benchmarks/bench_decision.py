@@ -112,7 +112,7 @@ def main() -> None:
         ("kvcache_aware[predicted]", "kvcache_aware", {"admission": "predicted", "online": False}),
     ]
     print(f"{args.n} decisions each; 16 prefill + 16 decode instances; {PROMPT}-token prompt")
-    print(f"{'policy':<26}{'wall p50':>10}{'wall p99':>10}{'cpu p50':>10}{'cpu p99':>10}  cpu p50 / round_robin (us)")
+    print(f"{'policy':<26}{'wall p50':>10}{'wall p99':>10}{'cpu p50':>10}{'cpu p99':>10}  cpu p50 vs round_robin")
     base = None
     for label, name, options in runs:
         wall, cpu = measure(name, options, cases)
