@@ -4,8 +4,10 @@
     conductor demo --requests 100 --pd-protocol mooncake --policy round_robin --json out.json
 
 On loopback it starts the emulated vLLM workers (`python -m adapters.emulator`, the bundled
-Qwen3-8B/H800 profile, 5% timing noise, KV events on) and the gateway (`python -m conductor serve`
-with a generated config), waits for /ready, replays the first N requests of Mooncake's conversation
+Qwen3-8B/H800 profile, 5% timing noise, vLLM KV events on) and the gateway (`python -m conductor
+serve` with a generated config: the chosen policy, the SLOs, and KV-cache awareness -- prompts keyed
+into 16-token blocks, an in-memory index fed by the gateway's dispatches and the workers' KV events,
+unless `--no-kv-index`), waits for /ready, replays the first N requests of Mooncake's conversation
 trace (bundled `conversation-head400`) through the gateway as streamed completions with synthesized
 token-id prompts (traces.synth), and prints the replay's summary table. Children run in their own
 process groups and are stopped on exit, on error, on Ctrl-C and on SIGTERM.
@@ -69,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--keep-logs", default=None, metavar="DIR", help="write the children's logs here and keep them")
+    p.add_argument("--no-kv-index", action="store_true",
+                   help="route without the gateway's KV-cache index (no tokenizing, no KV events)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
@@ -160,7 +164,7 @@ def _run(args: argparse.Namespace, requests: Sequence[TraceRequest], group: Chil
     spec = ClusterSpec(
         n_prefill=args.prefill, n_decode=args.decode, pd_protocol=args.pd_protocol, policy=args.policy,
         model=args.model, time_scale=args.time_scale, noise=args.noise, slo_ttft_s=args.slo_ttft,
-        slo_tbt_s=args.slo_tbt, policy_options=options,
+        slo_tbt_s=args.slo_tbt, policy_options=options, kv_index=not args.no_kv_index,
     )
     cluster = start_cluster(spec, group)
     for child in group.children:

@@ -140,7 +140,8 @@ class ClusterSpec:
     slo_ttft_s: float | None
     slo_tbt_s: float | None
     block_size: int = 16
-    kv_events: bool = True
+    kv_events: bool = True  # the emulators publish vLLM KV events
+    kv_index: bool = True  # the gateway keys prompts and keeps a KV-cache index fed by those events
     policy_options: dict[str, Any] = field(default_factory=dict)
     gateway_extra: dict[str, Any] = field(default_factory=dict)  # more gateway settings (YAML keys)
 
@@ -175,8 +176,10 @@ def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
                            "--side-channel-port", str(side_port), "--log-level", "warning")
             entry: dict[str, Any] = {"url": f"http://127.0.0.1:{port}", "name": f"{role}-{i}"}
             if spec.kv_events:
+                # as vLLM's --kv-events-config has it: "*" means the worker binds and the gateway
+                # connects to the worker's host (adapters/kv_events.py applies vLLM's rule)
                 argv += ["--kv-events-endpoint", f"tcp://*:{events_port}"]
-                entry["kv_events_endpoint"] = f"tcp://127.0.0.1:{events_port}"
+                entry["kv_events_endpoint"] = f"tcp://*:{events_port}"
             if role == "prefill" and bootstrap:
                 boot = next(ports)
                 argv += ["--bootstrap-port", str(boot)]
@@ -190,6 +193,10 @@ def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
         "slo": {k: v for k, v in (("ttft_s", spec.slo_ttft_s), ("tbt_s", spec.slo_tbt_s)) if v is not None},
         "block_size": spec.block_size, **spec.gateway_extra,
     }
+    if spec.kv_index:
+        # the built-in byte tokenizer is the emulators' too; keys are the gateway's own xxhash
+        # chain, mapped to the workers' vLLM hashes through the token ids their events carry
+        settings["kv"] = {"enabled": True, "tokenizer": "builtin", **settings.get("kv", {})}
     config_path = group.log_dir / "gateway.yaml"
     config_path.write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
     gw_url = f"http://127.0.0.1:{gw_port}"

@@ -41,6 +41,7 @@ from traces.live_client import (
     cached_counts,
     fetch_json,
     prediction_errors,
+    sample_value,
     scrape_metrics,
     stream_completion,
 )
@@ -144,6 +145,7 @@ def summarize(
     slo_ttft_s: float | None, slo_tbt_s: float | None, wall_s: float,
     gateway_cached: tuple[float, float] | None = None,
     predictions: Mapping[str, tuple[float, float]] | None = None,
+    kv_index: Mapping[str, float] | None = None,
 ) -> LiveResult:
     """The RunResult of a set of outcomes; `gateway_cached` = (cached, computed) token deltas;
     `predictions` = component -> (samples, MAPE) as the gateway exports them."""
@@ -175,6 +177,7 @@ def summarize(
     }
     if gateway_share is not None:
         extra["gateway_cached_share"] = gateway_share
+    extra.update(kv_index or {})
     for component, (samples, mape) in (predictions or {}).items():
         extra[f"gateway_{component}_mape"] = mape
         extra[f"gateway_{component}_samples"] = samples
@@ -225,7 +228,8 @@ async def replay_live(
         model = model or await _first_model(session)
         ready = await fetch_json(session, "/ready")
         healthy = ready.get("healthy", {}) if isinstance(ready, Mapping) else {}
-        before = cached_counts(await scrape_metrics(session))
+        metrics_before = await scrape_metrics(session)
+        before = cached_counts(metrics_before)
         outcomes = await _run_schedule(session, items, synth, model, time_scale, concurrency_limit, progress)
         metrics_after = await scrape_metrics(session)
     after = cached_counts(metrics_after)
@@ -237,8 +241,26 @@ async def replay_live(
         outcomes, label=label, n_prefill=int(healthy.get("prefill", 0) or healthy.get("mixed", 0)),
         n_decode=int(healthy.get("decode", 0)), slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
         wall_s=wall, gateway_cached=delta if delta and sum(delta) > 0 else None,
-        predictions=prediction_errors(metrics_after),
+        predictions=prediction_errors(metrics_after), kv_index=_kv_index_figures(metrics_before, metrics_after),
     )
+
+
+_KV_PREDICTED = "conductor_kv_predicted_cached_tokens_total"
+_KV_REPORTED = "conductor_kv_reported_cached_tokens_total"
+
+
+def _kv_index_figures(before: str | None, after: str | None) -> dict[str, float]:
+    """What a gateway with KV awareness says of its index: hash agreement now, and the cached tokens
+    it predicted on the chosen instances vs those the workers reported, over the replay."""
+    out: dict[str, float] = {}
+    agreement = sample_value(after, "conductor_kv_hash_agreement")
+    if agreement is None:
+        return out
+    out["gateway_kv_hash_agreement"] = agreement
+    for key, name in (("gateway_kv_predicted_cached_tokens", _KV_PREDICTED),
+                      ("gateway_kv_reported_cached_tokens", _KV_REPORTED)):
+        out[key] = (sample_value(after, name) or 0.0) - (sample_value(before, name) or 0.0)
+    return out
 
 
 async def _first_model(session: aiohttp.ClientSession) -> str:
@@ -318,6 +340,11 @@ def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
         ("cached share (client usage)", f"{extra.get('client_cached_share', 0.0):.1%}"),
         ("client send lag p99", f"{extra.get('client_lag_p99_s', 0.0) * 1000:.1f}ms"),
     ]
+    if "gateway_kv_hash_agreement" in extra:
+        rows.append(("KV index: predicted / reported cached",
+                     f"{int(extra['gateway_kv_predicted_cached_tokens'])} / "
+                     f"{int(extra['gateway_kv_reported_cached_tokens'])} tokens "
+                     f"(agreement {extra['gateway_kv_hash_agreement']:.0%})"))
     for component in ("ttft", "tbt"):  # the gateway's own error windows (its recent requests)
         if f"gateway_{component}_mape" in extra:
             rows.append((f"{component.upper()} pred. MAPE (gateway, n)",

@@ -156,3 +156,11 @@ def prediction_errors(metrics: str | None) -> dict[str, tuple[float, float]]:
             total, weighted = out.get(key[0], (0.0, 0.0))
             out[key[0]] = (total + n, weighted + n * mape[key])
     return {c: (n, w / n) for c, (n, w) in out.items()}
+
+
+def sample_value(metrics: str | None, name: str) -> float | None:
+    """The value of an unlabelled sample (`name value`) in metrics text; None if absent."""
+    if metrics is None:
+        return None
+    match = re.search(rf"^{re.escape(name)}\s+([0-9.eE+-]+|NaN)\s*$", metrics, re.M)
+    return float(match.group(1)) if match else None
