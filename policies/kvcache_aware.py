@@ -76,13 +76,17 @@ def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
     )
 
 
-def decode_candidate(est: DecodeEstimate) -> CandidateScore:
+def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) -> CandidateScore:
+    """A decode instance as weighed for the choice; the chosen one also says how admission saw it."""
+    detail = {"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}
+    if judged is not None and judged is not est:
+        detail.update(admission_tbt_s=judged.tbt_s, admission_batch=judged.batch, admission_at_s=judged.at_s)
     return CandidateScore(
         instance_id=est.instance.id,
         role=est.instance.role,
         score=est.tbt_s,
         predicted_tbt_s=est.tbt_s,
-        detail=MappingProxyType({"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}),
+        detail=MappingProxyType(detail),
     )
 
 
@@ -157,7 +161,9 @@ class KvCacheAwarePolicy(BasePolicy):
             # plain early rejection judges the load now: the streams already decoding there
             judged = estimate_decode(pred, request, chosen_decode.instance, 0.0, None, include_pending=False)
         rejection = admit(pred, request, self.admission, best, judged)
-        candidates = tuple(prefill_candidate(e) for e in ests) + tuple(decode_candidate(e) for e in d_ests)
+        candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
+            decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
+        )
         tbt: float | None = None
         if chosen_decode is not None:  # in predicted mode, the forecast for when it gets there
             tbt = judged.tbt_s if predicted and judged is not None else chosen_decode.tbt_s

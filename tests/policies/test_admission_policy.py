@@ -64,6 +64,8 @@ def test_prediction_based_admits_what_plain_early_rejection_refuses(params: Pred
     assert predicted.predicted_tbt_s is not None and predicted.predicted_tbt_s < 0.04
     only_this = Predictors(params).tbt_s(1, 8192)  # every other stream gone when it arrives
     assert predicted.predicted_tbt_s == pytest.approx(only_this)
+    chosen = predicted.candidates[-1].detail  # the log shows both views of d0
+    assert chosen["batch"] == 301 and chosen["admission_batch"] == 1 and chosen["admission_at_s"] > 0
     none = policy(params, "none").decide(req, cluster)
     assert not none.rejected
 
