@@ -341,7 +341,7 @@ def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
         ("client send lag p99", f"{extra.get('client_lag_p99_s', 0.0) * 1000:.1f}ms"),
     ]
     if "gateway_kv_hash_agreement" in extra:
-        rows.append(("KV index: predicted / reported cached",
+        rows.append(("KV index pred./reported cached",
                      f"{int(extra['gateway_kv_predicted_cached_tokens'])} / "
                      f"{int(extra['gateway_kv_reported_cached_tokens'])} tokens "
                      f"(agreement {extra['gateway_kv_hash_agreement']:.0%})"))

@@ -73,7 +73,7 @@ def test_demo_prints_the_table_and_leaves_no_process(tmp_path: Path) -> None:
     assert result["completed"] == completed and result["extra"]["hit_rate_from_gateway"] == 1.0
     assert result["goodput_rps"] > 0
     # KV awareness on: the index's predicted cache hits are what the workers then reported
-    assert "KV index: predicted / reported cached" in stdout
+    assert "KV index pred./reported cached" in stdout
     assert result["extra"]["gateway_kv_hash_agreement"] > 0.9
 
 
