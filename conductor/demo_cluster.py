@@ -148,10 +148,12 @@ class ClusterSpec:
 
 @dataclass(frozen=True, slots=True)
 class StartedCluster:
-    gateway_url: str
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    config_path: Path
+    """Where the started cluster answers."""
+
+    gateway_url: str  # http://127.0.0.1:PORT
+    prefill_urls: tuple[str, ...]  # the prefill emulators, in start order
+    decode_urls: tuple[str, ...]  # the decode emulators
+    config_path: Path  # the gateway's generated settings file (in the log directory)
 
 
 def _python(*args: str) -> list[str]:

@@ -377,6 +377,9 @@ def run_live(args: argparse.Namespace) -> int:
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         print(f"\nerror: live replay against {args.live} failed: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the replay's tasks are cancelled by now: their connections closed
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     finally:
         if bar is not None:
             bar.close()
