@@ -23,8 +23,9 @@ from policies.types import ActiveDecode, QueuedPrefill
 
 log = logging.getLogger("conductor.load_share")
 
-# instance -> (prefills as (new_tokens, cached_tokens, dispatched_at_wall_s), decodes as (context, remaining))
-LoadTable = dict[str, tuple[list[tuple[int, int, float]], list[tuple[int, int]]]]
+# instance -> (prefills as (new_tokens, cached_tokens, dispatched_at_wall_s),
+#              decodes as (context_tokens, remaining_tokens, decoding))
+LoadTable = dict[str, tuple[list[tuple[int, int, float]], list[tuple[int, int, bool]]]]
 RemoteLoad = dict[str, tuple[tuple[QueuedPrefill, ...], tuple[ActiveDecode, ...]]]
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -59,7 +60,7 @@ def merge_tables(tables: list[LoadTable], now_wall: float) -> RemoteLoad:
     for table in tables:
         for instance, (p_entries, d_entries) in table.items():
             prefills.setdefault(instance, []).extend(tuple(p) for p in p_entries)  # type: ignore[misc]
-            decodes.setdefault(instance, []).extend(ActiveDecode(int(c), int(r)) for c, r in d_entries)
+            decodes.setdefault(instance, []).extend(ActiveDecode(int(c), int(r), bool(d)) for c, r, d in d_entries)
     out: RemoteLoad = {}
     for instance in prefills.keys() | decodes.keys():
         queue = sorted(prefills.get(instance, []), key=lambda p: p[2])
@@ -143,7 +144,7 @@ def local_table(states: Mapping[str, object]) -> LoadTable:
             (p.new_tokens, p.cached_tokens, now_wall - (now_mono - state.started[rid]))  # type: ignore[attr-defined]
             for rid, p in state.prefills.items()  # type: ignore[attr-defined]
         ]
-        decodes = [(d.context_tokens, d.remaining_tokens) for d in state.decodes.values()]  # type: ignore[attr-defined]
+        decodes = [(d.context_tokens, d.remaining_tokens, d.decoding) for d in state.decodes.values()]  # type: ignore[attr-defined]
         if prefills or decodes:
             out[name] = (prefills, decodes)
     return out

@@ -159,15 +159,23 @@ class InstanceRegistry:
             del state.started[request_id]
 
     def add_decode(self, name: str, request_id: str, context_tokens: int, max_tokens: int) -> None:
-        self.states[name].decodes[request_id] = ActiveDecode(context_tokens, max_tokens)
+        # listed from dispatch, so forecasts count it; "decoding" once its first token arrives
+        self.states[name].decodes[request_id] = ActiveDecode(context_tokens, max_tokens, decoding=False)
 
     def advance_decode(self, name: str, request_id: str, tokens: int) -> None:
         decodes = self.states[name].decodes
         decode = decodes.get(request_id)
         if decode is not None and tokens:
             decodes[request_id] = ActiveDecode(
-                decode.context_tokens + tokens, max(0, decode.remaining_tokens - tokens)
+                decode.context_tokens + tokens, max(0, decode.remaining_tokens - tokens), decoding=True
             )
+
+    def mark_decoding(self, name: str, request_id: str) -> None:
+        """The request's prefill is over (its KV is on the decode instance, or about to be)."""
+        decodes = self.states[name].decodes
+        decode = decodes.get(request_id)
+        if decode is not None and not decode.decoding:
+            decodes[request_id] = ActiveDecode(decode.context_tokens, decode.remaining_tokens, decoding=True)
 
     def end_decode(self, name: str, request_id: str) -> None:
         state = self.states.get(name)

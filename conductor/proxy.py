@@ -169,6 +169,7 @@ class CompletionsEndpoint:
                 raise
             if exchange.prefill_s is not None:  # sequential prefill (nixl) is over
                 gw.registry.end_prefill(prefill.name, request_id)
+                gw.registry.mark_decoding(decode_name, request_id)
                 gw.metrics.prefill_leg.labels(prefill.name).observe(exchange.prefill_s)
             if exchange.reply is not None:
                 reply = exchange.reply
