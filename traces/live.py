@@ -337,7 +337,6 @@ def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
     rows = [
         ("errors", f"{int(extra.get('errors', 0))} ({errs})"),
         ("prefix hit source", "gateway counters" if extra.get("hit_rate_from_gateway") else "client usage"),
-        ("cached share (client usage)", f"{extra.get('client_cached_share', 0.0):.1%}"),
         ("client send lag p99", f"{extra.get('client_lag_p99_s', 0.0) * 1000:.1f}ms"),
     ]
     if "gateway_kv_hash_agreement" in extra:

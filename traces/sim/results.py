@@ -124,22 +124,26 @@ def summary_rows(r: RunResult) -> list[tuple[str, str]]:
          f"{r.prefix_hit_local:.1%} / {r.prefix_hit_remote:.1%} / {r.prefix_hit_store:.1%}"),
         ("prefill util. min/mean/max", _spread(v for k, v in r.utilisation.items() if k.startswith("prefill"))),
         ("decode util. min/mean/max", _spread(v for k, v in r.utilisation.items() if k.startswith("decode"))),
-        ("TTFT pred. error (n, mean abs, rel)",
-         f"{r.ttft_prediction.count}, {_fmt_s(r.ttft_prediction.mean_abs_s)}, {r.ttft_prediction.mean_rel:.0%}"),
-        ("TBT pred. error (n, mean abs, rel)",
-         f"{r.tbt_prediction.count}, {_fmt_s(r.tbt_prediction.mean_abs_s)}, {r.tbt_prediction.mean_rel:.0%}"),
+        ("TTFT pred. error (n, mean abs, rel)", _prediction(r.ttft_prediction)),
+        ("TBT pred. error (n, mean abs, rel)", _prediction(r.tbt_prediction)),
         ("wall time", f"{r.wall_s:.2f}s"),
     ]
 
 
+def _prediction(e: PredictionError) -> str:
+    return f"{e.count}, {_fmt_s(e.mean_abs_s)}, {e.mean_rel:.0%}" if e.count else "-"
+
+
 def format_table(results: Sequence[RunResult]) -> str:
-    """The results side by side: one column per policy, one row per figure."""
+    """The results side by side: one column per policy, one row per figure; a row no result has a
+    figure for (utilisation and prediction error in a live replay) is left out."""
     if not results:
         return "(no results)"
     columns = [summary_rows(r) for r in results]
     labels = [label for label, _ in columns[0]]
     headers = ["", *(f"{r.policy} ({r.mode})" for r in results)]
     cells = [[label, *(col[i][1] for col in columns)] for i, label in enumerate(labels)]
+    cells = [row for row in cells if any(value != "-" for value in row[1:])]
     widths = [max(len(row[j]) for row in [headers, *cells]) for j in range(len(headers))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
