@@ -79,6 +79,17 @@ class NoHealthyInstance(ConductorError):
     code = "no_healthy_instance"
 
 
+class Overloaded(ConductorError):
+    """The gateway already holds as many requests as it is configured to (HTTP 503)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "overloaded"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
 class UpstreamError(ConductorError):
     """A worker failed: refused the connection, reset it, or answered with an error status."""
 

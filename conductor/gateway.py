@@ -63,6 +63,7 @@ class Gateway:
             protocol_name, mooncake_schema=settings.mooncake_schema, bootstrap_timeout_s=settings.bootstrap_timeout_s
         )
         self._seq = itertools.count()
+        self.inflight = 0  # requests between admission and their last byte
         self._api_keys = frozenset(settings.api_keys)
 
     async def start(self) -> None:

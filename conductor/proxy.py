@@ -15,7 +15,7 @@ from typing import Any
 
 from adapters.pd.base import CACHED_TOKENS_RE, Exchange, Outgoing, cached_tokens_of, decode_json
 from conductor.analysis import RequestKind
-from conductor.errors import ConductorError, NoHealthyInstance, UpstreamError
+from conductor.errors import ConductorError, NoHealthyInstance, Overloaded, UpstreamError
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway, Routed
 from conductor.http_errors import render, sse_error
 from conductor.requests import check_model, max_tokens_of, parse_request, read_body
@@ -95,6 +95,8 @@ class CompletionsEndpoint:
             slo = gw.slo_for(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TBT_HEADER))
             analysis = await gw.analyzer.analyse(self.kind, body)
             stream = bool(body.get("stream", False))
+            if gw.inflight >= gw.settings.max_inflight_requests:
+                raise Overloaded(f"the gateway already has {gw.inflight} requests in flight")
             routed = gw.decide(request_id, body["model"], max_tokens_of(body, gw.settings.default_max_tokens),
                                stream, slo, analysis)
             status = await self._forward(routed, body, request_id, stream, send, state, arrived)
@@ -131,6 +133,17 @@ class CompletionsEndpoint:
         return Outgoing(path=self.path, body=body, headers=headers, request_id=request_id, stream=stream)
 
     async def _forward(
+        self, routed: Routed, body: dict[str, Any], request_id: str, stream: bool,
+        send: Send, state: _ClientState, arrived: float,
+    ) -> int:
+        gw = self.gateway
+        gw.inflight += 1
+        try:
+            return await self._dispatch(routed, body, request_id, stream, send, state, arrived)
+        finally:
+            gw.inflight -= 1
+
+    async def _dispatch(
         self, routed: Routed, body: dict[str, Any], request_id: str, stream: bool,
         send: Send, state: _ClientState, arrived: float,
     ) -> int:

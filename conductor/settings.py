@@ -95,6 +95,9 @@ class Settings(_Model):
     # Its block size is the one above; its KV event endpoints default to each instance's kv_events_endpoint.
     kv: KVAwarenessSettings = KVAwarenessSettings()
     max_connections_per_upstream: int = 256
+    # requests in flight at once through this gateway; past it new ones get 503 at once instead of
+    # queueing without bound in front of the workers
+    max_inflight_requests: int = 4096
 
     @model_validator(mode="after")
     def _check_roles(self) -> Settings:

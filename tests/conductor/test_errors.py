@@ -146,3 +146,22 @@ def test_api_key_401() -> None:
         good = httpx.post(c.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-good"})
         assert good.status_code == 200
         _assert_openai_error(httpx.get(c.url + "/v1/models"), 401)
+
+
+def test_inflight_limit_503_without_queueing() -> None:
+    import threading
+
+    with cluster("nixl", max_inflight_requests=1, standin={"decode": {"token_delay_s": 0.05}}) as c:
+        slow = threading.Thread(target=lambda: httpx.post(
+            c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40, "stream": True},
+            timeout=20))
+        slow.start()
+        from tests.support.waiting import wait_for
+
+        assert wait_for(lambda: c.gateway.inflight == 1)
+        r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+        err = _assert_openai_error(r, 503)
+        assert err["code"] == "overloaded" and r.headers["retry-after"] == "1"
+        slow.join()
+        assert c.gateway.inflight == 0
+        assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 200
