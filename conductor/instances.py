@@ -32,7 +32,7 @@ class InstanceState:
     # request id -> work queued here, in dispatch order (FCFS); the frozen values are what views
     # hand out, so a snapshot costs a tuple() of them, not an object per in-flight request
     prefills: dict[str, QueuedPrefill] = field(default_factory=dict)
-    started: dict[str, float] = field(default_factory=dict)  # request id -> dispatch time
+    started: dict[str, float] = field(default_factory=dict)  # request id -> dispatch, or when it became the head
     decodes: dict[str, ActiveDecode] = field(default_factory=dict)  # request id -> stream running here
 
     @property
@@ -155,8 +155,16 @@ class InstanceRegistry:
 
     def end_prefill(self, name: str, request_id: str) -> None:
         state = self.states.get(name)
-        if state is not None and state.prefills.pop(request_id, None) is not None:
+        if state is None:
+            return
+        was_head = next(iter(state.prefills), None) == request_id
+        if state.prefills.pop(request_id, None) is not None:
             del state.started[request_id]
+            if was_head and state.prefills:
+                # FCFS: the next one starts running now, so its elapsed time (the only one a queue
+                # estimate subtracts) counts from here; from its dispatch it would include its wait
+                nxt = next(iter(state.prefills))
+                state.started[nxt] = max(state.started[nxt], time.monotonic())
 
     def add_decode(self, name: str, request_id: str, context_tokens: int, max_tokens: int) -> None:
         # listed from dispatch, so forecasts count it; "decoding" once its first token arrives

@@ -63,11 +63,17 @@ def _retry(seconds: float) -> float:
     return min(MAX_RETRY_S, max(MIN_RETRY_S, seconds))
 
 
-def check_ttft(request: RequestView, best: PrefillEstimate) -> Rejection | None:
+def check_ttft(
+    request: RequestView, best: PrefillEstimate, ttft_s: float | None = None, bound_s: float | None = None
+) -> Rejection | None:
+    """`ttft_s`: the point prediction (default: the prefill estimate's); `bound_s`: the figure
+    compared with the SLO, an upper quantile of it (default: the point prediction itself)."""
     slo = request.slo.ttft_s
-    if slo is None or best.ttft_s <= slo:
+    point = best.ttft_s if ttft_s is None else ttft_s
+    judged = point if bound_s is None else bound_s
+    if slo is None or judged <= slo:
         return None
-    excess = best.ttft_s - slo
+    excess = judged - slo
     if best.queue_s >= excess:
         # the queue ahead is what breaks the SLO: once it has drained by the excess, it fits
         retry, why = excess, f"queue of {best.queue_s:.3f}s on {best.instance.id}"
@@ -77,10 +83,10 @@ def check_ttft(request: RequestView, best: PrefillEstimate) -> Rejection | None:
     return Rejection(
         reason=TTFT_SLO,
         message=(
-            f"predicted TTFT {best.ttft_s:.3f}s exceeds the TTFT SLO {slo:.3f}s by {excess:.3f}s "
-            f"(best instance {best.instance.id}; dominated by {why})"
+            f"predicted TTFT {point:.3f}s (upper bound {judged:.3f}s) exceeds the TTFT SLO {slo:.3f}s by "
+            f"{excess:.3f}s (best instance {best.instance.id}; dominated by {why})"
         ),
-        predicted_s=best.ttft_s,
+        predicted_s=point,
         slo_s=slo,
         retry_after_s=_retry(retry),
     )
@@ -111,11 +117,16 @@ def admit(
     mode: AdmissionMode,
     prefill: PrefillEstimate,
     decode: DecodeEstimate | None,
+    *,
+    ttft_s: float | None = None,
+    ttft_bound_s: float | None = None,
 ) -> Rejection | None:
-    """The first SLO the request is predicted to miss, or None to admit it."""
+    """The first SLO the request is predicted to miss, or None to admit it. TTFT is judged by
+    `ttft_bound_s` when given (an upper quantile of the prediction `ttft_s`), TBT by its point
+    prediction: the TBT SLO bounds a stream's mean, which averages out step-to-step noise."""
     if mode is AdmissionMode.NONE:
         return None
-    rejection = check_ttft(request, prefill)
+    rejection = check_ttft(request, prefill, ttft_s, ttft_bound_s)
     if rejection is None and decode is not None:
         rejection = check_tbt(pred, request, decode)
     return rejection

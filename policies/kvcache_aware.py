@@ -41,6 +41,7 @@ from policies.estimate import (
 from policies.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView, Role
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
+from predictors.params import prefill_features
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,13 @@ class _Pending:
     queue_s: float
     transfer_s: float
     prefill_s: float
-    ttft_s: float
+    ttft_s: float  # point prediction at the client: leg + decode leg (first_token_s)
     tbt_s: float | None
+    queue_features: tuple[float, float, float]  # summed prefill features of the queue ahead
+    head_elapsed_s: float  # how long the queue's head had been running at decision time
+    handoff_s: float  # predicted P -> D KV transfer (0 for mixed workers)
+    first_tbt_s: float  # TBT the decode leg was predicted with
+    bounds: tuple[float, float, float]  # p90 bounds at decision time: ttft, leg, tbt (0: none)
 
 
 def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
@@ -105,14 +111,19 @@ class KvCacheAwarePolicy(BasePolicy):
         max_pending: int = 65536,
         forecast_joins: bool = False,
         predictors: Predictors | None = None,
+        ttft_quantile: float | None = 0.95,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
         `forecast_joins`: add queued prefills to the decode pool as they finish (see
         policies.admission); off because the gateway and the simulator already list a request
-        under its decode instance from the moment it is dispatched."""
+        under its decode instance from the moment it is dispatched. `ttft_quantile`: admission
+        compares this calibrated upper quantile of the predicted TTFT with the SLO (None: the
+        point prediction, as the paper does); see predictors.quantile. `refit_queue_fraction`:
+        legs whose predicted queue is at most this fraction are also recorded as "prefill" errors."""
         self.admission = parse_mode(admission)
         self.allow_pull = allow_pull
+        self.ttft_quantile = ttft_quantile
         self.refit_queue_fraction = refit_queue_fraction
         self.forecast_joins = forecast_joins
         if predictors is None:
@@ -160,37 +171,51 @@ class KvCacheAwarePolicy(BasePolicy):
         elif self.admission is AdmissionMode.EARLY and chosen_decode is not None:
             # plain early rejection judges the load now: the streams already decoding there
             judged = estimate_decode(pred, request, chosen_decode.instance, 0.0, None, include_pending=False)
-        rejection = admit(pred, request, self.admission, best, judged)
-        candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
-            decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
-        )
         tbt: float | None = None
         if chosen_decode is not None:  # in predicted mode, the forecast for when it gets there
             tbt = judged.tbt_s if predicted and judged is not None else chosen_decode.tbt_s
+        # TTFT at the client: the prefill leg, then (disaggregated) the decode leg -- handoff,
+        # the decode step in progress and the one that samples the first token, HTTP -- learned
+        # from the gateway's own observations; a mixed worker's first token ends its prefill leg
+        first_tbt = 0.0
+        if chosen_decode is not None:
+            first_tbt = judged.tbt_s if predicted and judged is not None else chosen_decode.tbt_s
+        leg = best.transfer_s + best.queue_s + best.prefill_s
+        ttft = leg + pred.first_token_s(best.handoff_s, first_tbt) if disaggregated else best.ttft_s
+        ttft_bound = ttft if self.ttft_quantile is None else pred.bound("ttft", ttft, self.ttft_quantile)
+        rejection = admit(pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound)
+        candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
+            decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
+        )
         if rejection is not None:
             return Decision(
                 request_id=request.request_id,
                 policy=self.name,
                 rejection=rejection,
-                predicted_ttft_s=best.ttft_s,
+                predicted_ttft_s=ttft,
                 predicted_tbt_s=tbt,
                 candidates=candidates,
             )
         decode_id = chosen_decode.instance.id if disaggregated and chosen_decode is not None else None
-        self._remember(request.request_id, best, decode_id, tbt)
+        self._remember(request.request_id, best, decode_id, tbt, ttft, first_tbt)
         return Decision(
             request_id=request.request_id,
             policy=self.name,
             prefill=best.instance.id,
             decode=decode_id,
-            predicted_ttft_s=best.ttft_s,
+            predicted_ttft_s=ttft,
             predicted_tbt_s=tbt,
             pull_from=best.pull_from,
             pull_tokens=best.pulled_tokens,
             candidates=candidates,
         )
 
-    def _remember(self, request_id: str, best: PrefillEstimate, decode: str | None, tbt: float | None) -> None:
+    def _remember(
+        self, request_id: str, best: PrefillEstimate, decode: str | None, tbt: float | None, ttft: float, first_tbt: float
+    ) -> None:
+        pred = self.predictors
+        features, head_elapsed = pred.queue_features(best.instance.prefill_queue)
+        leg = best.queue_s + best.transfer_s + best.prefill_s
         self._pending[request_id] = _Pending(
             prefill=best.instance.id,
             decode=decode,
@@ -198,8 +223,17 @@ class KvCacheAwarePolicy(BasePolicy):
             queue_s=best.queue_s,
             transfer_s=best.transfer_s,
             prefill_s=best.prefill_s,
-            ttft_s=best.ttft_s,
+            ttft_s=ttft,
             tbt_s=tbt,
+            queue_features=features,
+            head_elapsed_s=head_elapsed,
+            handoff_s=best.handoff_s,
+            first_tbt_s=first_tbt,
+            bounds=(
+                pred.bound("ttft", ttft, 0.9),
+                pred.bound("queue_and_prefill", leg, 0.9),
+                pred.bound("tbt_at_decision", tbt, 0.9) if tbt is not None else 0.0,
+            ),
         )
         while len(self._pending) > self._max_pending:  # observations that never came: forget them
             self._pending.popitem(last=False)
@@ -212,25 +246,33 @@ class KvCacheAwarePolicy(BasePolicy):
         if p is None or not obs.ok:
             return
         pred = self.predictors
-        ratio = pred.params.prefill.p90_ratio
+        ttft_hi, leg_hi, tbt_hi = p.bounds
         leg = obs.queue_and_prefill_s
         if leg is not None and leg > 0 and obs.prefill == p.prefill:
             predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
-            pred.record_error("queue_and_prefill", p.prefill, predicted_leg, predicted_leg * ratio, leg)
-            if p.queue_s <= self.refit_queue_fraction * leg:
-                cached = p.cached_tokens if obs.cached_tokens is None else obs.cached_tokens
-                cached = max(0, min(cached, obs.prompt_tokens - 1))
-                compute = leg - p.queue_s - p.transfer_s
-                if compute > 0:
-                    pred.observe_prefill(obs.prompt_tokens - cached, cached, compute, p.prefill)
+            pred.record_error("queue_and_prefill", p.prefill, predicted_leg, leg_hi, leg)
+            pred.ratios.add("queue_and_prefill", predicted_leg, leg)
+            cached = p.cached_tokens if obs.cached_tokens is None else obs.cached_tokens
+            cached = max(0, min(cached, obs.prompt_tokens - 1))
+            own = prefill_features(obs.prompt_tokens - cached, cached)
+            if p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
+                pred.record_error("prefill", p.prefill, p.prefill_s, p.prefill_s * pred.params.prefill.p90_ratio,
+                                  leg - p.transfer_s - p.queue_s)
+            # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
+            # (the head's remainder) plus its own, linear in the same coefficients
+            qf = p.queue_features
+            pred.observe_leg((qf[0] + own[0], qf[1] + own[1], qf[2] + own[2]), leg + p.head_elapsed_s - p.transfer_s)
+            if obs.ttft_s is not None and obs.ttft_s > leg and p.decode is not None:
+                pred.observe_first_token(p.handoff_s, p.first_tbt_s, obs.ttft_s - leg)
         if obs.ttft_s is not None and obs.ttft_s > 0:
-            pred.record_error("ttft", p.prefill, p.ttft_s, p.ttft_s * ratio, obs.ttft_s)
+            pred.record_error("ttft", p.prefill, p.ttft_s, ttft_hi, obs.ttft_s)
+            pred.ratios.add("ttft", p.ttft_s, obs.ttft_s)
         decoder = obs.decode or (obs.prefill if p.decode is None else None)  # mixed: same worker
         if obs.token_intervals_s and decoder is not None:
             mean = sum(obs.token_intervals_s) / len(obs.token_intervals_s)
             if p.tbt_s is not None:
-                hi = p.tbt_s * pred.params.tbt.p90_ratio
-                pred.record_error("tbt_at_decision", decoder, p.tbt_s, hi, mean)
+                pred.record_error("tbt_at_decision", decoder, p.tbt_s, tbt_hi, mean)
+                pred.ratios.add("tbt_at_decision", p.tbt_s, mean)
             kv = obs.decode_resident_kv_tokens + obs.prompt_tokens + obs.output_tokens // 2
             pred.observe_tbt(obs.decode_batch + 1, kv, mean, decoder)
 

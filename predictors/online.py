@@ -28,6 +28,12 @@ from predictors.params import (
     transfer_features,
 )
 from predictors.profile import bundled_profile, fit_profiles
+from predictors.quantile import RatioWindows
+
+# Decode leg (prefill answered -> first token at the client) = e0 + e1 * handoff + e2 * TBT; before
+# any observation: 2 ms of HTTP, the predicted handoff, 1.5 decode steps (half a step waiting for
+# the running one to end, then the step that samples the first token).
+FIRST_TOKEN_PRIOR = LinearModel(coef=(0.002, 1.0, 1.5), p90_ratio=1.25)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +50,7 @@ class OnlineConfig:
     mad_k: float = 4.0
     error_window: int = 256  # records per (component, instance) in the error tracker
     error_max_keys: int = 1024
+    ratio_window: int = 256  # actual/predicted ratios kept per quantity for calibrated bounds
 
 
 @dataclass(slots=True)
@@ -66,7 +73,10 @@ class Predictors:
         self._prefill = _samples(online.window)
         self._tbt = _samples(online.window)
         self._transfer: dict[str, _Samples] = {}
+        self._first = _samples(online.window)
+        self.first_token_model = FIRST_TOKEN_PRIOR
         self.errors = ErrorTracker(online.error_window, online.error_max_keys)
+        self.ratios = RatioWindows(online.ratio_window)
         self.refits = 0
         self._cache_params()
 
@@ -87,6 +97,7 @@ class Predictors:
         self._pc = self._params.prefill.coef
         self._tc = self._params.tbt.coef
         self._links = {k: m.coef for k, m in self._params.transfer.items()}
+        self._fc = self.first_token_model.coef
 
     @property
     def params(self) -> PredictorParams:
@@ -131,6 +142,22 @@ class Predictors:
         head_t = c0 + c1 * n + c2 * n * (n + 2 * head.cached_tokens)
         return total - min(head.elapsed_s, head_t)
 
+    @staticmethod
+    def queue_features(queue: Sequence[QueuedPrefill]) -> tuple[tuple[float, float, float], float]:
+        """(sum of prefill_features over every queued entry, the head's elapsed time).
+
+        Behind an FCFS queue whose head started running `elapsed` ago, a new prefill's leg is
+        (head's run time - elapsed) + the others' + its own: linear in the prefill coefficients
+        with these summed features, which is what `observe_leg` fits to.
+        """
+        f0 = f1 = f2 = 0.0
+        for q in queue:
+            n = q.new_tokens
+            f0 += 1.0
+            f1 += n
+            f2 += n * (n + 2.0 * q.cached_tokens)
+        return (f0, f1, f2), (queue[0].elapsed_s if queue else 0.0)
+
     def instance_queue_s(self, instance: InstanceView) -> float:
         return self.queue_s(instance.prefill_queue)
 
@@ -140,6 +167,21 @@ class Predictors:
 
     def tbt_p90_s(self, batch: float, resident_kv_tokens: float) -> float:
         return self.tbt_s(batch, resident_kv_tokens) * self._params.tbt.p90_ratio
+
+    def first_token_s(self, handoff_s: float, tbt_s: float) -> float:
+        """Decode leg of a disaggregated request: prefill answered -> first token at the client.
+
+        The KV handoff (predicted by the transfer model), then waiting for the decode batch's
+        current step to end and one step with the request in it (about 1.5 steps of the predicted
+        TBT on average), plus the gateway's and the worker's HTTP time. Fitted online to the
+        gateway's observed TTFT minus its observed prefill leg (`observe_first_token`).
+        """
+        e0, e1, e2 = self._fc
+        return e0 + e1 * handoff_s + e2 * tbt_s
+
+    def bound(self, quantity: str, predicted: float, q: float) -> float:
+        """Calibrated q upper bound of a prediction of `quantity` (see predictors.quantile)."""
+        return predicted * self.ratios.quantile(quantity, q, self._params.prefill.p90_ratio)
 
     # ---- learning -------------------------------------------------------------------------
 
@@ -151,6 +193,23 @@ class Predictors:
         self.errors.record("prefill", instance, pred, pred * self._params.prefill.p90_ratio, seconds)
         if self._add(self._prefill, prefill_features(new_tokens, cached_tokens), seconds):
             self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill))
+            self._cache_params()
+
+    def observe_leg(self, features: Sequence[float], seconds: float) -> None:
+        """A prefill leg as the sum of its FCFS queue's and its own prefill features (see
+        `queue_features`): `seconds` = observed leg + head elapsed - predicted prefix pull."""
+        if seconds <= 0 or features[0] <= 0:
+            return
+        if self._add(self._prefill, tuple(float(f) for f in features), seconds):
+            self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill))
+            self._cache_params()
+
+    def observe_first_token(self, handoff_s: float, tbt_s: float, seconds: float) -> None:
+        """Observed TTFT minus observed prefill leg, with the handoff and TBT predicted for it."""
+        if seconds <= 0:
+            return
+        if self._add(self._first, (1.0, handoff_s, tbt_s), seconds):
+            self.first_token_model = self._refit(self._first, self.first_token_model)
             self._cache_params()
 
     def observe_tbt(self, batch: int, resident_kv_tokens: int, seconds: float, instance: str = "") -> None:

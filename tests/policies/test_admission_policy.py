@@ -23,15 +23,40 @@ def policy(params: PredictorParams, admission: str = "predicted", **kw: bool) ->
 
 def test_ttft_rejection_says_by_how_much_and_when_to_retry(params: PredictorParams) -> None:
     cluster = snapshot(prefill("p0", queued=30), prefill("p1", queued=25), decode("d0"))
-    d = policy(params).decide(request(slo=Slo(ttft_s=1.0)), cluster)
+    pol = policy(params)
+    d = pol.decide(request(slo=Slo(ttft_s=1.0)), cluster)
     r = d.rejection
     assert r is not None and r.reason == "ttft_slo"
     assert d.prefill is None and d.decode is None
     assert r.slo_s == 1.0 and r.predicted_s == d.predicted_ttft_s and r.predicted_s is not None
-    excess = r.predicted_s - 1.0
+    # judged by the calibrated upper bound (before any observation: the prefill fit's p90 ratio)
+    bound = pol.predictors.bound("ttft", r.predicted_s, 0.95)
+    assert bound == pytest.approx(r.predicted_s * params.prefill.p90_ratio)
+    excess = bound - 1.0
     assert excess > 2.0
     assert r.retry_after_s == pytest.approx(excess)  # the queue must drain by the excess
     assert "TTFT SLO 1.000s" in r.message and f"by {excess:.3f}s" in r.message and "p1" in r.message
+
+
+def test_ttft_admission_judges_the_calibrated_upper_quantile(params: PredictorParams) -> None:
+    """A request predicted at 0.9 of the SLO is admitted on the point prediction, but when recent
+    requests ran 20-30% over their predictions the 95% bound is over the SLO: rejected."""
+    cluster = snapshot(prefill("p0", queued=3), decode("d0"))
+    probe = policy(params, ttft_quantile=None).decide(request(), cluster)
+    assert probe.predicted_ttft_s is not None
+    slo = Slo(ttft_s=probe.predicted_ttft_s / 0.9)
+    point = policy(params, ttft_quantile=None)
+    calibrated = policy(params)
+    for i in range(40):
+        calibrated.predictors.ratios.add("ttft", 1.0, 1.2 + 0.1 * (i % 2))
+    assert point.decide(request(slo=slo), cluster).rejection is None
+    r = calibrated.decide(request(slo=slo), cluster).rejection
+    assert r is not None and r.reason == "ttft_slo" and "upper bound" in r.message
+    # and requests that ran under their predictions loosen it
+    lenient = policy(params)
+    for _ in range(40):
+        lenient.predictors.ratios.add("ttft", 1.0, 0.95)
+    assert lenient.decide(request(slo=slo), cluster).rejection is None
 
 
 def test_ttft_slo_no_idle_instance_can_meet(params: PredictorParams) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -11,7 +12,7 @@ from cluster_builders import decode, prefill, request, snapshot
 
 from policies.estimate import pull_threshold
 from policies.kvcache_aware import KvCacheAwarePolicy
-from policies.types import ActiveDecode, CachedPrefix, InstanceView, Observation, Role, Slo, Tier
+from policies.types import ActiveDecode, CachedPrefix, InstanceView, Observation, QueuedPrefill, Role, Slo, Tier
 from predictors import LinearModel, OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
 
 
@@ -40,7 +41,13 @@ def test_busy_holder_pull_prefix_to_idle_instance_when_transfer_is_cheap(params:
     # TTFT is the sum of its parts, and the decision carries the winner's
     parts = ("transfer_s", "queue_s", "prefill_s", "handoff_s")
     assert p1.predicted_ttft_s == pytest.approx(sum(p1.detail[k] for k in parts))
-    assert d.predicted_ttft_s == p1.predicted_ttft_s < p0.predicted_ttft_s
+    assert p1.predicted_ttft_s < p0.predicted_ttft_s
+    # at the client: the leg, then the decode leg (handoff, ~1.5 decode steps, HTTP) in place of the handoff
+    pred = policy(params).predictors
+    tbt = d.candidates[2].detail["admission_tbt_s"]
+    leg = sum(p1.detail[k] for k in ("transfer_s", "queue_s", "prefill_s"))
+    assert d.predicted_ttft_s == pytest.approx(leg + pred.first_token_s(p1.detail["handoff_s"], tbt))
+    assert d.predicted_ttft_s > p1.predicted_ttft_s
 
 
 def test_busy_holder_recompute_elsewhere_when_transfer_is_dear(params: PredictorParams) -> None:
@@ -148,15 +155,25 @@ def test_observations_refit_predictors_and_track_errors(params: PredictorParams)
     assert {"prefill", "queue_and_prefill", "ttft", "tbt", "tbt_at_decision"} <= comps
 
 
-def test_queued_dispatches_do_not_teach_the_prefill_model(params: PredictorParams) -> None:
-    pol = KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig(refit_every=4, min_samples=4)))
-    cluster = snapshot(prefill("p0", queued=6), decode("d0"))
-    for i in range(12):
-        req = request(prompt=4000, rid=f"q{i}")
+def test_queued_legs_teach_the_prefill_model_through_the_fcfs_queue(params: PredictorParams) -> None:
+    """A leg behind an FCFS queue is the head's remainder + the others' prefills + its own: every
+    queued leg is a sample of the same coefficients, so the model learns under sustained load."""
+    pol = KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig(refit_every=8, min_samples=8)))
+    truth = Predictors(params.scaled(prefill=1.3), OnlineConfig(enabled=False))
+    rng = random.Random(3)
+    for i in range(64):
+        k, n, elapsed = rng.randint(1, 6), rng.randint(1000, 8000), rng.uniform(0.0, 0.1)
+        queue = tuple(QueuedPrefill(rng.randint(1000, 8000), 0, elapsed if j == 0 else 0.0) for j in range(k))
+        cluster = snapshot(InstanceView("p0", Role.PREFILL, prefill_queue=queue), decode("d0"))
+        req = request(prompt=n, rid=f"q{i}")
         d = pol.decide(req, cluster)
-        pol.observe(Observation(req.request_id, d.prefill, d.decode, 4000, 0, 0, 1.5, 1.5))  # ~1.2 s queued
-    assert pol.predictors.refits == 0  # queue at dispatch dominated every leg: no prefill samples
-    assert any(s.component == "queue_and_prefill" for s in pol.error_stats())
+        leg = truth.queue_s(queue) + truth.prefill_s(n, 0)  # exact FCFS: the queue is never empty
+        pol.observe(Observation(req.request_id, d.prefill, d.decode, n, 0, 0, leg, leg + 0.02))
+    assert pol.predictors.refits >= 4
+    for n in (1000, 4000, 8000):
+        assert pol.predictors.prefill_s(n, 0) == pytest.approx(truth.prefill_s(n, 0), rel=0.05)
+    stats = {s.component: s for s in pol.error_stats()}
+    assert stats["queue_and_prefill"].samples == 64
 
 
 def test_pending_predictions_are_bounded(params: PredictorParams) -> None:

@@ -58,7 +58,8 @@ def test_decision_log_record_is_plain_json_without_prompt_text() -> None:
     by_id = {c["instance"]: c for c in rec["candidates"]}
     assert set(by_id) == {"p0", "p1", "d0"}
     assert {"transfer_s", "queue_s", "prefill_s", "cached_tokens", "pulled_tokens"} <= set(by_id["p1"])
-    assert by_id["p1"]["predicted_ttft_s"] == pytest.approx(rec["predicted_ttft_s"], abs=1e-6)
+    # the candidate's figure ends at the KV handoff; the decision's adds the learned decode leg
+    assert 0 < by_id["p1"]["predicted_ttft_s"] < rec["predicted_ttft_s"] < by_id["p1"]["predicted_ttft_s"] + 0.1
     rejected = pol.decide(request(slo=Slo(ttft_s=0.01)), cluster)
     rrec = decision_log_record(rejected)
     assert rrec["rejected"] is True and rrec["rejection"]["reason"] == "ttft_slo"
