@@ -256,8 +256,9 @@ class KvCacheAwarePolicy(BasePolicy):
             cached = max(0, min(cached, obs.prompt_tokens - 1))
             own = prefill_features(obs.prompt_tokens - cached, cached)
             if p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
-                pred.record_error("prefill", p.prefill, p.prefill_s, p.prefill_s * pred.params.prefill.p90_ratio,
-                                  leg - p.transfer_s - p.queue_s)
+                own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
+                pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
+                pred.ratios.add("prefill", p.prefill_s, own_s)
             # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
             # (the head's remainder) plus its own, linear in the same coefficients
             qf = p.queue_features

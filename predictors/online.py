@@ -34,6 +34,7 @@ from predictors.quantile import RatioWindows
 # any observation: 2 ms of HTTP, the predicted handoff, 1.5 decode steps (half a step waiting for
 # the running one to end, then the step that samples the first token).
 FIRST_TOKEN_PRIOR = LinearModel(coef=(0.002, 1.0, 1.5), p90_ratio=1.25)
+_PREFILL_REF = prefill_features(4096, 0)  # where a prefill refit's move is measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,10 @@ def _samples(n: int) -> _Samples:
 
 class Predictors:
     """Latency predictions for the scheduler, refitted online. Not thread-safe (one event loop)."""
+
+    # a refit that moves a model's prediction at its reference point by more than this clears the
+    # actual/predicted ratio windows behind the calibrated bounds (predictors.quantile)
+    RATIO_RESET = 0.1
 
     def __init__(self, params: PredictorParams, online: OnlineConfig = OnlineConfig()) -> None:
         self._params = params
@@ -192,7 +197,7 @@ class Predictors:
         pred = self.prefill_s(new_tokens, cached_tokens)
         self.errors.record("prefill", instance, pred, pred * self._params.prefill.p90_ratio, seconds)
         if self._add(self._prefill, prefill_features(new_tokens, cached_tokens), seconds):
-            self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill))
+            self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, _PREFILL_REF))
             self._cache_params()
 
     def observe_leg(self, features: Sequence[float], seconds: float) -> None:
@@ -201,7 +206,7 @@ class Predictors:
         if seconds <= 0 or features[0] <= 0:
             return
         if self._add(self._prefill, tuple(float(f) for f in features), seconds):
-            self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill))
+            self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, _PREFILL_REF))
             self._cache_params()
 
     def observe_first_token(self, handoff_s: float, tbt_s: float, seconds: float) -> None:
@@ -209,7 +214,7 @@ class Predictors:
         if seconds <= 0:
             return
         if self._add(self._first, (1.0, handoff_s, tbt_s), seconds):
-            self.first_token_model = self._refit(self._first, self.first_token_model)
+            self.first_token_model = self._refit(self._first, self.first_token_model, (1.0, 0.005, 0.02))
             self._cache_params()
 
     def observe_tbt(self, batch: int, resident_kv_tokens: int, seconds: float, instance: str = "") -> None:
@@ -219,7 +224,7 @@ class Predictors:
         pred = self.tbt_s(batch, resident_kv_tokens)
         self.errors.record("tbt", instance, pred, pred * self._params.tbt.p90_ratio, seconds)
         if self._add(self._tbt, tbt_features(batch, resident_kv_tokens), seconds):
-            self._params = replace(self._params, tbt=self._refit(self._tbt, self._params.tbt))
+            self._params = replace(self._params, tbt=self._refit(self._tbt, self._params.tbt, tbt_features(32, 64_000)))
             self._cache_params()
 
     def observe_transfer(self, link: str, nbytes: float, seconds: float, instance: str = "") -> None:
@@ -245,6 +250,11 @@ class Predictors:
     def error_stats(self) -> tuple[ErrorStats, ...]:
         return self.errors.stats()
 
+    def reset_errors(self) -> None:
+        """Start the error windows afresh (e.g. after a warm-up); models and bounds are kept."""
+        o = self._online
+        self.errors = ErrorTracker(o.error_window, o.error_max_keys)
+
     def _add(self, win: _Samples, features: tuple[float, ...], actual: float) -> bool:
         """Append a sample; True when it is time to refit."""
         if not self._online.enabled:
@@ -257,7 +267,7 @@ class Predictors:
             return True
         return False
 
-    def _refit(self, win: _Samples, current: LinearModel) -> LinearModel:
+    def _refit(self, win: _Samples, current: LinearModel, reference: Sequence[float] | None = None) -> LinearModel:
         o = self._online
         opts = FitOptions(loss=o.loss, f_scale=o.f_scale, mad_k=o.mad_k, prior_weight=o.prior_weight)
         try:
@@ -265,4 +275,8 @@ class Predictors:
         except ValueError:
             return current
         self.refits += 1
+        if reference is not None:
+            before, after = current.predict(reference), fitted.predict(reference)
+            if before > 0 and abs(after / before - 1.0) > self.RATIO_RESET:
+                self.ratios.clear()
         return fitted

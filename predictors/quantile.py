@@ -11,6 +11,11 @@ p90 bound is 0.9 on the next requests as long as the regime does not change fast
 window turns over -- and it moves with the regime (under overload the window fills with requests
 admitted behind long queues, whose relative error is smaller).
 
+Ratios describe the model that made the predictions. When a refit moves a model by more than
+`Predictors.RATIO_RESET` at a reference point, the windows are cleared (see predictors.online):
+the bound falls back to the fit's own p90 ratio until `min_samples` ratios of the new model exist,
+rather than calibrating a model with another model's errors (2x off after a time-scale change).
+
 Memory is bounded: `window` ratios per key, at most `max_keys` keys (component names, a handful).
 """
 
@@ -72,6 +77,10 @@ class RatioWindows:
     def quantile(self, key: str, q: float, default: float) -> float:
         win = self._by_key.get(key)
         return default if win is None else win.quantile(q, default)
+
+    def clear(self) -> None:
+        """Forget every ratio: they measured a model that has since been replaced."""
+        self._by_key.clear()
 
     def samples(self, key: str) -> int:
         win = self._by_key.get(key)
