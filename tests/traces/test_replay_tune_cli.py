@@ -58,17 +58,6 @@ def test_replay_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "line 2" in captured.err and re.search(r"^requests\s+2\s*$", captured.out, re.M)
 
 
-def test_replay_live_without_live_module_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        import traces.live  # noqa: F401  (another engineer's module; when present it handles --live)
-    except ImportError:
-        pass
-    else:
-        pytest.skip("traces.live is present; its own tests cover --live")
-    rc = replay_main([HEAD, "--live", "http://127.0.0.1:9"])
-    assert rc == 2 and "live replay is not available" in capsys.readouterr().err
-
-
 def test_replay_runs_as_module() -> None:
     proc = subprocess.run([sys.executable, "-m", "traces.replay_cli", HEAD, "--limit", "50", "--prefill", "1",
                            "--decode", "1"], capture_output=True, text=True, timeout=120, check=False)
