@@ -6,35 +6,26 @@
 
 TRACE is a path (.jsonl or .jsonl.gz, Mooncake or recorded format) or a bundled name
 ("conversation", "synthetic", "conversation-head400"). Simulation and live replay print the same
-summary table. Live replay lives in `traces.live` (`run_live(args)`); when that module offers
-`add_live_args(parser)` its options are added here.
+summary table. Live replay lives in `traces.live` (`run_live(args)`, options from `add_live_args`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 from conductor.errors import ConductorError
+from traces import live
 from traces.formats import load_trace, resolve_trace
 from traces.sim.options import add_cluster_args, config_from_args
 from traces.sim.results import RunResult, format_table
 from traces.sim.runner import PolicySpec, SimJob, parse_specs, run_jobs
 
 
-def _live_module() -> ModuleType | None:
-    try:
-        return importlib.import_module("traces.live")
-    except ImportError:
-        return None
-
-
-def build_parser(live: ModuleType | None = None) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conductor replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="trace file or bundled name (conversation, synthetic, conversation-head400)")
     mode = parser.add_mutually_exclusive_group()
@@ -49,8 +40,7 @@ def build_parser(live: ModuleType | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=None, help="parallel simulations (default: one per core)")
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results as JSON")
     add_cluster_args(parser)
-    if live is not None and hasattr(live, "add_live_args"):
-        live.add_live_args(parser)
+    live.add_live_args(parser)
     return parser
 
 
@@ -66,25 +56,13 @@ def _report(args: argparse.Namespace, results: Sequence[RunResult]) -> None:
         print(f"wrote {args.json_out}")
 
 
-def _run_live(args: argparse.Namespace, live: ModuleType | None) -> int:
-    if live is None or not hasattr(live, "run_live"):
-        print("error: live replay is not available (traces.live.run_live is missing)", file=sys.stderr)
-        return 2
-    outcome = live.run_live(args)
-    if isinstance(outcome, RunResult):
-        outcome = [outcome]
-    if isinstance(outcome, list) and all(isinstance(r, RunResult) for r in outcome):
-        _report(args, outcome)
-        return 0
-    return int(outcome or 0)
 
 
 def replay_main(argv: list[str] | None = None) -> int:
-    live = _live_module()
-    args = build_parser(live).parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.live:
-            return _run_live(args, live)
+            return live.run_live(args)
         path = resolve_trace(args.trace)
         if not path.exists():
             print(f"error: trace {args.trace} not found", file=sys.stderr)
