@@ -25,17 +25,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
-
-class Role(str, Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    MIXED = "mixed"
+from policies.types import Role
 
 
-class PdProtocol(str, Enum):
+class PdProtocol(StrEnum):
     NIXL = "nixl"
     MOONCAKE = "mooncake"
     SGLANG = "sglang"
