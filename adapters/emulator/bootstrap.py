@@ -60,7 +60,7 @@ class TransferRegistry:
         if event is not None:
             event.set()
 
-    async def wait(self, key: str, timeout: float) -> TransferDone | None:
+    async def wait(self, key: str, wait_s: float) -> TransferDone | None:
         done = self._done.get(key)
         if done is not None:
             return done
@@ -71,7 +71,7 @@ class TransferRegistry:
                 _, stale = self._waiters.popitem(last=False)
                 stale.set()  # its waiters re-check, find nothing and time out early
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            await asyncio.wait_for(event.wait(), wait_s)
         except TimeoutError:
             return None
         return self._done.get(key)

@@ -75,7 +75,7 @@ def test_shared_prefix_splits_store_runs_with_parent() -> None:
     base = list(range(8))
     d1 = hasher.digests(base)
     cache.insert(d1, base, 0)
-    longer = base + [9, 9, 9, 9]
+    longer = [*base, 9, 9, 9, 9]
     d2 = hasher.digests(longer)
     hit = cache.hit_blocks(d2, len(longer) + 1)
     cache.acquire(d2[:hit])
