@@ -171,8 +171,9 @@ def decode_state(
     Now: every listed stream, or only those already decoding (`include_pending=False`, the plain
     "load now" of early rejection). Later: decoding streams whose remaining tokens will be done by
     then have left, the others have grown by the steps taken; streams still in prefill or transfer
-    (`decoding=False`) have joined -- they were dispatched before this request, so they reach
-    decode first (certainly so behind the same FCFS prefill queue).
+    (`decoding=False`) were dispatched before this request and reach decode first, at a time
+    taken as uniform over [now, now + at_s]: each counts with the probability that it has not
+    finished by then (see the comment in the body).
     """
     # map/attrgetter and comprehensions: this runs for every decode stream in the cluster on every
     # decision, and generator expressions cost about twice as much here
@@ -187,10 +188,21 @@ def decode_state(
         if not include_pending:
             return float(len(running)), float(kv_running)
         return float(len(running) + len(pending)), float(kv_running + sum(map(_CONTEXT, pending)))
-    steps = at_s / pred.tbt_s(len(running), kv_running)
+    step_s = pred.tbt_s(len(running), kv_running)
+    steps = at_s / step_s
     staying = [d.context_tokens for d in running if d.remaining_tokens > steps]
-    batch = len(staying) + len(pending)
-    return float(batch), sum(staying) + len(staying) * steps + sum(map(_CONTEXT, pending))
+    # A pending stream reaches decode some time u in [0, at_s] (it was dispatched earlier, often to
+    # a shorter prefill queue) and by at_s has run (at_s - u) / step_s steps: with u uniform it is
+    # still there with probability min(1, remaining * step_s / at_s). Counting every pending stream
+    # as present overstates the load whenever the TTFT ahead is comparable to a stream's decode
+    # time -- the case where judging "at arrival" matters at all (arXiv 7.3).
+    horizon = at_s / step_s
+    p_batch = p_kv = 0.0
+    for d in pending:
+        frac = min(1.0, d.remaining_tokens / horizon)
+        p_batch += frac
+        p_kv += frac * d.context_tokens
+    return len(staying) + p_batch, sum(staying) + len(staying) * steps + p_kv
 
 
 def estimate_decode(

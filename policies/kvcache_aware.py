@@ -61,6 +61,8 @@ class _Pending:
     handoff_s: float  # predicted P -> D KV transfer (0 for mixed workers)
     first_tbt_s: float  # TBT the decode leg was predicted with
     bounds: tuple[float, float, float]  # p90 bounds at decision time: ttft, leg, tbt (0: none)
+    judged_tbt_s: float | None  # the TBT admission judged (early: the load now; predicted: at arrival)
+    generation: int  # Predictors.generation when predicted: ratios of an older model are not kept
 
 
 def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
@@ -96,6 +98,13 @@ def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) 
     )
 
 
+class _NoRatios:
+    """Where the ratios of predictions made by a replaced model go: nowhere."""
+
+    def add(self, key: str, predicted: float, actual: float) -> None:
+        return None
+
+
 class KvCacheAwarePolicy(BasePolicy):
     name = "kvcache_aware"
 
@@ -112,6 +121,7 @@ class KvCacheAwarePolicy(BasePolicy):
         forecast_joins: bool = False,
         predictors: Predictors | None = None,
         ttft_quantile: float | None = 0.95,
+        tbt_quantile: float | None = 0.9,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
@@ -119,11 +129,14 @@ class KvCacheAwarePolicy(BasePolicy):
         policies.admission); off because the gateway and the simulator already list a request
         under its decode instance from the moment it is dispatched. `ttft_quantile`: admission
         compares this calibrated upper quantile of the predicted TTFT with the SLO (None: the
-        point prediction, as the paper does); see predictors.quantile. `refit_queue_fraction`:
+        point prediction, as the paper does); see predictors.quantile. `tbt_quantile`: likewise for
+        the TBT admission judges, calibrated on that judged figure, so a mode that judges the
+        decode load worse (early: the load now) gets a wider bound. `refit_queue_fraction`:
         legs whose predicted queue is at most this fraction are also recorded as "prefill" errors."""
         self.admission = parse_mode(admission)
         self.allow_pull = allow_pull
         self.ttft_quantile = ttft_quantile
+        self.tbt_quantile = tbt_quantile
         self.refit_queue_fraction = refit_queue_fraction
         self.forecast_joins = forecast_joins
         if predictors is None:
@@ -183,7 +196,12 @@ class KvCacheAwarePolicy(BasePolicy):
         leg = best.transfer_s + best.queue_s + best.prefill_s
         ttft = leg + pred.first_token_s(best.handoff_s, first_tbt) if disaggregated else best.ttft_s
         ttft_bound = ttft if self.ttft_quantile is None else pred.bound("ttft", ttft, self.ttft_quantile)
-        rejection = admit(pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound)
+        tbt_bound = None
+        if judged is not None and self.tbt_quantile is not None:
+            tbt_bound = judged.tbt_s * pred.ratios.quantile("tbt_judged", self.tbt_quantile, pred.params.tbt.p90_ratio)
+        rejection = admit(
+            pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound, tbt_bound_s=tbt_bound
+        )
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
             decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
         )
@@ -197,7 +215,7 @@ class KvCacheAwarePolicy(BasePolicy):
                 candidates=candidates,
             )
         decode_id = chosen_decode.instance.id if disaggregated and chosen_decode is not None else None
-        self._remember(request.request_id, best, decode_id, tbt, ttft, first_tbt)
+        self._remember(request.request_id, best, decode_id, tbt, ttft, first_tbt, judged.tbt_s if judged else None)
         return Decision(
             request_id=request.request_id,
             policy=self.name,
@@ -211,7 +229,14 @@ class KvCacheAwarePolicy(BasePolicy):
         )
 
     def _remember(
-        self, request_id: str, best: PrefillEstimate, decode: str | None, tbt: float | None, ttft: float, first_tbt: float
+        self,
+        request_id: str,
+        best: PrefillEstimate,
+        decode: str | None,
+        tbt: float | None,
+        ttft: float,
+        first_tbt: float,
+        judged_tbt: float | None,
     ) -> None:
         pred = self.predictors
         features, head_elapsed = pred.queue_features(best.instance.prefill_queue)
@@ -234,6 +259,8 @@ class KvCacheAwarePolicy(BasePolicy):
                 pred.bound("queue_and_prefill", leg, 0.9),
                 pred.bound("tbt_at_decision", tbt, 0.9) if tbt is not None else 0.0,
             ),
+            judged_tbt_s=judged_tbt,
+            generation=pred.generation,
         )
         while len(self._pending) > self._max_pending:  # observations that never came: forget them
             self._pending.popitem(last=False)
@@ -247,18 +274,19 @@ class KvCacheAwarePolicy(BasePolicy):
             return
         pred = self.predictors
         ttft_hi, leg_hi, tbt_hi = p.bounds
+        ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
         leg = obs.queue_and_prefill_s
         if leg is not None and leg > 0 and obs.prefill == p.prefill:
             predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
             pred.record_error("queue_and_prefill", p.prefill, predicted_leg, leg_hi, leg)
-            pred.ratios.add("queue_and_prefill", predicted_leg, leg)
+            ratios.add("queue_and_prefill", predicted_leg, leg)
             cached = p.cached_tokens if obs.cached_tokens is None else obs.cached_tokens
             cached = max(0, min(cached, obs.prompt_tokens - 1))
             own = prefill_features(obs.prompt_tokens - cached, cached)
             if p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
                 own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
                 pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
-                pred.ratios.add("prefill", p.prefill_s, own_s)
+                ratios.add("prefill", p.prefill_s, own_s)
             # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
             # (the head's remainder) plus its own, linear in the same coefficients
             qf = p.queue_features
@@ -267,13 +295,15 @@ class KvCacheAwarePolicy(BasePolicy):
                 pred.observe_first_token(p.handoff_s, p.first_tbt_s, obs.ttft_s - leg)
         if obs.ttft_s is not None and obs.ttft_s > 0:
             pred.record_error("ttft", p.prefill, p.ttft_s, ttft_hi, obs.ttft_s)
-            pred.ratios.add("ttft", p.ttft_s, obs.ttft_s)
+            ratios.add("ttft", p.ttft_s, obs.ttft_s)
         decoder = obs.decode or (obs.prefill if p.decode is None else None)  # mixed: same worker
         if obs.token_intervals_s and decoder is not None:
             mean = sum(obs.token_intervals_s) / len(obs.token_intervals_s)
             if p.tbt_s is not None:
                 pred.record_error("tbt_at_decision", decoder, p.tbt_s, tbt_hi, mean)
-                pred.ratios.add("tbt_at_decision", p.tbt_s, mean)
+                ratios.add("tbt_at_decision", p.tbt_s, mean)
+            if p.judged_tbt_s is not None:
+                ratios.add("tbt_judged", p.judged_tbt_s, mean)
             kv = obs.decode_resident_kv_tokens + obs.prompt_tokens + obs.output_tokens // 2
             pred.observe_tbt(obs.decode_batch + 1, kv, mean, decoder)
 

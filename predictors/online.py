@@ -82,6 +82,9 @@ class Predictors:
         self.first_token_model = FIRST_TOKEN_PRIOR
         self.errors = ErrorTracker(online.error_window, online.error_max_keys)
         self.ratios = RatioWindows(online.ratio_window)
+        # bumped whenever the ratio windows are cleared: a prediction made before (its request still
+        # in flight) must not add its old model's ratio to the new windows
+        self.generation = 0
         self.refits = 0
         self._cache_params()
 
@@ -279,4 +282,5 @@ class Predictors:
             before, after = current.predict(reference), fitted.predict(reference)
             if before > 0 and abs(after / before - 1.0) > self.RATIO_RESET:
                 self.ratios.clear()
+                self.generation += 1
         return fitted

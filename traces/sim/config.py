@@ -28,6 +28,9 @@ class SimConfig:
     # add_decode before the prefill finishes); False lists only streams already decoding.
     routed_in_decode_view: bool = True
     observe: bool = True  # feed simulated outcomes back to policy.observe()
+    # reject at the decode stage when joining would break the TBT SLO (the baseline's second check
+    # in arXiv 7.1; admitted streams then meet TBT in every admission mode, and prefill is wasted)
+    decode_guard: bool = False
 
     def __post_init__(self) -> None:
         if self.n_prefill < 1 or self.n_decode < 1:

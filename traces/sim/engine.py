@@ -64,6 +64,7 @@ class Simulator:
         self._ev_seq = 0
         self.now = 0.0
         self.rejections: Counter[str] = Counter()
+        self.wasted_prefill = 0  # prefills done for requests then rejected at the decode stage
         self.done: list[Job] = []
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -120,7 +121,12 @@ class Simulator:
         if p.view is None or p.view_version != p.version or now - p.view_at > self.cfg.snapshot_refresh_s:
             p.view = InstanceView(
                 id=p.id, role=Role.PREFILL,
-                prefill_queue=tuple(QueuedPrefill(j.est_new, j.est_cached, now - j.dispatch) for j in p.queue),
+                # elapsed: the running head's time since it started (the only one the queue estimate
+                # subtracts); from dispatch it would include its own wait and hide its remainder
+                prefill_queue=tuple(
+                    QueuedPrefill(j.est_new, j.est_cached, now - j.prefill_start if k == 0 and p.running else 0.0)
+                    for k, j in enumerate(p.queue)
+                ),
                 waiting_requests=len(p.queue) - (1 if p.running else 0),
             )
             p.view_at, p.view_version = now, p.version
@@ -225,6 +231,24 @@ class Simulator:
     def _decode_arrive(self, d_idx: int, job: Job) -> None:
         d = self.decodes[d_idx]
         d.advance(self.now)
+        slo = self.cfg.slo.tbt_s
+        # the system's own protection at the decode stage (arXiv 7.1, the baseline's second
+        # decision): joining would push the step time past the TBT SLO -> rejected here, its
+        # prefill wasted. Judged on the real batch, not on any policy's prediction.
+        if self.cfg.decode_guard and slo is not None and d.active:  # noqa: SIM102 - the comment above is for the inner test
+            if self.truth.decode.tbt_s(len(d.active) + len(d.waiting) + 1, d.resident_kv() + job.req.input_length) > slo:
+                self.rejections["decode_overload"] += 1
+                del d.assigned[job.seq]
+                d.version += 1  # the view changed; this also voids the pending tick, rescheduled below
+                self._admit_and_retime(d_idx)
+                self.wasted_prefill += 1
+                if self.cfg.observe:
+                    self.policy.observe(Observation(
+                        request_id=f"r{job.seq}", prefill=self.prefills[job.prefill].id, decode=d.id,
+                        prompt_tokens=job.req.input_length, cached_tokens=job.reused,
+                        predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=None, ttft_s=None, ok=False,
+                    ))
+                return
         d.waiting.append(job)
         self._admit_and_retime(d_idx)
 
@@ -339,7 +363,8 @@ class Simulator:
             prefix_hit_store=sum(j.pulled_store for j in self.done) / prompt,
             utilisation=util, ttft_prediction=PredictionError.of(pred_ttft), tbt_prediction=PredictionError.of(pred_tbt),
             wall_s=wall_s,
-            extra={"events": float(self._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in self.done)},
+            extra={"events": float(self._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in self.done),
+                   "wasted_prefills": float(self.wasted_prefill)},
         )
 
 
