@@ -12,13 +12,20 @@ on the same worker: among workers whose predicted TBT meets the SLO, the one wit
 Learning: `decide` remembers (boundedly) what it predicted for each admitted request; `observe`
 compares that with what happened, records the errors, and feeds the predictors' online refit:
 
-* prefill: an observed prefill leg (queue_and_prefill_s) includes waiting behind the queue and the
-  prefix pull. Only legs dispatched to a (nearly) empty queue are used -- predicted queue at dispatch
-  at most `refit_queue_fraction` of the leg -- with the predicted queue and pull subtracted. Using
-  every leg with the queue subtracted would teach the compute model the queue model's errors; under
-  sustained load the model therefore keeps its last fit rather than drifting.
+* prefill: every observed prefill leg (queue_and_prefill_s) is a sample. Behind an FCFS queue the
+  leg is the running head's remainder plus the queued prefills plus its own, so leg + the head's
+  elapsed time - the predicted prefix pull is linear in the prefill coefficients with the summed
+  features of the queue and the request (Predictors.queue_features / observe_leg). The model keeps
+  learning under sustained load, when no leg runs on an empty queue.
+* decode leg: TTFT at the client minus the prefill leg (KV handoff, the decode step in progress and
+  the one that samples the first token, HTTP) is fitted as e0 + e1*handoff + e2*TBT
+  (Predictors.first_token_s); the predicted TTFT is the leg plus this.
 * TBT: the mean of the stream's token intervals, against the batch it joined (decode_batch + 1) and
   the resident KV then (decode_resident_kv_tokens plus its own prompt and half its output).
+* calibrated bounds: observed / predicted TTFT (and TBT as admission judged it) go into bounded
+  ratio windows (predictors.quantile); admission compares `ttft_quantile` (0.95) and
+  `tbt_quantile` (0.9) upper bounds with the SLOs, so admitted requests near the bound still meet
+  it; the exported p90 coverage is that of the same windows' 0.9 quantile, fixed at decision time.
 """
 
 from __future__ import annotations

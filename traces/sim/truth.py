@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from adapters.emulator.profile import Profile as EmulatorProfile
+
 DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "conductor" / "data" / "profiles" / (
     "qwen3-8b-h800-1p1d-vllm-mooncake.csv"
 )
@@ -134,4 +136,31 @@ def fit_truth(path: str | Path = DEFAULT_PROFILE, *, prefill_scale: float = 1.0)
         link_latency_s=max(0.0, float(lat)),
         link_bandwidth_bps=1.0 / float(per_byte),
         kv_bytes_per_token=largest.kv_bytes // largest.prompt_tokens,
+    )
+
+
+def truth_from_emulator(profile: EmulatorProfile, time_scale: float = 1.0,
+                        kv_capacity_tokens: int = 1_000_000) -> TruthModel:
+    """The emulated workers' own timing model as the simulator's truth, so a simulated run and a live
+    run through emulators (`adapters.emulator`) time prefill, KV transfer and decode steps by the
+    same formulas and coefficients: T_prefill = base + per_token*new + quad*new*(new + 2*cached)
+    (the same as this module's a + b*new + c*(ctx^2 - cached^2)), transfer = latency + bytes / bw,
+    step = base + per_seq*batch + per_kv*kv. The emulator multiplies every duration by
+    `time_scale`; so does this. (The two default fits of the bundled CSV differ by the KV transfer:
+    the emulator fits TTFT, fit_truth TTFT minus transfer -- 2-3%; this uses the emulator's.)"""
+    return TruthModel(
+        prefill_a=profile.prefill_base_s,
+        prefill_b=profile.prefill_per_token_s,
+        prefill_c=profile.prefill_quad_s,
+        prefill_scale=time_scale,
+        link_latency_s=profile.transfer_latency_s * time_scale,
+        link_bandwidth_bps=profile.transfer_bandwidth_bytes_s / time_scale,
+        kv_bytes_per_token=int(profile.kv_bytes_per_token),
+        decode=DecodeTruth(
+            base_s=profile.decode_base_s * time_scale,
+            per_seq_s=profile.decode_per_seq_s * time_scale,
+            per_kv_token_s=profile.decode_per_kv_token_s * time_scale,
+            kv_capacity_tokens=kv_capacity_tokens,
+            max_batch=profile.max_num_seqs,
+        ),
     )
