@@ -1,7 +1,7 @@
 """SLO admission under overload, through the real HTTP path: an emulated 2 prefill + 2 decode
 cluster (time scale 1, 5% noise) behind `conductor serve --policy kvcache_aware`, driven open-loop
 at a multiple of its prefill capacity. Prints how many requests were admitted, how many of those
-met both SLOs, and how long a 429 took to come back.
+met both SLOs, how long a 429 took to come back, and the gateway's own prediction error figures.
 
     python benchmarks/bench_admission.py [--load 2.0] [--seconds 20] [--slo-ttft 1.0] [--slo-tbt 0.05]
 """
@@ -14,6 +14,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,8 @@ def main() -> int:
               file=sys.stderr)
         asyncio.run(drive(url + "/v1/completions", capacity * 0.5, 6.0, args.seed))  # predictors fit online
         outcomes = asyncio.run(drive(url + "/v1/completions", capacity * args.load, args.seconds, args.seed + 1))
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:  # the gateway's own error figures
+            metrics = resp.read().decode()
 
     admitted = [o for o in outcomes if o.status == 200]
     rejected = [o for o in outcomes if o.status == 429]
@@ -128,6 +131,16 @@ def main() -> int:
     if lat429:
         print(f"429 latency at the client: p50 {statistics.median(lat429):.2f} ms, "
               f"p99 {lat429[max(0, int(len(lat429) * 0.99) - 1)]:.2f} ms")
+    print("gateway's prediction error over its recent window (MAPE / p90 coverage):")
+    figures: dict[tuple[str, str], dict[str, str]] = {}
+    for line in metrics.splitlines():
+        if line.startswith("conductor_prediction_") and "{" in line:
+            name, rest = line.split("{", 1)
+            labels, value = rest.rsplit("} ", 1)
+            figures.setdefault((labels, ""), {})[name.removeprefix("conductor_prediction_")] = value
+    for (labels, _), v in sorted(figures.items()):
+        print(f"  {labels:55s} n={float(v.get('samples', 0)):5.0f}  MAPE {float(v.get('mape', 0)):6.1%}  "
+              f"coverage {float(v.get('p90_coverage', 0)):.3f}")
     return 0
 
 
