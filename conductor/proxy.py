@@ -217,6 +217,10 @@ class CompletionsEndpoint:
                         first_token = now
                         gw.registry.end_prefill(prefill.name, request_id)
                         gw.metrics.ttft.observe(now - arrived)
+                        # the batch it really joined: streams decoding there now, not those listed
+                        # at dispatch (some still in prefill then, some gone by now) -- the TBT fit
+                        others = [d for rid, d in joined.decodes.items() if rid != request_id and d.decoding]
+                        batch, resident = len(others), sum(d.context_tokens for d in others)
                     elif events and len(intervals) < _MAX_INTERVALS:
                         intervals.append((now - last) / events)
                     last = now

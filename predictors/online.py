@@ -225,7 +225,10 @@ class Predictors:
         if seconds <= 0 or batch <= 0:
             return
         pred = self.tbt_s(batch, resident_kv_tokens)
-        self.errors.record("tbt", instance, pred, pred * self._params.tbt.p90_ratio, seconds)
+        # the bound from the ratios seen so far (out of sample), not the fit's in-sample p90 ratio
+        hi = pred * self.ratios.quantile("tbt", 0.9, self._params.tbt.p90_ratio)
+        self.errors.record("tbt", instance, pred, hi, seconds)
+        self.ratios.add("tbt", pred, seconds)
         if self._add(self._tbt, tbt_features(batch, resident_kv_tokens), seconds):
             self._params = replace(self._params, tbt=self._refit(self._tbt, self._params.tbt, tbt_features(32, 64_000)))
             self._cache_params()

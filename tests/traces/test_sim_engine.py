@@ -85,7 +85,9 @@ def test_single_request_times_are_the_truth_model() -> None:
     (obs,) = pol.observed
     assert obs.ttft_s == pytest.approx(expected_ttft)
     assert obs.queue_and_prefill_s == pytest.approx(t.prefill_s(1000, 0))
-    assert len(obs.token_intervals_s) == 10 and obs.output_tokens == 11 and obs.decode_batch == 1
+    # alone on the decode instance: no other stream and no other KV there when it joined
+    assert len(obs.token_intervals_s) == 10 and obs.output_tokens == 11 and obs.decode_batch == 0
+    assert obs.decode_resident_kv_tokens == 0
     assert res.slo_met == 1 and res.goodput_rps > 0
 
 
@@ -159,7 +161,7 @@ def test_decode_kv_capacity_makes_requests_wait() -> None:
     a, b = sorted(pol.observed, key=lambda o: o.request_id)
     first_done = a.ttft_s + sum(a.token_intervals_s)  # type: ignore[operator]
     assert b.ttft_s is not None and b.ttft_s > first_done  # joined only after the first one left
-    assert b.decode_batch == 1
+    assert b.decode_batch == 0  # the first one had left: it decoded alone
 
 
 def test_rejections_are_counted_by_reason_and_not_observed() -> None:

@@ -288,7 +288,10 @@ class Simulator:
             prompt_tokens=job.req.input_length, cached_tokens=job.reused,
             predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=job.prefill_done - job.dispatch,
             ttft_s=job.first_token - job.arrival, token_intervals_s=(mean_tbt,) * (out - 1), output_tokens=out,
-            decode_batch=job.batch_at_join, decode_resident_kv_tokens=job.resident_at_join,
+            # Observation counts the *other* streams and their KV (batch_at_join includes this one,
+            # and resident_at_join its prompt twice: resident_kv() after the join plus the prompt)
+            decode_batch=job.batch_at_join - 1,
+            decode_resident_kv_tokens=max(0, job.resident_at_join - 2 * job.req.input_length),
         ))
 
     # -- the loop ---------------------------------------------------------------------------
