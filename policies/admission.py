@@ -11,14 +11,17 @@ Three modes, so the simulator can reproduce the arXiv report's Table 3 compariso
 * `predicted` (arXiv 7.4, "Early Rejection Based on Prediction"): judge the decode instance as it
   will be when this request reaches it, at now + predicted TTFT: decodes whose remaining tokens
   will be done by then (remaining_tokens * predicted TBT) have left, and prefills that will have
-  finished by then have joined. Joining needs care not to count twice: Conductor's gateway and its
+  finished by then have joined, each counted with the chance that it has not already finished
+  again by then (policies.estimate.decode_state). Joining needs care not to count twice: Conductor's gateway and its
   simulator list a request under its decode instance from the moment it is dispatched (an
   ActiveDecode with all its tokens remaining), so queued prefills are already in the decode view,
   on the very instance they will join. Only for views that do not do this, `forecast_joins=True`
   adds the prefills queued cluster-wide that finish by then, spread uniformly over the decode pool
   (the report's system-level prediction).
 
-TTFT is checked the same way in both non-`none` modes: the best instance's predicted TTFT against
+Both SLOs are judged on calibrated upper bounds when the policy gives them (`ttft_bound_s`,
+`tbt_bound_s`: quantiles of observed / predicted, predictors.quantile), else on the point
+predictions. TTFT is checked the same way in both non-`none` modes: the best instance's predicted TTFT against
 `request.slo.ttft_s`. Retry-After is an estimate of when the request would fit: for TTFT, when the
 queue ahead of it will have drained by the excess; for TBT, when enough decodes will have finished.
 """
