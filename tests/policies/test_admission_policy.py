@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
@@ -16,7 +18,7 @@ def params() -> PredictorParams:
     return fit_profiles([bundled_profile()])
 
 
-def policy(params: PredictorParams, admission: str = "predicted", **kw: bool) -> KvCacheAwarePolicy:
+def policy(params: PredictorParams, admission: str = "predicted", **kw: Any) -> KvCacheAwarePolicy:
     pred = Predictors(params, OnlineConfig(enabled=False))
     return KvCacheAwarePolicy(admission=admission, predictors=pred, **kw)
 

@@ -41,6 +41,7 @@ def test_busy_holder_pull_prefix_to_idle_instance_when_transfer_is_cheap(params:
     # TTFT is the sum of its parts, and the decision carries the winner's
     parts = ("transfer_s", "queue_s", "prefill_s", "handoff_s")
     assert p1.predicted_ttft_s == pytest.approx(sum(p1.detail[k] for k in parts))
+    assert p1.predicted_ttft_s is not None and p0.predicted_ttft_s is not None and d.predicted_ttft_s is not None
     assert p1.predicted_ttft_s < p0.predicted_ttft_s
     # at the client: the leg, then the decode leg (handoff, ~1.5 decode steps, HTTP) in place of the handoff
     pred = policy(params).predictors

@@ -71,7 +71,10 @@ def test_kvcache_aware_loads_fitted_params_file(tmp_path: Path) -> None:
 
     path = tmp_path / "params.json"
     fit_profiles([bundled_profile()]).scaled(prefill=3.0).save(path)
+    from policies.kvcache_aware import KvCacheAwarePolicy
+
     pol = load_policy("kvcache_aware", {"predictor_params": str(path)})
+    assert isinstance(pol, KvCacheAwarePolicy)
     pred = pol.predictors
     assert pred.params.prefill.coef == pytest.approx(PredictorParams.load(path).prefill.coef)
     with pytest.raises(PluginError, match=r"failed to construct.*missing\.json"):
