@@ -113,6 +113,7 @@ def test_queue_is_fcfs_and_visible_in_the_snapshot() -> None:
     decode = next(i for i in snap.instances if i.id == "decode-0")
     assert len(decode.decodes) == 2  # routed there already, still in prefill
     firsts = [o.ttft_s for o in sorted(pol.observed, key=lambda o: o.request_id)]
+    assert firsts[2] is not None and firsts[0] is not None
     assert firsts[2] > firsts[0]  # the short one waited behind both long ones (no overtaking)
 
 
