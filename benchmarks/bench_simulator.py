@@ -83,11 +83,14 @@ def bench_fig15() -> None:
 
 # The setting where judging the decode load *at arrival* matters (arXiv 7.3-7.4): decode-bound (the
 # TBT SLO binds on 4 decode instances) while prefill queueing makes the TTFT (10-20 s) comparable
-# with a stream's decode time (~13 s for the trace's ~340 output tokens at ~38 ms). Then "load
+# with a stream's decode time (~14 s for the trace's ~340 output tokens at ~42 ms). Then "load
 # now" is stale by a decode lifetime: it counts streams that will be gone and misses the ones in
 # prefill, and rejects in the wrong phase. Both modes judge TTFT and TBT on calibrated quantiles
-# (policies.kvcache_aware: ttft_quantile 0.95, tbt_quantile as given).
-DECODE_BOUND = ("--slo-ttft", "30", "--slo-tbt", "0.04")
+# (policies.kvcache_aware: ttft_quantile 0.95, tbt_quantile as given). Sensitivity: with the TBT
+# SLO at 40 ms predicted still rejects ~10% fewer but ~2% fewer meet both SLOs; at 35 ms (TTFT
+# of 3-6 s, far shorter than a decode) it rejects more.
+DECODE_BOUND = ("--slo-ttft", "30", "--slo-tbt", "0.045")
+DECODE_BOUND_40 = ("--slo-ttft", "30", "--slo-tbt", "0.04")
 DECODE_BOUND_PD = (8, 4)
 
 
@@ -110,6 +113,7 @@ def bench_table3() -> None:
         ("prefill-bound", 0, (), (8, 8), {}, None),
         ("decode-bound", 0, DECODE_BOUND, DECODE_BOUND_PD, {"tbt_quantile": 0.8}, None),
         ("decode-bound", 1, DECODE_BOUND, DECODE_BOUND_PD, {"tbt_quantile": 0.8}, None),
+        ("TBT SLO 40 ms", 0, DECODE_BOUND_40, DECODE_BOUND_PD, {"tbt_quantile": 0.8}, None),
         ("decode, slice", 0, DECODE_BOUND, DECODE_BOUND_PD, {"tbt_quantile": 0.8}, 3000),
         ("decode, slice", 1, DECODE_BOUND, DECODE_BOUND_PD, {"tbt_quantile": 0.8}, 3000),
     ]
