@@ -129,7 +129,7 @@ def test_pull_from_another_instance_and_from_the_store() -> None:
 
     pol = Scripted(route)
     ids = (1, 2, 3)
-    trace = [req(0.0, 2000, 2, ids), req(5.0, 2000, 2, ids + (9,)), req(10.0, 2000, 2, (1, 2, 3, 8))]
+    trace = [req(0.0, 2000, 2, ids), req(5.0, 2000, 2, (*ids, 9)), req(10.0, 2000, 2, (1, 2, 3, 8))]
     c = cfg(p=3, store_capacity_tokens=100_000)
     res = simulate(pol, trace, c)
     assert pol.seen[1][0].cached["prefill-0"].tokens == 1536
