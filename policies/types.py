@@ -71,8 +71,9 @@ class QueuedPrefill:
 
     new_tokens: int  # tokens the instance must compute
     cached_tokens: int  # tokens it reuses from its cache
-    # time since it was dispatched; meaningful for the head of the FCFS queue (the one running),
-    # which is the only entry whose elapsed time a queue estimate may subtract
+    # for the head of the FCFS queue (the one running, the only entry whose elapsed time a queue
+    # estimate may subtract): time since it started, i.e. since its dispatch or since the entry
+    # before it finished, whichever is later; the gateway and the simulator fill it so
     elapsed_s: float
 
 
