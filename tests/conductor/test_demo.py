@@ -91,7 +91,7 @@ def test_interrupted_demo_stops_every_child(sig: signal.Signals, tmp_path: Path)
     assert len(pids) == 5 and not any(_gone(p) for p in pids.values())
     time.sleep(1.0)
     proc.send_signal(sig)
-    _, rest = proc.communicate(timeout=30)
+    _, rest = proc.communicate(timeout=90)
     assert proc.returncode == 1
     assert "interrupted" in rest and f"logs of every process are in {tmp_path / 'logs'}" in rest
     assert all(_gone(pid) for pid in pids.values()), pids
