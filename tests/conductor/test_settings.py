@@ -70,3 +70,12 @@ def test_settings_are_frozen() -> None:
     s = load_settings(environ={})
     with pytest.raises(Exception):
         s.port = 1  # type: ignore[misc]
+
+
+def test_example_config_is_valid() -> None:
+    from pathlib import Path
+
+    s = load_settings(Path(__file__).resolve().parents[2] / "examples" / "conductor.yaml", environ={})
+    assert s.pd_protocol == "mooncake" and [p.bootstrap_port for p in s.prefill] == [8998, 8998]
+    assert s.kv.enabled and s.kv.index == "redis" and s.policy == "kvcache_aware"
+    assert s.prefill[0].kv_events_endpoint == "tcp://*:5557"
