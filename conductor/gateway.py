@@ -15,7 +15,7 @@ from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
 from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
-from conductor.errors import NoHealthyInstance, Rejected, Unauthorized
+from conductor.errors import BadRequest, NoHealthyInstance, Rejected, Unauthorized
 from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.metrics import GatewayMetrics
@@ -65,6 +65,7 @@ class Gateway:
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
         self._api_keys = frozenset(settings.api_keys)
+        self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
 
     async def start(self) -> None:
         await self.pool.start()
@@ -109,6 +110,8 @@ class Gateway:
     # ---- deciding ---------------------------------------------------------------------------
     def slo_for(self, ttft_header: str | None, tbt_header: str | None) -> Slo:
         """The request's SLOs: per-request headers (milliseconds) over the configured defaults."""
+        if not ttft_header and not tbt_header:
+            return self._default_slo
         ttft = self.settings.slo.ttft_s
         tbt = self.settings.slo.tbt_s
         try:
@@ -117,8 +120,6 @@ class Gateway:
             if tbt_header:
                 tbt = float(tbt_header) / 1000.0
         except ValueError as exc:
-            from conductor.errors import BadRequest
-
             raise BadRequest(f"SLO headers must be numbers of milliseconds: {exc}") from exc
         return Slo(ttft_s=ttft, tbt_s=tbt)
 
