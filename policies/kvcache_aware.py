@@ -129,6 +129,7 @@ class KvCacheAwarePolicy(BasePolicy):
         predictors: Predictors | None = None,
         ttft_quantile: float | None = 0.95,
         tbt_quantile: float | None = 0.9,
+        probe_after: int | None = 100,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
@@ -139,7 +140,10 @@ class KvCacheAwarePolicy(BasePolicy):
         point prediction, as the paper does); see predictors.quantile. `tbt_quantile`: likewise for
         the TBT admission judges, calibrated on that judged figure, so a mode that judges the
         decode load worse (early: the load now) gets a wider bound. `refit_queue_fraction`:
-        legs whose predicted queue is at most this fraction are also recorded as "prefill" errors."""
+        legs whose predicted queue is at most this fraction are also recorded as "prefill" errors.
+        `probe_after`: after this many rejections in a row, admit the next request anyway. Admission
+        learns only from admitted requests: predictions that run too high would otherwise reject
+        everything for ever, with nothing observed to correct them (None: never probe)."""
         self.admission = parse_mode(admission)
         self.allow_pull = allow_pull
         self.ttft_quantile = ttft_quantile
@@ -153,6 +157,8 @@ class KvCacheAwarePolicy(BasePolicy):
         self.predictors = predictors
         self._max_pending = max(1, max_pending)
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self.probe_after = probe_after
+        self._rejected_in_a_row = 0
 
     # ---- deciding -------------------------------------------------------------------------
 
@@ -212,6 +218,9 @@ class KvCacheAwarePolicy(BasePolicy):
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
             decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
         )
+        if rejection is not None and self.probe_after is not None and self._rejected_in_a_row >= self.probe_after:
+            rejection = None  # a probe: let one through so the predictors see what really happens
+        self._rejected_in_a_row = self._rejected_in_a_row + 1 if rejection is not None else 0
         if rejection is not None:
             return Decision(
                 request_id=request.request_id,

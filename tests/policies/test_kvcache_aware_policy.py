@@ -185,3 +185,16 @@ def test_pending_predictions_are_bounded(params: PredictorParams) -> None:
     assert len(pol._pending) == 4 and "b9" in pol._pending and "b0" not in pol._pending
     pol.observe(Observation("b0", "p0", "d0", 8192, 0, 0, 0.5, 0.5))  # forgotten: ignored, no error
     assert pol.error_stats() == ()
+
+
+def test_rejecting_everything_still_probes_so_it_can_learn() -> None:
+    policy = KvCacheAwarePolicy(probe_after=5)
+    cluster = snapshot(prefill("p0"), decode("d0"))
+    tight = Slo(ttft_s=1e-6, tbt_s=None)  # nothing can meet it: every prediction says reject
+    outcomes = []
+    for i in range(12):
+        d = policy.decide(request(4096, slo=tight, rid=f"r{i}"), cluster)
+        outcomes.append(d.rejected)
+    assert outcomes == [True] * 5 + [False] + [True] * 5 + [False]
+    never = KvCacheAwarePolicy(probe_after=None)
+    assert all(never.decide(request(4096, slo=tight, rid=f"n{i}"), cluster).rejected for i in range(12))
