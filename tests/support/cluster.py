@@ -40,7 +40,9 @@ def cluster(
     opts = standin or {}
     with ExitStack() as stack:
         c = Cluster(url="", gateway=None)  # type: ignore[arg-type]
-        prefill_specs, decode_specs, mixed_specs = [], [], []
+        prefill_specs: list[dict[str, Any]] = []
+        decode_specs: list[str] = []
+        mixed_specs: list[str] = []
         for i in range(n_prefill):
             worker = StandIn(role="prefill", engine_id=f"engine-p{i}", **opts.get("prefill", {}))
             server = stack.enter_context(serve(worker))
@@ -50,18 +52,14 @@ def cluster(
             c.bootstraps.append(boot)
             c.servers[f"prefill-{i}"] = server
             prefill_specs.append({"url": server.url, "bootstrap_port": boot_server.port})
-        for i in range(n_decode):
-            worker = StandIn(role="decode", **opts.get("decode", {}))
-            server = stack.enter_context(serve(worker))
-            c.decodes.append(worker)
-            c.servers[f"decode-{i}"] = server
-            decode_specs.append(server.url)
-        for i in range(n_mixed):
-            worker = StandIn(role="mixed", **opts.get("mixed", {}))
-            server = stack.enter_context(serve(worker))
-            c.mixed.append(worker)
-            c.servers[f"mixed-{i}"] = server
-            mixed_specs.append(server.url)
+        for role, count, workers, specs in (("decode", n_decode, c.decodes, decode_specs),
+                                             ("mixed", n_mixed, c.mixed, mixed_specs)):
+            for i in range(count):
+                worker = StandIn(role=role, **opts.get(role, {}))
+                server = stack.enter_context(serve(worker))
+                workers.append(worker)
+                c.servers[f"{role}-{i}"] = server
+                specs.append(server.url)
         overrides: dict[str, Any] = {"pd_protocol": protocol, "health_interval_s": 0.5, **settings}
         if prefill_specs:
             overrides["prefill"] = prefill_specs

@@ -114,7 +114,7 @@ class StandIn:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
                         "more_body": True})
         if (body.get("stream_options") or {}).get("include_usage"):
-            final = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
+            final: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
                      "model": self.model, "choices": [], "usage": usage}
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(final).encode() + b"\n\n",
                         "more_body": True})
