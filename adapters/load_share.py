@@ -19,7 +19,7 @@ from typing import Protocol
 import msgspec
 from redis.exceptions import RedisError
 
-from policies.types import ActiveDecode, QueuedPrefill
+from conductor.core.types import ActiveDecode, QueuedPrefill
 
 log = logging.getLogger("conductor.load_share")
 

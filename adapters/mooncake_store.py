@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from conductor.errors import ConfigError
+from conductor.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from conductor.errors import ConfigError, UpstreamError
-from conductor.tokenization import Tokenizer
+from conductor.core.errors import ConfigError, UpstreamError
+from conductor.core.tokenization import Tokenizer
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -41,7 +41,7 @@ class PromptTokenizer(Protocol):
 
 
 class LocalTokenizer:
-    """Any synchronous `conductor.tokenization.Tokenizer` (the built-in byte tokenizer, HF) as async."""
+    """Any synchronous `conductor.core.tokenization.Tokenizer` (the built-in byte tokenizer, HF) as async."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from adapters.http1 import ConnectionFailed, Pool, ReadTimeout, Response
-from conductor.errors import ConfigError, UpstreamError, UpstreamTimeout
+from conductor.core.errors import ConfigError, UpstreamError, UpstreamTimeout
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,7 @@ import random
 import statistics
 import time
 
-from policies.registry import load_policy
-from policies.types import (
+from conductor.core.types import (
     ActiveDecode,
     CachedPrefix,
     ClusterSnapshot,
@@ -31,6 +30,7 @@ from policies.types import (
     Slo,
     Tier,
 )
+from policies.registry import load_policy
 
 PROMPT = 8192
 BLOCK = 16

@@ -2,7 +2,7 @@
 
 For prompts of 1K, 8K, 32K and 128K tokens at block sizes 16, 32 and 512 it measures (median of
 repeated runs, milliseconds):
-- keys: chained xxh3_64 keys of the whole prompt (conductor.block_keys.XxhashKeys);
+- keys: chained xxh3_64 keys of the whole prompt (conductor.core.block_keys.XxhashKeys);
 - memory: MemoryIndex.match, the worst case: the whole prompt cached on one instance, half of it on
   another, a quarter on a third (each holder's run is walked to its end);
 - redis: RedisIndex.match of the same, one round trip to the Redis at --redis-url;
@@ -26,7 +26,7 @@ import numpy as np
 from adapters.index.base import IndexLimits
 from adapters.index.memory import MemoryIndex
 from adapters.index.redis import RedisIndex
-from conductor.block_keys import VllmKeys, XxhashKeys
+from conductor.core.block_keys import VllmKeys, XxhashKeys
 
 SIZES = (1024, 8192, 32768, 131072)
 BLOCK_SIZES = (16, 32, 512)

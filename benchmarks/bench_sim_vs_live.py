@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from adapters.emulator.profile import load_profile
+from conductor.core.types import Slo
 from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 from policies.registry import load_policy
-from policies.types import Slo
 from traces.formats import TraceRequest, load_trace, resolve_trace
 from traces.live import replay_live
 from traces.sim.config import SimConfig

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from policies.types import CachedPrefix, Decision, Observation
+from conductor.core.types import CachedPrefix, Decision, Observation
 
 RequestKind = Literal["completions", "chat"]
 

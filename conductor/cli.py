@@ -5,43 +5,61 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from conductor import __version__
-from conductor.errors import ConfigError
+from conductor.core.cli_help import DefaultsHelpFormatter
+from conductor.core.errors import ConductorError, ConfigError
+
+# optional packages a subcommand may need, and the extra that installs each
+OPTIONAL_PACKAGES = {"matplotlib": "plot", "mooncake": "mooncake", "vllm": "vllm", "uvloop": "uvloop"}
 
 
 def _prefill_arg(values: list[str]) -> dict[str, Any]:
     if not 1 <= len(values) <= 2:
-        raise argparse.ArgumentTypeError("--prefill takes URL [BOOTSTRAP_PORT]")
+        raise ConfigError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(values)!r}")
     spec: dict[str, Any] = {"url": values[0]}
     if len(values) == 2 and values[1].lower() != "none":
         try:
             spec["bootstrap_port"] = int(values[1])
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"bootstrap port must be a number or 'none': {values[1]!r}") from exc
+        except ValueError:
+            raise ConfigError(f"--prefill {values[0]}: bootstrap port must be a number or 'none', got {values[1]!r}") from None
     return spec
+
+
+def _default(field: str) -> str:
+    """A setting's built-in default, for --help (flags left out fall back to the config file,
+    CONDUCTOR_* variables, then this)."""
+    from conductor.settings import Settings
+
+    value = Settings.model_fields[field].default
+    return "none" if value in (None, ()) else str(value)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML settings file")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--host", help=f"listen address (default: {_default('host')})")
+    p.add_argument("--port", type=int, help=f"listen port (default: {_default('port')})")
     p.add_argument("--prefill", nargs="+", action="append", metavar=("URL", "BOOTSTRAP_PORT"),
                    help="prefill instance, repeatable: --prefill URL [BOOTSTRAP_PORT]")
     p.add_argument("--decode", action="append", metavar="URL", help="decode instance, repeatable")
     p.add_argument("--mixed", action="append", metavar="URL", help="non-disaggregated instance, repeatable")
-    p.add_argument("--pd-protocol", choices=["nixl", "mooncake", "sglang"])
-    p.add_argument("--mooncake-schema", help="MooncakeConnector field names: transfer_id | engine_id | bootstrap_server")
-    p.add_argument("--policy", help="scheduling policy (entry point name in group conductor.policies)")
-    p.add_argument("--model", action="append", dest="models", help="served model name, repeatable")
-    p.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tbt", type=float, help="TBT SLO in seconds")
-    p.add_argument("--api-key", action="append", dest="api_keys", help="accepted client key, repeatable")
-    p.add_argument("--upstream-api-key", help="key sent to the workers")
-    p.add_argument("--max-body-bytes", type=int)
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--pd-protocol", choices=["nixl", "mooncake", "sglang"],
+                   help=f"P/D handshake (default: {_default('pd_protocol')})")
+    p.add_argument("--mooncake-schema", help="MooncakeConnector field names: transfer_id | engine_id | bootstrap_server"
+                   f" (default: {_default('mooncake_schema')})")
+    p.add_argument("--policy", help="scheduling policy (entry point name in group conductor.policies)"
+                   f" (default: {_default('policy')})")
+    p.add_argument("--model", action="append", dest="models",
+                   help="served model name, repeatable (default: the workers' /v1/models)")
+    p.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds (default: none)")
+    p.add_argument("--slo-tbt", type=float, help="TBT SLO in seconds (default: none)")
+    p.add_argument("--api-key", action="append", dest="api_keys", help="accepted client key, repeatable (default: no auth)")
+    p.add_argument("--upstream-api-key", help="key sent to the workers (default: none)")
+    p.add_argument("--max-body-bytes", type=int, help=f"largest request body (default: {_default('max_body_bytes')})")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {_default('log_level')})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -83,21 +101,46 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str, func: str) -> Callable[[list[str]], int]:
-    def run(argv: list[str]) -> int:
+def _missing_package(exc: ImportError) -> str | None:
+    """The optional package an ImportError is about, or None when it is not one of ours."""
+    top = (exc.name or "").split(".")[0]
+    return top if isinstance(exc, ModuleNotFoundError) and top in OPTIONAL_PACKAGES else None
+
+
+def _import_failed(command: str, exc: ImportError, verbose: bool) -> int:
+    package = _missing_package(exc)
+    if package is not None:
+        extra = OPTIONAL_PACKAGES[package]
+        print(f"conductor {command}: needs the optional package {package!r}: "
+              f"pip install 'conductor-scheduler[{extra}]'", file=sys.stderr)
+    else:
+        print(f"conductor {command}: cannot start, an import failed: {exc}", file=sys.stderr)
+    if verbose:
+        traceback.print_exception(exc)
+    else:
+        print("(run `conductor -v ...` to see the import error in full)", file=sys.stderr)
+    return 2
+
+
+def _delegate(module: str, func: str) -> Callable[[str, list[str], bool], int]:
+    def run(command: str, argv: list[str], verbose: bool) -> int:
         import importlib
 
         try:
             target = getattr(importlib.import_module(module), func)
-        except (ImportError, AttributeError) as exc:
-            print(f"this command is not available in this build: {exc}", file=sys.stderr)
+            return int(target(argv))
+        except ImportError as exc:  # at import, or an optional package imported on first use
+            return _import_failed(command, exc, verbose)
+        except ConductorError as exc:
+            print(f"conductor {command}: {exc.message}", file=sys.stderr)
+            if verbose:
+                traceback.print_exception(exc)
             return 2
-        return int(target(argv))
 
     return run
 
 
-SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+SUBCOMMANDS: dict[str, tuple[str, Callable[[str, list[str], bool], int]]] = {
     "emulate": ("run an emulated vLLM worker", _delegate("adapters.emulator.cli", "emulate_main")),
     "demo": ("run an emulated P/D cluster behind the gateway and replay a trace", _delegate("conductor.demo", "demo_main")),
     "fit": ("fit predictor parameters from a profile CSV", _delegate("predictors.cli", "fit_main")),
@@ -108,20 +151,29 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="conductor", description="KVCache-aware P/D gateway and scheduler")
+    parser = argparse.ArgumentParser(prog="conductor", description="KVCache-aware P/D gateway and scheduler",
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"conductor {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show full errors (import errors, tracebacks)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible gateway"))
+    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible gateway", formatter_class=DefaultsHelpFormatter))
     for name, (help_text, _) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    verbose = False
+    while argv and argv[0] in ("-v", "--verbose"):
+        verbose, argv = True, argv[1:]
     if argv and argv[0] in SUBCOMMANDS:
-        return SUBCOMMANDS[argv[0]][1](argv[1:])
+        return SUBCOMMANDS[argv[0]][1](argv[0], argv[1:], verbose)
     args = parser.parse_args(argv)
     if args.command != "serve":
         parser.print_help()
         return 2
     try:
         return serve(args)
+    except ImportError as exc:
+        return _import_failed("serve", exc, verbose)
     except ConfigError as exc:
-        print(f"conductor: {exc}", file=sys.stderr)
+        print(f"conductor serve: {exc.message}", file=sys.stderr)
+        if verbose:
+            traceback.print_exception(exc)
         return 2

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from conductor.core.cli_help import DefaultsHelpFormatter
 from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 
 if TYPE_CHECKING:
@@ -52,13 +53,15 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="conductor demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="conductor demo", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=200, help="replay the first N requests of the trace")
     p.add_argument("--trace", default=DEFAULT_TRACE, help="bundled trace name or path")
     p.add_argument("--prefill", type=int, default=2, help="prefill emulators")
     p.add_argument("--decode", type=int, default=2, help="decode emulators")
     p.add_argument("--policy", default="kvcache_aware", help="scheduling policy (registered name)")
-    p.add_argument("--pd-protocol", default="nixl", choices=["nixl", "mooncake", "sglang"])
+    p.add_argument("--pd-protocol", default="nixl", choices=["nixl", "mooncake", "sglang"], help="P/D handshake")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply the emulators' modelled durations")
     p.add_argument("--speedup", type=float, default=1.5, help="replay trace arrivals this many times faster")
     p.add_argument("--length-scale", type=float, default=0.125,

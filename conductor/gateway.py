@@ -15,14 +15,15 @@ from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
 from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
-from conductor.errors import BadRequest, NoHealthyInstance, Rejected, Unauthorized
+from conductor.core.decision_log import decision_log_record
+from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected, Unauthorized
+from conductor.core.types import Decision, Observation, Policy, RequestView, Role, Slo
 from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.metrics import GatewayMetrics
 from conductor.settings import Settings
 from policies.base import NO_INSTANCE
 from policies.registry import load_policy
-from policies.types import Decision, Observation, Policy, RequestView, Role, Slo
 
 log = logging.getLogger("conductor.gateway")
 decision_log = logging.getLogger("conductor.decisions")
@@ -139,10 +140,12 @@ class Gateway:
             slo=slo,
             stream=stream,
         )
-        decision = self.policy.decide(view, self.registry.snapshot())
+        snapshot = self.registry.snapshot()
+        decision = self.policy.decide(view, snapshot)
+        self.policy.on_decided(view, snapshot, decision)
         self.metrics.decision_time.observe(time.perf_counter() - started)
         if decision_log.isEnabledFor(logging.INFO):
-            decision_log.info("%s", json.dumps(_decision_record(decision, analysis), default=str))
+            decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens)))
         if decision.rejection is not None:
             rejection = decision.rejection
             self.metrics.rejections.labels(rejection.reason).inc()
@@ -197,23 +200,3 @@ def _load_share(settings: Settings) -> LoadShare:
         replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{id(settings):x}"
         return RedisLoadShare(settings.redis_url, replica, interval_s=settings.load_sync_interval_s)
     return NoLoadShare()
-
-
-def _decision_record(decision: Decision, analysis: PromptAnalysis) -> dict[str, object]:
-    """What is logged of a decision: ids, sizes and predictions, never prompt text."""
-    return {
-        "request_id": decision.request_id,
-        "policy": decision.policy,
-        "prefill": decision.prefill,
-        "decode": decision.decode,
-        "prompt_tokens": analysis.prompt_tokens,
-        "predicted_ttft_s": decision.predicted_ttft_s,
-        "predicted_tbt_s": decision.predicted_tbt_s,
-        "pull_from": decision.pull_from,
-        "pull_tokens": decision.pull_tokens,
-        "rejection": decision.rejection.reason if decision.rejection else None,
-        "candidates": [
-            {"id": c.instance_id, "score": c.score, "ttft": c.predicted_ttft_s, "tbt": c.predicted_tbt_s, **c.detail}
-            for c in decision.candidates
-        ],
-    }

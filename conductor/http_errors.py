@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from conductor.errors import BadRequest, ConductorError, UpstreamError
+from conductor.core.errors import BadRequest, ConductorError, UpstreamError
 
 log = logging.getLogger("conductor.errors")
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from adapters.load_share import LoadShare, NoLoadShare, local_table
 from adapters.pd.base import Target, decode_json, host_of
 from adapters.upstream import UpstreamPool
-from conductor.errors import UpstreamError
+from conductor.core.errors import UpstreamError
+from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
 from conductor.settings import InstanceSpec, Settings
-from policies.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
 
 log = logging.getLogger("conductor.instances")
 

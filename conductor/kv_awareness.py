@@ -1,6 +1,6 @@
 """The real PromptAnalyzer: tokenize, key the blocks, ask the index where they live.
 
-Wiring, per request: tokenizer -> block keys (`conductor.block_keys`) -> `KVIndex.match` (and a
+Wiring, per request: tokenizer -> block keys (`conductor.core.block_keys`) -> `KVIndex.match` (and a
 Mooncake Store probe) -> PromptAnalysis. After the decision the prompt's keys are inserted for the
 chosen prefill instance as unconfirmed entries; vLLM's KV events confirm (or remove) them. When a
 request finishes, the cached tokens the worker reports are compared with what the index predicted
@@ -31,10 +31,10 @@ from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
 from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
 from conductor.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
-from conductor.block_keys import BlockKeyScheme, VllmKeys, make_scheme
-from conductor.errors import ConductorError, ConfigError
-from conductor.tokenization import ByteTokenizer
-from policies.types import Decision, Observation, Role
+from conductor.core.block_keys import BlockKeyScheme, VllmKeys, make_scheme
+from conductor.core.errors import ConductorError, ConfigError
+from conductor.core.tokenization import ByteTokenizer
+from conductor.core.types import Decision, Observation, Role
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Any
 
 from adapters.pd.base import CACHED_TOKENS_RE, Exchange, Outgoing, cached_tokens_of, decode_json
 from conductor.analysis import RequestKind
-from conductor.errors import ConductorError, NoHealthyInstance, Overloaded, UpstreamError
+from conductor.core.errors import ConductorError, NoHealthyInstance, Overloaded, UpstreamError
+from conductor.core.types import Observation
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway, Routed
 from conductor.http_errors import render, sse_error
 from conductor.requests import check_model, max_tokens_of, parse_request, read_body
-from policies.types import Observation
 
 log = logging.getLogger("conductor.proxy")
 

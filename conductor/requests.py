@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from conductor.analysis import RequestKind
-from conductor.errors import BadRequest, ModelNotFound, PayloadTooLarge
+from conductor.core.errors import BadRequest, ModelNotFound, PayloadTooLarge
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 

@@ -15,9 +15,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from conductor.errors import ConfigError
+from conductor.core.errors import ConfigError
+from conductor.core.types import Role
 from conductor.kv_awareness import KVAwarenessSettings
-from policies.types import Role
 
 ENV_PREFIX = "CONDUCTOR_"
 

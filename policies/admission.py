@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from conductor.core.types import ClusterSnapshot, Rejection, RequestView, Role
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
@@ -39,7 +40,6 @@ from policies.estimate import (
     estimate_prefill,
     prefill_pool,
 )
-from policies.types import ClusterSnapshot, Rejection, RequestView, Role
 from predictors.online import Predictors
 
 TTFT_SLO = "ttft_slo"

@@ -1,12 +1,11 @@
-"""Helpers shared by the built-in policies, and decisions as log records (`decision_log_record`)."""
+"""Helpers shared by the built-in policies."""
 
 from __future__ import annotations
 
-import math
+import random
 from collections.abc import Sequence
-from typing import Any
 
-from policies.types import (
+from conductor.core.types import (
     CandidateScore,
     ClusterSnapshot,
     Decision,
@@ -20,13 +19,29 @@ from policies.types import (
 NO_INSTANCE = "no_instance"
 
 
+_OS_RANDOM = random.SystemRandom()  # holds no state of ours: every draw reads the OS
+
+
 class BasePolicy:
-    """Policies without fitted state need not observe anything."""
+    """Policies that remember nothing: `on_decided` and `observe` do nothing."""
 
     name = "base"
 
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        return None
+
     def observe(self, observation: Observation) -> None:
         return None
+
+
+def request_rng(seed: int | None, request: RequestView, draw: int = 0) -> random.Random:
+    """Random draws for this request alone, so `decide` stays a function of its arguments: the same
+    seed, request (its gateway sequence number) and `draw` (which of the decision's random choices)
+    give the same result, in the gateway and in the simulator alike. `seed=None` draws from the OS.
+    Building one costs a few microseconds: policies build it only when a choice is random."""
+    if seed is None:
+        return _OS_RANDOM
+    return random.Random(hash((seed, request.seq, draw)))  # ints hash the same in every process
 
 
 def no_instance(request: RequestView, policy: str, role: Role) -> Decision:
@@ -79,49 +94,3 @@ def decided(
     if rejection is not None:
         return Decision(request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates)
     return Decision(request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates)
-
-
-# ---- decisions as log records: plain JSON-safe dicts, never prompt text (a Decision holds none)
-
-
-def _num(x: float | None) -> float | None:
-    if x is None or not math.isfinite(x):
-        return None
-    return round(x, 6)
-
-
-def _candidate(c: CandidateScore) -> dict[str, Any]:
-    out: dict[str, Any] = {"instance": c.instance_id, "role": c.role.value, "score": _num(c.score)}
-    if c.predicted_ttft_s is not None:
-        out["predicted_ttft_s"] = _num(c.predicted_ttft_s)
-    if c.predicted_tbt_s is not None:
-        out["predicted_tbt_s"] = _num(c.predicted_tbt_s)
-    for key, value in c.detail.items():
-        out[key] = _num(value)
-    return out
-
-
-def decision_log_record(decision: Decision) -> dict[str, Any]:
-    """One structured log line for the gateway's decision logger."""
-    record: dict[str, Any] = {
-        "request_id": decision.request_id,
-        "policy": decision.policy,
-        "prefill": decision.prefill,
-        "decode": decision.decode,
-        "rejected": decision.rejected,
-        "predicted_ttft_s": _num(decision.predicted_ttft_s),
-        "predicted_tbt_s": _num(decision.predicted_tbt_s),
-        "pull_from": decision.pull_from,
-        "pull_tokens": decision.pull_tokens,
-        "candidates": [_candidate(c) for c in decision.candidates],
-    }
-    r = decision.rejection
-    if r is not None:
-        record["rejection"] = {
-            "reason": r.reason,
-            "message": r.message,
-            "predicted_s": _num(r.predicted_s),
-            "slo_s": _num(r.slo_s),
-            "retry_after_s": _num(r.retry_after_s),
-        }
-    return record

@@ -22,11 +22,10 @@ cost = active_decode_blocks + new_blocks, i.e. the least decode KV load.
 from __future__ import annotations
 
 import math
-import random
 
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView, Tier
 from policies.admission import BaselineAdmission
-from policies.base import BasePolicy, decided, missing_pool, pools
-from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView, Tier
+from policies.base import BasePolicy, decided, missing_pool, pools, request_rng
 
 
 class DynamoKvPolicy(BasePolicy):
@@ -48,7 +47,7 @@ class DynamoKvPolicy(BasePolicy):
         self.host_cache_hit_weight = host_cache_hit_weight
         self.disk_cache_hit_weight = disk_cache_hit_weight
         self.temperature = temperature
-        self._rng = random.Random(seed)
+        self.seed = seed
         self._guard = BaselineAdmission(admission, predictor_params)
 
     def prefill_cost(self, request: RequestView, inst: InstanceView) -> float:
@@ -72,15 +71,16 @@ class DynamoKvPolicy(BasePolicy):
         active = sum(math.ceil(d.context_tokens / bs) for d in inst.decodes)
         return float(active + max(0, math.ceil(request.prompt_tokens / bs) - device_overlap_blocks))
 
-    def pick(self, costs: list[float]) -> int:
+    def pick(self, costs: list[float], request: RequestView, draw: int) -> int:
+        """The index Dynamo's selector takes; `draw` tells this request's random choices apart."""
         lo, hi = min(costs), max(costs)
         if self.temperature <= 0:
             ties = [k for k, c in enumerate(costs) if c == lo]
-            return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+            return ties[0] if len(ties) == 1 else request_rng(self.seed, request, draw).choice(ties)
         if hi == lo:
-            return self._rng.randrange(len(costs))
+            return request_rng(self.seed, request, draw).randrange(len(costs))
         weights = [math.exp(-(c - lo) / ((hi - lo) * self.temperature)) for c in costs]
-        return self._rng.choices(range(len(costs)), weights=weights)[0]
+        return request_rng(self.seed, request, draw).choices(range(len(costs)), weights=weights)[0]
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         prefill, decode, disaggregated = pools(cluster)
@@ -88,9 +88,9 @@ class DynamoKvPolicy(BasePolicy):
         if missing is not None:
             return missing
         p_costs = [self.prefill_cost(request, i) for i in prefill]
-        p = prefill[self.pick(p_costs)].id
+        p = prefill[self.pick(p_costs, request, 0)].id
         d_costs = [self.decode_cost(request, i) for i in decode]
-        d = decode[self.pick(d_costs)].id if disaggregated else None
+        d = decode[self.pick(d_costs, request, 1)].id if disaggregated else None
         candidates = tuple(CandidateScore(i.id, i.role, c) for i, c in zip(prefill, p_costs, strict=True)) + tuple(
             CandidateScore(i.id, i.role, c) for i, c in zip(decode, d_costs, strict=True)
         )

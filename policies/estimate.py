@@ -31,7 +31,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from operator import attrgetter
 
-from policies.types import ActiveDecode, ClusterSnapshot, InstanceView, RequestView, Role, Tier
+from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, RequestView, Role, Tier
 from predictors.online import Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK
 

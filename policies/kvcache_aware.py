@@ -9,7 +9,7 @@ it (`admission="predicted"`) or by the streams decoding there now (`"early"`); s
 policies.admission. Mixed (non-disaggregated) workers are scored the same way, with the TBT check
 on the same worker: among workers whose predicted TBT meets the SLO, the one with the lowest TTFT.
 
-Learning: `decide` remembers (boundedly) what it predicted for each admitted request; `observe`
+Learning: `on_decided` remembers (boundedly) what was predicted for each admitted request; `observe`
 compares that with what happened, records the errors, and feeds the predictors' online refit:
 
 * prefill: every observed prefill leg (queue_and_prefill_s) is a sample. Behind an FCFS queue the
@@ -34,8 +34,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView, Role
 from policies.admission import AdmissionMode, admit, parse_mode
-from policies.base import BasePolicy, no_instance
+from policies.base import NO_INSTANCE, BasePolicy, no_instance
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
@@ -45,7 +46,6 @@ from policies.estimate import (
     prefill_pool,
     remote_sources,
 )
-from policies.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView, Role
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
 from predictors.params import prefill_features
@@ -89,6 +89,17 @@ def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
             }
         ),
     )
+
+
+def _chosen_candidates(decision: Decision) -> tuple[CandidateScore, CandidateScore | None] | None:
+    """The chosen prefill's and decode's scores among a decision's candidates (prefill candidates
+    carry a predicted TTFT, decode candidates a predicted TBT; a mixed worker appears as both)."""
+    prefill = next((c for c in decision.candidates if c.instance_id == decision.prefill and c.predicted_ttft_s is not None), None)
+    if prefill is None:
+        return None
+    decoder = decision.decode or decision.prefill  # mixed: the same worker decodes
+    decode = next((c for c in decision.candidates if c.instance_id == decoder and c.predicted_tbt_s is not None), None)
+    return prefill, decode
 
 
 def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) -> CandidateScore:
@@ -220,7 +231,6 @@ class KvCacheAwarePolicy(BasePolicy):
         )
         if rejection is not None and self.probe_after is not None and self._rejected_in_a_row >= self.probe_after:
             rejection = None  # a probe: let one through so the predictors see what really happens
-        self._rejected_in_a_row = self._rejected_in_a_row + 1 if rejection is not None else 0
         if rejection is not None:
             return Decision(
                 request_id=request.request_id,
@@ -231,7 +241,6 @@ class KvCacheAwarePolicy(BasePolicy):
                 candidates=candidates,
             )
         decode_id = chosen_decode.instance.id if disaggregated and chosen_decode is not None else None
-        self._remember(request.request_id, best, decode_id, tbt, ttft, first_tbt, judged.tbt_s if judged else None)
         return Decision(
             request_id=request.request_id,
             policy=self.name,
@@ -244,32 +253,51 @@ class KvCacheAwarePolicy(BasePolicy):
             candidates=candidates,
         )
 
-    def _remember(
-        self,
-        request_id: str,
-        best: PrefillEstimate,
-        decode: str | None,
-        tbt: float | None,
-        ttft: float,
-        first_tbt: float,
-        judged_tbt: float | None,
-    ) -> None:
+    # ---- remembering ----------------------------------------------------------------------
+
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        """The one place this policy's memory changes after a decision.
+
+        State, and why: `_rejected_in_a_row` (SLO rejections since the last admitted request, for
+        the `probe_after` probe) and `_pending` (what was predicted for each admitted request,
+        bounded by `max_pending`, until `observe` compares it with what happened). Everything is
+        read back from the decision's own candidate scores, so what is learned from is exactly
+        what was logged.
+        """
+        if decision.rejection is not None:
+            if decision.rejection.reason != NO_INSTANCE:
+                self._rejected_in_a_row += 1
+            return
+        self._rejected_in_a_row = 0
+        if decision.prefill is None or decision.predicted_ttft_s is None:
+            return
+        chosen = _chosen_candidates(decision)
+        if chosen is None:
+            return
+        prefill, decode = chosen
+        instance = next((i for i in cluster.instances if i.id == decision.prefill), None)
+        if instance is None:
+            return
         pred = self.predictors
-        features, head_elapsed = pred.queue_features(best.instance.prefill_queue)
-        leg = best.queue_s + best.transfer_s + best.prefill_s
-        self._pending[request_id] = _Pending(
-            prefill=best.instance.id,
-            decode=decode,
-            cached_tokens=best.cached_tokens,
-            queue_s=best.queue_s,
-            transfer_s=best.transfer_s,
-            prefill_s=best.prefill_s,
+        detail = prefill.detail
+        queue_s, transfer_s, prefill_s = detail["queue_s"], detail["transfer_s"], detail["prefill_s"]
+        features, head_elapsed = pred.queue_features(instance.prefill_queue)
+        ttft, tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
+        leg = queue_s + transfer_s + prefill_s
+        judged_tbt = None if decode is None else decode.detail.get("admission_tbt_s", decode.predicted_tbt_s)
+        self._pending[request.request_id] = _Pending(
+            prefill=decision.prefill,
+            decode=decision.decode,
+            cached_tokens=int(detail["cached_tokens"]),
+            queue_s=queue_s,
+            transfer_s=transfer_s,
+            prefill_s=prefill_s,
             ttft_s=ttft,
             tbt_s=tbt,
             queue_features=features,
             head_elapsed_s=head_elapsed,
-            handoff_s=best.handoff_s,
-            first_tbt_s=first_tbt,
+            handoff_s=detail["handoff_s"],
+            first_tbt_s=0.0 if tbt is None else tbt,
             bounds=(
                 pred.bound("ttft", ttft, 0.9),
                 pred.bound("queue_and_prefill", leg, 0.9),

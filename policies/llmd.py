@@ -18,12 +18,11 @@ short uncached prompts is not rendered: a disaggregated Conductor cluster always
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
 from policies.admission import BaselineAdmission
-from policies.base import BasePolicy, decided, local_prefix, missing_pool, pools
-from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
+from policies.base import BasePolicy, decided, local_prefix, missing_pool, pools, request_rng
 
 LLMD_BLOCK = 64  # tokens per block in llm-d's prefix index
 
@@ -53,7 +52,7 @@ class LlmdPolicy(BasePolicy):
         predictor_params: str | None = None,
     ) -> None:
         self.weights = (queue_weight, kv_cache_weight, prefix_weight)
-        self._rng = random.Random(seed)
+        self.seed = seed
         self._guard = BaselineAdmission(admission, predictor_params)
 
     def scores(self, request: RequestView, pool: Sequence[InstanceView]) -> list[tuple[float, float, float]]:
@@ -68,7 +67,9 @@ class LlmdPolicy(BasePolicy):
             out.append((queue, 1.0 - kv_usage(inst), prefix))
         return out
 
-    def pick(self, request: RequestView, pool: Sequence[InstanceView]) -> tuple[InstanceView, list[CandidateScore]]:
+    def pick(
+        self, request: RequestView, pool: Sequence[InstanceView], draw: int = 0
+    ) -> tuple[InstanceView, list[CandidateScore]]:
         wq, wk, wp = self.weights
         totals = []
         cands = []
@@ -79,7 +80,7 @@ class LlmdPolicy(BasePolicy):
             cands.append(CandidateScore(inst.id, inst.role, -total, detail={"queue": q, "kv_cache": k, "prefix": p}))
         best = max(totals)
         ties = [i for i, t in enumerate(totals) if t == best]
-        return pool[ties[0] if len(ties) == 1 else self._rng.choice(ties)], cands
+        return pool[ties[0] if len(ties) == 1 else request_rng(self.seed, request, draw).choice(ties)], cands
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         prefill, decode, disaggregated = pools(cluster)
@@ -90,7 +91,7 @@ class LlmdPolicy(BasePolicy):
         d_id: str | None = None
         d_cands: list[CandidateScore] = []
         if disaggregated:
-            d, d_cands = self.pick(request, decode)
+            d, d_cands = self.pick(request, decode, 1)
             d_id = d.id
         candidates = tuple(p_cands) + tuple(d_cands)
         return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id))

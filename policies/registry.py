@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from conductor.errors import PluginError
-from policies.types import Policy
+from conductor.core.errors import PluginError
+from conductor.core.types import Policy
 
 GROUP = "conductor.policies"
 
@@ -43,7 +43,7 @@ def check_policy(policy: object, *, origin: str) -> Policy:
     problems = []
     if not isinstance(getattr(policy, "name", None), str):
         problems.append("has no string attribute 'name'")
-    for method in ("decide", "observe"):
+    for method in ("decide", "on_decided", "observe"):
         if not callable(getattr(policy, method, None)):
             problems.append(f"has no method {method}()")
     if problems or not isinstance(policy, Policy):

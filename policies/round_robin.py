@@ -3,8 +3,8 @@ vllm-router do by default. Stateless: it rotates on the request's gateway sequen
 
 from __future__ import annotations
 
+from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from policies.base import BasePolicy, no_instance
-from policies.types import ClusterSnapshot, Decision, RequestView, Role
 
 
 class RoundRobinPolicy(BasePolicy):

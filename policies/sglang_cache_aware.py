@@ -21,9 +21,9 @@ Decode (P/D): least load, i.e. fewest decode streams, as sglang's `select_worker
 
 from __future__ import annotations
 
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
 from policies.admission import BaselineAdmission
 from policies.base import BasePolicy, decided, local_prefix, missing_pool, pools
-from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
 
 MAX_TRACKED = 4096  # instances whose tree size is kept; more means stale ids piling up
 
@@ -86,10 +86,13 @@ class SglangCacheAwarePolicy(BasePolicy):
             )
             for i in prefill
         )
-        rejection = self._guard.check(request, cluster, chosen.id, d)
-        if rejection is None:
-            self._insert(chosen.id, request.prompt_tokens - local_prefix(request, chosen.id), cluster)
-        return decided(request, self.name, chosen.id, d, candidates, rejection)
+        return decided(request, self.name, chosen.id, d, candidates, self._guard.check(request, cluster, chosen.id, d))
+
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        """The one state it keeps: each worker's approximate radix-tree size (tokens routed there
+        and not already cached), which sglang's router uses to break ties when no cache matches."""
+        if decision.prefill is not None and not decision.rejected:
+            self._insert(decision.prefill, request.prompt_tokens - local_prefix(request, decision.prefill), cluster)
 
     def _insert(self, instance_id: str, tokens: int, cluster: ClusterSnapshot) -> None:
         size = self._tree_size.get(instance_id, 0) + max(0, tokens)

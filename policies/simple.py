@@ -10,18 +10,16 @@
 
 from __future__ import annotations
 
-import random
-
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
 from policies.admission import BaselineAdmission
-from policies.base import BasePolicy, decided, missing_pool, pools
-from policies.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
+from policies.base import BasePolicy, decided, missing_pool, pools, request_rng
 
 
 class RandomPolicy(BasePolicy):
     name = "random"
 
     def __init__(self, seed: int | None = 0, admission: str = "none", predictor_params: str | None = None) -> None:
-        self._rng = random.Random(seed)
+        self.seed = seed
         self._guard = BaselineAdmission(admission, predictor_params)
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
@@ -29,8 +27,9 @@ class RandomPolicy(BasePolicy):
         missing = missing_pool(request, self.name, prefill, decode, disaggregated)
         if missing is not None:
             return missing
-        p = self._rng.choice(prefill).id
-        d = self._rng.choice(decode).id if disaggregated else None
+        rng = request_rng(self.seed, request)
+        p = rng.choice(prefill).id
+        d = rng.choice(decode).id if disaggregated else None
         return decided(request, self.name, p, d, rejection=self._guard.check(request, cluster, p, d))
 
 

@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from conductor.core.cli_help import DefaultsHelpFormatter
 from predictors.params import DecodePrior
 from predictors.profile import ProfileError, bundled_profile, fit_profiles
 
 
 def _parser() -> argparse.ArgumentParser:
     prior = DecodePrior()
-    p = argparse.ArgumentParser(prog="conductor fit", description="Fit Conductor's latency predictors from profile CSVs.")
+    p = argparse.ArgumentParser(
+        prog="conductor fit",
+        description="Fit Conductor's latency predictors from profile CSVs.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("profiles", nargs="*", help=f"profile CSV files (default: the bundled {bundled_profile().name})")
     p.add_argument("-o", "--output", required=True, help="where to write the params JSON")
     p.add_argument("--kv-bytes-per-token", type=float, default=None, help="override the profile's KV size per token")

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from policies.types import InstanceView, QueuedPrefill
+from conductor.core.types import InstanceView, QueuedPrefill
 from predictors.errors import ErrorStats, ErrorTracker
 from predictors.linear import FitOptions, LinearModel, fit_linear
 from predictors.params import (

@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from conductor.errors import ConductorError
+from conductor.core.cli_help import DefaultsHelpFormatter
+from conductor.core.errors import ConductorError
 from traces import live
 from traces.formats import load_trace, resolve_trace
 from traces.sim.options import add_cluster_args, config_from_args
@@ -26,7 +27,9 @@ from traces.sim.runner import PolicySpec, SimJob, parse_specs, run_jobs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conductor replay", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="conductor replay", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("trace", help="trace file or bundled name (conversation, synthetic, conversation-head400)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--simulate", action="store_true", help="discrete-event simulation (the default)")

@@ -11,7 +11,7 @@ blocks concatenated and cut to `input_length`, so:
   a pseudo-random sequence seeded by (seed, hash id). Different ids below 2**32 therefore never
   produce equal blocks, whatever the random part does.
 
-Token ids are in 0..255, the built-in ByteTokenizer's byte range (conductor.tokenization), so the
+Token ids are in 0..255, the built-in ByteTokenizer's byte range (conductor.core.tokenization), so the
 emulated workers and the gateway accept them and agree on their length.
 
 Length scaling (`length_scale` f, 0 < f <= 1) lets a laptop replay a trace whose prompts average

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from conductor.errors import ConductorError
+from conductor.core.cli_help import DefaultsHelpFormatter
+from conductor.core.errors import ConductorError
 from traces.formats import resolve_trace
 from traces.sim.options import add_cluster_args, config_from_args
 from traces.sim.results import RunResult
@@ -112,7 +113,9 @@ def write_plot(s: SweepResult, path: str | Path, title: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conductor tune-pd", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="conductor tune-pd", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("trace", help="trace file or bundled name (conversation, synthetic, conversation-head400)")
     parser.add_argument("--nodes", type=int, required=True, help="total nodes to split into prefill and decode")
     parser.add_argument("--policy", default="round_robin", help="policy spec, name:key=value:...")

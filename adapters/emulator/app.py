@@ -48,8 +48,8 @@ from adapters.emulator.openai_format import (
 from adapters.emulator.prefix_cache import PrefixCache
 from adapters.emulator.profile import load_profile
 from adapters.emulator.protocols import LegPlan, NixlAnswer, plan_leg
-from conductor.tokenization import ByteTokenizer
-from conductor.vllm_hash import VllmBlockHasher
+from conductor.core.tokenization import ByteTokenizer
+from conductor.core.vllm_hash import VllmBlockHasher
 
 log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder().decode

@@ -15,38 +15,41 @@ from adapters.emulator.app import EmulatorApp
 from adapters.emulator.bootstrap import BootstrapApp
 from adapters.emulator.config import EmulatorConfig, _engine_id
 from adapters.emulator.protocols import PdProtocol, Role
-from conductor.vllm_hash import HASH_ALGOS
+from conductor.core.cli_help import DefaultsHelpFormatter
+from conductor.core.vllm_hash import HASH_ALGOS
 
 log = logging.getLogger("adapters.emulator")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="conductor emulate", description="Run an emulated vLLM worker.")
-    p.add_argument("--role", choices=[r.value for r in Role], default="mixed")
-    p.add_argument("--pd-protocol", choices=[x.value for x in PdProtocol], default="nixl")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = argparse.ArgumentParser(
+        prog="conductor emulate", description="Run an emulated vLLM worker.", formatter_class=DefaultsHelpFormatter
+    )
+    p.add_argument("--role", choices=[r.value for r in Role], default="mixed", help="part in the P/D split")
+    p.add_argument("--pd-protocol", choices=[x.value for x in PdProtocol], default="nixl", help="KV connector handshake spoken")
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=int, default=8000, help="listen port")
     p.add_argument("--model", default="emulated", help="served model name")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (vLLM --block-size)")
     p.add_argument("--bootstrap-port", type=int, default=None,
                    help="prefill role, mooncake/sglang: serve the bootstrap server on this port")
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replays")
-    p.add_argument("--kv-events-topic", default="")
+    p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
     p.add_argument("--profile", default=None, help="YAML/JSON timing profile (default: bundled Qwen3-8B/H800)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration")
     p.add_argument("--noise", type=float, default=0.0, help="sigma of multiplicative lognormal noise")
     p.add_argument("--seed", type=int, default=None, help="seed of the timing noise")
-    p.add_argument("--kv-capacity-tokens", type=int, default=1_000_000)
-    p.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
+    p.add_argument("--kv-capacity-tokens", type=int, default=1_000_000, help="prefix cache size in tokens (LRU)")
+    p.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256", help="vLLM --prefix-caching-hash-algo")
     p.add_argument("--hash-seed", default=None, help="NONE_HASH seed (default: PYTHONHASHSEED, else vLLM's)")
-    p.add_argument("--engine-id", default=None)
-    p.add_argument("--max-model-len", type=int, default=131_072)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--default-max-tokens", type=int, default=16)
-    p.add_argument("--side-channel-port", type=int, default=5600)
-    p.add_argument("--remote-wait-s", type=float, default=120.0)
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--engine-id", default=None, help="KV connector engine id (default: derived from host and port)")
+    p.add_argument("--max-model-len", type=int, default=131_072, help="longest prompt plus output accepted")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="running batch limit (default: the profile's)")
+    p.add_argument("--default-max-tokens", type=int, default=16, help="output length when a request sets none")
+    p.add_argument("--side-channel-port", type=int, default=5600, help="NIXL side channel port reported")
+    p.add_argument("--remote-wait-s", type=float, default=120.0, help="longest a decode waits for its remote prefill")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     return p
 
 

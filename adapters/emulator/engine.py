@@ -29,7 +29,7 @@ from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, ev
 from adapters.emulator.metrics import EngineMetrics, RequestTimes
 from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
 from adapters.emulator.profile import Profile
-from conductor.vllm_hash import VllmBlockHasher
+from conductor.core.vllm_hash import VllmBlockHasher
 
 # Awaited by a remote-KV decode leg before its transfer starts; False means "no remote KV, prefill here".
 RemoteWait = Callable[[], Awaitable[bool]]

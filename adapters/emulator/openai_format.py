@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from conductor.tokenization import ByteTokenizer
+from conductor.core.tokenization import ByteTokenizer
 
 _encode = msgspec.json.Encoder().encode
 

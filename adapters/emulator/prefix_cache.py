@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from conductor.vllm_hash import digest_to_event_id
+from conductor.core.vllm_hash import digest_to_event_id
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from policies.types import Role
+from conductor.core.types import Role
 
 
 class PdProtocol(StrEnum):

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from policies.types import CachedPrefix, Tier
+from conductor.core.types import CachedPrefix, Tier
 
 # Tier bits stored per (block, instance); a block may sit in both HBM and DRAM (offloading).
 TIER_BITS: Mapping[Tier, int] = {Tier.DEVICE: 1, Tier.HOST: 2, Tier.STORE: 4}

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from adapters.index.base import KVIndex
 from adapters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from conductor.block_keys import BlockKeyScheme
-from policies.types import Tier
+from conductor.core.block_keys import BlockKeyScheme
+from conductor.core.types import Tier
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 
 from adapters.index.base import ALL_TIER_BITS, TIER_BITS, IndexLimits, IndexStats, PrefixMatch
-from policies.types import Tier
+from conductor.core.types import Tier
 
 _RANK_TIER = (Tier.DEVICE, Tier.HOST, Tier.STORE)
 # tier bits -> rank of the fastest tier present (0 device, 1 host, 2 store); index 0 unused

@@ -30,7 +30,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from adapters.index.base import TIER_BITS, IndexLimits, IndexStats, PrefixMatch
-from policies.types import Tier
+from conductor.core.types import Tier
 
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 

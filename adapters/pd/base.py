@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from adapters.upstream import Upstream, UpstreamReply, UpstreamStream
-from conductor.errors import UpstreamError
+from conductor.core.errors import UpstreamError
 
 CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _encode = msgspec.json.Encoder().encode

@@ -30,7 +30,7 @@ import aiohttp
 
 from adapters.pd.base import Exchange, Outgoing, Target, decode_json, prefill_body
 from adapters.pd.concurrent import concurrent_exchange
-from conductor.errors import ConfigError, NoHealthyInstance
+from conductor.core.errors import ConfigError, NoHealthyInstance
 
 log = logging.getLogger("conductor.pd.mooncake")
 

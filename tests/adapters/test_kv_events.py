@@ -19,9 +19,9 @@ from adapters.index.feed import IndexFeeder
 from adapters.index.memory import MemoryIndex
 from adapters.index.redis import RedisIndex
 from adapters.kv_events import EventSource, EventSubscriber, decode_batch, offset_endpoint, subscriber_address
-from conductor.block_keys import VllmKeys, XxhashKeys
-from conductor.vllm_hash import VllmBlockHasher
-from policies.types import Tier
+from conductor.core.block_keys import VllmKeys, XxhashKeys
+from conductor.core.types import Tier
+from conductor.core.vllm_hash import VllmBlockHasher
 
 BS = 16
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings
-from conductor.block_keys import VllmKeys
-from conductor.errors import ConfigError
+from conductor.core.block_keys import VllmKeys
+from conductor.core.errors import ConfigError
 
 
 def _free_port() -> int:

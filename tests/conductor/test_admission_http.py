@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 
+from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from policies.base import BasePolicy
 from policies.registry import load_policy
-from policies.types import ClusterSnapshot, Decision, RequestView, Role
 from tests.support.cluster import cluster
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from conductor.core.types import ClusterSnapshot, Decision, Rejection, RequestView
 from policies.base import BasePolicy
-from policies.types import ClusterSnapshot, Decision, Rejection, RequestView
 from tests.support.cluster import cluster
 from tests.support.servers import free_port
 

@@ -17,10 +17,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from adapters.index.memory import MemoryIndex
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, WorkerTokenizer
-from conductor.block_keys import XxhashKeys
+from conductor.core.block_keys import XxhashKeys
+from conductor.core.tokenization import ByteTokenizer
+from conductor.core.types import CachedPrefix, Decision, Observation, Role
 from conductor.kv_awareness import HashAgreement, KVAwareAnalyzer, build_analyzer
-from conductor.tokenization import ByteTokenizer
-from policies.types import CachedPrefix, Decision, Observation, Role
 from tests.support.emulator import Emulator, start_emulator
 
 WORDS = ["hello", "world", "the", "cache", "is", "warm", "a", "b", "c", "d"]

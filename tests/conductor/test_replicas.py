@@ -11,9 +11,9 @@ import httpx
 import redis
 
 from conductor.app import create_app
+from conductor.core.types import Role
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
-from policies.types import Role
 from tests.support.servers import serve
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for

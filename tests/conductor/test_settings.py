@@ -7,10 +7,10 @@ import argparse
 import pytest
 
 from conductor.cli import add_serve_args, settings_from_args
-from conductor.errors import ConfigError, PluginError
+from conductor.core.errors import ConfigError, PluginError
+from conductor.core.types import Role
 from conductor.settings import load_settings
 from policies.registry import load_policy
-from policies.types import Role
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

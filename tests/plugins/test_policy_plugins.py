@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conductor.errors import PluginError
+from conductor.core.errors import PluginError
+from conductor.core.types import ClusterSnapshot, InstanceView, Observation, RequestView, Role
 from policies.registry import available_policies, load_policy
-from policies.types import ClusterSnapshot, InstanceView, Observation, RequestView, Role
 
 DIST = "conductor-demo-plugin"
 SOURCE = Path(__file__).parent / "thirdparty_policy"

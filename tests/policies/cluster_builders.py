@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 
-from policies.types import (
+from conductor.core.types import (
     ActiveDecode,
     CachedPrefix,
     ClusterSnapshot,
+    Decision,
     InstanceView,
+    Policy,
     QueuedPrefill,
     RequestView,
     Role,
@@ -32,9 +35,18 @@ def request(
     store: int = 0,
     rid: str = "r1",
 ) -> RequestView:
+    """A request; its gateway sequence number follows from its id (policies draw randomness per request)."""
     prefixes = {k: v if isinstance(v, CachedPrefix) else CachedPrefix(v) for k, v in (cached or {}).items()}
-    return RequestView(rid, 1, "m", prompt, 128, cached=prefixes, slo=slo or Slo(), store_cached_tokens=store)
+    seq = zlib.crc32(rid.encode())
+    return RequestView(rid, seq, "m", prompt, 128, cached=prefixes, slo=slo or Slo(), store_cached_tokens=store)
 
 
 def snapshot(*instances: InstanceView) -> ClusterSnapshot:
     return ClusterSnapshot(now=100.0, instances=instances)
+
+
+def routed(policy: Policy, req: RequestView, cluster: ClusterSnapshot) -> Decision:
+    """Decide as the gateway and the simulator do: `decide`, then `on_decided` with its result."""
+    decision = policy.decide(req, cluster)
+    policy.on_decided(req, cluster, decision)
+    return decision

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
+from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.simple import LeastLoadedPolicy
-from policies.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
 from predictors import OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
 
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from cluster_builders import decode, prefill, request, snapshot
+from cluster_builders import decode, prefill, request, routed, snapshot
 
+from conductor.core.types import CachedPrefix, InstanceView, Role, Tier
 from policies.dynamo_kv import DynamoKvPolicy
 from policies.llmd import LlmdPolicy
 from policies.sglang_cache_aware import SglangCacheAwarePolicy
 from policies.simple import LeastLoadedPolicy, RandomPolicy
-from policies.types import CachedPrefix, InstanceView, Role, Tier
 
 
 def test_random_is_seeded_and_uniform() -> None:
     cluster = snapshot(prefill("p0"), prefill("p1"), prefill("p2"), decode("d0"), decode("d1"))
-    picks = [RandomPolicy(seed=5).decide(request(rid=str(i)), cluster) for i in range(3)]
-    assert len({(d.prefill, d.decode) for d in picks}) == 1  # same seed, same first choice
+    picks = [RandomPolicy(seed=5).decide(request(rid="same"), cluster) for _ in range(3)]
+    assert len({(d.prefill, d.decode) for d in picks}) == 1  # same seed and request, same choice
     pol = RandomPolicy(seed=1)
     counts = Counter(pol.decide(request(rid=str(i)), cluster).prefill for i in range(3000))
     assert set(counts) == {"p0", "p1", "p2"} and all(900 < c < 1100 for c in counts.values())
@@ -47,10 +47,10 @@ def test_sglang_imbalanced_goes_to_shortest_queue() -> None:
 def test_sglang_match_threshold_then_smallest_tree() -> None:
     pol = SglangCacheAwarePolicy()
     cluster = snapshot(prefill("p0"), prefill("p1"), prefill("p2"), decode("d0", streams=3), decode("d1"))
-    d = pol.decide(request(prompt=1000, cached={"p2": 320}), cluster)  # ratio 0.32 > 0.3
+    d = routed(pol, request(prompt=1000, cached={"p2": 320}), cluster)  # ratio 0.32 > 0.3
     assert (d.prefill, d.decode) == ("p2", "d1")  # decode: least load
     # below the threshold: the worker with the smallest tree, and trees grow with what was routed
-    seen = [pol.decide(request(prompt=1000, cached={"p2": 290}, rid=f"x{i}"), cluster).prefill for i in range(3)]
+    seen = [routed(pol, request(prompt=1000, cached={"p2": 290}, rid=f"x{i}"), cluster).prefill for i in range(3)]
     assert seen == ["p0", "p1", "p2"]  # trees: p2 680 (its hit was inserted minus the match), then 1000 each
 
 
@@ -58,7 +58,7 @@ def test_sglang_tree_capped_like_its_eviction() -> None:
     pol = SglangCacheAwarePolicy(max_tree_size=1500)
     cluster = snapshot(prefill("p0"), prefill("p1"), decode("d0"))
     for i in range(6):
-        pol.decide(request(prompt=1000, rid=str(i)), cluster)
+        routed(pol, request(prompt=1000, rid=str(i)), cluster)
     assert all(c.detail["tree_tokens"] <= 1500 for c in pol.decide(request(prompt=10), cluster).candidates)
 
 

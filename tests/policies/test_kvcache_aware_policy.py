@@ -8,11 +8,11 @@ from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
-from cluster_builders import decode, prefill, request, snapshot
+from cluster_builders import decode, prefill, request, routed, snapshot
 
+from conductor.core.types import ActiveDecode, CachedPrefix, InstanceView, Observation, QueuedPrefill, Role, Slo, Tier
 from policies.estimate import pull_threshold
 from policies.kvcache_aware import KvCacheAwarePolicy
-from policies.types import ActiveDecode, CachedPrefix, InstanceView, Observation, QueuedPrefill, Role, Slo, Tier
 from predictors import LinearModel, OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
 
 
@@ -131,7 +131,7 @@ def test_observations_refit_predictors_and_track_errors(params: PredictorParams)
     before = pol.predictors.prefill_s(4000, 0)
     for i in range(24):  # the machine is twice as slow as the profile says
         req = request(prompt=4000, rid=f"r{i}")
-        d = pol.decide(req, cluster)
+        d = routed(pol, req, cluster)
         assert d.predicted_ttft_s is not None
         leg = 2 * pol.predictors.prefill_s(4000, 0)
         pol.observe(
@@ -167,7 +167,7 @@ def test_queued_legs_teach_the_prefill_model_through_the_fcfs_queue(params: Pred
         queue = tuple(QueuedPrefill(rng.randint(1000, 8000), 0, elapsed if j == 0 else 0.0) for j in range(k))
         cluster = snapshot(InstanceView("p0", Role.PREFILL, prefill_queue=queue), decode("d0"))
         req = request(prompt=n, rid=f"q{i}")
-        d = pol.decide(req, cluster)
+        d = routed(pol, req, cluster)
         leg = truth.queue_s(queue) + truth.prefill_s(n, 0)  # exact FCFS: the queue is never empty
         pol.observe(Observation(req.request_id, d.prefill, d.decode, n, 0, 0, leg, leg + 0.02))
     assert pol.predictors.refits >= 4
@@ -181,7 +181,7 @@ def test_pending_predictions_are_bounded(params: PredictorParams) -> None:
     pol = policy(params, max_pending=4)
     cluster = snapshot(prefill("p0"), decode("d0"))
     for i in range(10):
-        pol.decide(request(rid=f"b{i}"), cluster)
+        routed(pol, request(rid=f"b{i}"), cluster)
     assert len(pol._pending) == 4 and "b9" in pol._pending and "b0" not in pol._pending
     pol.observe(Observation("b0", "p0", "d0", 8192, 0, 0, 0.5, 0.5))  # forgotten: ignored, no error
     assert pol.error_stats() == ()
@@ -193,8 +193,8 @@ def test_rejecting_everything_still_probes_so_it_can_learn() -> None:
     tight = Slo(ttft_s=1e-6, tbt_s=None)  # nothing can meet it: every prediction says reject
     outcomes = []
     for i in range(12):
-        d = policy.decide(request(4096, slo=tight, rid=f"r{i}"), cluster)
+        d = routed(policy, request(4096, slo=tight, rid=f"r{i}"), cluster)
         outcomes.append(d.rejected)
     assert outcomes == [True] * 5 + [False] + [True] * 5 + [False]
     never = KvCacheAwarePolicy(probe_after=None)
-    assert all(never.decide(request(4096, slo=tight, rid=f"n{i}"), cluster).rejected for i in range(12))
+    assert all(routed(never, request(4096, slo=tight, rid=f"n{i}"), cluster).rejected for i in range(12))

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
-from conductor.errors import PluginError
+from conductor.core.decision_log import decision_log_record
+from conductor.core.errors import PluginError
+from conductor.core.types import InstanceView, Role, Slo
 from policies import RECOMMENDED_POLICY
-from policies.base import decision_log_record
 from policies.registry import available_policies, load_policy
-from policies.types import InstanceView, Role, Slo
 
 BUILT_INS = (
     "round_robin",

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from policies.types import QueuedPrefill
+from conductor.core.types import QueuedPrefill
 from predictors import ErrorTracker, OnlineConfig, Predictors, bundled_profile, fit_profiles
 
 TRUE_PREFILL = (0.06, 5.0e-5, 3.0e-10)  # a slower, 70B-class machine than the bundled profile

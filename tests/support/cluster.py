@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.app import create_app
+from conductor.core.types import Policy
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
-from policies.types import Policy
 from tests.support.servers import ServerThread, serve
 from tests.support.standin import BootstrapStandIn, StandIn
 

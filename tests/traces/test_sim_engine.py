@@ -11,8 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from policies.registry import load_policy
-from policies.types import (
+from conductor.core.types import (
     ClusterSnapshot,
     Decision,
     Observation,
@@ -20,6 +19,7 @@ from policies.types import (
     RequestView,
     Slo,
 )
+from policies.registry import load_policy
 from traces.formats import TraceRequest
 from traces.sim.cluster import BlockLRU
 from traces.sim.config import SimConfig
@@ -40,8 +40,10 @@ class Scripted:
         self.observed: list[Observation] = []
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
-        self.seen.append((request, cluster))
         return self.route(request, cluster)
+
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        self.seen.append((request, cluster))
 
     def observe(self, observation: Observation) -> None:
         self.observed.append(observation)

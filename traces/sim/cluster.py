@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 
-from policies.types import InstanceView
+from conductor.core.types import InstanceView
 from traces.formats import TraceRequest
 from traces.sim.truth import DecodeTruth
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.types import Slo
+from conductor.core.types import Slo
 from traces.sim.truth import TruthModel, fit_truth
 
 

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from policies.types import (
+from conductor.core.types import (
     ActiveDecode,
     CachedPrefix,
     ClusterSnapshot,
@@ -141,7 +141,9 @@ class Simulator:
     # -- arrivals and decisions -------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
         view = self._request_view(job)
-        decision = self.policy.decide(view, self._snapshot())
+        snapshot = self._snapshot()
+        decision = self.policy.decide(view, snapshot)
+        self.policy.on_decided(view, snapshot, decision)
         if decision.rejection is not None:
             self.rejections[decision.rejection.reason] += 1
             return

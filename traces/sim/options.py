@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from policies.types import Slo
+from conductor.core.types import Slo
 from traces.sim.config import SimConfig
 from traces.sim.truth import (
     DEFAULT_PROFILE,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapters.emulator.profile import Profile as EmulatorProfile
+from conductor.core.profile import Profile as EmulatorProfile
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "conductor" / "data" / "profiles" / (
     "qwen3-8b-h800-1p1d-vllm-mooncake.csv"

@@ -9,7 +9,7 @@ from adapters.emulator.engine import Engine, Sequence
 from adapters.emulator.metrics import EngineMetrics
 from adapters.emulator.prefix_cache import PrefixCache
 from adapters.emulator.profile import Profile
-from conductor.vllm_hash import VllmBlockHasher
+from conductor.core.vllm_hash import VllmBlockHasher
 
 # Every step costs 1 ms, so the tests measure steps, not wall time.
 FAST = Profile(prefill_base_s=0.001, prefill_per_token_s=0.0, prefill_quad_s=0.0, decode_base_s=0.001,

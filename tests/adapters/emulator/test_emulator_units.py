@@ -10,7 +10,7 @@ import pytest
 from adapters.emulator.prefix_cache import PrefixCache
 from adapters.emulator.profile import DEFAULT_CSV, fit_csv, load_profile
 from adapters.emulator.protocols import PdProtocol, Role, plan_leg
-from conductor.vllm_hash import VllmBlockHasher, digest_to_event_id
+from conductor.core.vllm_hash import VllmBlockHasher, digest_to_event_id
 
 
 def test_default_profile_fits_the_published_table() -> None:

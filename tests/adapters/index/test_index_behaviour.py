@@ -10,8 +10,8 @@ import pytest
 
 from adapters.index.base import IndexLimits, KVIndex
 from adapters.index.memory import MemoryIndex
-from conductor.block_keys import XxhashKeys
-from policies.types import CachedPrefix, Tier
+from conductor.core.block_keys import XxhashKeys
+from conductor.core.types import CachedPrefix, Tier
 
 KEYS = XxhashKeys(16, seed=3)
 

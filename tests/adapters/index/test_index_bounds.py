@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from adapters.index.base import IndexLimits
 from adapters.index.memory import MemoryIndex
 from adapters.index.redis import RedisIndex
-from conductor.block_keys import XxhashKeys
+from conductor.core.block_keys import XxhashKeys
 
 from .conftest import REDIS_URL
 
@@ -79,7 +79,7 @@ async def test_redis_index_stays_under_its_bound_for_a_million_blocks(redis_inde
 _PEER = """
 import asyncio, json, sys
 from adapters.index.redis import RedisIndex
-from conductor.block_keys import XxhashKeys
+from conductor.core.block_keys import XxhashKeys
 
 async def main():
     prefix, mine, theirs = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.types import ClusterSnapshot, Decision, Observation, RequestView, Role
+from conductor.core.types import ClusterSnapshot, Decision, Observation, RequestView, Role
 
 
 class LastInstancePolicy:
@@ -11,11 +11,15 @@ class LastInstancePolicy:
     def __init__(self, tag: str = "") -> None:
         self.tag = tag
         self.observed = 0
+        self.decided = 0
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         prefill = max(i.id for i in cluster.by_role(Role.PREFILL))
         decode = max(i.id for i in cluster.by_role(Role.DECODE))
         return Decision(request_id=request.request_id, policy=self.name + self.tag, prefill=prefill, decode=decode)
+
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        self.decided += 1
 
     def observe(self, observation: Observation) -> None:
         self.observed += 1

@@ -1,4 +1,4 @@
-"""Golden vectors for conductor.vllm_hash.
+"""Golden vectors for conductor.core.vllm_hash.
 
 Each expectation is computed here independently from the algorithm as vLLM documents it (hashlib,
 pickle, cbor2 and xxhash called directly), and a few are pinned as literal hex so that a change in
@@ -14,7 +14,7 @@ import cbor2
 import pytest
 import xxhash
 
-from conductor.vllm_hash import (
+from conductor.core.vllm_hash import (
     HASH_ALGOS,
     VllmBlockHasher,
     digest_to_event_id,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from conductor.block_keys import VllmKeys, XxhashKeys, common_prefix_blocks, make_scheme
+from conductor.core.block_keys import VllmKeys, XxhashKeys, common_prefix_blocks, make_scheme
 
 LOW64 = (1 << 64) - 1
 

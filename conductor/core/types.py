@@ -190,10 +190,20 @@ class Observation:
 
 @runtime_checkable
 class Policy(Protocol):
-    """A scheduling policy. `decide` must not do I/O; `observe` may update fitted state."""
+    """A scheduling policy, called by the gateway and the simulator alike in this order:
+
+    1. `decide(request, cluster)`: a function of its arguments and of the policy's state as it is;
+       it changes nothing (no I/O, no state): calling it twice gives the same decision.
+    2. `on_decided(request, cluster, decision)`: right after, with the same arguments and the
+       decision `decide` returned. The one method where a policy remembers what it decided
+       (e.g. predictions to learn from later, a count of rejections in a row).
+    3. `observe(observation)`: when an admitted request finishes or fails; may update fitted state.
+    """
 
     name: str
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision: ...
+
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None: ...
 
     def observe(self, observation: Observation) -> None: ...

@@ -8,7 +8,7 @@ Two schemes share one small protocol (`BlockKeyScheme`):
   differing token onwards. The token ids are converted to bytes once and the chain walks a
   memoryview of them, so a 128K-token prompt costs about 1.5 ms at block size 16 and 0.6 ms at
   512 (see benchmarks/bench_index.py); the chain itself is inherently sequential.
-- `VllmKeys`: vLLM's own block hashes (`conductor.vllm_hash`), as the low 64 bits its KV events
+- `VllmKeys`: vLLM's own block hashes (`conductor.core.vllm_hash`), as the low 64 bits its KV events
   carry. Index keys then equal event hashes, so events need no translation; this needs the
   workers' `--prefix-caching-hash-algo` and PYTHONHASHSEED to be known to the gateway.
 
@@ -97,7 +97,7 @@ class XxhashKeys:
 
 
 class VllmKeys:
-    """vLLM's block hashes (low 64 bits, as in its KV events), computed by `conductor.vllm_hash`.
+    """vLLM's block hashes (low 64 bits, as in its KV events), computed by `conductor.core.vllm_hash`.
 
     algo: vLLM's --prefix-caching-hash-algo (sha256, sha256_cbor, xxhash, xxhash_cbor).
     seed: the workers' PYTHONHASHSEED, or None for vLLM's default none-hash seed.
@@ -105,7 +105,7 @@ class VllmKeys:
 
     def __init__(self, block_size: int, algo: str = "sha256", seed: str | int | None = None) -> None:
         # Imported here so that xxhash-mode users do not pay for (or depend on) the vLLM hasher.
-        from conductor.vllm_hash import VllmBlockHasher
+        from conductor.core.vllm_hash import VllmBlockHasher
 
         self._block_size = block_size
         self.algo = algo

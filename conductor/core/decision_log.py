@@ -1,0 +1,58 @@
+"""Decisions as log records: plain JSON-safe dicts, never prompt text (a Decision holds none).
+
+The gateway writes one record per decision to the `conductor.decisions` logger; the record's shape
+is the one `tests/conductor/core/test_decision_log.py` checks, and the same function serves the
+simulator and any tool that wants to read decisions back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from conductor.core.types import CandidateScore, Decision
+
+
+def _num(x: float | None) -> float | None:
+    if x is None or not math.isfinite(x):
+        return None
+    return round(x, 6)
+
+
+def _candidate(c: CandidateScore) -> dict[str, Any]:
+    out: dict[str, Any] = {"instance": c.instance_id, "role": c.role.value, "score": _num(c.score)}
+    if c.predicted_ttft_s is not None:
+        out["predicted_ttft_s"] = _num(c.predicted_ttft_s)
+    if c.predicted_tbt_s is not None:
+        out["predicted_tbt_s"] = _num(c.predicted_tbt_s)
+    for key, value in c.detail.items():
+        out[key] = _num(value)
+    return out
+
+
+def decision_log_record(decision: Decision, prompt_tokens: int | None = None) -> dict[str, Any]:
+    """One structured log line for the gateway's decision logger (`prompt_tokens`: the prompt's size,
+    when the caller knows it; sizes and predictions only, never text)."""
+    record: dict[str, Any] = {
+        "request_id": decision.request_id,
+        "prompt_tokens": prompt_tokens,
+        "policy": decision.policy,
+        "prefill": decision.prefill,
+        "decode": decision.decode,
+        "rejected": decision.rejected,
+        "predicted_ttft_s": _num(decision.predicted_ttft_s),
+        "predicted_tbt_s": _num(decision.predicted_tbt_s),
+        "pull_from": decision.pull_from,
+        "pull_tokens": decision.pull_tokens,
+        "candidates": [_candidate(c) for c in decision.candidates],
+    }
+    r = decision.rejection
+    if r is not None:
+        record["rejection"] = {
+            "reason": r.reason,
+            "message": r.message,
+            "predicted_s": _num(r.predicted_s),
+            "slo_s": _num(r.slo_s),
+            "retry_after_s": _num(r.retry_after_s),
+        }
+    return record
