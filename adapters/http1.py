@@ -2,177 +2,131 @@
 
 Why not aiohttp or httpx: the gateway's CPU per request is its budget and two upstream calls are
 most of it. Measured on this box (benchmarks/bench_gateway.py, benchmarks/bench_http_client.py),
-a POST costs about 510 us of CPU with httpx, 150 us with aiohttp and a fraction of that here,
-where a keep-alive connection is an asyncio.Protocol feeding httptools' C parser (the parser
-uvicorn itself uses) and nothing else runs per request.
+a POST costs several times more CPU with httpx or aiohttp than here, where a keep-alive connection
+is an asyncio.Protocol feeding httptools' C parser (llhttp, the parser uvicorn itself uses) and
+little else runs per request.
 
-What it does: keep-alive pools per origin with a connection limit, TCP_NODELAY, Content-Length
-request bodies, chunked or sized or close-delimited responses, streamed bodies with flow control,
-a connect timeout and a read timeout (longest silence), and one retry of a request that failed on
-a reused idle connection before any response byte arrived (the server closed it meanwhile).
-What it does not: TLS to workers, proxies, redirects, cookies, compression, HTTP/2.
+What it does: keep-alive pools per origin with a connection limit and a bounded wait for a free
+connection, TCP_NODELAY, optional TLS, Content-Length request bodies, chunked, sized or
+close-delimited responses (and bodiless ones: HEAD, 204, 304; 1xx interim answers are skipped),
+streamed bodies with flow control, a connect timeout and a read timeout (longest silence).
+
+Request heads are built only from validated parts (`build_head`): a CR or LF smuggled into a
+header value can never split the head into a second request, and the framing headers (Host,
+Content-Length, Transfer-Encoding) are always the client's own, never a caller's that could
+disagree with the body actually written. Responses are parsed by httptools, never by hand.
+
+Re-sending: a request is written at most once. An idle connection is checked right before the
+write (closed, half-closed, or with unread bytes or a FIN waiting) and replaced if stale; once the
+bytes are handed to the socket, a failure is raised with `sent=True` and never retried here: the
+server may have read the request, and running a prefill twice is worse than failing over.
+
+What it does not: proxies, redirects, cookies, compression, HTTP/2, pipelining.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import socket
-import time
+import contextlib
+import functools
+import re
+import ssl
+import threading
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
-import httptools
+from adapters.http1_conn import Connection, ConnectionFailed, HTTPClientError, PoolTimeout, ReadTimeout
+
+__all__ = [
+    "ConnectionFailed", "HTTPClientError", "InvalidRequest", "Pool", "PoolTimeout", "ReadTimeout", "Response",
+    "authority", "build_head",
+]
+
+# ---- request heads: built only from validated parts -------------------------------------------
+# RFC 7230 3.2.6: token = 1*tchar
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# origin-form (RFC 7230 5.3.1): an absolute path and optional query, visible ASCII only; any
+# space or control character would end the request line early
+_TARGET = re.compile(r"/[\x21-\x7e]*")
+# field-value may hold VCHAR, obs-text, SP and HTAB; every other control character (CR, LF and NUL
+# above all) is refused
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# reg-name, IPv4 or a bracketed IPv6 literal, with an optional port
+_AUTHORITY = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~!$&'()*+,;=]+)(:[0-9]{1,5})?")
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
+# methods whose requests carry no body unless one is given: no "Content-Length: 0" for them
+_BODILESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
 
 
-class ConnectionFailed(Exception):
-    """The connection failed or closed before a complete answer."""
-
-    def __init__(self, message: str, *, received: bool = False) -> None:
-        super().__init__(message)
-        self.received = received  # any response byte seen: then the request may have run
+class InvalidRequest(ValueError):
+    """The request cannot be written as well-formed HTTP/1.1; nothing was sent."""
 
 
-class ReadTimeout(Exception):
-    """The server stayed silent longer than the read timeout."""
-
-
-_EOF = object()
-_HIGH_WATER = 64  # buffered body chunks of a stream before the socket is paused
-
-
-class _Connection(asyncio.Protocol):
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.idle_since = 0.0
-        self.reused = False
-        self.made: asyncio.Future[None] = pool.loop.create_future()  # uvloop may call connection_made late
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done: asyncio.Future[None] = self.pool.loop.create_future()
-        self.body: collections.deque[Any] = collections.deque()
-        self.body_event = asyncio.Event()
-        self.complete = False
-        self.keep_alive = False
-        self.received = False
-        self.paused = False
-        self.timer: asyncio.TimerHandle | None = None
-
-    # ---- asyncio.Protocol ---------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
-        if not self.made.done():
-            self.made.set_result(None)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        self.received = True
-        self._arm_timer()
+def authority(host: str, port: int, *, tls: bool) -> bytes:
+    """The Host header value for an origin: an IPv6 literal goes in brackets, the scheme's default
+    port is left out."""
+    name = host.split("%", 1)[0]  # an IPv6 zone id names a local interface: it never goes on the wire
+    if ":" in name:
+        name = f"[{name}]"
+    if port != (443 if tls else 80):
+        name = f"{name}:{port}"
+    try:
+        raw = name.encode("ascii")
+    except UnicodeEncodeError:
         try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(ConnectionFailed(f"invalid HTTP from upstream: {exc}", received=True))
-            self.close()
+            raw = name.encode("idna")
+        except UnicodeError as exc:
+            raise InvalidRequest(f"invalid host name {host!r}: {exc}") from exc
+    if not _AUTHORITY.fullmatch(raw):
+        raise InvalidRequest(f"invalid host {host!r} for a Host header")
+    return raw
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.pool._forget(self)
-        if not self.complete:
-            self._fail(ConnectionFailed(f"connection closed by upstream ({exc or 'EOF'})", received=self.received))
 
-    # ---- httptools callbacks --------------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+@functools.lru_cache(maxsize=512)
+def _header_name(name: str) -> bytes:
+    # Header names repeat from request to request: validate and encode each one once.
+    if not _TOKEN.fullmatch(name):
+        raise InvalidRequest(f"invalid header name {name!r}")
+    if name.lower() in _FRAMING:
+        raise InvalidRequest(f"header {name!r} is set by the HTTP client itself")
+    return name.encode("ascii")
 
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-        if not self.headers_done.done():
-            self.headers_done.set_result(None)
 
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-        self.body_event.set()
-        if len(self.body) > _HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
+def _header_value(name: str, value: str) -> bytes:
+    if _BAD_VALUE.search(value):
+        raise InvalidRequest(f"header {name!r} holds a control character (CR, LF, NUL, ...)")
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"header {name!r} holds a character outside Latin-1") from exc
 
-    def on_message_complete(self) -> None:
-        self.complete = True
-        self._cancel_timer()
-        self.body.append(_EOF)
-        self.body_event.set()
 
-    # ---- timers and failure -----------------------------------------------------------------
-    def _arm_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = self.pool.loop.call_later(self.pool.read_timeout_s, self._on_timeout)
-
-    def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def _on_timeout(self) -> None:
-        self._fail(ReadTimeout(f"no data from upstream for {self.pool.read_timeout_s:g} s"))
-        self.close()
-
-    def _fail(self, exc: Exception) -> None:
-        self._cancel_timer()
-        if not self.headers_done.done():
-            self.headers_done.set_exception(exc)
-            self.headers_done.exception()  # mark retrieved: a caller may have gone already
-        elif not self.complete:
-            self.body.append(exc)
-            self.body_event.set()
-
-    def close(self) -> None:
-        self._cancel_timer()
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            self.transport.close()
-        self.pool._forget(self)
-
-    # ---- one exchange -------------------------------------------------------------------------
-    def send(self, head: bytes, body: bytes) -> None:
-        assert self.transport is not None
-        self._reset()
-        self._arm_timer()
-        self.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self.transport.write(body)
-
-    async def next_chunk(self) -> bytes | None:
-        """The next piece of the body, None at its end."""
-        while not self.body:
-            self.body_event.clear()
-            await self.body_event.wait()
-        item = self.body.popleft()
-        if self.paused and len(self.body) < _HIGH_WATER // 2 and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
-        if item is _EOF:
-            return None
-        if isinstance(item, Exception):
-            raise item
-        return item
+def build_head(method: str, target: str, host: bytes, headers: Mapping[str, str], body_length: int) -> bytes:
+    """The request line and header block, ending in the blank line. `host` comes from
+    `authority()`; raises InvalidRequest on any part that is not valid HTTP/1.1."""
+    if not _TOKEN.fullmatch(method):
+        raise InvalidRequest(f"invalid method {method!r}")
+    if not _TARGET.fullmatch(target):
+        raise InvalidRequest(f"invalid request target {target!r}: an absolute path of visible ASCII characters")
+    parts = [method.encode("ascii"), b" ", target.encode("ascii"), b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    for name, value in headers.items():
+        parts += (_header_name(name), b": ", _header_value(name, value), b"\r\n")
+    if body_length or method not in _BODILESS_METHODS:
+        parts.append(b"Content-Length: %d\r\n" % body_length)
+    parts.append(b"\r\n")
+    return b"".join(parts)
 
 
 class Response:
-    """An upstream answer whose body is read with `chunks()` or `read()`; always `close()` or read
-    to the end (which returns the connection to its pool)."""
+    """An upstream answer whose body is read with `chunks()` or `read()`. Reading to the end, an
+    error, `close()` or dropping the object gives the connection back: to the pool if the answer
+    was complete, else closed (so the server sees the client leave)."""
 
-    def __init__(self, conn: _Connection) -> None:
-        self._conn: _Connection | None = conn
+    __slots__ = ("_conn", "_pool", "headers", "status")
+
+    def __init__(self, pool: Pool, conn: Connection) -> None:
+        self._pool = pool
+        self._conn: Connection | None = conn
         self.status = conn.status
         self.headers = conn.headers
 
@@ -187,131 +141,189 @@ class Response:
         conn = self._conn
         if conn is None:
             return
-        while True:
-            try:
-                chunk = await conn.next_chunk()
-            except BaseException:
-                self.close()
-                raise
-            if chunk is None:
-                break
-            yield chunk
-        self._finish(conn)
+        try:
+            while (chunk := await conn.next_chunk()) is not None:
+                yield chunk
+        finally:  # also when the consumer stops iterating, or the generator is collected
+            self.close()
 
     async def read(self) -> bytes:
-        parts = [c async for c in self.chunks()]
+        conn = self._conn
+        if conn is None:
+            return b""
+        parts: list[bytes] = []
+        try:
+            while (chunk := await conn.next_chunk()) is not None:
+                parts.append(chunk)
+        finally:
+            self.close()
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _finish(self, conn: _Connection) -> None:
-        self._conn = None
-        if conn.complete and conn.keep_alive and not conn.closed:
-            conn.pool._release(conn)
-        else:
-            conn.close()
-            conn.pool._slot_free()
-
     def close(self) -> None:
-        """Abandon the answer: the connection is closed, so the server sees the client leave."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            if conn.complete and conn.keep_alive and not conn.closed:
-                conn.pool._release(conn)
+            self._pool._done(conn)
+
+    def __del__(self) -> None:
+        # A response dropped unread must not keep its pool slot for good. The cyclic collector
+        # may run this on any thread: the pool is only touched from its loop's.
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop may be closed already at exit
+            if threading.get_ident() == self._pool.thread:
+                self._pool._done(conn)
             else:
-                conn.close()
-                conn.pool._slot_free()
+                self._pool.loop.call_soon_threadsafe(self._pool._done, conn)
 
 
 class Pool:
-    """Keep-alive connections to one origin (host, port)."""
+    """Keep-alive connections to one origin (host, port), at most `limit` at once."""
 
     def __init__(
         self, host: str, port: int, *, limit: int = 256, connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 120.0, idle_timeout_s: float = 4.0,
+        read_timeout_s: float = 120.0, idle_timeout_s: float = 4.0, pool_timeout_s: float | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host, self.port = host, port
-        self.read_timeout_s = read_timeout_s
+        self.limit = limit
         self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
         # Workers behind uvicorn close idle connections after 5 s: drop ours before that race.
         self.idle_timeout_s = idle_timeout_s
+        # How long a request waits for a free connection before it fails (503, not a hang).
+        self.pool_timeout_s = connect_timeout_s if pool_timeout_s is None else pool_timeout_s
+        self.tls = tls
         self.loop = asyncio.get_running_loop()
-        self._idle: collections.deque[_Connection] = collections.deque()
-        self._slots = asyncio.Semaphore(limit)
-        self._host_header = f"{host}:{port}".encode()
+        self.thread = threading.get_ident()  # the loop's thread
+        self._authority = authority(host, port, tls=tls is not None)
+        self._idle: collections.deque[Connection] = collections.deque()
+        self._in_use = 0  # slots held: busy connections, and requests still connecting
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
         self.opened = 0  # connections ever opened (tests check pooling with it)
+        self.stale_dropped = 0  # idle connections found dead right before a write and replaced
 
-    async def _acquire(self) -> _Connection:
-        await self._slots.acquire()
-        now = time.monotonic()
-        while self._idle:
-            conn = self._idle.pop()
-            if conn.closed or now - conn.idle_since > self.idle_timeout_s:
-                conn.close()
-                continue
-            conn.reused = True
-            return conn
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    # ---- slots ---------------------------------------------------------------------------------
+    async def _take_slot(self) -> None:
+        fut = self.loop.create_future()
+        self._waiters.append(fut)
         try:
-            _, protocol = await asyncio.wait_for(
-                self.loop.create_connection(lambda: _Connection(self), self.host, self.port),
-                self.connect_timeout_s,
-            )
-        except TimeoutError as exc:
-            self._slots.release()
-            raise ConnectionFailed(f"connect to {self.host}:{self.port} timed out") from exc
-        except OSError as exc:
-            self._slots.release()
-            raise ConnectionFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
-        except BaseException:
-            self._slots.release()
+            async with asyncio.timeout(self.pool_timeout_s):
+                await fut
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled():
+                self._give_slot()  # handed over just as we gave up: pass it on
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+            if isinstance(exc, TimeoutError):
+                raise PoolTimeout(
+                    f"all {self.limit} connections to {self.host}:{self.port} stayed busy for {self.pool_timeout_s:g} s"
+                ) from None
             raise
+
+    def _give_slot(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot passes straight to the oldest waiter
+                return
+        self._in_use -= 1
+
+    def _done(self, conn: Connection) -> None:
+        """The request holding `conn` is over: idle it if it can carry another, else close it."""
+        if not conn.busy:
+            return
+        conn.busy = False
+        if conn.reusable and not self._closed:
+            conn.resume()
+            conn.idle_since = self.loop.time()
+            self._idle.append(conn)
+        else:
+            conn.close()
+        self._give_slot()
+
+    def _lost(self, conn: Connection) -> None:
+        # The transport is gone: a busy connection frees its slot now, whoever still holds the
+        # Response (its buffered bytes or error stay readable).
+        with contextlib.suppress(ValueError):
+            self._idle.remove(conn)
+        if conn.busy:
+            conn.busy = False
+            self._give_slot()
+
+    # ---- connections ------------------------------------------------------------------------------
+    async def _acquire(self) -> Connection:
+        if self._in_use < self.limit and not self._waiters:
+            self._in_use += 1
+        else:
+            await self._take_slot()
+        try:
+            conn = self._take_idle()
+            if conn is None:
+                conn = await self._connect()
+        except BaseException:
+            self._give_slot()
+            raise
+        conn.busy = True
+        return conn
+
+    def _take_idle(self) -> Connection | None:
+        cutoff = self.loop.time() - self.idle_timeout_s
+        while self._idle:
+            conn = self._idle.pop()  # the most recently used: the least likely to be stale
+            if not conn.stale(cutoff):
+                return conn
+            self.stale_dropped += 1
+            conn.close()
+        return None
+
+    async def _connect(self) -> Connection:
+        where = f"{self.host}:{self.port}"
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, protocol = await self.loop.create_connection(
+                    lambda: Connection(self.loop, self.read_timeout_s, self._lost), self.host, self.port,
+                    ssl=self.tls, server_hostname=self.host.split("%", 1)[0] if self.tls is not None else None,
+                )
+                assert isinstance(protocol, Connection)
+                if protocol.transport is None:
+                    await protocol.made
+        except TimeoutError as exc:
+            raise ConnectionFailed(f"connect to {where} timed out", sent=False) from exc
+        except OSError as exc:  # refused, unreachable, TLS handshake or certificate failure
+            raise ConnectionFailed(f"cannot connect to {where}: {exc}", sent=False) from exc
         self.opened += 1
-        assert isinstance(protocol, _Connection)
-        if protocol.transport is None:
-            await protocol.made
         return protocol
 
-    def _release(self, conn: _Connection) -> None:
-        conn.idle_since = time.monotonic()
-        self._idle.append(conn)
-        self._slots.release()
-
-    def _slot_free(self) -> None:
-        self._slots.release()
-
-    def _forget(self, conn: _Connection) -> None:
-        try:
-            self._idle.remove(conn)
-        except ValueError:
-            pass
-
-    def _head(self, method: str, path: str, headers: Mapping[str, str], length: int) -> bytes:
-        lines = [f"{method} {path} HTTP/1.1\r\n".encode(), b"Host: ", self._host_header, b"\r\n"]
-        for k, v in headers.items():
-            lines.append(f"{k}: {v}\r\n".encode("latin-1"))
-        if method != "GET" or length:
-            lines.append(b"Content-Length: %d\r\n" % length)
-        lines.append(b"\r\n")
-        return b"".join(lines)
-
+    # ---- requests ---------------------------------------------------------------------------------
     async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"") -> Response:
-        head = self._head(method, path, headers, len(body))
-        for attempt in (0, 1):
-            conn = await self._acquire()
-            conn.send(head, body)
-            try:
-                await conn.headers_done
-            except ConnectionFailed as exc:
-                conn.close()
-                self._slot_free()
-                if attempt == 0 and conn.reused and not exc.received:
-                    continue  # a stale keep-alive connection: the server never saw this request
-                raise
-            except BaseException:
-                conn.close()
-                self._slot_free()
-                raise
-            return Response(conn)
-        raise AssertionError("unreachable")
+        """Send one request and wait for the final answer's headers. Raises InvalidRequest (a
+        ValueError) before sending anything malformed, PoolTimeout, ConnectionFailed (see its
+        `sent`) or ReadTimeout."""
+        head = build_head(method, path, self._authority, headers, len(body))
+        conn = await self._acquire()
+        try:
+            conn.send(head, body, bodiless=method == "HEAD")
+            await conn.headers_done
+        except BaseException:
+            conn.must_close = True
+            self._done(conn)
+            raise
+        return Response(self, conn)
 
     async def close(self) -> None:
+        """Close the idle connections; busy ones close when their responses end."""
+        self._closed = True
         while self._idle:
             self._idle.pop().close()

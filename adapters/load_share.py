@@ -5,21 +5,27 @@ running, per instance). With several replicas in front of the same workers, each
 the others' work, or every replica would think the cluster idle and pile onto the same instance.
 A replica publishes its own in-flight work per instance to Redis every `interval_s` (one pipelined
 round trip, a key that expires when the replica dies) and reads everyone else's in the same trip.
-What a policy sees of other replicas is therefore at most one interval old.
+What a policy sees of other replicas is therefore at most one interval old, or nothing at all
+while Redis cannot be reached (see RedisLoadShare).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-from redis.exceptions import RedisError
+from prometheus_client import CollectorRegistry
 
+from adapters.breaker import CircuitBreaker, fail_fast_redis, register_breaker
 from conductor.core.types import ActiveDecode, QueuedPrefill
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 log = logging.getLogger("conductor.load_share")
 
@@ -72,52 +78,81 @@ def merge_tables(tables: list[LoadTable], now_wall: float) -> RemoteLoad:
 
 
 class RedisLoadShare:
-    """Replicas exchange their in-flight tables through Redis hashes that expire."""
+    """Replicas exchange their in-flight tables through Redis hashes that expire.
 
-    def __init__(self, redis_url: str, replica_id: str, *, interval_s: float = 0.1, prefix: str = "conductor:load:") -> None:
+    Redis is not needed to serve: absent at start-up, hung or gone later, this replica routes on its
+    own load (`remote()` empties once the last exchange is older than the tables' lifetime) and picks
+    the exchange up again when Redis answers. Each exchange is bounded by `timeout_s`; after
+    `failures_to_open` failures in a row the breaker skips exchanges for `open_s` at a time.
+    """
+
+    def __init__(self, redis_url: str, replica_id: str, *, interval_s: float = 0.1, prefix: str = "conductor:load:",
+                 timeout_s: float = 0.2, failures_to_open: int = 3, open_s: float = 1.0,
+                 registry: CollectorRegistry | None = None, breaker: CircuitBreaker | None = None) -> None:
+        """breaker: one made by the caller (tests: a fake clock); else one from failures_to_open and open_s."""
         self._url = redis_url
         self.replica_id = replica_id
         self.interval_s = interval_s
+        self.timeout_s = timeout_s
         self._key = f"{prefix}{replica_id}"
         self._prefix = prefix
+        self._ttl_ms = max(1000, int(interval_s * 5000))  # a table outlives a few missed beats, not more
         self._remote: RemoteLoad = {}
+        self._synced_at: float | None = None  # monotonic time of the last complete exchange
         self._task: asyncio.Task[None] | None = None
-        self._redis: object | None = None
+        self._redis: aioredis.Redis | None = None
+        self._local: Callable[[], LoadTable] = dict
+        self.breaker = breaker or CircuitBreaker("load share Redis", failures_to_open=failures_to_open,
+                                                 open_s=open_s, logger=log)
+        register_breaker(self.breaker, registry, "conductor_load_share_redis")
 
     async def start(self, local: Callable[[], LoadTable]) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(self._url)
+        self._redis = fail_fast_redis(self._url, timeout_s=self.timeout_s)
         self._local = local
-        await self.sync_once()
-        self._task = asyncio.create_task(self._loop())
+        if not await self.sync():
+            log.warning("load sharing: Redis at %s is not reachable (%s); routing on this replica's own load "
+                        "until it is", self._url, self.breaker.stats.last_error)
+        self._task = asyncio.create_task(self._loop(), name="load-share")
 
     async def close(self) -> None:
+        # every step bounded: a Redis that hangs must not hold up the gateway's shutdown
         if self._task is not None:
             self._task.cancel()
-        if self._redis is not None:
-            try:
-                await self._redis.delete(self._key)  # type: ignore[attr-defined]
-                await self._redis.zrem(self._prefix + "replicas", self.replica_id)  # type: ignore[attr-defined]
-            except (OSError, ConnectionError, RedisError) as exc:  # closing: Redis may be gone already
-                log.debug("could not withdraw this replica's load table: %s", exc)
-            await self._redis.aclose()  # type: ignore[attr-defined]
+            await asyncio.wait({self._task}, timeout=max(1.0, 4 * self.timeout_s))
+        if self._redis is None:
+            return
+        # withdraw this replica's table at once rather than let it expire; skipped when Redis is down
+        await self.breaker.call(self._withdraw, _false, timeout_s=self.timeout_s)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._redis.aclose(), timeout=max(1.0, 4 * self.timeout_s))
+
+    async def _withdraw(self) -> bool:
+        assert self._redis is not None
+        await self._redis.delete(self._key)
+        await self._redis.zrem(self._prefix + "replicas", self.replica_id)
+        return True
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            try:
-                await self.sync_once()
-            except (OSError, ConnectionError, RedisError, msgspec.DecodeError) as exc:  # keep serving on local knowledge
-                log.warning("load sharing through Redis failed: %s", exc)
+            await self.sync()
+
+    async def sync(self) -> bool:
+        """One exchange through the breaker: True when it happened, False when it failed or was skipped."""
+        return await self.breaker.call(self._sync_ok, _false, timeout_s=self.timeout_s)
+
+    async def _sync_ok(self) -> bool:
+        await self.sync_once()
+        return True
 
     async def sync_once(self) -> None:
+        """One exchange, raising what Redis raises: publish ours, read everyone else's."""
         r = self._redis
         assert r is not None
-        ttl_ms = max(1000, int(self.interval_s * 5000))
+        ttl_ms = self._ttl_ms
         now = time.time()
         members = self._prefix + "replicas"
-        async with r.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+        async with r.pipeline(transaction=False) as pipe:
             pipe.set(self._key, _encode(self._local()), px=ttl_ms)
             pipe.zadd(members, {self.replica_id: now})
             pipe.zremrangebyscore(members, "-inf", now - ttl_ms / 1000)  # replicas that stopped beating
@@ -126,13 +161,25 @@ class RedisLoadShare:
         others = [self._prefix + m.decode() for m in replicas if m.decode() != self.replica_id]
         tables: list[LoadTable] = []
         if others:
-            for raw in await r.mget(others):  # type: ignore[attr-defined]
-                if raw:
+            for raw in await r.mget(others):
+                if not raw or not isinstance(raw, bytes):  # gone since the member list was read
+                    continue
+                try:
                     tables.append(_decode(raw))
+                except msgspec.DecodeError as exc:  # one replica's bad table is not Redis failing
+                    log.debug("skipped an undecodable load table: %s", exc)
         self._remote = merge_tables(tables, time.time())
+        self._synced_at = time.monotonic()
 
     def remote(self) -> RemoteLoad:
+        synced = self._synced_at
+        if synced is None or time.monotonic() - synced > self._ttl_ms / 1000:
+            return {}  # too old to trust (Redis down): route on our own load alone
         return self._remote
+
+
+def _false() -> bool:
+    return False
 
 
 def local_table(states: Mapping[str, object]) -> LoadTable:

@@ -16,6 +16,7 @@ tokenizer and a remote /tokenize alike.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -46,6 +47,12 @@ class LocalTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids this tokenizer can produce are below this; None when it does not say."""
+        size = getattr(self.tokenizer, "vocab_size", None)
+        return size if isinstance(size, int) else None
+
     async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text)  # the built-in byte tokenizer adds no special tokens
 
@@ -66,7 +73,8 @@ def _token_text(value: Any) -> str | None:
 
 
 def _parts_text(parts: list[Any]) -> str:
-    return "\n".join(p.get("text", "") for p in parts if isinstance(p, Mapping) and p.get("type") == "text")
+    return "\n".join(text for p in parts if isinstance(p, Mapping) and p.get("type") == "text"
+                     and isinstance(text := p.get("text"), str))
 
 
 def _raise_exception(message: str) -> None:
@@ -133,6 +141,12 @@ class HFTokenizer:
                                      "documents": None, **self.special_tokens, **extra}
         return str(self._template.render(**variables))
 
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """One more than the largest token id, added tokens included (what vLLM checks prompt
+        token ids against); computed once, the vocabulary can be large."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
 
@@ -179,6 +193,7 @@ class WorkerTokenizer:
         self.model = model
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._own = client is None
+        self.vocab_size: int | None = None  # the worker checks token ids itself
 
     async def _tokenize(self, payload: dict[str, Any]) -> list[int]:
         if self.model is not None:

@@ -5,17 +5,26 @@ request never opens a client of its own. The pools are the lean HTTP/1.1 client 
 `adapters/http1.py` (see there for why not aiohttp or httpx); its connections set TCP_NODELAY so
 small SSE writes are not held back by Nagle's algorithm meeting delayed ACKs (the ~40 ms stall
 seen in some routers).
+
+Each instance also has a small pool of its own for health probes (`get(..., probe=True)`): when
+every connection of the main pool carries a long stream, a probe must still go out at once, or a
+busy worker would look dead.
+
+Failures become `UpstreamError`s whose `maybe_processed` says whether the worker may have read the
+request: False only when nothing was written (refused connection, no free pooled connection), the
+one case where the gateway may send the same request to another instance.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from adapters.http1 import ConnectionFailed, Pool, ReadTimeout, Response
+from adapters.http1 import HTTPClientError, Pool, PoolTimeout, ReadTimeout, Response
 from conductor.core.errors import ConfigError, UpstreamError, UpstreamTimeout
 
 
@@ -24,6 +33,18 @@ class Timeouts:
     connect_s: float = 5.0
     read_s: float = 120.0  # longest silence between two reads
     total_s: float = 600.0  # a non-streamed answer must be complete by then
+    pool_s: float | None = None  # longest wait for a free pooled connection; None: connect_s
+
+
+class UpstreamPoolExhausted(UpstreamError):
+    """Every pooled connection to the worker stayed busy for the pool timeout; nothing was sent."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "upstream_pool_exhausted"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +58,8 @@ class UpstreamReply:
 
 
 class UpstreamStream:
-    """An open streamed upstream answer; iterate the bytes, always close it."""
+    """An open streamed upstream answer; iterate the bytes, always close it (dropping it, or
+    leaving `chunks()` early, closes it too)."""
 
     def __init__(self, response: Response, instance: str) -> None:
         self._response = response
@@ -51,8 +73,10 @@ class UpstreamStream:
                 yield chunk
         except ReadTimeout as exc:
             raise UpstreamTimeout(f"{self.instance}: {exc}", instance=self.instance) from exc
-        except ConnectionFailed as exc:
+        except HTTPClientError as exc:
             raise UpstreamError(f"{self.instance} broke the stream: {exc}", instance=self.instance) from exc
+        finally:
+            self._response.close()
 
     def close(self) -> None:
         """Drop the connection (unless fully read): the worker sees the client leave and aborts."""
@@ -60,29 +84,48 @@ class UpstreamStream:
 
 
 class Upstream:
-    """The connection pool to one worker."""
+    """The connection pools to one worker: the main one and a small one for health probes."""
 
-    def __init__(self, name: str, base_url: str, *, timeouts: Timeouts, max_connections: int = 256) -> None:
+    def __init__(
+        self, name: str, base_url: str, *, timeouts: Timeouts, max_connections: int = 256,
+        probe_connections: int = 2, tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
         self._max_connections = max_connections
+        self._probe_connections = probe_connections
+        self._tls = tls  # for https:// workers; None: the system's trust store
         self._pool: Pool | None = None
+        self._probe_pool: Pool | None = None
+        self._prefix = ""
 
     async def start(self) -> None:
         parts = urlsplit(self.base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ConfigError(f"upstream {self.name}: only http:// worker URLs are supported, got {self.base_url}")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ConfigError(f"upstream {self.name}: invalid port in {self.base_url}") from exc
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"upstream {self.name}: only http:// and https:// worker URLs are supported, got {self.base_url}")
+        tls = None
+        if parts.scheme == "https":
+            tls = self._tls or ssl.create_default_context()
         self._prefix = parts.path.rstrip("/")
-        self._pool = Pool(
-            parts.hostname, parts.port or 80, limit=self._max_connections,
-            connect_timeout_s=self.timeouts.connect_s, read_timeout_s=self.timeouts.read_s,
-        )
+        t, host, port = self.timeouts, parts.hostname, port or (443 if tls else 80)
+
+        def pool(limit: int) -> Pool:
+            return Pool(host, port, limit=limit, connect_timeout_s=t.connect_s, read_timeout_s=t.read_s,
+                        pool_timeout_s=t.pool_s, tls=tls)
+
+        self._pool = pool(self._max_connections)
+        self._probe_pool = pool(self._probe_connections)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+        for pool in (self._pool, self._probe_pool):
+            if pool is not None:
+                await pool.close()
+        self._pool = self._probe_pool = None
 
     @property
     def pool(self) -> Pool:
@@ -90,54 +133,65 @@ class Upstream:
             raise RuntimeError(f"upstream {self.name} used before start()")
         return self._pool
 
+    @property
+    def probe_pool(self) -> Pool:
+        """The health probes' own connections, never taken by requests."""
+        if self._probe_pool is None:
+            raise RuntimeError(f"upstream {self.name} used before start()")
+        return self._probe_pool
+
     def _fail(self, exc: BaseException, path: str) -> UpstreamError:
-        if isinstance(exc, ReadTimeout | asyncio.TimeoutError):
+        if isinstance(exc, PoolTimeout):
+            return UpstreamPoolExhausted(f"{self.name}: no free connection for {path}: {exc}", instance=self.name,
+                                         maybe_processed=False)
+        if isinstance(exc, ReadTimeout | TimeoutError):
             return UpstreamTimeout(f"{self.name} did not answer {path} in time", instance=self.name)
-        return UpstreamError(f"{self.name} failed on {path}: {exc}", instance=self.name)
+        sent = exc.sent if isinstance(exc, HTTPClientError) else True
+        return UpstreamError(f"{self.name} failed on {path}: {exc}", instance=self.name, maybe_processed=sent)
 
-    async def _request(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+    async def _exchange(self, pool: Pool, method: str, path: str, headers: Mapping[str, str], body: bytes,
+                        total_s: float | None) -> UpstreamReply:
+        started = time.monotonic()
         try:
-            return await self.pool.request(method, self._prefix + path, headers, body)
-        except (ConnectionFailed, ReadTimeout) as exc:
-            raise self._fail(exc, path) from exc
-
-    async def _read(self, response: Response, path: str, started: float, total_s: float) -> UpstreamReply:
-        try:
-            data = await asyncio.wait_for(response.read(), total_s) if total_s else await response.read()
-        except (TimeoutError, ConnectionFailed, ReadTimeout) as exc:
-            response.close()
+            async with asyncio.timeout(total_s or None):
+                response = await pool.request(method, self._prefix + path, headers, body)
+                data = await response.read()
+        except (HTTPClientError, TimeoutError) as exc:
             raise self._fail(exc, path) from exc
         return UpstreamReply(response.status, data, response.header("content-type", "application/json"),
                              time.monotonic() - started)
 
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamReply:
-        started = time.monotonic()
-        response = await self._request("POST", path, headers, body)
-        return await self._read(response, path, started, 0.0)
+        """One non-streamed request, complete within the total timeout."""
+        return await self._exchange(self.pool, "POST", path, headers, body, self.timeouts.total_s)
 
     async def open_stream(self, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamStream:
-        return UpstreamStream(await self._request("POST", path, headers, body), self.name)
-
-    async def get(self, path: str, *, timeout_s: float | None = None) -> UpstreamReply:
-        started = time.monotonic()
         try:
-            response = await asyncio.wait_for(self._request("GET", path, {}, b""), timeout_s) if timeout_s \
-                else await self._request("GET", path, {}, b"")
-        except TimeoutError as exc:
+            response = await self.pool.request("POST", self._prefix + path, headers, body)
+        except HTTPClientError as exc:
             raise self._fail(exc, path) from exc
-        return await self._read(response, path, started, timeout_s or 0.0)
+        return UpstreamStream(response, self.name)
+
+    async def get(self, path: str, *, timeout_s: float | None = None, probe: bool = False) -> UpstreamReply:
+        """A GET; `probe=True` sends it on the health probes' own pool, so it never waits behind
+        the requests that hold every connection of the main one."""
+        return await self._exchange(self.probe_pool if probe else self.pool, "GET", path, {}, b"", timeout_s)
 
 
 class UpstreamPool:
-    """Every worker's pool, keyed by instance name."""
+    """Every worker's pools, keyed by instance name."""
 
-    def __init__(self, timeouts: Timeouts, max_connections: int = 256) -> None:
+    def __init__(self, timeouts: Timeouts, max_connections: int = 256, *, probe_connections: int = 2,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.timeouts = timeouts
         self._max_connections = max_connections
+        self._probe_connections = probe_connections
+        self._tls = tls
         self._by_name: dict[str, Upstream] = {}
 
     def add(self, name: str, base_url: str) -> Upstream:
-        upstream = Upstream(name, base_url, timeouts=self.timeouts, max_connections=self._max_connections)
+        upstream = Upstream(name, base_url, timeouts=self.timeouts, max_connections=self._max_connections,
+                            probe_connections=self._probe_connections, tls=self._tls)
         self._by_name[name] = upstream
         return upstream
 

@@ -1,21 +1,31 @@
-"""The FastAPI application: the OpenAI routes (plain ASGI endpoints from conductor/proxy.py) and
-the operational ones: /v1/models, /health, /ready, /metrics."""
+"""The FastAPI applications: the public one (the OpenAI routes, plain ASGI endpoints from
+conductor/proxy.py, plus /v1/models, /health, /ready) and the operational routes: /metrics,
+/openapi.json and /docs, on the public port or, with `admin_port` set, only on a second server
+bound to that port. Both servers run in one event loop and share the gateway."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
 from conductor import http_errors
-from conductor.gateway import Gateway
+from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway
 from conductor.proxy import CompletionsEndpoint
+from conductor.requests import ChatCompletionRequest, CompletionRequest
+
+OPENAI_ROUTES = (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"))
 
 
 class FastPath:
@@ -37,46 +47,130 @@ class FastPath:
         await self.app(scope, receive, send)
 
 
-def create_app(gateway: Gateway) -> FastPath:
-    """An app serving `gateway`; its lifespan starts and stops the gateway's parts."""
+# ---- the OpenAPI document ----------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gateway.start()
-        try:
-            yield
-        finally:
-            await gateway.close()
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "integer", "null"]},
+        },
+    }},
+}
+_RETRY_HEADERS = {
+    "Retry-After": {"description": "seconds to wait before trying again", "schema": {"type": "integer"}},
+    "x-should-retry": {"description": "whether a retry can succeed (the OpenAI SDKs obey it)",
+                       "schema": {"type": "string", "enum": ["true", "false"]}},
+}
+_ERRORS = {
+    400: ("The body is malformed: not JSON, nested too deeply, a field of the wrong type, an empty "
+          "prompt, a token id outside the vocabulary, or an SLO header that is not a number", None),
+    401: ("No API key or an unknown one (only when the gateway is configured with keys)", None),
+    404: ("The model is not served", None),
+    413: ("The body exceeds max_body_bytes", None),
+    429: ("Admission control: the request is predicted to miss its SLO (code: the reason)", _RETRY_HEADERS),
+    502: ("A worker failed or answered an error of its own", None),
+    503: ("No healthy instance, or the gateway holds max_inflight_requests already", _RETRY_HEADERS),
+    504: ("A worker did not answer in time", None),
+}
+_COMPLETION_SCHEMA = {"type": "object", "description": "an OpenAI completion object, as the worker wrote it",
+                      "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                                     "choices": {"type": "array"}}}
 
-    app = FastAPI(title="Conductor", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.gateway = gateway
-    http_errors.install(app)
-    hot: dict[str, CompletionsEndpoint] = {}
-    for path, kind in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat")):
-        hot[path] = CompletionsEndpoint(gateway, kind, path)  # type: ignore[arg-type]
-        # also routed in FastAPI, so other methods on these paths get a 405
-        app.router.routes.append(Route(path, endpoint=hot[path], methods=["POST"]))
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        gateway.authorize(request.headers.get("authorization"))
-        created = int(time.time())
-        return JSONResponse({
-            "object": "list",
-            "data": [{"id": m, "object": "model", "created": created, "owned_by": "conductor"}
-                     for m in gateway.known_models()],
-        })
+def _slo_header(name: str, what: str) -> dict[str, Any]:
+    return {"name": name, "in": "header", "required": False,
+            "description": f"this request's {what} SLO in milliseconds, over the configured one",
+            "schema": {"type": "number", "exclusiveMinimum": 0}}
 
-    @app.get("/health")
+
+def _operation(kind: str, schema_ref: str, secured: bool) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": {
+        "description": "the worker's answer, relayed as it arrives",
+        "content": {"application/json": {"schema": _COMPLETION_SCHEMA},
+                    "text/event-stream": {"schema": {"type": "string"}}},
+    }}
+    for status, (description, headers) in _ERRORS.items():
+        if status == 401 and not secured:
+            continue
+        response: dict[str, Any] = {"description": description, "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        if headers:
+            response["headers"] = headers
+        responses[str(status)] = response
+    operation: dict[str, Any] = {
+        "summary": f"Create a {'chat ' if kind == 'chat' else ''}completion",
+        "description": "Validated, routed by the configured policy and forwarded to the workers. Fields "
+                       "not named in the schema are passed to the workers as they are.",
+        "operationId": f"create_{'chat_' if kind == 'chat' else ''}completion",
+        "parameters": [_slo_header(SLO_TTFT_HEADER, "time-to-first-token"),
+                       _slo_header(SLO_TBT_HEADER, "time-between-tokens")],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": schema_ref}}}},
+        "responses": responses,
+    }
+    if secured:
+        operation["security"] = [{"bearer": []}]
+    return operation
+
+
+def openapi_document(app: FastAPI, gateway: Gateway) -> dict[str, Any]:
+    """FastAPI's document of its own routes, plus the two plain ASGI POST routes it cannot see,
+    their bodies described by the very models `conductor.requests.parse_request` enforces."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="OpenAI-compatible, KV-cache-aware gateway in front of vLLM workers")
+    refs, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+                                    ref_template="#/components/schemas/{model}")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(defs.get("$defs", {}))
+    schemas["ErrorResponse"] = _ERROR_SCHEMA
+    secured = bool(gateway.settings.api_keys)
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    bodies: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+    for path, kind in OPENAI_ROUTES:
+        ref = refs[(bodies[kind], "validation")]["$ref"]
+        doc.setdefault("paths", {}).setdefault(path, {})["post"] = _operation(kind, ref, secured)
+    return doc
+
+
+def _install_openapi(app: FastAPI, build: Callable[[], dict[str, Any]]) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:  # built on first use, then kept, as FastAPI's own is
+            app.openapi_schema = build()
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# ---- the routes --------------------------------------------------------------------------------
+
+
+def _health_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
+    @router.get("/ready", responses={503: {"description": "not enough healthy instances"}})
     async def ready() -> JSONResponse:
         ok, counts = gateway.ready()
         return JSONResponse({"ready": ok, "healthy": counts}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    return router
+
+
+def _metrics_route(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics", response_class=Response,
+                responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         m = gateway.metrics
         for state in gateway.registry.states.values():
@@ -91,4 +185,92 @@ def create_app(gateway: Gateway) -> FastPath:
                 m.prediction_samples.labels(st.component, st.instance).set(st.samples)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
+    return router
+
+
+def create_app(gateway: Gateway) -> FastPath:
+    """The public app serving `gateway`; its lifespan starts and stops the gateway's parts. With
+    `admin_port` set it has no /metrics, /openapi.json or /docs: see `create_admin_app`."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    public_docs = gateway.settings.admin_port is None
+    app = FastAPI(title="Conductor", version="0.1.0", lifespan=lifespan, redoc_url=None,
+                  openapi_url="/openapi.json" if public_docs else None, docs_url="/docs" if public_docs else None)
+    app.state.gateway = gateway
+    http_errors.install(app)
+    hot: dict[str, CompletionsEndpoint] = {}
+    for path, kind in OPENAI_ROUTES:
+        hot[path] = CompletionsEndpoint(gateway, kind, path)  # type: ignore[arg-type]
+        # also routed in FastAPI, so other methods on these paths get a 405
+        app.router.routes.append(Route(path, endpoint=hot[path], methods=["POST"]))
+
+    @app.get("/v1/models", responses={401: {"description": "no API key or an unknown one"}})
+    async def models(request: Request) -> JSONResponse:
+        gateway.authorize(request.headers.get("authorization"))
+        created = int(time.time())
+        return JSONResponse({
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": created, "owned_by": "conductor"}
+                     for m in gateway.known_models()],
+        })
+
+    app.include_router(_health_routes(gateway))
+    if public_docs:
+        app.include_router(_metrics_route(gateway))
+    _install_openapi(app, lambda: openapi_document(app, gateway))
     return FastPath(app, hot)
+
+
+def create_admin_app(gateway: Gateway, public: FastPath) -> FastAPI:
+    """The admin port's app: /metrics, /health, /ready, and /openapi.json and /docs describing
+    the public port's API. It has no lifespan: the public app starts and stops the gateway."""
+    app = FastAPI(title="Conductor", version="0.1.0", redoc_url=None)
+    http_errors.install(app)
+    app.include_router(_health_routes(gateway))
+    app.include_router(_metrics_route(gateway))
+    _install_openapi(app, lambda: openapi_document(public.app, gateway))
+    return app
+
+
+# ---- serving -----------------------------------------------------------------------------------
+
+
+async def serve_all(servers: list[uvicorn.Server]) -> None:
+    """Serve until every server has stopped; when one stops (a signal, a failed start) the
+    others are told to stop too. uvicorn chains its signal handlers, last started first: so
+    the first server in `servers` is the last to hear SIGTERM."""
+    tasks = [asyncio.create_task(server.serve()) for server in servers]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for server in servers:
+        server.should_exit = True
+    await asyncio.gather(*tasks)
+
+
+def admin_server(config: uvicorn.Config, gateway: Gateway) -> uvicorn.Server | None:
+    """The admin port's server, configured like the public one, or None without `admin_port`."""
+    port = gateway.settings.admin_port
+    if port is None:
+        return None
+    public = config.app if isinstance(config.app, FastPath) else create_app(gateway)
+    return uvicorn.Server(uvicorn.Config(
+        create_admin_app(gateway, public), host=config.host, port=port, log_level=config.log_level,
+        access_log=False, loop=config.loop, http=config.http, lifespan="off"))
+
+
+def run(config: uvicorn.Config, gateway: Gateway) -> None:
+    """Run the public server `config` describes and, with `admin_port` set, the admin server beside
+    it in the same event loop. The admin server starts first, so on SIGTERM the public one stops
+    (and drains) first while /metrics and /ready still answer."""
+    servers = [uvicorn.Server(config)]
+    admin = admin_server(config, gateway)
+    if admin is not None:
+        servers.insert(0, admin)
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(serve_all(servers))

@@ -42,6 +42,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML settings file")
     p.add_argument("--host", help=f"listen address (default: {_default('host')})")
     p.add_argument("--port", type=int, help=f"listen port (default: {_default('port')})")
+    p.add_argument("--admin-port", type=int, help="serve /metrics, /openapi.json and /docs only on this port "
+                   "(same host), not on --port (default: none, all on --port)")
     p.add_argument("--prefill", nargs="+", action="append", metavar=("URL", "BOOTSTRAP_PORT"),
                    help="prefill instance, repeatable: --prefill URL [BOOTSTRAP_PORT]")
     p.add_argument("--decode", action="append", metavar="URL", help="decode instance, repeatable")
@@ -66,7 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     from conductor.settings import load_settings
 
     overrides: dict[str, Any] = {
-        "host": args.host, "port": args.port, "pd_protocol": args.pd_protocol,
+        "host": args.host, "port": args.port, "admin_port": args.admin_port, "pd_protocol": args.pd_protocol,
         "mooncake_schema": args.mooncake_schema, "policy": args.policy,
         "models": args.models, "api_keys": args.api_keys, "upstream_api_key": args.upstream_api_key,
         "max_body_bytes": args.max_body_bytes, "log_level": args.log_level,
@@ -85,7 +87,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from conductor.app import create_app
+    from conductor.app import create_app, run
     from conductor.gateway import Gateway
 
     settings = settings_from_args(args)
@@ -96,8 +98,10 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, loop="auto", http="auto", lifespan="on",
+        # SIGTERM: stop accepting, let requests in flight finish for drain_grace_s, then close them
+        timeout_graceful_shutdown=settings.drain_grace_s,
     )
-    uvicorn.Server(config).run()
+    run(config, gateway)  # with admin_port set, the admin server beside it in the same loop
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -56,7 +57,7 @@ class Gateway:
             Timeouts(settings.connect_timeout_s, settings.read_timeout_s, settings.request_timeout_s),
             settings.max_connections_per_upstream,
         )
-        self.registry = InstanceRegistry(settings, self.pool, _load_share(settings))
+        self.registry = InstanceRegistry(settings, self.pool, _load_share(settings, self.metrics))
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
         self.analyzer = analyzer or _analyzer(settings, self.metrics)
         protocol_name = settings.pd_protocol if settings.disaggregated else "mixed"
@@ -101,7 +102,13 @@ class Gateway:
         return self.settings.models or self.registry.models()
 
     def ready(self) -> tuple[bool, dict[str, int]]:
+        """Ready when enough instances can take requests: healthy, not ejected, and (Mooncake) with
+        their bootstrap's engine id known, since no request can be handed over without it."""
         counts = {role.value: self.registry.healthy_count(role) for role in Role}
+        counts["prefill"] = sum(
+            1 for s in self.registry.states.values()
+            if s.spec.role == Role.PREFILL and s.healthy and self.protocol.ready(s.target)
+        )
         if self.settings.disaggregated:
             ok = counts["prefill"] >= self.settings.min_ready_prefill and counts["decode"] >= self.settings.min_ready_decode
         else:
@@ -115,17 +122,15 @@ class Gateway:
             return self._default_slo
         ttft = self.settings.slo.ttft_s
         tbt = self.settings.slo.tbt_s
-        try:
-            if ttft_header:
-                ttft = float(ttft_header) / 1000.0
-            if tbt_header:
-                tbt = float(tbt_header) / 1000.0
-        except ValueError as exc:
-            raise BadRequest(f"SLO headers must be numbers of milliseconds: {exc}") from exc
+        if ttft_header:
+            ttft = _slo_ms(SLO_TTFT_HEADER, ttft_header)
+        if tbt_header:
+            tbt = _slo_ms(SLO_TBT_HEADER, tbt_header)
         return Slo(ttft_s=ttft, tbt_s=tbt)
 
     def decide(self, request_id: str, model: str, max_tokens: int, stream: bool, slo: Slo,
-               analysis: PromptAnalysis) -> Routed:
+               analysis: PromptAnalysis, exclude: frozenset[str] = frozenset()) -> Routed:
+        """Ask the policy; `exclude`: instances this request already failed on (a failover)."""
         started = time.perf_counter()
         view = RequestView(
             request_id=request_id,
@@ -140,7 +145,7 @@ class Gateway:
             slo=slo,
             stream=stream,
         )
-        snapshot = self.registry.snapshot()
+        snapshot = self.registry.snapshot(exclude)
         decision = self.policy.decide(view, snapshot)
         self.policy.on_decided(view, snapshot, decision)
         self.metrics.decision_time.observe(time.perf_counter() - started)
@@ -151,7 +156,8 @@ class Gateway:
             self.metrics.rejections.labels(rejection.reason).inc()
             if rejection.reason == NO_INSTANCE:
                 raise NoHealthyInstance(rejection.message)
-            raise Rejected(rejection.message, reason=rejection.reason, retry_after_s=rejection.retry_after_s)
+            raise Rejected(rejection.message, reason=rejection.reason, retry_after_s=rejection.retry_after_s,
+                           retryable=rejection.retryable)
         self.metrics.decisions.labels(decision.policy, decision.prefill or "", decision.decode or "").inc()
         if decision.predicted_ttft_s is not None:
             self.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
@@ -170,6 +176,17 @@ class Gateway:
         if observation.cached_tokens is not None:
             self.metrics.cached_tokens.labels("cached").inc(observation.cached_tokens)
             self.metrics.cached_tokens.labels("computed").inc(max(0, observation.prompt_tokens - observation.cached_tokens))
+
+
+def _slo_ms(header: str, value: str) -> float:
+    """An SLO header's milliseconds as seconds: a finite positive number, else 400."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not math.isfinite(ms) or ms <= 0 or "_" in value:
+        raise BadRequest(f"{header} must be a positive number of milliseconds, got {value[:32]!r}", param=header)
+    return ms / 1000.0
 
 
 def kv_settings(settings: Settings) -> KVAwarenessSettings:
@@ -195,8 +212,13 @@ def _analyzer(settings: Settings, metrics: GatewayMetrics) -> PromptAnalyzer:
     return build_analyzer(kv_settings(settings), instances, metrics.registry)
 
 
-def _load_share(settings: Settings) -> LoadShare:
+def _load_share(settings: Settings, metrics: GatewayMetrics | None = None) -> LoadShare:
+    """The load share the settings ask for; its breaker's metrics go on `metrics.registry` when given."""
     if settings.load_share == "redis":
         replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{id(settings):x}"
-        return RedisLoadShare(settings.redis_url, replica, interval_s=settings.load_sync_interval_s)
+        return RedisLoadShare(settings.redis_url, replica, interval_s=settings.load_sync_interval_s,
+                              timeout_s=settings.load_share_timeout_s,
+                              failures_to_open=settings.load_share_breaker_failures,
+                              open_s=settings.load_share_breaker_open_s,
+                              registry=metrics.registry if metrics is not None else None)
     return NoLoadShare()

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from conductor.core.errors import BadRequest, ConductorError, UpstreamError
+from conductor.core.errors import BadRequest, ConductorError, Overloaded, Rejected, UpstreamError
 
 log = logging.getLogger("conductor.errors")
 
@@ -43,9 +43,21 @@ def render(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
             body = error_payload(body.decode("utf-8", "replace")[:2000], "invalid_request_error")
         return exc.upstream_status, body, {}
     if isinstance(exc, ConductorError):
-        return exc.status, error_payload(exc.message, exc.type, exc.param, exc.code), exc.headers()
+        return exc.status, error_payload(exc.message, exc.type, exc.param, exc.code), _headers(exc)
     log.error("unexpected error", exc_info=exc)
     return 500, error_payload("internal error in the gateway", "internal_error"), {}
+
+
+def _headers(exc: ConductorError) -> dict[str, str]:
+    """The error's own headers, plus the hint the OpenAI SDKs obey before their status rules:
+    a 429 that retrying cannot cure says so (they would retry it twice, slower each time), and an
+    overloaded gateway says a retry is welcome."""
+    headers = exc.headers()
+    if isinstance(exc, Rejected) and not exc.retryable:
+        headers = {**headers, "x-should-retry": "false"}
+    elif isinstance(exc, Overloaded):
+        headers = {**headers, "x-should-retry": "true"}
+    return headers
 
 
 def _is_openai_error(body: bytes) -> bool:

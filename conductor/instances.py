@@ -13,6 +13,7 @@ from adapters.pd.base import Target, decode_json, host_of
 from adapters.upstream import UpstreamPool
 from conductor.core.errors import UpstreamError
 from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
+from conductor.health import HealthRules, InstanceHealth, may_eject
 from conductor.settings import InstanceSpec, Settings
 
 log = logging.getLogger("conductor.instances")
@@ -26,8 +27,7 @@ class InstanceState:
 
     spec: InstanceSpec
     target: Target
-    healthy: bool = False  # unknown until the first probe answers
-    failures: int = 0
+    health: InstanceHealth
     models: tuple[str, ...] = ()
     # request id -> work queued here, in dispatch order (FCFS); the frozen values are what views
     # hand out, so a snapshot costs a tuple() of them, not an object per in-flight request
@@ -40,7 +40,12 @@ class InstanceState:
         assert self.spec.name is not None
         return self.spec.name
 
-    def view(self, now: float, remote: RemoteEntry | None = None) -> InstanceView:
+    @property
+    def healthy(self) -> bool:
+        """May take requests: its probes answer and it is not ejected as an outlier."""
+        return self.health.available
+
+    def view(self, now: float, remote: RemoteEntry | None = None, excluded: bool = False) -> InstanceView:
         queue = tuple(self.prefills.values())
         if queue:  # only the head of an FCFS queue has run; its elapsed time is the one that matters
             head_id = next(iter(self.prefills))
@@ -58,7 +63,7 @@ class InstanceState:
             id=self.name,
             role=self.spec.role,
             url=self.spec.url,
-            healthy=self.healthy,
+            healthy=self.healthy and not excluded,
             prefill_queue=queue,
             decodes=decodes,
         )
@@ -76,8 +81,15 @@ class InstanceRegistry:
             assert spec.name is not None
             upstream = pool.add(spec.name, spec.url)
             target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
-            self.states[spec.name] = InstanceState(spec=spec, target=target)
+            self.states[spec.name] = InstanceState(spec=spec, target=target, health=InstanceHealth(spec.name))
         self._probe_task: asyncio.Task[None] | None = None
+        self.rules = HealthRules(
+            unhealthy_after=settings.unhealthy_after,
+            consecutive_errors=settings.outlier_consecutive_errors,
+            ejection_s=settings.outlier_ejection_s,
+            max_ejection_s=settings.outlier_max_ejection_s,
+            max_ejected_fraction=settings.outlier_max_ejected_fraction,
+        )
 
     # ---- health -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -104,10 +116,12 @@ class InstanceRegistry:
     async def _probe(self, state: InstanceState) -> None:
         timeout = self._settings.health_timeout_s
         try:
-            reply = await state.target.upstream.get("/health", timeout_s=timeout)
+            # probes use the instance's own small probe pool: a decode whose every pooled
+            # connection carries a stream is busy, not dead
+            reply = await state.target.upstream.get("/health", timeout_s=timeout, probe=True)
             ok = reply.status == 200
             if ok and not state.models:
-                models = await state.target.upstream.get("/v1/models", timeout_s=timeout)
+                models = await state.target.upstream.get("/v1/models", timeout_s=timeout, probe=True)
                 if models.status == 200:
                     data = decode_json(models.body).get("data", [])
                     state.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
@@ -116,21 +130,25 @@ class InstanceRegistry:
         self.record_probe(state, ok)
 
     def record_probe(self, state: InstanceState, ok: bool) -> None:
-        if ok:
-            if not state.healthy:
-                log.info("instance %s (%s) is healthy", state.name, state.spec.url)
-            state.healthy, state.failures = True, 0
-            return
-        state.failures += 1
-        if state.healthy and state.failures >= self._settings.unhealthy_after:
-            log.warning("instance %s (%s) is unhealthy", state.name, state.spec.url)
-            state.healthy = False
+        state.health.on_probe(ok, time.monotonic(), self.rules)
 
     def report_failure(self, name: str) -> None:
-        """A request to the instance failed at the transport level: count it like a failed probe."""
+        """A request to the instance could not even connect: count it like a failed probe too."""
         state = self.states.get(name)
         if state is not None:
             self.record_probe(state, False)
+
+    def report_result(self, name: str, ok: bool) -> bool:
+        """A request's leg on this instance succeeded or failed (5xx, reset, refused): passive
+        outlier detection. True when the failure ejected the instance."""
+        state = self.states.get(name)
+        if state is None:
+            return False
+        if ok:
+            state.health.on_success()
+            return False
+        peers = [s.health for s in self.states.values() if s.spec.role == state.spec.role]
+        return state.health.on_error(time.monotonic(), self.rules, may_eject(peers, self.rules))
 
     def healthy_count(self, role: Role) -> int:
         return sum(1 for s in self.states.values() if s.spec.role == role and s.healthy)
@@ -143,10 +161,14 @@ class InstanceRegistry:
         return tuple(seen)
 
     # ---- load accounting -----------------------------------------------------------------
-    def snapshot(self) -> ClusterSnapshot:
+    def snapshot(self, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
+        """The cluster as policies see it; `exclude`: instances this request already failed on
+        (shown unhealthy, so a failover decides among the others)."""
         now = time.monotonic()
         remote = self.load_share.remote()
-        return ClusterSnapshot(now=now, instances=tuple(s.view(now, remote.get(n)) for n, s in self.states.items()))
+        return ClusterSnapshot(
+            now=now, instances=tuple(s.view(now, remote.get(n), n in exclude) for n, s in self.states.items())
+        )
 
     def add_prefill(self, name: str, request_id: str, new_tokens: int, cached_tokens: int) -> None:
         state = self.states[name]

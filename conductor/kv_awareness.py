@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -24,21 +25,25 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field
 
-from adapters.index.base import IndexLimits, KVIndex, PrefixMatch
-from adapters.index.feed import IndexFeeder
-from adapters.index.memory import MemoryIndex
+from adapters.breaker import CircuitBreaker, register_breaker
+from adapters.index.base import IndexLimits, KVIndex, MemoryUse, PrefixMatch
+from adapters.index.feed import DEFAULT_MAP_BUDGET_BYTES, IndexFeeder, mapped_within
+from adapters.index.guarded import GuardedIndex
+from adapters.index.memory import DEFAULT_INDEX_BUDGET_BYTES, MemoryIndex, blocks_within
+from adapters.index.metrics import register_guard, register_kv_memory
 from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
 from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
 from conductor.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
 from conductor.core.block_keys import BlockKeyScheme, VllmKeys, make_scheme
-from conductor.core.errors import ConductorError, ConfigError
+from conductor.core.errors import BadRequest, ConductorError, ConfigError
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Decision, Observation, Role
 
 log = logging.getLogger(__name__)
 
 InstanceInfo = tuple[str, Role, str]  # (id, role, base URL)
+REDIS_MAX_BLOCKS = 1_000_000  # entries a Redis index keeps when kv.max_blocks is unset (server memory)
 
 
 class _Model(BaseModel):
@@ -69,7 +74,21 @@ class KVAwarenessSettings(_Model):
     index: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "conductor:kv:"
-    max_blocks: Annotated[int, Field(gt=0)] = 1_000_000  # (instance, block) entries kept
+    # Redis calls give up after these (look-ups are on the request path; writes run beside it), and
+    # after redis_breaker_failures in a row none is tried for redis_breaker_open_s (adapters/breaker.py)
+    redis_timeout_s: Annotated[float, Field(gt=0)] = 0.05
+    redis_write_timeout_s: Annotated[float, Field(gt=0)] = 0.25
+    redis_breaker_failures: Annotated[int, Field(gt=0)] = 3
+    redis_breaker_open_s: Annotated[float, Field(gt=0)] = 1.0
+    # while Redis cannot be used: "memory" = answer from a local copy fed by the same events and
+    # dispatches (sized by index_memory_bytes), "none" = route as if nothing were cached
+    redis_fallback: Literal["memory", "none"] = "memory"
+    # In-process memory, in bytes: the index (or the local copy beside Redis) and, per instance, the
+    # vLLM hash -> own key map of xxhash mode. Defaults: 48 MiB + 16 MiB per instance, 112 MiB for 2P+2D.
+    index_memory_bytes: Annotated[int, Field(gt=0)] = DEFAULT_INDEX_BUDGET_BYTES
+    hash_map_memory_bytes_per_instance: Annotated[int, Field(gt=0)] = DEFAULT_MAP_BUDGET_BYTES
+    # entries on the Redis server (None: 1,000,000); when set, also caps the in-process index
+    max_blocks: Annotated[int, Field(gt=0)] | None = None
     key_ttl_s: Annotated[float, Field(gt=0)] = 3600.0
     unconfirmed_ttl_s: Annotated[float, Field(gt=0)] = 30.0
     kv_events: Mapping[str, KVEventsEndpoint] = Field(default_factory=dict)  # instance id -> endpoint
@@ -173,6 +192,8 @@ class KVAwareAnalyzer:
         self._index_failures = 0
 
     async def start(self) -> None:
+        if isinstance(self.index, GuardedIndex):
+            await self.index.probe()  # never raises: a Redis absent now is picked up when it answers
         for sub in self.subscribers:
             await sub.start()
         if isinstance(self.store, MooncakeStoreProbe):
@@ -219,6 +240,10 @@ class KVAwareAnalyzer:
         except ConductorError as exc:  # a worker's /tokenize down must not fail the request
             log.warning("tokenizing failed, estimating instead: %s", exc.message)
             ids, from_text = None, False
+        except Exception as exc:
+            # is what vLLM answers 400 for too: the client's messages, not the gateway, are at fault
+            log.debug("tokenizer rejected the request", exc_info=True)
+            raise BadRequest(f"the prompt could not be tokenized: {type(exc).__name__}: {str(exc)[:200]}") from None
         if ids is None:
             tokens, exact = estimate_prompt_tokens(kind, body)
             return PromptAnalysis(prompt_tokens=tokens, exact=exact)
@@ -313,13 +338,30 @@ def _make_tokenizer(s: KVAwarenessSettings, instances: Sequence[InstanceInfo]) -
     return HFPromptTokenizer(HFTokenizer(s.tokenizer))
 
 
-def _make_index(s: KVAwarenessSettings) -> KVIndex:
-    limits = IndexLimits(max_blocks=s.max_blocks, unconfirmed_ttl_s=s.unconfirmed_ttl_s, key_ttl_s=s.key_ttl_s)
-    if s.index == "redis":
-        from adapters.index.redis import RedisIndex
+def _make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KVIndex:
+    unconfirmed = {"unconfirmed_ttl_s": s.unconfirmed_ttl_s, "key_ttl_s": s.key_ttl_s}
+    local_cap = min(blocks_within(s.index_memory_bytes), s.max_blocks or sys.maxsize)
+    local = IndexLimits(max_blocks=local_cap, **unconfirmed)
+    if s.index == "memory":
+        return MemoryIndex(local)
+    from adapters.index.redis import RedisIndex
 
-        return RedisIndex(s.redis_url, prefix=s.redis_prefix, limits=limits)
-    return MemoryIndex(limits)
+    shared = IndexLimits(max_blocks=s.max_blocks or REDIS_MAX_BLOCKS, **unconfirmed)
+    primary = RedisIndex(s.redis_url, prefix=s.redis_prefix, limits=shared, timeout_s=s.redis_timeout_s,
+                         write_timeout_s=s.redis_write_timeout_s)
+    breaker = CircuitBreaker("KV index Redis", failures_to_open=s.redis_breaker_failures,
+                             open_s=s.redis_breaker_open_s, logger=log)
+    index = GuardedIndex(primary, breaker, fallback=MemoryIndex(local) if s.redis_fallback == "memory" else None,
+                         lookup_timeout_s=s.redis_timeout_s, write_timeout_s=s.redis_write_timeout_s)
+    if registry is not None:
+        register_breaker(breaker, registry, "conductor_kv_index_redis")
+        register_guard(registry, index)
+    return index
+
+
+def _index_memory(index: KVIndex) -> Callable[[], MemoryUse | None]:
+    memory: Callable[[], MemoryUse | None] | None = getattr(index, "memory", None)
+    return memory if memory is not None else lambda: None
 
 
 def build_analyzer(
@@ -331,8 +373,11 @@ def build_analyzer(
     s = options if isinstance(options, KVAwarenessSettings) else KVAwarenessSettings.model_validate(options)
     scheme = make_scheme(s.key_mode, s.block_size, seed=s.hash_seed, algo=s.vllm_hash_algo,
                          vllm_seed=s.vllm_hash_seed)
-    index = _make_index(s)
-    feeder = IndexFeeder(index, scheme, translate=s.key_mode == "xxhash", max_mapped_per_instance=s.max_blocks)
+    index = _make_index(s, registry)
+    feeder = IndexFeeder(index, scheme, translate=s.key_mode == "xxhash",
+                         max_mapped_per_instance=mapped_within(s.hash_map_memory_bytes_per_instance))
+    if registry is not None:
+        register_kv_memory(registry, _index_memory(index), feeder.map_memory)
     urls = {iid: url for iid, _, url in instances}
     unknown = set(s.kv_events) - set(urls)
     if unknown:

@@ -73,6 +73,18 @@ class GatewayMetrics:
             "conductor_prediction_samples", "Observations in a predictor's error window",
             ["component", "instance"], registry=r,
         )
+        self.failovers = Counter(
+            "conductor_failovers", "Requests decided again on another instance after a leg failed before any byte "
+            "reached the client, by the instance that failed and why", ["instance", "reason"], registry=r,
+        )
+        self.ejections = Counter(
+            "conductor_instance_ejections", "Times an instance was ejected as an outlier (consecutive failures)",
+            ["instance"], registry=r,
+        )
+        self.late_prefill_failures = Counter(
+            "conductor_late_prefill_failures", "Concurrent prefill legs that failed or were cut after their decode "
+            "had already answered the client in full", ["instance"], registry=r,
+        )
         self.cached_tokens = Counter(
             "conductor_prompt_tokens", "Prompt tokens routed, by whether the worker reported them cached",
             ["source"], registry=r,

@@ -10,15 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from adapters.pd.base import CACHED_TOKENS_RE, Exchange, Outgoing, cached_tokens_of, decode_json
-from conductor.analysis import RequestKind
-from conductor.core.errors import ConductorError, NoHealthyInstance, Overloaded, UpstreamError
-from conductor.core.types import Observation
+from adapters.pd.base import Outgoing
+from conductor.analysis import PromptAnalysis, RequestKind, vocab_size_of
+from conductor.batch_relay import run_batch_attempt
+from conductor.batching import split_prompts
+from conductor.core.errors import ConductorError, NoHealthyInstance, Overloaded, UpstreamError, UpstreamTimeout
+from conductor.core.types import Slo
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway, Routed
 from conductor.http_errors import render, sse_error
+from conductor.relay import ClientState, run_attempt
 from conductor.requests import check_model, max_tokens_of, parse_request, read_body
 
 log = logging.getLogger("conductor.proxy")
@@ -28,19 +32,20 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_MAX_INTERVALS = 256  # token intervals kept per stream for the TBT fit
+# fields of a client's body that tell a worker where to connect for KV (vLLM's connectors, SGLang's
+# bootstrap): set by the gateway's P/D protocol, never taken from a client unless trusted
+_KV_STEERING_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+_CLIENT_ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
-class _ClientState:
-    __slots__ = ("disconnected", "response_done", "response_started")
-
-    def __init__(self) -> None:
-        self.disconnected = False
-        self.response_started = False
-        self.response_done = False  # after this, uvicorn reports "disconnect" for a normal end
+def client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-ID when it is a plain token (echoed back, logged); else None."""
+    if value is None or not _CLIENT_ID_RE.fullmatch(value):
+        return None
+    return value
 
 
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: _ClientState) -> None:
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: ClientState) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -59,14 +64,15 @@ class CompletionsEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        request_id = headers.get("x-request-id") or os.urandom(12).hex()
-        if len(request_id) > 128:
-            request_id = request_id[:128]
-        state = _ClientState()
+        # the gateway's own id keys every internal table and is what workers see; the client's
+        # X-Request-ID is only echoed back and logged, so two clients reusing one id collide nowhere
+        request_id = os.urandom(12).hex()
+        client_id = client_request_id(headers.get("x-request-id")) or request_id
+        state = ClientState()
         task = asyncio.current_task()
         assert task is not None
         try:
-            await self._serve(headers, request_id, receive, send, state, task)
+            await self._serve(headers, request_id, client_id, receive, send, state, task)
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -76,8 +82,8 @@ class CompletionsEndpoint:
             self.gateway.metrics.requests.labels(self.path, "499").inc()
 
     async def _serve(
-        self, headers: dict[str, str], request_id: str, receive: Receive, send: Send,
-        state: _ClientState, task: asyncio.Task[Any],
+        self, headers: dict[str, str], request_id: str, client_id: str, receive: Receive, send: Send,
+        state: ClientState, task: asyncio.Task[Any],
     ) -> None:
         gw = self.gateway
         loop = asyncio.get_running_loop()
@@ -89,7 +95,7 @@ class CompletionsEndpoint:
             length = headers.get("content-length")
             raw = await read_body(receive, int(length) if length and length.isdigit() else None,
                                   gw.settings.max_body_bytes)
-            body = parse_request(raw, self.kind)
+            body = parse_request(raw, self.kind, vocab_size=vocab_size_of(gw.analyzer))
             check_model(body["model"], gw.known_models())
             watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
             slo = gw.slo_for(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TBT_HEADER))
@@ -97,170 +103,98 @@ class CompletionsEndpoint:
             stream = bool(body.get("stream", False))
             if gw.inflight >= gw.settings.max_inflight_requests:
                 raise Overloaded(f"the gateway already has {gw.inflight} requests in flight")
-            routed = gw.decide(request_id, body["model"], max_tokens_of(body, gw.settings.default_max_tokens),
-                               stream, slo, analysis)
-            status = await self._forward(routed, body, request_id, stream, send, state, arrived)
+            max_tokens = max_tokens_of(body, gw.settings.default_max_tokens)
+            routed = gw.decide(request_id, body["model"], max_tokens, stream, slo, analysis)
+            out = self._outgoing(routed, body, request_id, client_id, stream)
+            status = await self._forward(routed, out, slo, max_tokens, analysis, send, state, arrived)
         except ConductorError as exc:
-            status = await self._fail(exc, send, state)
+            status = await self._fail(exc, send, state, client_id)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:  # noqa: BLE001 - never a traceback to the client; render() logs it
-            status = await self._fail(exc, send, state)
+            status = await self._fail(exc, send, state, client_id)
         finally:
             if watcher is not None:
                 watcher.cancel()
         gw.metrics.requests.labels(self.path, str(status)).inc()
         gw.metrics.e2e.observe(loop.time() - arrived)
 
-    async def _fail(self, exc: BaseException, send: Send, state: _ClientState) -> int:
+    async def _fail(self, exc: BaseException, send: Send, state: ClientState, client_id: str) -> int:
         status, payload, extra = render(exc)
+        if state.response_done:  # the client has its whole answer: nothing may follow it
+            log.warning("request %s failed after its answer was complete: %s", client_id, exc)
+            return status
         if state.response_started:  # too late for a status: tell the stream
+            state.response_done = True
             await send({"type": "http.response.body", "body": sse_error(exc), "more_body": False})
             return status
-        headers = [(b"content-type", b"application/json")]
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", client_id.encode())]
         headers.extend((k.lower().encode(), v.encode()) for k, v in extra.items())
+        state.response_started = state.response_done = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
         return status
 
-    def _outgoing(self, routed: Routed, body: dict[str, Any], request_id: str, stream: bool) -> Outgoing:
+    def _outgoing(self, routed: Routed, body: dict[str, Any], request_id: str, client_id: str, stream: bool) -> Outgoing:
+        gw = self.gateway
         ids = routed.analysis.forward_token_ids
         if ids is not None and self.kind == "completions" and isinstance(body.get("prompt"), str):
             body = {**body, "prompt": list(ids)}  # tokenized once here; the worker need not again
+        if not gw.settings.trust_client_kv_transfer_params and any(f in body for f in _KV_STEERING_FIELDS):
+            body = {k: v for k, v in body.items() if k not in _KV_STEERING_FIELDS}
         headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
-        if self.gateway.settings.upstream_api_key:
-            headers["Authorization"] = f"Bearer {self.gateway.settings.upstream_api_key}"
-        return Outgoing(path=self.path, body=body, headers=headers, request_id=request_id, stream=stream)
+        if gw.settings.upstream_api_key:
+            headers["Authorization"] = f"Bearer {gw.settings.upstream_api_key}"
+        return Outgoing(path=self.path, body=body, headers=headers, request_id=request_id, stream=stream,
+                        client_request_id=client_id)
 
     async def _forward(
-        self, routed: Routed, body: dict[str, Any], request_id: str, stream: bool,
-        send: Send, state: _ClientState, arrived: float,
+        self, routed: Routed, out: Outgoing, slo: Slo, max_tokens: int, analysis: PromptAnalysis,
+        send: Send, state: ClientState, arrived: float,
     ) -> int:
+        """Attempts on the chosen instances, failing over while nothing reached the client, all
+        within the request's deadline."""
         gw = self.gateway
         gw.inflight += 1
+        failed: set[str] = set()
+        # P/D: each prompt of a batch is its own exchange (see conductor/batch_relay.py)
+        batch = split_prompts(out.body) if self.kind == "completions" and gw.settings.disaggregated else None
         try:
-            return await self._dispatch(routed, body, request_id, stream, send, state, arrived)
+            async with asyncio.timeout(gw.settings.request_timeout_s):
+                for attempt in range(1, gw.settings.max_attempts + 1):
+                    try:
+                        if batch is not None:
+                            return await run_batch_attempt(gw, routed, out, batch, send, state, arrived)
+                        return await run_attempt(gw, routed, out, send, state, arrived)
+                    except UpstreamError as exc:
+                        reason = failover_reason(exc)
+                        if state.response_started or reason is None or attempt == gw.settings.max_attempts:
+                            raise
+                        assert exc.instance is not None
+                        failed.add(exc.instance)
+                        gw.metrics.failovers.labels(exc.instance, reason).inc()
+                        log.info("request %s: %s on %s, deciding again (attempt %d)", out.request_id, reason,
+                                 exc.instance, attempt + 1)
+                        try:
+                            routed = gw.decide(out.request_id, out.body["model"], max_tokens, out.stream, slo,
+                                               analysis, exclude=frozenset(failed))
+                        except NoHealthyInstance:
+                            raise exc from None  # no other instance to try: the failure itself is the answer
+            raise AssertionError("unreachable: the last attempt returns or raises")
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"the request did not finish within request_timeout_s ({gw.settings.request_timeout_s:g}s)"
+            ) from None
         finally:
             gw.inflight -= 1
 
-    async def _dispatch(
-        self, routed: Routed, body: dict[str, Any], request_id: str, stream: bool,
-        send: Send, state: _ClientState, arrived: float,
-    ) -> int:
-        gw = self.gateway
-        decision = routed.decision
-        assert decision.prefill is not None
-        states = gw.registry.states
-        prefill = states[decision.prefill].target
-        decode = states[decision.decode].target if decision.decode else None
-        if not gw.protocol.ready(prefill):
-            raise NoHealthyInstance(f"prefill instance {prefill.name} is not ready (bootstrap not answered)")
-        analysis = routed.analysis
-        cached = analysis.cached.get(prefill.name)
-        predicted_cached = cached.tokens if cached else 0
-        decode_name = decode.name if decode else prefill.name
-        joined = gw.registry.states[decode_name]  # the others already decoding there (this replica's)
-        batch, resident = len(joined.decodes), sum(d.context_tokens for d in joined.decodes.values())
-        gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted_cached, predicted_cached)
-        gw.registry.add_decode(decode_name, request_id, analysis.prompt_tokens, routed.view.max_tokens)
-        await gw.analyzer.on_dispatch(analysis, decision)
-        loop = asyncio.get_running_loop()
-        exchange: Exchange | None = None
-        first_token: float | None = None
-        intervals: list[float] = []
-        tokens = 0
-        ok = False
-        cached_reported: int | None = None
-        try:
-            try:
-                exchange = await gw.protocol.exchange(self._outgoing(routed, body, request_id, stream), prefill, decode)
-            except UpstreamError as exc:
-                if not exc.client_fault:
-                    gw.metrics.upstream_errors.labels(exc.instance or "", "status" if exc.upstream_status else "transport").inc()
-                    if exc.upstream_status is None and exc.instance:
-                        gw.registry.report_failure(exc.instance)
-                raise
-            if exchange.prefill_s is not None:  # sequential prefill (nixl) is over
-                gw.registry.end_prefill(prefill.name, request_id)
-                gw.registry.mark_decoding(decode_name, request_id)
-                gw.metrics.prefill_leg.labels(prefill.name).observe(exchange.prefill_s)
-            if exchange.reply is not None:
-                reply = exchange.reply
-                await exchange.settle()
-                if exchange.prefill_failed is not None:
-                    raise exchange.prefill_failed
-                await send({"type": "http.response.start", "status": reply.status, "headers": [
-                    (b"content-type", reply.content_type.encode()), (b"x-request-id", request_id.encode())]})
-                state.response_started = state.response_done = True
-                await send({"type": "http.response.body", "body": reply.body})
-                first_token = loop.time()
-                if exchange.prefill_cached_tokens is None and reply.status == 200:
-                    try:
-                        cached_reported = cached_tokens_of(decode_json(reply.body))
-                    except ValueError:
-                        cached_reported = None
-                ok = reply.status == 200
-                status = reply.status
-            else:
-                assert exchange.stream is not None
-                upstream = exchange.stream
-                await send({"type": "http.response.start", "status": upstream.status, "headers": [
-                    (b"content-type", upstream.content_type.encode()), (b"cache-control", b"no-cache"),
-                    (b"x-request-id", request_id.encode())]})
-                state.response_started = True
-                last = 0.0
-                tail = b""
-                async for chunk in upstream.chunks():
-                    now = loop.time()
-                    events = chunk.count(b"data:")
-                    if first_token is None:
-                        first_token = now
-                        gw.registry.end_prefill(prefill.name, request_id)
-                        gw.metrics.ttft.observe(now - arrived)
-                        # the batch it really joined: streams decoding there now, not those listed
-                        # at dispatch (some still in prefill then, some gone by now) -- the TBT fit
-                        others = [d for rid, d in joined.decodes.items() if rid != request_id and d.decoding]
-                        batch, resident = len(others), sum(d.context_tokens for d in others)
-                    elif events and len(intervals) < _MAX_INTERVALS:
-                        intervals.append((now - last) / events)
-                    last = now
-                    tokens += events
-                    gw.registry.advance_decode(decode_name, request_id, events)
-                    tail = chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await exchange.settle()  # a concurrent prefill leg: its answer, or its failure
-                if exchange.prefill_failed is not None:
-                    raise exchange.prefill_failed
-                state.response_done = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                match = CACHED_TOKENS_RE.search(tail)
-                cached_reported = int(match.group(1)) if match else None
-                ok = True
-                status = upstream.status
-            if intervals:
-                gw.metrics.tbt.observe(sum(intervals) / len(intervals))
-            return status
-        except BaseException:
-            if exchange is not None:
-                exchange.abort()
-            raise
-        finally:
-            gw.registry.end_prefill(prefill.name, request_id)
-            gw.registry.end_decode(decode_name, request_id)
-            reported = exchange.prefill_cached_tokens if exchange and exchange.prefill_cached_tokens is not None \
-                else cached_reported
-            gw.observe(routed, Observation(
-                request_id=request_id,
-                prefill=prefill.name,
-                decode=decode.name if decode else None,
-                prompt_tokens=analysis.prompt_tokens,
-                cached_tokens=reported,
-                predicted_cached_tokens=predicted_cached,
-                queue_and_prefill_s=exchange.prefill_s if exchange else None,
-                ttft_s=(first_token - arrived) if (first_token is not None and stream) else None,
-                token_intervals_s=tuple(intervals),
-                output_tokens=tokens,
-                decode_batch=batch,
-                decode_resident_kv_tokens=resident,
-                ok=ok,
-            ))
+
+def failover_reason(exc: UpstreamError) -> str | None:
+    """Why another instance may be tried, or None when it may not: a worker's 5xx (it did not serve
+    the request), or a connection that failed before any byte of the request can have reached the
+    worker. Never after a timeout or a reset mid-answer: the work may be running there."""
+    if exc.instance is None or exc.client_fault or isinstance(exc, UpstreamTimeout):
+        return None
+    if exc.upstream_status is not None:
+        return "status" if exc.upstream_status >= 500 else None
+    return None if exc.maybe_processed else "connect"

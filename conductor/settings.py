@@ -41,8 +41,20 @@ class InstanceSpec(_Model):
     @field_validator("url")
     @classmethod
     def _strip_slash(cls, v: str) -> str:
+        # Checked here so a bad worker URL is a clear config error, not a traceback at start-up.
+        from urllib.parse import urlsplit
+
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"instance URL must start with http:// or https://: {v!r}")
+        parts = urlsplit(v)
+        try:
+            parts.port  # noqa: B018  (parsing it is the check)
+        except ValueError as exc:
+            raise ValueError(f"instance URL has an invalid port: {v!r}") from exc
+        if not parts.hostname:
+            raise ValueError(f"instance URL has no host: {v!r}")
+        if parts.username is not None or parts.query or parts.fragment:
+            raise ValueError(f"instance URL must be scheme://host[:port][/path], without credentials, query or fragment: {v!r}")
         return v.rstrip("/")
 
 
@@ -54,6 +66,7 @@ class SloSettings(_Model):
 class Settings(_Model):
     host: str = "127.0.0.1"
     port: int = 8000
+    admin_port: int | None = None  # if set, /metrics, /openapi.json and /docs are served only here
     log_level: str = "info"
 
     prefill: tuple[InstanceSpec, ...] = ()
@@ -74,9 +87,25 @@ class Settings(_Model):
     max_body_bytes: int = 16 * 1024 * 1024
 
     connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0  # whole upstream request
+    request_timeout_s: float = 600.0  # whole request, from admission to its last byte: past it, 504
     read_timeout_s: float = 120.0  # longest silence from a worker before 504
     bootstrap_timeout_s: float = 5.0
+    # on SIGTERM: stop accepting, let requests in flight finish for this long, then close them
+    drain_grace_s: float = 30.0
+    # a request whose leg failed before any byte reached the client (connection refused, a worker's
+    # 5xx) is decided again without that instance, up to this many attempts in all
+    max_attempts: int = Field(default=3, ge=1)
+    # passive outlier ejection: this many consecutive 5xx answers or transport failures take an
+    # instance out of rotation for outlier_ejection_s (doubling on each ejection in a row, up to
+    # outlier_max_ejection_s); the first successful health probe after that re-admits it. At most
+    # outlier_max_ejected_fraction of a role's instances are ejected at once.
+    outlier_consecutive_errors: int = Field(default=5, ge=1)
+    outlier_ejection_s: float = 10.0
+    outlier_max_ejection_s: float = 300.0
+    outlier_max_ejected_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    # kv_transfer_params (and SGLang's bootstrap_* fields) in a client's body steer where a worker
+    # connects: dropped unless the operator trusts the clients (e.g. another router in front)
+    trust_client_kv_transfer_params: bool = False
 
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
@@ -89,6 +118,11 @@ class Settings(_Model):
     redis_url: str = "redis://127.0.0.1:6379/0"
     replica_id: str | None = None  # defaults to host name and process id
     load_sync_interval_s: float = 0.1
+    # each exchange with Redis gives up after load_share_timeout_s; after load_share_breaker_failures
+    # in a row none is tried for load_share_breaker_open_s, and replicas route on their own load
+    load_share_timeout_s: float = Field(0.2, gt=0)
+    load_share_breaker_failures: int = Field(3, gt=0)
+    load_share_breaker_open_s: float = Field(1.0, gt=0)
 
     block_size: int = 16  # tokens per KV block: must equal the workers' --block-size
     # KV-cache awareness: tokenizer, block keys, the cache index and its feeds (conductor/kv_awareness.py).

@@ -249,7 +249,18 @@ def _gateway_rows() -> tuple[Row, ...]:
                   "short", description="Decode streams in flight, all replicas."),
             Panel("Instance health", (Target(f"min by (instance, role) ({sel('conductor_instance_healthy')})",
                                              "{{role}} {{instance}}"),), "short", kind="stat",
-                  mappings=_HEALTH, description="Worst health probe result across gateway replicas."),
+                  mappings=_HEALTH, description="Worst health result across gateway replicas: probes answered "
+                  "and not ejected as an outlier."),
+            Panel("Failovers and ejections", (
+                Target(f"sum by (instance, reason) ({rate('conductor_failovers_total')})",
+                       "failover from {{instance}} ({{reason}})"),
+                Target(f"sum by (instance) ({rate('conductor_instance_ejections_total')})", "ejected {{instance}}"),
+            ), "reqps", width=8, description="Requests decided again on another instance after a leg failed before "
+                "any byte reached the client; and outlier ejections (consecutive 5xx or transport failures)."),
+            Panel("Late prefill failures", (
+                Target(f"sum by (instance) ({rate('conductor_late_prefill_failures_total')})", "{{instance}}"),),
+                "reqps", width=8, description="Concurrent (Mooncake/SGLang) prefill legs that failed or were cut "
+                "after their decode had answered the client in full: harmless to the client, a sign of a sick prefill."),
         )),
         Row("KV cache index", (
             Panel("Index hash agreement", (Target(f"min({sel('conductor_kv_hash_agreement')})", "worst replica"),
@@ -262,6 +273,17 @@ def _gateway_rows() -> tuple[Row, ...]:
                 Target(f"sum({rate('conductor_kv_predicted_cached_tokens_total')})", "predicted by the index"),
                 Target(f"sum({rate('conductor_kv_reported_cached_tokens_total')})", "reported by workers"),
             ), "short", width=16),
+            Panel("KV index memory (estimated)", (
+                Target(f"sum by (structure) ({sel('conductor_kv_memory_bytes')})", "{{structure}}"),),
+                "bytes", width=8, description="Bytes the index and the per-instance hash maps hold, from measured "
+                "per-entry costs; bounded by kv.index_memory_bytes and kv.hash_map_memory_bytes_per_instance."),
+            Panel("KV index entries vs cap", (
+                Target(f"sum by (structure) ({sel('conductor_kv_memory_entries')})", "{{structure}} entries"),
+                Target(f"sum by (structure) ({sel('conductor_kv_memory_cap_entries')})", "{{structure}} cap"),
+            ), "short", width=8),
+            Panel("KV index evictions", (
+                Target(f"sum by (structure) ({rate('conductor_kv_memory_evictions_total')})", "{{structure}}"),),
+                "ops", width=8, description="Entries evicted to stay within the memory budget."),
         )),
         Row("Prefix cache", (
             Panel("Prefix hit rate (gateway)", (Target(

@@ -77,12 +77,13 @@ def check_ttft(
     if slo is None or judged <= slo:
         return None
     excess = judged - slo
+    retryable = True
     if best.queue_s >= excess:
         # the queue ahead is what breaks the SLO: once it has drained by the excess, it fits
         retry, why = excess, f"queue of {best.queue_s:.3f}s on {best.instance.id}"
     else:
-        # even an idle instance would be too slow: come back when the queue is gone, if ever
-        retry, why = best.queue_s, "the prompt's own prefill"
+        # even an idle instance would be too slow: sending it again cannot help (x-should-retry: false)
+        retry, why, retryable = best.queue_s, "the prompt's own prefill", False
     return Rejection(
         reason=TTFT_SLO,
         message=(
@@ -92,6 +93,7 @@ def check_ttft(
         predicted_s=point,
         slo_s=slo,
         retry_after_s=_retry(retry),
+        retryable=retryable,
     )
 
 

@@ -3,6 +3,11 @@
 A plain ASGI app: the token path sends pre-encoded SSE bytes straight to the server, and a watcher
 on `receive()` sees `http.disconnect` the moment a client goes away, aborts the sequence in the
 engine (freeing its batch slot) and records the request id for GET /emulator/cancelled.
+
+A completions batch (`prompt` a list of strings or token-id lists) is served as vLLM serves it: one
+engine sequence per prompt (`{id}-{i}`, its own prefix-cache look-up, KV events and usage), their
+tokens relayed as they come, choice `index` = prompt position, usage summed, and, for a NIXL
+prefill, the first prompt's kv_transfer_params alone on the answer (protocols.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -33,11 +39,13 @@ from adapters.emulator.asgi import (
 from adapters.emulator.bootstrap import TransferDone, TransferRegistry, wait_for_prefill
 from adapters.emulator.config import EmulatorConfig
 from adapters.emulator.engine import Engine, RemoteWait, Sequence
+from adapters.emulator.kv_content import RemoteKv
 from adapters.emulator.kv_events import KvEventPublisher
 from adapters.emulator.metrics import CONTENT_TYPE, EngineMetrics
 from adapters.emulator.openai_format import (
     DONE,
     ApiError,
+    Choice,
     ParsedRequest,
     Renderer,
     error_body,
@@ -53,10 +61,6 @@ from conductor.core.vllm_hash import VllmBlockHasher
 
 log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder().decode
-
-
-async def _ready() -> bool:
-    return True
 
 
 class EmulatorApp:
@@ -213,22 +217,33 @@ class EmulatorApp:
             return
         plan = plan_leg(self.config.role, self.config.pd_protocol, body)
         response_id = ("chatcmpl-" if chat else "cmpl-") + base_id
-        seq = self.engine.submit(response_id, req.prompt_ids, 1 if plan.force_one_token else req.max_tokens,
-                                 self._remote_wait(plan))
-        watcher = asyncio.get_running_loop().create_task(self._watch(receive, seq, base_id, plan))
-        renderer = Renderer(chat, response_id, int(time.time()), req.model)
+        # vLLM's serving_completion: one engine request per prompt, `{request_id}-{i}` in a batch.
+        # Every sub-request gets the request's P/D plan, as every vLLM sub-request gets its params.
+        legs = [_Leg(i, f"{response_id}-{i}" if req.batched else response_id,
+                     plan if i == 0 else dataclasses.replace(plan, publish_key=None))
+                for i in range(len(req.prompts))]
+        for leg, prompt, max_tokens in zip(legs, req.prompts, req.max_tokens, strict=True):
+            leg.seq = self.engine.submit(leg.request_id, prompt, 1 if plan.force_one_token else max_tokens,
+                                         self._remote_wait(plan))
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive, legs, base_id))
+        renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs))
         extra = [(b"x-request-id", base_id.encode())]
         try:
             if req.stream:
-                await self._stream(send, seq, req, renderer, plan, extra)
+                await self._stream(send, legs, req, renderer, extra)
             else:
-                await self._complete(send, seq, req, renderer, plan, extra)
+                await self._complete(send, legs, renderer, plan, extra)
         finally:
             watcher.cancel()
 
     def _remote_wait(self, plan: LegPlan) -> RemoteWait | None:
         if plan.remote_ready:
-            return _ready
+            ready = RemoteKv(plan.remote_seed)
+
+            async def nixl_ready() -> RemoteKv:
+                return ready
+
+            return nixl_ready
         url = plan.wait_url
         if url is None:
             return None
@@ -237,52 +252,108 @@ class EmulatorApp:
         deadline = self.config.remote_wait_s
         return lambda: wait_for_prefill(session, url, deadline)
 
-    async def _watch(self, receive: Receive, seq: Sequence, base_id: str, plan: LegPlan) -> None:
-        """Abort the sequence when the client disconnects before it finished."""
+    async def _watch(self, receive: Receive, legs: list[_Leg], base_id: str) -> None:
+        """Abort every sequence of the request when the client disconnects before they finished."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 break
-        if not seq.finished and not seq.aborted:
-            self.engine.abort(seq)
+        live = [leg for leg in legs if not leg.sequence.finished and not leg.sequence.aborted]
+        for leg in live:
+            self.engine.abort(leg.sequence)
+            self._publish(leg, aborted=True)
+        if live:
             self.cancelled.append(base_id)
-            self._publish(plan, seq, aborted=True)
 
-    def _publish(self, plan: LegPlan, seq: Sequence, *, aborted: bool = False) -> None:
-        if plan.publish_key is not None:
-            self.registry.publish(TransferDone(plan.publish_key, "aborted" if aborted else "done",
-                                               seq.prompt_tokens, seq.cached_tokens, self.config.engine_id))
+    def _publish(self, leg: _Leg, *, aborted: bool = False) -> None:
+        key = leg.plan.publish_key
+        if key is not None:
+            seq = leg.sequence
+            self.registry.publish(TransferDone(key, "aborted" if aborted else "done", seq.prompt_tokens,
+                                               seq.cached_tokens, self.config.engine_id, seq.kv_seed))
 
-    def _usage(self, seq: Sequence) -> dict[str, Any]:
-        return usage(seq.prompt_tokens, seq.generated, seq.cached_tokens + seq.external_tokens)
+    @staticmethod
+    def _usage(seqs: list[Sequence]) -> dict[str, Any]:
+        """vLLM sums a batch's usage over its prompts."""
+        return usage(sum(s.prompt_tokens for s in seqs), sum(s.generated for s in seqs),
+                     sum(s.cached_tokens + s.external_tokens for s in seqs))
 
-    async def _complete(self, send: Send, seq: Sequence, req: ParsedRequest, renderer: Renderer,
-                        plan: LegPlan, extra: list[tuple[bytes, bytes]]) -> None:
-        first = True
-        while await seq.tokens.get() is not None:
-            if first:
-                first = False
-                self._publish(plan, seq)
-        if seq.aborted:
+    async def _tokens(self, legs: list[_Leg]) -> AsyncGenerator[tuple[_Leg, int], None]:
+        """(leg, token index) as the engine emits them, interleaved across the legs; publishes a
+        prefill leg's transfer key at its first token."""
+        if len(legs) == 1:  # the common case: no pump tasks on the token path
+            (leg,) = legs
+            queue = leg.sequence.tokens
+            while (k := await queue.get()) is not None:
+                if k == 0:
+                    self._publish(leg)
+                yield leg, k
             return
-        kv_params = self.nixl.params(seq.request_id, seq.prompt_tokens) if plan.nixl_prefill else None
-        await send_bytes(send, 200, renderer.full(seq.generated, self._usage(seq), kv_params), headers=extra)
+        merged: asyncio.Queue[tuple[_Leg, int | None]] = asyncio.Queue()
 
-    async def _stream(self, send: Send, seq: Sequence, req: ParsedRequest, renderer: Renderer,
-                      plan: LegPlan, extra: list[tuple[bytes, bytes]]) -> None:
+        async def pump(leg: _Leg) -> None:
+            while (k := await leg.sequence.tokens.get()) is not None:
+                merged.put_nowait((leg, k))
+            merged.put_nowait((leg, None))
+
+        loop = asyncio.get_running_loop()
+        pumps = [loop.create_task(pump(leg)) for leg in legs]
+        try:
+            open_legs = len(legs)
+            while open_legs:
+                leg, token = await merged.get()
+                if token is None:
+                    open_legs -= 1
+                    continue
+                if token == 0:
+                    self._publish(leg)
+                yield leg, token
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def _complete(self, send: Send, legs: list[_Leg], renderer: Renderer, plan: LegPlan,
+                        extra: list[tuple[bytes, bytes]]) -> None:
+        async with contextlib.aclosing(self._tokens(legs)) as tokens:
+            async for _ in tokens:
+                pass
+        seqs = [leg.sequence for leg in legs]
+        if any(seq.aborted for seq in seqs):
+            return
+        # vLLM puts final_res_batch[0].kv_transfer_params on the response: the first prompt's only.
+        first = seqs[0]
+        kv_params = self.nixl.params(first.request_id, first.prompt) if plan.nixl_prefill else None
+        choices = [Choice(seq.kv_seed, seq.generated) for seq in seqs]
+        await send_bytes(send, 200, renderer.full(choices, self._usage(seqs), kv_params), headers=extra)
+
+    async def _stream(self, send: Send, legs: list[_Leg], req: ParsedRequest, renderer: Renderer,
+                      extra: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra]})
-        last_index = seq.max_tokens - 1
-        first = True
-        while (k := await seq.tokens.get()) is not None:
-            chunk = renderer.chunk(k, k == last_index)
-            if first:
-                first = False
-                self._publish(plan, seq)
-                if req.chat:
+        async with contextlib.aclosing(self._tokens(legs)) as tokens:
+            async for leg, k in tokens:
+                seq = leg.sequence
+                chunk = renderer.chunk(seq.kv_seed, k, k == seq.max_tokens - 1, leg.index)
+                if k == 0 and req.chat:
                     chunk = renderer.role_chunk() + chunk
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        if seq.aborted:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        seqs = [leg.sequence for leg in legs]
+        if any(seq.aborted for seq in seqs):
             return
-        tail = renderer.usage_chunk(self._usage(seq)) + DONE if req.include_usage else DONE
+        tail = renderer.usage_chunk(self._usage(seqs)) + DONE if req.include_usage else DONE
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Leg:
+    """One prompt of a request: its position, engine request id, P/D plan and engine sequence."""
+
+    index: int
+    request_id: str
+    plan: LegPlan
+    seq: Sequence | None = None
+
+    @property
+    def sequence(self) -> Sequence:
+        assert self.seq is not None, "submitted in _generate before use"
+        return self.seq

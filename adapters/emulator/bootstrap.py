@@ -8,7 +8,8 @@ Real endpoints (what routers and connectors read):
 - `GET /health`: 200.
 Emulator coordination:
 - `GET /emulator/transfer/{key}?timeout=S`: long-polls until the prefill published under `key` is
-  done; 200 with `{"key", "status": "done"|"aborted", "prompt_tokens", "cached_tokens", "engine_id"}`,
+  done; 200 with `{"key", "status": "done"|"aborted", "prompt_tokens", "cached_tokens", "engine_id",
+  "kv_seed"}` (kv_seed: the content seed of the prompt whose KV the key holds, kv_content.py),
   or 408 when nothing arrived within S seconds.
 Both the done entries and the waiting keys are bounded (oldest dropped first).
 """
@@ -27,6 +28,7 @@ import aiohttp
 import msgspec
 
 from adapters.emulator.asgi import Receive, Scope, Send, send_json
+from adapters.emulator.kv_content import RemoteKv
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -41,6 +43,7 @@ class TransferDone:
     prompt_tokens: int
     cached_tokens: int
     engine_id: str
+    kv_seed: int
 
 
 class TransferRegistry:
@@ -119,15 +122,18 @@ class BootstrapApp:
             else:
                 await send_json(send, 200, {"key": done.key, "status": done.status,
                                             "prompt_tokens": done.prompt_tokens,
-                                            "cached_tokens": done.cached_tokens, "engine_id": done.engine_id})
+                                            "cached_tokens": done.cached_tokens, "engine_id": done.engine_id,
+                                            "kv_seed": done.kv_seed})
         else:
             await send_json(send, 404, {"detail": "Not Found"})
 
 
-async def wait_for_prefill(session: aiohttp.ClientSession, url: str, deadline_s: float, poll_s: float = 30.0) -> bool:
-    """Long-poll the prefill's bootstrap server; True once that prefill is done.
+async def wait_for_prefill(
+    session: aiohttp.ClientSession, url: str, deadline_s: float, poll_s: float = 30.0
+) -> RemoteKv | None:
+    """Long-poll the prefill's bootstrap server; the KV it holds once that prefill is done.
 
-    False (prefill aborted, unreachable, or not done by the deadline) makes the decode leg prefill
+    None (prefill aborted, unreachable, or not done by the deadline) makes the decode leg prefill
     locally, as vLLM's decode does when a KV load fails (kv_load_failure_policy=recompute).
     """
     end = time.monotonic() + deadline_s
@@ -141,11 +147,14 @@ async def wait_for_prefill(session: aiohttp.ClientSession, url: str, deadline_s:
                     continue
                 body: Any = await resp.json(content_type=None)
                 if resp.status == 200 and isinstance(body, dict):
-                    return body.get("status") == "done"
+                    if body.get("status") != "done":
+                        return None
+                    seed = body.get("kv_seed")
+                    return RemoteKv(seed if isinstance(seed, int) and not isinstance(seed, bool) else None)
                 log.warning("bootstrap %s answered %s", url, resp.status)
-                return False
+                return None
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("bootstrap %s unreachable: %s", url, exc)
             failures += 1
             await asyncio.sleep(min(0.2, max(left, 0)))
-    return False
+    return None

@@ -12,6 +12,9 @@ A decode leg whose KV comes from a remote prefill (P/D) waits outside the step l
 WAITING_FOR_REMOTE_KVS): first for the prefill to be done (`remote_wait`), then for the transfer of
 the prompt's uncached KV; then the received blocks land in this instance's prefix cache and the
 sequence joins the batch, its first token sampled at the next step.
+
+Each sequence carries the content seed of the KV it runs on (kv_content.py): its own prompt's, or
+the one its remote prefill reported, which is what the generated text is computed from.
 """
 
 from __future__ import annotations
@@ -25,14 +28,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from adapters.emulator.kv_content import RemoteKv, content_seed
 from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, events_for
 from adapters.emulator.metrics import EngineMetrics, RequestTimes
 from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
 from adapters.emulator.profile import Profile
 from conductor.core.vllm_hash import VllmBlockHasher
 
-# Awaited by a remote-KV decode leg before its transfer starts; False means "no remote KV, prefill here".
-RemoteWait = Callable[[], Awaitable[bool]]
+# Awaited by a remote-KV decode leg before its transfer starts; None means "no remote KV, prefill here".
+RemoteWait = Callable[[], Awaitable[RemoteKv | None]]
 _SPIN_S = 0.0015  # the last stretch of a step is spun on loop.time(): asyncio.sleep overshoots by ~1 ms
 
 
@@ -45,6 +49,7 @@ class Sequence:
     max_tokens: int
     digests: list[bytes]
     arrival: float
+    kv_seed: int  # content seed of the KV this sequence runs on: the generated text follows it
     tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     cached_tokens: int = 0  # served from this instance's prefix cache
     external_tokens: int = 0  # received from a remote prefill
@@ -108,7 +113,8 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, remote_wait: RemoteWait | None = None) -> Sequence:
         loop = asyncio.get_running_loop()
-        seq = Sequence(request_id, prompt, max(1, max_tokens), self.hasher.digests(prompt), loop.time())
+        seq = Sequence(request_id, prompt, max(1, max_tokens), self.hasher.digests(prompt), loop.time(),
+                       content_seed(prompt))
         if remote_wait is None:
             self.waiting.append(seq)
             self._wake.set()
@@ -194,11 +200,14 @@ class Engine:
 
     async def _receive_remote(self, seq: Sequence, remote_wait: RemoteWait) -> None:
         loop = asyncio.get_running_loop()
-        if not await remote_wait() or seq.aborted:
+        remote = await remote_wait()
+        if remote is None or seq.aborted:
             if not seq.aborted:  # no remote KV after all: prefill locally
                 self.waiting.append(seq)
                 self._wake.set()
             return
+        if remote.seed is not None:  # the KV that arrives is that prompt's, whatever this prompt is
+            seq.kv_seed = remote.seed
         hit = self.cache.hit_blocks(seq.digests, seq.prompt_tokens)
         seq.cached_tokens = hit * self.cache.block_size
         seq.external_tokens = seq.prompt_tokens - seq.cached_tokens

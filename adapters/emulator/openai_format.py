@@ -6,6 +6,10 @@ with `message`, chunks `"chat.completion.chunk"` with `delta` (the first chunk c
 `finish_reason: "length"` on the chunk of the last token; with `stream_options.include_usage` a
 final chunk with `choices: []` and `usage`; then `data: [DONE]`. Errors are vLLM's ErrorResponse:
 `{"error": {"message", "type", "param", "code"}}`.
+
+Completions batches as vLLM's OpenAIServingCompletion answers them: a `prompt` that is a list of
+strings or of token-id lists is one engine request per prompt; choice i is prompt i (n=1), stream
+chunks of all prompts interleave (each with its prompt's `index`), usage is summed over prompts.
 """
 
 from __future__ import annotations
@@ -20,18 +24,29 @@ from conductor.core.tokenization import ByteTokenizer
 
 _encode = msgspec.json.Encoder().encode
 
-# Deterministic filler: generated token k is WORDS[k % len(WORDS)].
+# The generated words. Token k of a sequence is WORDS[word_index(seed, k)], where `seed` is the
+# content seed of the KV the sequence runs on (kv_content.py): the same prompt always gets the same
+# continuation, and a decode given another prompt's KV visibly continues that other prompt.
 WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " and", " then",
          " runs", " far", " away", " into", " woods")
 _WORD_JSON = tuple(_encode(w) for w in WORDS)
+_MASK64 = (1 << 64) - 1
 
 
-def token_text(k: int) -> str:
-    return WORDS[k % len(WORDS)]
+def word_index(seed: int, k: int) -> int:
+    """A splitmix64-style mix of (seed, k) onto the 16 words: cheap per token, well spread."""
+    x = (seed * 0x9E3779B97F4A7C15 + (k + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return (x >> 60) % len(WORDS)
 
 
-def generated_text(n: int) -> str:
-    return "".join(WORDS[k % len(WORDS)] for k in range(n))
+def token_text(seed: int, k: int) -> str:
+    return WORDS[word_index(seed, k)]
+
+
+def generated_text(seed: int, n: int) -> str:
+    return "".join(WORDS[word_index(seed, k)] for k in range(n))
 
 
 class ApiError(Exception):
@@ -51,27 +66,60 @@ def error_body(err: ApiError) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    """A validated completion or chat request."""
+    """A validated completion or chat request: one or more prompts (a completions batch), each with
+    its own output length (vLLM derives the default from each prompt's own length)."""
 
     chat: bool
-    prompt_ids: list[int]
-    max_tokens: int
+    prompts: list[list[int]]
+    max_tokens: list[int]
     stream: bool
     include_usage: bool
     model: str
 
+    @property
+    def batched(self) -> bool:
+        return len(self.prompts) > 1
 
-def _prompt_ids(value: Any, tokenizer: ByteTokenizer) -> list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(value: Any, tokenizer: ByteTokenizer) -> list[list[int]]:
+    """vLLM's completions `prompt`: a string or a list of token ids is ONE prompt; a list of strings or
+    a list of token-id lists is a batch (of one, when it has one element)."""
     if isinstance(value, str):
-        return tokenizer.encode(value)
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return list(value)
-    if isinstance(value, list):
-        raise ApiError(400, "The emulator serves one prompt per request (a string or a list of token ids).",
-                       param="prompt")
-    raise ApiError(400, "prompt must be a string or a list of token ids.", param="prompt")
+        return [tokenizer.encode(value)]
+    if isinstance(value, list) and value and _is_token_ids(value):
+        return [list(value)]
+    if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        return [tokenizer.encode(p) for p in value]
+    if isinstance(value, list) and value and all(_is_token_ids(p) for p in value):
+        return [list(p) for p in value]
+    if isinstance(value, list) and not value:
+        raise ApiError(400, "Prompt cannot be empty.", param="prompt")
+    raise ApiError(400, "prompt must be a string, a list of token ids, a list of strings or a list of "
+                        "token-id lists.", param="prompt")
+
+
+def _max_tokens(raw_max: Any, prompt_len: int, max_model_len: int, default_max_tokens: int) -> int:
+    if raw_max is None:
+        max_tokens = max(1, min(default_max_tokens, max_model_len - prompt_len))
+    elif not isinstance(raw_max, int) or isinstance(raw_max, bool):
+        raise ApiError(400, "max_tokens must be an integer.", param="max_tokens")
+    elif raw_max < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {raw_max}.", param="max_tokens")
+    else:
+        max_tokens = raw_max
+    if prompt_len + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            param="max_tokens",
+        )
+    return max_tokens
 
 
 def parse_request(
@@ -92,42 +140,28 @@ def parse_request(
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
             raise ApiError(400, "messages must be a non-empty list of message objects.", param="messages")
-        prompt = tokenizer.apply_chat_template(messages)
+        prompts = [tokenizer.apply_chat_template(messages)]
     else:
         if "prompt" not in body or body["prompt"] is None:
             raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-        prompt = _prompt_ids(body["prompt"], tokenizer)
-    if not prompt:
-        raise ApiError(400, "Prompt cannot be empty.", param="prompt")
+        prompts = _prompts(body["prompt"], tokenizer)
     vocab = tokenizer.vocab_size
-    if any(t < 0 or t >= vocab for t in prompt):
-        raise ApiError(400, f"Token id out of vocabulary (0..{vocab - 1}).", param="prompt")
+    for prompt in prompts:
+        if not prompt:
+            raise ApiError(400, "Prompt cannot be empty.", param="prompt")
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ApiError(400, f"Token id out of vocabulary (0..{vocab - 1}).", param="prompt")
     raw_max = body.get("max_completion_tokens") if chat else None
     if raw_max is None:
         raw_max = body.get("max_tokens")
-    if raw_max is None:
-        max_tokens = max(1, min(default_max_tokens, max_model_len - len(prompt)))
-    elif not isinstance(raw_max, int) or isinstance(raw_max, bool):
-        raise ApiError(400, "max_tokens must be an integer.", param="max_tokens")
-    elif raw_max < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {raw_max}.", param="max_tokens")
-    else:
-        max_tokens = raw_max
-    if len(prompt) + max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.",
-            param="max_tokens",
-        )
+    max_tokens = [_max_tokens(raw_max, len(p), max_model_len, default_max_tokens) for p in prompts]
     n = body.get("n", 1)
     if n not in (1, None):
         raise ApiError(400, "The emulator supports n=1 only.", param="n")
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     include_usage = bool(stream and isinstance(options, Mapping) and options.get("include_usage"))
-    return ParsedRequest(chat, prompt, max_tokens, stream, include_usage, model)
+    return ParsedRequest(chat, prompts, max_tokens, stream, include_usage, model)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -139,10 +173,22 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-class Renderer:
-    """Bytes of one response: SSE chunks per token (pre-encoded head and tails) or the full JSON."""
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One finished prompt of a non-streamed answer: how many tokens, from which content seed."""
 
-    def __init__(self, chat: bool, response_id: str, created: int, model: str) -> None:
+    seed: int
+    n_tokens: int
+
+
+class Renderer:
+    """Bytes of one response: SSE chunks per token (pre-encoded head and tails) or the full JSON.
+
+    A completions batch of `n_prompts` renders choice `index` i for prompt i (vLLM's numbering with
+    n=1); the per-index heads are encoded once, so a chunk is still three byte joins.
+    """
+
+    def __init__(self, chat: bool, response_id: str, created: int, model: str, n_prompts: int = 1) -> None:
         self.chat = chat
         self.response_id = response_id
         self.created = created
@@ -151,14 +197,15 @@ class Renderer:
         mod = _encode(model)
         if chat:
             common = b'{"id":' + ident + b',"object":"chat.completion.chunk","created":%d,"model":' % created + mod
-            self._head = b"data: " + common + b',"choices":[{"index":0,"delta":{"content":'
+            opener = b',"delta":{"content":'
             self._tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
             self._last = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
         else:
             common = b'{"id":' + ident + b',"object":"text_completion","created":%d,"model":' % created + mod
-            self._head = b"data: " + common + b',"choices":[{"index":0,"text":'
+            opener = b',"text":'
             self._tail = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
             self._last = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
+        self._heads = [b"data: " + common + b',"choices":[{"index":%d' % i + opener for i in range(n_prompts)]
         self._common = common
 
     def role_chunk(self) -> bytes:
@@ -166,28 +213,31 @@ class Renderer:
         return (b"data: " + self._common + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
                 b'"logprobs":null,"finish_reason":null}]}\n\n')
 
-    def chunk(self, k: int, last: bool) -> bytes:
-        return self._head + _WORD_JSON[k % len(_WORD_JSON)] + (self._last if last else self._tail)
+    def chunk(self, seed: int, k: int, last: bool, index: int = 0) -> bytes:
+        return self._heads[index] + _WORD_JSON[word_index(seed, k)] + (self._last if last else self._tail)
 
     def usage_chunk(self, use: Mapping[str, Any]) -> bytes:
         return b"data: " + self._common + b',"choices":[],"usage":' + _encode(use) + b"}\n\n"
 
-    def full(self, n_tokens: int, use: Mapping[str, Any], kv_transfer_params: Any) -> bytes:
-        text = generated_text(n_tokens)
+    def full(self, choices: Sequence[Choice], use: Mapping[str, Any], kv_transfer_params: Any) -> bytes:
         finish = "length"
         base: dict[str, Any] = {"id": self.response_id, "created": self.created, "model": self.model}
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "tool_calls": [], "reasoning_content": None}
-            body = {"id": self.response_id, "object": "chat.completion", **base,
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                                 "stop_reason": None}],
+            out = []
+            for i, c in enumerate(choices):
+                message: dict[str, Any] = {"role": "assistant", "content": generated_text(c.seed, c.n_tokens),
+                                           "refusal": None, "annotations": None, "audio": None,
+                                           "function_call": None, "tool_calls": [], "reasoning_content": None}
+                out.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish,
+                            "stop_reason": None})
+            body = {"id": self.response_id, "object": "chat.completion", **base, "choices": out,
                     "service_tier": None, "system_fingerprint": None, "usage": use, "prompt_logprobs": None,
                     "kv_transfer_params": kv_transfer_params}
         else:
-            body = {"id": self.response_id, "object": "text_completion", **base,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                                 "stop_reason": None, "prompt_logprobs": None}],
+            out = [{"index": i, "text": generated_text(c.seed, c.n_tokens), "logprobs": None,
+                    "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None}
+                   for i, c in enumerate(choices)]
+            body = {"id": self.response_id, "object": "text_completion", **base, "choices": out,
                     "service_tier": None, "system_fingerprint": None, "usage": use,
                     "kv_transfer_params": kv_transfer_params}
         return _encode(body)

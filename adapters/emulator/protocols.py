@@ -17,17 +17,27 @@ Names are vLLM main's (2026) and SGLang's:
 
 Emulator coordination (not part of any real protocol): the decode leg long-polls
 `GET http://<prefill bootstrap>/emulator/transfer/<key>` until that prefill is done; the key is the
-Mooncake `transfer_id`, or `sglang-<bootstrap_room>`.
+Mooncake `transfer_id`, or `sglang-<bootstrap_room>`. The NIXL prefill's `remote_block_ids` are
+content ids (kv_content.py), so the decode knows which prompt's KV it pulls.
+
+Batches (a completions `prompt` list): vLLM runs one engine request per prompt, each with the
+request's kv_transfer_params. So in a batched NIXL prefill each prompt's KV has its own params (own
+sub-request id `{id}-{i}`, own block ids) but the answer carries only the FIRST prompt's
+(`final_res_batch[0].kv_transfer_params`), and a batched
+decode given one set of params pulls that one KV for every prompt. A batched Mooncake / SGLang
+prefill shares one transfer key among its prompts: the emulator lets the first prompt own the key
+(`LegPlan.publish_key` is used by sub-request 0 only), so a batched decode waiting on the key gets
+the first prompt's KV for every prompt.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from adapters.emulator.kv_content import content_block_ids, seed_from_block_ids
 from conductor.core.types import Role
 
 
@@ -67,11 +77,13 @@ class LegPlan:
     `wait_url`: the decode leg must wait on this URL (the prefill's bootstrap server) before its KV
     arrives; `remote_ready`: the decode leg's KV is already waiting remotely (NIXL, prefill done);
     `publish_key`: a prefill leg announces its completion under this key; `nixl_prefill`: answer
-    with NIXL's kv_transfer_params.
+    with NIXL's kv_transfer_params; `remote_seed`: a NIXL decode's KV source (the content seed named
+    by its `remote_block_ids`).
     """
 
     wait_url: str | None = None
     remote_ready: bool = False
+    remote_seed: int | None = None
     publish_key: str | None = None
     nixl_prefill: bool = False
     force_one_token: bool = False
@@ -123,31 +135,33 @@ def plan_leg(role: Role, protocol: PdProtocol, body: Mapping[str, Any]) -> LegPl
     if role is Role.DECODE and params.get(f.do_remote_prefill) and params.get(f.remote_block_ids):
         needed = (f.remote_engine_id, f.remote_request_id, f.remote_host, f.remote_port)
         if all(params.get(k) is not None for k in needed):
-            return LegPlan(remote_ready=True)
+            return LegPlan(remote_ready=True, remote_seed=seed_from_block_ids(params.get(f.remote_block_ids)))
     return LegPlan()
 
 
 class NixlAnswer:
-    """Builds the prefill answer's kv_transfer_params; block ids are this instance's own counter."""
+    """Builds the prefill answer's kv_transfer_params.
+
+    Block ids are content ids of the prompt's blocks (kv_content.py) rather than slots of a real
+    pool: the emulated decode reads the source prompt from them, as a real decode reads its KV.
+    """
 
     def __init__(self, engine_id: str, host: str, side_channel_port: int, block_size: int) -> None:
         self.engine_id = engine_id
         self.host = host
         self.port = side_channel_port
         self.block_size = block_size
-        self._next_block = itertools.count(1)
 
-    def params(self, request_id: str, prompt_tokens: int) -> dict[str, Any]:
+    def params(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
         f = FIELDS
-        n_blocks = -(-prompt_tokens // self.block_size)
         return {
             f.do_remote_prefill: True,
             f.do_remote_decode: False,
-            f.remote_block_ids: [[next(self._next_block) for _ in range(n_blocks)]],
+            f.remote_block_ids: [content_block_ids(prompt, self.block_size)],
             f.remote_engine_id: self.engine_id,
             f.remote_request_id: request_id,
             f.remote_host: self.host,
             f.remote_port: self.port,
             f.tp_size: 1,
-            f.remote_num_tokens: prompt_tokens,
+            f.remote_num_tokens: len(prompt),
         }

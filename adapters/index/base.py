@@ -74,6 +74,26 @@ class IndexStats:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """One in-process structure against its byte budget.
+
+    entries: held now. estimated_bytes: entries x the structure's measured per-entry cost (an upper
+    figure: it includes the slack of a hash table just after it grew). cap: entries allowed by the
+    budget. evictions: entries dropped to stay under the cap, since the structure was made.
+    """
+
+    entries: int
+    estimated_bytes: int
+    cap: int
+    evictions: int
+
+
+def entries_within(budget_bytes: int, bytes_per_entry: int) -> int:
+    """How many entries of a measured cost fit in a budget (at least one)."""
+    return max(1, budget_bytes // bytes_per_entry)
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """Longest cached leading run of a prompt's blocks, per instance.
 

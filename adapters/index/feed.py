@@ -5,6 +5,11 @@ In "vllm" key mode the gateway's keys are vLLM's event hashes, so events go in a
 ids of its blocks and the hash of the parent block, so the feeder chains its own keys from the
 parent's own key (remembered per instance, bounded) over those token ids, and remembers each
 vLLM hash -> own key pair for later children and BlockRemoved events.
+
+Those maps are the gateway's second big structure (one per instance), so they are sized in bytes
+(kv.hash_map_memory_bytes_per_instance) and lose their least recently stored pairs first.
+A pair that ages out costs a child whose parent it was: the child is counted `unmapped` and
+skipped, the same as a block stored before the gateway started listening.
 """
 
 from __future__ import annotations
@@ -14,12 +19,27 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from adapters.index.base import KVIndex
+from adapters.index.base import KVIndex, MemoryUse, entries_within
 from adapters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from conductor.core.block_keys import BlockKeyScheme
 from conductor.core.types import Tier
 
 log = logging.getLogger(__name__)
+
+
+# Bytes one vLLM hash -> own key pair costs at worst, measured with tracemalloc
+# (tests/adapters/index/test_memory_budget.py measures it again): the map kept full while 3x its
+# cap streamed through, caps from 20,000 to 411,000 swept finely around the hash table's resize
+# points. Two 48-byte int objects (64-bit values) plus the ordered dict's slot and node: 271 to
+# 333.7 bytes at the peak (tables mid-resize included), the worst just past a resize point (caps
+# of ~43,600 and ~86,800); 177 on average when steady. Budgets use the worst case plus ~5%.
+MAPPED_ENTRY_BYTES = 352
+DEFAULT_MAP_BUDGET_BYTES = 16 << 20  # 47,662 pairs per instance
+
+
+def mapped_within(budget_bytes: int) -> int:
+    """The per-instance pair cap a map of `budget_bytes` gets."""
+    return entries_within(budget_bytes, MAPPED_ENTRY_BYTES)
 
 
 def tier_of_medium(medium: str | None) -> Tier:
@@ -51,13 +71,14 @@ class IndexFeeder:
     """Applies events and dispatches to one index with one key scheme."""
 
     def __init__(self, index: KVIndex, scheme: BlockKeyScheme, *, translate: bool,
-                 max_mapped_per_instance: int = 1_000_000) -> None:
+                 max_mapped_per_instance: int = DEFAULT_MAP_BUDGET_BYTES // MAPPED_ENTRY_BYTES) -> None:
         """translate: True in xxhash mode (vLLM hashes -> own keys), False when keys are vLLM's."""
         self.index = index
         self.scheme = scheme
         self.translate = translate
         self._max_mapped = max_mapped_per_instance
         self._maps: dict[str, OrderedDict[int, int]] = {}
+        self._map_evictions: dict[str, int] = {}  # per instance, kept across resyncs (a counter)
         self._stored = self._removed = self._unmapped = self._skipped = self._cleared = 0
         self._dispatched = 0
         self._warned_block_size = False
@@ -66,6 +87,18 @@ class IndexFeeder:
     def stats(self) -> FeedStats:
         return FeedStats(self._stored, self._removed, self._unmapped, self._skipped, self._cleared,
                          self._dispatched)
+
+    @property
+    def max_mapped_per_instance(self) -> int:
+        return self._max_mapped
+
+    def map_memory(self) -> dict[str, MemoryUse]:
+        """Per instance: pairs held, their estimated bytes, the cap and evictions (for the metrics)."""
+        out = {}
+        for name in sorted(self._maps.keys() | self._map_evictions.keys()):
+            held = len(self._maps.get(name, ()))
+            out[name] = MemoryUse(held, held * MAPPED_ENTRY_BYTES, self._max_mapped, self._map_evictions.get(name, 0))
+        return out
 
     async def on_dispatch(self, instance: str, keys: Sequence[int]) -> None:
         """The gateway sent a prompt with these block keys to `instance`'s prefill."""
@@ -117,8 +150,11 @@ class IndexFeeder:
         for vllm_hash, key in zip(ev.block_hashes, keys, strict=False):
             mapping.pop(vllm_hash, None)
             mapping[vllm_hash] = key
-        while len(mapping) > self._max_mapped:
-            mapping.popitem(last=False)
+        excess = len(mapping) - self._max_mapped
+        if excess > 0:
+            for _ in range(excess):
+                mapping.popitem(last=False)
+            self._map_evictions[instance] = self._map_evictions.get(instance, 0) + excess
         await self.index.insert(instance, keys, tier=tier, confirmed=True)
         self._stored += len(keys)
 

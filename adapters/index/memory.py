@@ -10,6 +10,8 @@ Recency is refreshed by inserts (dispatches and events), not by lookups: a looku
 block would cost a write per block on the hot path, and a dispatch re-inserts the prompt's keys
 anyway. Inserts walk the keys tail first, so the head of a prompt is the most recently touched
 and LRU eviction eats chains from their ends, keeping each instance's set prefix-closed.
+
+The gateway sizes it in bytes (kv.index_memory_bytes): the cap is the budget over ENTRY_BYTES.
 """
 
 from __future__ import annotations
@@ -20,8 +22,32 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
 
-from adapters.index.base import ALL_TIER_BITS, TIER_BITS, IndexLimits, IndexStats, PrefixMatch
+from adapters.index.base import (
+    ALL_TIER_BITS,
+    TIER_BITS,
+    IndexLimits,
+    IndexStats,
+    MemoryUse,
+    PrefixMatch,
+    entries_within,
+)
 from conductor.core.types import Tier
+
+# Bytes one (instance, block) entry costs at worst, measured with tracemalloc
+# (tests/adapters/index/test_memory_budget.py measures it again): three instances, confirmed and
+# guessed entries, the index kept full while 3x its cap streamed through, caps from 20,000 to
+# 411,000 swept finely around the hash tables' resize points. Peak traced bytes (tables mid-resize
+# included) over the entries held, plus the 48-byte int object of each 64-bit key (the index alone
+# keeps it once its request is gone): 176 to 256.4 bytes, the worst just past a resize point
+# (caps of ~48,000 and ~196,200); a steady full index averages 141. Budgets use the worst case
+# plus ~6% (allocator slack tracemalloc does not see), so a budget is a bound, not a hope.
+ENTRY_BYTES = 272
+DEFAULT_INDEX_BUDGET_BYTES = 48 << 20  # 185,042 entries
+
+
+def blocks_within(budget_bytes: int) -> int:
+    """The entry cap an in-process index of `budget_bytes` gets."""
+    return entries_within(budget_bytes, ENTRY_BYTES)
 
 _RANK_TIER = (Tier.DEVICE, Tier.HOST, Tier.STORE)
 # tier bits -> rank of the fastest tier present (0 device, 1 host, 2 store); index 0 unused
@@ -187,6 +213,19 @@ class MemoryIndex:
 
     async def stats(self) -> IndexStats:
         return IndexStats(blocks=self._total, evictions=self._evictions, instances=tuple(self._by_instance))
+
+    def memory(self) -> MemoryUse:
+        """Synchronous, for the metrics scrape: entries held and their estimated bytes."""
+        return MemoryUse(self._total, self._total * ENTRY_BYTES, self.limits.max_blocks, self._evictions)
+
+    def confirmed_snapshot(self, instance: str) -> list[tuple[int, int]]:
+        """(key, tier bits) of what events confirmed on `instance`, oldest first (to re-seed a shared
+        index that missed writes while it was unreachable)."""
+        h = self._by_instance.get(instance)
+        return list(h.confirmed.items()) if h is not None else []
+
+    def instances(self) -> tuple[str, ...]:
+        return tuple(self._by_instance)
 
     async def close(self) -> None:
         self._by_instance.clear()

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
+from adapters.breaker import fail_fast_redis
 from adapters.index.base import TIER_BITS, IndexLimits, IndexStats, PrefixMatch
 from conductor.core.types import Tier
 
@@ -190,18 +191,26 @@ class RedisIndex:
         prefix: str = "conductor:kv:",
         limits: IndexLimits | None = None,
         client: aioredis.Redis | None = None,
+        timeout_s: float = 0.5,
+        write_timeout_s: float = 2.0,
     ) -> None:
+        """timeout_s bounds a lookup (it sits on the request path); write_timeout_s bounds the inserts
+        and removals that feeds and dispatches make beside the requests (the gateway passes its
+        kv.redis_*timeout_s settings, tighter than these library defaults). Two clients, so a slow
+        write never holds a lookup's connection. Nothing connects before the first call: a Redis
+        that is absent at start-up costs nothing until then."""
         self.limits = limits or IndexLimits()
         self.prefix = prefix
-        self._redis: aioredis.Redis = client or aioredis.Redis.from_url(url)
         self._own_client = client is None
+        self._read: aioredis.Redis = client or fail_fast_redis(url, timeout_s=timeout_s)
+        self._redis: aioredis.Redis = client or fail_fast_redis(url, timeout_s=write_timeout_s)
         self._k_instances = f"{prefix}instances"
         self._k_lru = f"{prefix}lru"
         self._k_evictions = f"{prefix}evictions"
         self._k_clock = f"{prefix}clock"
         self._insert = self._redis.register_script(_INSERT)
         self._remove = self._redis.register_script(_REMOVE)
-        self._match = self._redis.register_script(_MATCH)
+        self._match = self._read.register_script(_MATCH)
 
     async def insert(
         self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
@@ -269,6 +278,7 @@ class RedisIndex:
 
     async def close(self) -> None:
         if self._own_client:
+            await self._read.aclose()
             await self._redis.aclose()
 
 

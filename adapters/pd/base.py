@@ -55,8 +55,9 @@ class Outgoing:
     path: str  # "/v1/completions" or "/v1/chat/completions"
     body: Mapping[str, Any]  # the client's JSON, with any gateway substitutions (token ids)
     headers: Mapping[str, str]  # X-Request-ID, Content-Type, upstream Authorization
-    request_id: str
+    request_id: str  # the gateway's own id: unique, the only id workers and internal tables see
     stream: bool
+    client_request_id: str = ""  # the client's X-Request-ID (checked), echoed back, never a key
 
 
 @dataclass(slots=True)
@@ -81,11 +82,18 @@ class Exchange:
         if self.stream is not None:
             self.stream.close()
 
-    async def settle(self) -> None:
-        """Wait for background legs to end (after a normal finish)."""
+    async def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait for background legs to end (after a normal finish), at most `timeout_s`; legs still
+        running then are cancelled. True when every leg ended by itself."""
+        if not self.pending:
+            return True
+        _done, late = await asyncio.wait(self.pending, timeout=timeout_s)
+        for task in late:
+            task.cancel()
         for task in self.pending:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        return not late
 
 
 class NoBootstrap:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -176,7 +177,8 @@ class MooncakeProtocol:
         if decode is None:
             raise ValueError("mooncake P/D needs a decode instance")
         engine = self._engines.get(prefill.name)
-        transfer_id = f"xfer-{out.request_id}"
+        # one id per attempt: a failover to another prefill must not meet KV kept under the old one
+        transfer_id = f"xfer-{out.request_id}-{secrets.token_hex(4)}"
         p_body = prefill_body(out.body, self.schema.prefill(transfer_id, engine))
         d_body = dict(out.body)
         d_body["kv_transfer_params"] = self.schema.decode(transfer_id, engine, prefill)

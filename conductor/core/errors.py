@@ -64,10 +64,12 @@ class Rejected(ConductorError):
     status = 429
     type = "rate_limit_error"
 
-    def __init__(self, message: str, *, reason: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, *, reason: str, retry_after_s: float, retryable: bool = True) -> None:
         super().__init__(message, code=reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        # False when sending the same request again cannot be admitted (it alone misses the SLO)
+        self.retryable = retryable
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self.retry_after_s)))}
@@ -104,11 +106,15 @@ class UpstreamError(ConductorError):
         upstream_status: int | None = None,
         instance: str | None = None,
         body: bytes | None = None,
+        maybe_processed: bool = True,
     ) -> None:
         super().__init__(message)
         self.upstream_status = upstream_status
         self.instance = instance
         self.body = body  # the worker's own error body, relayed when it is the client's fault (4xx)
+        # False only when no byte of the request can have reached the worker (refused connection,
+        # no free pooled connection): then, and only then, the request may go to another instance.
+        self.maybe_processed = maybe_processed
 
     @property
     def client_fault(self) -> bool:

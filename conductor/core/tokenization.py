@@ -28,7 +28,9 @@ def message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+        # a part whose text is not a string (null, a number) adds nothing rather than failing
+        return "".join(text for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+                       and isinstance(text := p.get("text"), str))
     return ""
 
 

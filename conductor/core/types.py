@@ -143,6 +143,8 @@ class Rejection:
     predicted_s: float | None = None
     slo_s: float | None = None
     retry_after_s: float = 1.0
+    # False when retrying cannot help: the request alone misses the SLO even on an idle cluster
+    retryable: bool = True
 
 
 @dataclass(frozen=True, slots=True)

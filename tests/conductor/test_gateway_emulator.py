@@ -42,7 +42,8 @@ def test_pd_through_emulated_workers(protocol: str) -> None:
         p_body, d_body = p_legs[-1]["body"], d_legs[-1]["body"]
         p_headers = {k.lower(): v for k, v in p_legs[-1]["headers"].items()}
         d_headers = {k.lower(): v for k, v in d_legs[-1]["headers"].items()}
-        assert p_headers["x-request-id"] == d_headers["x-request-id"] == "req-1"
+        assert p_headers["x-request-id"] == d_headers["x-request-id"] != "req-1"  # the gateway's own id
+        assert r.headers["x-request-id"] == "req-1"  # the client's, echoed
         if protocol == "sglang":
             assert p_body["bootstrap_room"] == d_body["bootstrap_room"]
         else:

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import cluster
+from tests.support.waiting import wait_for
 
 
 def _post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
@@ -22,6 +23,8 @@ def test_nixl_prefill_first_then_params_verbatim_to_decode() -> None:
         assert r.text.rstrip().endswith("data: [DONE]")
         [p] = c.prefills[0].requests
         [d] = c.decodes[0].requests
+        gateway_id = p.headers["x-request-id"]  # the gateway's own id; the client's is only echoed
+        assert gateway_id != "rid-1" and r.headers["x-request-id"] == "rid-1"
         assert p.body["kv_transfer_params"] == {
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -32,13 +35,13 @@ def test_nixl_prefill_first_then_params_verbatim_to_decode() -> None:
         # the decode leg gets the client's body plus the prefill's answer, verbatim
         assert d.body["kv_transfer_params"] == {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
-            "remote_engine_id": "engine-p0", "remote_request_id": "rid-1", "remote_host": "127.0.0.1",
+            "remote_engine_id": "engine-p0", "remote_request_id": gateway_id, "remote_host": "127.0.0.1",
             "remote_port": 5600, "tp_size": 1,
         }
         assert {k: v for k, v in d.body.items() if k != "kv_transfer_params"} == body
         assert p.received < d.received  # sequential
         for leg in (p, d):
-            assert leg.headers["x-request-id"] == "rid-1"
+            assert leg.headers["x-request-id"] == gateway_id
             assert leg.headers["authorization"] == "Bearer sk-upstream"  # never the client's key
 
 
@@ -77,7 +80,8 @@ def test_mooncake_transfer_id_schema_concurrent_legs(shape: str) -> None:
         assert d.body["max_tokens"] == 3
         # concurrent: the decode leg arrived while the prefill leg was still being served
         assert d.received - p.received < 0.25
-        assert p.headers["x-request-id"] == d.headers["x-request-id"] == "rid-m"
+        assert p.headers["x-request-id"] == d.headers["x-request-id"] != "rid-m"  # one gateway id for both legs
+        assert r.headers["x-request-id"] == "rid-m"  # the client's, echoed
 
 
 def test_mooncake_engine_id_schema() -> None:
@@ -121,6 +125,8 @@ def test_sglang_same_body_with_bootstrap_fields() -> None:
         assert p.headers["x-request-id"] == d.headers["x-request-id"]
         r2 = _post(c.url, "/v1/completions", body)
         assert r2.status_code == 200
+        # the concurrent prefill leg may still be on its way when the decode has answered
+        assert wait_for(lambda: len(c.prefills[0].requests) == 2)
         assert c.prefills[0].requests[1].body["bootstrap_room"] != p.body["bootstrap_room"]
 
 

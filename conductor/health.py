@@ -1,0 +1,89 @@
+"""Whether an instance may take requests: active health probes plus passive outlier ejection.
+
+Two signals, because each misses what the other sees:
+
+* Probes (`GET /health` every `health_interval_s`, on connections of their own so a decode busy
+  with hundreds of streams still answers them) catch a worker that is down or hung.
+  `unhealthy_after` failed probes in a row take it out; one good probe brings it back.
+* Outlier ejection catches a worker whose `/health` is fine but which fails the requests
+  themselves (a 500 to everything, connections reset mid-answer): `outlier_consecutive_errors`
+  failures in a row eject it for `outlier_ejection_s`, doubled for each ejection in a row up to
+  `outlier_max_ejection_s`. When that time is over the next good probe re-admits it; a request
+  that then succeeds clears the doubling. At most `outlier_max_ejected_fraction` of a role's
+  instances are out by ejection at once (at least one may always be), so a fault that hits every
+  worker alike (a bad model name upstream, say) does not empty the pool.
+
+The clock is passed in (monotonic seconds), so the state machine is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+log = logging.getLogger("conductor.health")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthRules:
+    unhealthy_after: int = 2  # failed probes in a row
+    consecutive_errors: int = 5  # failed requests in a row that eject
+    ejection_s: float = 10.0
+    max_ejection_s: float = 300.0
+    max_ejected_fraction: float = 0.5
+
+
+@dataclass(slots=True)
+class InstanceHealth:
+    """One instance's health; `available` is what routing reads."""
+
+    name: str
+    probe_ok: bool = False  # unknown until the first probe answers
+    probe_failures: int = 0
+    errors_in_a_row: int = 0
+    ejected: bool = False
+    ejected_until: float = 0.0
+    ejections_in_a_row: int = 0
+    ejections_total: int = 0
+
+    @property
+    def available(self) -> bool:
+        return self.probe_ok and not self.ejected
+
+    def on_probe(self, ok: bool, now: float, rules: HealthRules) -> None:
+        if ok:
+            if not self.probe_ok:
+                log.info("instance %s answers its health probe", self.name)
+            self.probe_ok, self.probe_failures = True, 0
+            if self.ejected and now >= self.ejected_until:
+                log.info("instance %s re-admitted after ejection", self.name)
+                self.ejected, self.errors_in_a_row = False, 0
+            return
+        self.probe_failures += 1
+        if self.probe_ok and self.probe_failures >= rules.unhealthy_after:
+            log.warning("instance %s failed %d health probes: out of rotation", self.name, self.probe_failures)
+            self.probe_ok = False
+
+    def on_success(self) -> None:
+        self.errors_in_a_row = 0
+        self.ejections_in_a_row = 0
+
+    def on_error(self, now: float, rules: HealthRules, may_eject: bool) -> bool:
+        """A request failed here (5xx or transport). True when this ejects the instance."""
+        self.errors_in_a_row += 1
+        if self.ejected or self.errors_in_a_row < rules.consecutive_errors or not may_eject:
+            return False
+        period = min(rules.max_ejection_s, rules.ejection_s * (2 ** self.ejections_in_a_row))
+        self.ejected, self.ejected_until = True, now + period
+        self.ejections_in_a_row += 1
+        self.ejections_total += 1
+        log.warning("instance %s failed %d requests in a row: ejected for %.1fs", self.name, self.errors_in_a_row, period)
+        return True
+
+
+def may_eject(role_members: list[InstanceHealth], rules: HealthRules) -> bool:
+    """Whether one more of these instances may be ejected under the fraction cap."""
+    ejected = sum(1 for h in role_members if h.ejected)
+    cap = max(1, math.floor(len(role_members) * rules.max_ejected_fraction))
+    return ejected < cap

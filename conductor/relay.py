@@ -1,0 +1,222 @@
+"""One attempt at serving a routed request: account the load, run the P/D exchange, relay the
+answer to the client as it arrives, and tell the gateway what happened.
+
+`conductor/proxy.py` owns the request's life (validation, admission, failover between attempts,
+the deadline); this module owns one attempt on the instances one decision chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.pd.base import Exchange, Outgoing, cached_tokens_of, decode_json
+from adapters.upstream import UpstreamPoolExhausted
+from conductor.core.errors import NoHealthyInstance, UpstreamError
+from conductor.core.types import Observation
+from conductor.gateway import Gateway, Routed
+
+log = logging.getLogger("conductor.proxy")
+
+Message = MutableMapping[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+_MAX_INTERVALS = 256  # token intervals kept per stream for the TBT fit
+# a concurrent prefill leg still running when its decode has answered in full: how long to wait
+# for its answer (only to learn from it) before closing it; the client is never kept waiting
+PREFILL_SETTLE_S = 5.0
+_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_DONE = b"data: [DONE]"
+_USAGE_ONLY = b'"choices":[]'  # vLLM's final usage chunk (stream_options.include_usage)
+
+
+class ClientState:
+    """What the client has been sent; the disconnect watcher reads it."""
+
+    __slots__ = ("disconnected", "response_done", "response_started")
+
+    def __init__(self) -> None:
+        self.disconnected = False
+        self.response_started = False
+        # the client has the whole answer ([DONE] or the full body): a disconnect now is a normal end
+        self.response_done = False
+
+
+@dataclass(slots=True)
+class StreamStats:
+    """What a relayed SSE stream told: token events, their spacing, the usage chunk."""
+
+    first_token: float | None = None
+    last: float = 0.0
+    tokens: int = 0
+    intervals: list[float] = field(default_factory=list)
+    usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None
+    done: bool = False
+
+    def see(self, chunk: bytes, now: float) -> int:
+        """Account one upstream chunk; returns the token events in it."""
+        n = chunk.count(b"data:")
+        if not n:
+            return 0
+        done = chunk.count(_DONE)
+        usage_only = chunk.count(_USAGE_ONLY)
+        events = max(0, n - done - usage_only)
+        if done:
+            self.done = True
+        if b'"usage"' in chunk:  # usage-only final chunk, or continuous usage stats on every chunk
+            completion = _COMPLETION_RE.findall(chunk)
+            cached = _CACHED_RE.findall(chunk)
+            if completion:
+                self.usage_completion_tokens = int(completion[-1])
+            if cached:
+                self.usage_cached_tokens = int(cached[-1])
+        if events:
+            if self.first_token is not None and len(self.intervals) < _MAX_INTERVALS:
+                self.intervals.append((now - self.last) / events)
+            self.last = now
+            self.tokens += events
+        return events
+
+
+async def run_attempt(
+    gw: Gateway, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float
+) -> int:
+    """Serve `routed` on its instances; the HTTP status sent. Raises UpstreamError when a leg
+    fails (before or after bytes reached the client: the caller looks at `client`)."""
+    decision = routed.decision
+    assert decision.prefill is not None
+    states = gw.registry.states
+    prefill = states[decision.prefill].target
+    decode = states[decision.decode].target if decision.decode else None
+    if not gw.protocol.ready(prefill):
+        raise NoHealthyInstance(f"prefill instance {prefill.name} is not ready (bootstrap not answered)")
+    request_id = out.request_id
+    analysis = routed.analysis
+    cached = analysis.cached.get(prefill.name)
+    predicted_cached = cached.tokens if cached else 0
+    decode_name = decode.name if decode else prefill.name
+    joined = states[decode_name]  # the others already decoding there (this replica's)
+    batch, resident = len(joined.decodes), sum(d.context_tokens for d in joined.decodes.values())
+    gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted_cached, predicted_cached)
+    gw.registry.add_decode(decode_name, request_id, analysis.prompt_tokens, routed.view.max_tokens)
+    await gw.analyzer.on_dispatch(analysis, decision)
+    loop = asyncio.get_running_loop()
+    exchange: Exchange | None = None
+    stats = StreamStats()
+    ok = False
+    cached_reported: int | None = None
+    try:
+        try:
+            exchange = await gw.protocol.exchange(out, prefill, decode)
+        except UpstreamError as exc:
+            count_failure(gw, exc)
+            raise
+        if exchange.prefill_s is not None:  # sequential prefill (nixl) is over
+            gw.registry.end_prefill(prefill.name, request_id)
+            gw.registry.mark_decoding(decode_name, request_id)
+            gw.metrics.prefill_leg.labels(prefill.name).observe(exchange.prefill_s)
+        if exchange.reply is not None:
+            reply = exchange.reply
+            await send({"type": "http.response.start", "status": reply.status, "headers": [
+                (b"content-type", reply.content_type.encode()), *id_headers(out)]})
+            client.response_started = client.response_done = True
+            await send({"type": "http.response.body", "body": reply.body})
+            stats.first_token = loop.time()
+            if reply.status == 200:
+                try:
+                    cached_reported = cached_tokens_of(decode_json(reply.body))
+                except ValueError:
+                    cached_reported = None
+            ok = reply.status == 200
+            status = reply.status
+        else:
+            assert exchange.stream is not None
+            upstream = exchange.stream
+            await send({"type": "http.response.start", "status": upstream.status, "headers": [
+                (b"content-type", upstream.content_type.encode()), (b"cache-control", b"no-cache"), *id_headers(out)]})
+            client.response_started = True
+            async for chunk in upstream.chunks():
+                now = loop.time()
+                events = stats.see(chunk, now)
+                if events and stats.first_token is None:
+                    stats.first_token = now
+                    gw.registry.end_prefill(prefill.name, request_id)
+                    gw.metrics.ttft.observe(now - arrived)
+                    # the batch it really joined: streams decoding there now, not those listed at
+                    # dispatch (some still in prefill then, some gone by now) -- the TBT fit
+                    others = [d for rid, d in joined.decodes.items() if rid != request_id and d.decoding]
+                    batch, resident = len(others), sum(d.context_tokens for d in others)
+                gw.registry.advance_decode(decode_name, request_id, events)
+                client.response_done = client.response_done or stats.done
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if exchange.prefill_failed is not None and not stats.done:
+                raise exchange.prefill_failed  # the decode was cut because its KV never came
+            client.response_done = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            cached_reported = stats.usage_cached_tokens
+            ok = True
+            status = upstream.status
+        await settle_prefill(gw, exchange, prefill.name)
+        if stats.intervals:
+            gw.metrics.tbt.observe(sum(stats.intervals) / len(stats.intervals))
+        if ok:
+            gw.registry.report_result(prefill.name, True)
+            if decode is not None:
+                gw.registry.report_result(decode.name, True)
+        return status
+    except BaseException:
+        if exchange is not None:
+            exchange.abort()
+        raise
+    finally:
+        gw.registry.end_prefill(prefill.name, request_id)
+        gw.registry.end_decode(decode_name, request_id)
+        reported = exchange.prefill_cached_tokens if exchange and exchange.prefill_cached_tokens is not None \
+            else cached_reported
+        output = stats.usage_completion_tokens if stats.usage_completion_tokens is not None else stats.tokens
+        gw.observe(routed, Observation(
+            request_id=request_id,
+            prefill=prefill.name,
+            decode=decode.name if decode else None,
+            prompt_tokens=analysis.prompt_tokens,
+            cached_tokens=reported,
+            predicted_cached_tokens=predicted_cached,
+            queue_and_prefill_s=exchange.prefill_s if exchange else None,
+            ttft_s=(stats.first_token - arrived) if (stats.first_token is not None and out.stream) else None,
+            token_intervals_s=tuple(stats.intervals),
+            output_tokens=output,
+            decode_batch=batch,
+            decode_resident_kv_tokens=resident,
+            ok=ok,
+        ))
+
+
+def id_headers(out: Outgoing) -> list[tuple[bytes, bytes]]:
+    return [(b"x-request-id", out.client_request_id.encode())]
+
+
+def count_failure(gw: Gateway, exc: UpstreamError) -> None:
+    """A leg failed: metrics, and passive outlier detection (a worker's 4xx is the client's fault)."""
+    if exc.client_fault or not exc.instance or isinstance(exc, UpstreamPoolExhausted):
+        return  # the client's fault, or our own pool to it full: nothing wrong with the worker
+    gw.metrics.upstream_errors.labels(exc.instance, "status" if exc.upstream_status else "transport").inc()
+    if exc.upstream_status is None and not exc.maybe_processed:
+        gw.registry.report_failure(exc.instance)  # could not even connect: like a failed probe
+    if gw.registry.report_result(exc.instance, False):
+        gw.metrics.ejections.labels(exc.instance).inc()
+
+
+async def settle_prefill(gw: Gateway, exchange: Exchange, prefill: str) -> None:
+    """The client has its answer; a concurrent prefill leg still out is waited for a bounded time
+    (to learn its timing and cached tokens), then closed. Its failure now harms nobody: counted."""
+    if not exchange.pending:
+        return
+    timeout = min(PREFILL_SETTLE_S, gw.settings.read_timeout_s)
+    if not await exchange.settle(timeout) or exchange.prefill_failed is not None:
+        gw.metrics.late_prefill_failures.labels(prefill).inc()

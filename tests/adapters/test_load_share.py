@@ -1,0 +1,116 @@
+"""Load sharing when Redis hangs, dies or is absent at start-up: each replica keeps routing on its own
+load, the breaker keeps exchanges off the network while open, and sharing resumes when Redis is back.
+
+A redis-server of the test's own on a free port; no assertion on wall-clock time (waits poll for a
+state with a generous deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from adapters.breaker import BreakerState, CircuitBreaker
+from adapters.load_share import LoadTable, RedisLoadShare
+from tests.adapters.index.redis_proc import RedisProcess, redis_process
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(instance: str, decodes: int) -> Callable[[], LoadTable]:
+    return lambda: {instance: ([], [(100, 10, True)] * decodes)}
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+def share(url: str, name: str, prefix: str, **kw: object) -> RedisLoadShare:
+    return RedisLoadShare(url, name, interval_s=0.02, prefix=prefix, timeout_s=0.05, **kw)  # type: ignore[arg-type]
+
+
+async def test_hung_redis_routes_on_local_load_and_the_open_breaker_skips_exchanges() -> None:
+    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
+    clock = Clock()
+    with redis_process() as server:
+        registry = CollectorRegistry()
+        a = share(server.url, "a", prefix, registry=registry,
+                  breaker=CircuitBreaker("load share a", failures_to_open=3, open_s=30.0, clock=clock))
+        b = share(server.url, "b", prefix)
+        await a.start(table("d0", 0))
+        await b.start(table("d0", 2))
+        try:
+            assert await until(lambda: len(a.remote().get("d0", ((), ()))[1]) == 2)  # a sees b's streams
+
+            server.hang()
+            assert await until(lambda: a.breaker.state is BreakerState.OPEN)
+            assert await until(lambda: a.remote() == {})  # b's table grew too old to trust: local load only
+            attempts = a.breaker.stats.attempts
+            skipped = a.breaker.stats.short_circuits
+            await asyncio.sleep(0.3)  # ~15 sync intervals
+            assert a.breaker.stats.attempts == attempts  # the loop kept off the network
+            assert a.breaker.stats.short_circuits > skipped
+            assert registry.get_sample_value("conductor_load_share_redis_breaker_state") == int(BreakerState.OPEN)
+            assert registry.get_sample_value("conductor_load_share_redis_breaker_failures_total") == 3
+            print(f"slowest failed exchange: {a.breaker.stats.slowest_failure_s * 1000:.1f} ms (timeout 50 ms)")
+
+            server.resume()
+            clock.now += 30.0  # back-off over: the next exchange is the trial
+            assert await until(lambda: a.breaker.state is BreakerState.CLOSED)
+            assert await until(lambda: len(a.remote().get("d0", ((), ()))[1]) == 2)
+        finally:
+            server.resume()
+            await a.close()
+            await b.close()
+
+
+async def test_absent_at_start_then_started_then_killed_then_back() -> None:
+    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
+    server = RedisProcess()  # nothing listens on its port yet
+    a = share(server.url, "a", prefix, failures_to_open=2, open_s=0.05)
+    b = share(server.url, "b", prefix, failures_to_open=2, open_s=0.05)
+    try:
+        await a.start(table("d0", 0))  # must not raise
+        await b.start(table("d1", 1))
+        assert a.remote() == {} and a.breaker.stats.failures >= 1
+
+        server.start()
+        assert await until(lambda: "d1" in a.remote())  # picked up without a restart
+        assert a.breaker.state is BreakerState.CLOSED
+
+        server.kill()
+        assert await until(lambda: a.breaker.stats.opens >= 1 and a.remote() == {})
+
+        server.start()  # same port, empty: the replicas publish again
+        assert await until(lambda: "d1" in a.remote())
+    finally:
+        await a.close()
+        await b.close()
+        server.kill()
+
+
+async def test_close_with_redis_hung_does_not_wait_for_it() -> None:
+    with redis_process() as server:
+        a = share(server.url, "a", f"test:load:{uuid.uuid4().hex[:8]}:", failures_to_open=1, open_s=60.0)
+        await a.start(table("d0", 1))
+        server.hang()
+        assert await until(lambda: a.breaker.state is BreakerState.OPEN)
+        attempts = a.breaker.stats.attempts
+        await a.close()  # the breaker is open: the table is left to expire, not withdrawn
+        assert a.breaker.stats.attempts == attempts
+        server.resume()
