@@ -38,6 +38,7 @@ def test_ttft_rejection_says_by_how_much_and_when_to_retry(params: PredictorPara
     assert excess > 2.0
     assert r.retry_after_s == pytest.approx(excess)  # the queue must drain by the excess
     assert "TTFT SLO 1.000s" in r.message and f"by {excess:.3f}s" in r.message and "p1" in r.message
+    assert r.retryable  # once the queue drains it fits: a retry can help
 
 
 def test_ttft_admission_judges_the_calibrated_upper_quantile(params: PredictorParams) -> None:
@@ -65,6 +66,7 @@ def test_ttft_slo_no_idle_instance_can_meet(params: PredictorParams) -> None:
     d = policy(params).decide(request(slo=Slo(ttft_s=0.05)), snapshot(prefill("p0"), decode("d0")))
     assert d.rejection is not None and d.rejection.reason == "ttft_slo"
     assert "own prefill" in d.rejection.message and d.rejection.retry_after_s == 1.0
+    assert d.rejection.retryable is False  # sent again it would be refused again (x-should-retry: false)
 
 
 def test_tbt_rejection(params: PredictorParams) -> None:
