@@ -26,6 +26,8 @@ from conductor.proxy import CompletionsEndpoint
 from conductor.requests import ChatCompletionRequest, CompletionRequest
 
 OPENAI_ROUTES = (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"))
+# forwarded as they are to mixed workers (400 in P/D): vLLM serves both, no KV routing for them
+PASS_THROUGH_ROUTES = (("/v1/embeddings", "embeddings"), ("/v1/responses", "responses"))
 
 
 class FastPath:
@@ -136,7 +138,26 @@ def openapi_document(app: FastAPI, gateway: Gateway) -> dict[str, Any]:
     for path, kind in OPENAI_ROUTES:
         ref = refs[(bodies[kind], "validation")]["$ref"]
         doc.setdefault("paths", {}).setdefault(path, {})["post"] = _operation(kind, ref, secured)
+    schemas["PassThroughRequest"] = _PASS_THROUGH_SCHEMA
+    for path, kind in PASS_THROUGH_ROUTES:
+        op = _operation(kind, "#/components/schemas/PassThroughRequest", secured)
+        op.update(summary=f"Create {'embeddings' if kind == 'embeddings' else 'a response'} (mixed workers)",
+                  operationId=f"create_{kind}",
+                  description="Forwarded as it is to a mixed worker chosen by the policy; 400 when the gateway "
+                              "routes to prefill/decode pairs. Fields other than model and input are the worker's.")
+        doc.setdefault("paths", {}).setdefault(path, {})["post"] = op
     return doc
+
+
+_PASS_THROUGH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "input"],
+    "additionalProperties": True,
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]},
+    },
+}
 
 
 def _install_openapi(app: FastAPI, build: Callable[[], dict[str, Any]]) -> None:
@@ -206,7 +227,7 @@ def create_app(gateway: Gateway) -> FastPath:
     app.state.gateway = gateway
     http_errors.install(app)
     hot: dict[str, CompletionsEndpoint] = {}
-    for path, kind in OPENAI_ROUTES:
+    for path, kind in OPENAI_ROUTES + PASS_THROUGH_ROUTES:
         hot[path] = CompletionsEndpoint(gateway, kind, path)  # type: ignore[arg-type]
         # also routed in FastAPI, so other methods on these paths get a 405
         app.router.routes.append(Route(path, endpoint=hot[path], methods=["POST"]))

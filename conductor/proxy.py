@@ -12,18 +12,33 @@ import logging
 import os
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Literal
 
 from adapters.pd.base import Outgoing
-from conductor.analysis import PromptAnalysis, RequestKind, vocab_size_of
+from conductor.analysis import PromptAnalysis, vocab_size_of
 from conductor.batch_relay import run_batch_attempt
 from conductor.batching import split_prompts
-from conductor.core.errors import ConductorError, NoHealthyInstance, Overloaded, UpstreamError, UpstreamTimeout
+from conductor.core.errors import (
+    BadRequest,
+    ConductorError,
+    NoHealthyInstance,
+    Overloaded,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from conductor.core.types import Slo
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway, Routed
 from conductor.http_errors import render, sse_error
 from conductor.relay import ClientState, run_attempt
-from conductor.requests import check_model, max_tokens_of, parse_request, read_body
+from conductor.requests import (
+    PASS_THROUGH_KINDS,
+    check_model,
+    estimate_input_tokens,
+    max_tokens_of,
+    parse_pass_through,
+    parse_request,
+    read_body,
+)
 
 log = logging.getLogger("conductor.proxy")
 
@@ -35,6 +50,9 @@ Send = Callable[[Message], Awaitable[None]]
 # fields of a client's body that tell a worker where to connect for KV (vLLM's connectors, SGLang's
 # bootstrap): set by the gateway's P/D protocol, never taken from a client unless trusted
 _KV_STEERING_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+# completions and chat are analysed, keyed and split; embeddings and responses are forwarded as
+# they are to mixed workers (vLLM serves both there), sized but not keyed
+EndpointKind = Literal["completions", "chat", "embeddings", "responses"]
 _CLIENT_ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
@@ -57,7 +75,7 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: Cl
 
 
 class CompletionsEndpoint:
-    def __init__(self, gateway: Gateway, kind: RequestKind, path: str) -> None:
+    def __init__(self, gateway: Gateway, kind: EndpointKind, path: str) -> None:
         self.gateway = gateway
         self.kind = kind
         self.path = path
@@ -95,15 +113,26 @@ class CompletionsEndpoint:
             length = headers.get("content-length")
             raw = await read_body(receive, int(length) if length and length.isdigit() else None,
                                   gw.settings.max_body_bytes)
-            body = parse_request(raw, self.kind, vocab_size=vocab_size_of(gw.analyzer))
+            if self.kind in PASS_THROUGH_KINDS:
+                body = parse_pass_through(raw, self.kind)
+                if gw.settings.disaggregated:
+                    raise BadRequest(f"{self.path} is served by mixed (non-disaggregated) workers only; "
+                                     "this gateway routes to prefill/decode pairs")
+            else:
+                body = parse_request(raw, self.kind, vocab_size=vocab_size_of(gw.analyzer))  # type: ignore[arg-type]
             check_model(body["model"], gw.known_models())
             watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
             slo = gw.slo_for(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TBT_HEADER))
-            analysis = await gw.analyzer.analyse(self.kind, body)
+            if self.kind in PASS_THROUGH_KINDS:  # no tokenizer path for these inputs: sized, not keyed
+                analysis = PromptAnalysis(prompt_tokens=estimate_input_tokens(body), exact=False)
+                max_tokens = 1 if self.kind == "embeddings" else int(
+                    body.get("max_output_tokens") or gw.settings.default_max_tokens)
+            else:
+                analysis = await gw.analyzer.analyse(self.kind, body)  # type: ignore[arg-type]
+                max_tokens = max_tokens_of(body, gw.settings.default_max_tokens)
             stream = bool(body.get("stream", False))
             if gw.inflight >= gw.settings.max_inflight_requests:
                 raise Overloaded(f"the gateway already has {gw.inflight} requests in flight")
-            max_tokens = max_tokens_of(body, gw.settings.default_max_tokens)
             routed = gw.decide(request_id, body["model"], max_tokens, stream, slo, analysis)
             out = self._outgoing(routed, body, request_id, client_id, stream)
             status = await self._forward(routed, out, slo, max_tokens, analysis, send, state, arrived)

@@ -10,7 +10,7 @@ vLLM accepts many sampling fields of its own, and they are passed through untouc
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -306,3 +306,58 @@ def check_model(model: str, known: tuple[str, ...]) -> None:
 def max_tokens_of(body: dict[str, Any], default: int) -> int:
     value = body.get("max_completion_tokens") or body.get("max_tokens")
     return value if isinstance(value, int) and value > 0 else default
+
+
+# ---- /v1/embeddings and /v1/responses: forwarded as they are to mixed workers -------------------
+
+PASS_THROUGH_KINDS = ("embeddings", "responses")
+
+
+def parse_pass_through(raw: bytes, kind: str) -> dict[str, Any]:
+    """The JSON object of an embeddings or Responses API request: the fields the gateway reads
+    (model, input, stream, max_output_tokens) checked; the rest is the worker's to judge."""
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    depth = nesting_depth(raw)
+    if depth > MAX_DEPTH:
+        raise BadRequest(f"request body nests arrays and objects {depth} levels deep; the limit is {MAX_DEPTH}")
+    try:
+        body = _decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body nests too deeply") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    value = body.get("input")
+    if not isinstance(value, str | list) or not value:
+        raise BadRequest("'input' must be a non-empty string or list", param="input")
+    if kind == "responses":
+        if not isinstance(body.get("stream", False), bool | None):
+            raise BadRequest("'stream' must be a boolean", param="stream")
+        limit = body.get("max_output_tokens")
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= 2**24):
+            raise BadRequest("'max_output_tokens' must be an integer from 1 to 16777216", param="max_output_tokens")
+    elif body.get("stream"):
+        raise BadRequest("embeddings are not streamed", param="stream")
+    return body
+
+
+def estimate_input_tokens(body: Mapping[str, Any]) -> int:
+    """Rough prompt size of an embeddings / Responses input (no tokenizer: ~4 characters a token,
+    token-id lists counted exactly); enough for load accounting, not for KV matching."""
+    value = body.get("input")
+    if isinstance(value, str):
+        return max(1, len(value) // 4)
+    total = 0
+    for item in value if isinstance(value, list) else ():
+        if isinstance(item, int):
+            total += 1
+        elif isinstance(item, list) and all(isinstance(t, int) for t in item):
+            total += len(item)
+        else:
+            total += max(1, len(msgspec.json.encode(item)) // 4)
+    return max(1, total)

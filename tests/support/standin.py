@@ -79,6 +79,21 @@ class StandIn:
             watcher.cancel()
 
     async def _answer(self, send: Any, path: str, body: dict[str, Any], rid: str) -> None:
+        if path.endswith("/embeddings"):  # vLLM's pooling answer, one vector per input
+            inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+            data = [{"object": "embedding", "index": i, "embedding": [0.25, -0.5, float(i)]} for i in range(len(inputs))]
+            return await _json(send, 200, {"object": "list", "data": data, "model": self.model,
+                                           "usage": {"prompt_tokens": 4, "total_tokens": 4}})
+        if path.endswith("/responses"):  # the Responses API's non-streamed shape
+            n = body.get("max_output_tokens") or 16
+            return await _json(send, 200, {
+                "id": f"resp_{rid}", "object": "response", "created_at": 1, "model": self.model, "status": "completed",
+                "output": [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                            "content": [{"type": "output_text", "text": "x " * n, "annotations": []}]}],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "usage": {"input_tokens": 4, "output_tokens": n, "total_tokens": 4 + n,
+                          "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+            })
         chat = path.endswith("chat/completions")
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         prompt_tokens = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 10
