@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import traceback
 from collections.abc import Callable
@@ -14,7 +13,7 @@ from conductor.core.cli_help import DefaultsHelpFormatter
 from conductor.core.errors import ConductorError, ConfigError
 
 # optional packages a subcommand may need, and the extra that installs each
-OPTIONAL_PACKAGES = {"matplotlib": "plot", "mooncake": "mooncake", "vllm": "vllm", "uvloop": "uvloop"}
+OPTIONAL_PACKAGES = {"matplotlib": "plot", "mooncake": "mooncake", "vllm": "vllm", "uvloop": "uvloop", "opentelemetry": "otel"}
 
 
 def _prefill_arg(values: list[str]) -> dict[str, Any]:
@@ -75,6 +74,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     }
     if args.prefill:
         overrides["prefill"] = [_prefill_arg(v) for v in args.prefill]
+        for values, spec in zip(args.prefill, overrides["prefill"], strict=True):
+            if len(values) == 2 and values[1].lower() == "none":
+                # said explicitly: clears a bootstrap port the config file gives the same URL
+                spec["bootstrap_port"] = None
     if args.decode:
         overrides["decode"] = args.decode
     if args.mixed:
@@ -89,15 +92,17 @@ def serve(args: argparse.Namespace) -> int:
 
     from conductor.app import create_app, run
     from conductor.gateway import Gateway
+    from conductor.logs import configure_logging
 
     settings = settings_from_args(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format, settings.access_log)
     if not settings.instances():
         raise ConfigError("no instances: give --prefill/--decode or --mixed (or a --config file)")
     gateway = Gateway(settings)  # loads the policy: a broken plugin stops start-up here
     config = uvicorn.Config(
         create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, loop="auto", http="auto", lifespan="on",
+        log_config=None,  # uvicorn's own lines go through the handler configure_logging set (JSON or text)
         # SIGTERM: stop accepting, let requests in flight finish for drain_grace_s, then close them
         timeout_graceful_shutdown=settings.drain_grace_s,
     )

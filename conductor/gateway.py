@@ -3,6 +3,7 @@ P/D protocol and metrics. The HTTP layer (conductor/proxy.py, conductor/app.py) 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -23,6 +24,7 @@ from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.metrics import GatewayMetrics
 from conductor.settings import Settings
+from conductor.tracing import Tracing, decision_attributes
 from policies.base import NO_INSTANCE
 from policies.registry import load_policy
 
@@ -50,9 +52,13 @@ class Gateway:
         policy: Policy | None = None,
         analyzer: PromptAnalyzer | None = None,
         metrics: GatewayMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
+        self.tracing = tracing or Tracing.from_settings(
+            settings.otlp_traces_endpoint, settings.trace_sample_ratio, settings.service_name
+        )
         self.pool = UpstreamPool(
             Timeouts(settings.connect_timeout_s, settings.read_timeout_s, settings.request_timeout_s),
             settings.max_connections_per_upstream,
@@ -82,6 +88,8 @@ class Gateway:
         )
 
     async def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans still batched
         await self.analyzer.close()
         close = getattr(self.protocol, "close", None)
         if close is not None:
@@ -145,9 +153,12 @@ class Gateway:
             slo=slo,
             stream=stream,
         )
-        snapshot = self.registry.snapshot(exclude)
-        decision = self.policy.decide(view, snapshot)
-        self.policy.on_decided(view, snapshot, decision)
+        with self.tracing.child("conductor.decide") if self.tracing else contextlib.nullcontext() as span:
+            snapshot = self.registry.snapshot(exclude)
+            decision = self.policy.decide(view, snapshot)
+            self.policy.on_decided(view, snapshot, decision)
+            if span is not None:
+                span.set_attributes(decision_attributes(decision, view.prompt_tokens))
         self.metrics.decision_time.observe(time.perf_counter() - started)
         if decision_log.isEnabledFor(logging.INFO):
             decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens)))

@@ -8,6 +8,7 @@ upstream leg), and writes upstream bytes to the client as they arrive, with noth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from conductor.core.errors import (
 from conductor.core.types import Slo
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway, Routed
 from conductor.http_errors import render, sse_error
+from conductor.logs import log_access
 from conductor.relay import ClientState, run_attempt
 from conductor.requests import (
     PASS_THROUGH_KINDS,
@@ -89,8 +91,14 @@ class CompletionsEndpoint:
         state = ClientState()
         task = asyncio.current_task()
         assert task is not None
+        tracing = self.gateway.tracing
         try:
-            await self._serve(headers, request_id, client_id, receive, send, state, task)
+            if tracing is None:
+                await self._serve(headers, request_id, client_id, receive, send, state, task)
+            else:
+                with tracing.request(headers, self.path, request_id) as span:
+                    span.set_attribute("conductor.client_request_id", client_id)
+                    await self._serve(headers, request_id, client_id, receive, send, state, task)
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -98,6 +106,8 @@ class CompletionsEndpoint:
             task.uncancel()
             self.gateway.metrics.cancelled.inc()
             self.gateway.metrics.requests.labels(self.path, "499").inc()
+            log_access(path=self.path, status=499, request_id=request_id, client_request_id=client_id,
+                       prefill=state.prefill, decode=state.decode)
 
     async def _serve(
         self, headers: dict[str, str], request_id: str, client_id: str, receive: Receive, send: Send,
@@ -128,7 +138,12 @@ class CompletionsEndpoint:
                 max_tokens = 1 if self.kind == "embeddings" else int(
                     body.get("max_output_tokens") or gw.settings.default_max_tokens)
             else:
-                analysis = await gw.analyzer.analyse(self.kind, body)  # type: ignore[arg-type]
+                with gw.tracing.child("conductor.analyse") if gw.tracing else contextlib.nullcontext() as span:
+                    analysis = await gw.analyzer.analyse(self.kind, body)  # type: ignore[arg-type]
+                    if span is not None:  # tokenize, block keys, index look-up
+                        span.set_attributes({"conductor.prompt_tokens": analysis.prompt_tokens,
+                                             "conductor.exact": analysis.exact,
+                                             "conductor.blocks": len(analysis.block_keys)})
                 max_tokens = max_tokens_of(body, gw.settings.default_max_tokens)
             stream = bool(body.get("stream", False))
             if gw.inflight >= gw.settings.max_inflight_requests:
@@ -145,8 +160,11 @@ class CompletionsEndpoint:
         finally:
             if watcher is not None:
                 watcher.cancel()
+        elapsed = loop.time() - arrived
         gw.metrics.requests.labels(self.path, str(status)).inc()
-        gw.metrics.e2e.observe(loop.time() - arrived)
+        gw.metrics.e2e.observe(elapsed)
+        log_access(path=self.path, status=status, duration_ms=round(elapsed * 1000, 2), request_id=request_id,
+                   client_request_id=client_id, prefill=state.prefill, decode=state.decode)
 
     async def _fail(self, exc: BaseException, send: Send, state: ClientState, client_id: str) -> int:
         status, payload, extra = render(exc)
@@ -172,6 +190,8 @@ class CompletionsEndpoint:
         if not gw.settings.trust_client_kv_transfer_params and any(f in body for f in _KV_STEERING_FIELDS):
             body = {k: v for k, v in body.items() if k not in _KV_STEERING_FIELDS}
         headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
+        if gw.tracing is not None:
+            gw.tracing.inject(headers)  # the workers' spans join this request's trace
         if gw.settings.upstream_api_key:
             headers["Authorization"] = f"Bearer {gw.settings.upstream_api_key}"
         return Outgoing(path=self.path, body=body, headers=headers, request_id=request_id, stream=stream,

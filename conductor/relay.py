@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +39,11 @@ _USAGE_ONLY = b'"choices":[]'  # vLLM's final usage chunk (stream_options.includ
 class ClientState:
     """What the client has been sent; the disconnect watcher reads it."""
 
-    __slots__ = ("disconnected", "response_done", "response_started")
+    __slots__ = ("decode", "disconnected", "prefill", "response_done", "response_started")
 
     def __init__(self) -> None:
+        self.prefill: str | None = None  # where the (last) attempt went: for the access log
+        self.decode: str | None = None
         self.disconnected = False
         self.response_started = False
         # the client has the whole answer ([DONE] or the full body): a disconnect now is a normal end
@@ -97,6 +100,7 @@ async def run_attempt(
     if not gw.protocol.ready(prefill):
         raise NoHealthyInstance(f"prefill instance {prefill.name} is not ready (bootstrap not answered)")
     request_id = out.request_id
+    client.prefill, client.decode = prefill.name, decode.name if decode else None
     analysis = routed.analysis
     cached = analysis.cached.get(prefill.name)
     predicted_cached = cached.tokens if cached else 0
@@ -107,6 +111,7 @@ async def run_attempt(
     gw.registry.add_decode(decode_name, request_id, analysis.prompt_tokens, routed.view.max_tokens)
     await gw.analyzer.on_dispatch(analysis, decision)
     loop = asyncio.get_running_loop()
+    started_ns = time.time_ns()
     exchange: Exchange | None = None
     stats = StreamStats()
     ok = False
@@ -177,6 +182,8 @@ async def run_attempt(
     finally:
         gw.registry.end_prefill(prefill.name, request_id)
         gw.registry.end_decode(decode_name, request_id)
+        if gw.tracing is not None:
+            trace_legs(gw, exchange, started_ns, prefill.name, decode.name if decode else None, ok)
         reported = exchange.prefill_cached_tokens if exchange and exchange.prefill_cached_tokens is not None \
             else cached_reported
         output = stats.usage_completion_tokens if stats.usage_completion_tokens is not None else stats.tokens
@@ -220,3 +227,19 @@ async def settle_prefill(gw: Gateway, exchange: Exchange, prefill: str) -> None:
     timeout = min(PREFILL_SETTLE_S, gw.settings.read_timeout_s)
     if not await exchange.settle(timeout) or exchange.prefill_failed is not None:
         gw.metrics.late_prefill_failures.labels(prefill).inc()
+
+
+def trace_legs(gw: Gateway, exchange: Exchange | None, started_ns: int, prefill: str, decode: str | None,
+               ok: bool) -> None:
+    """The legs as spans, timed from what the exchange measured: sequential (nixl) prefill then
+    decode; concurrent (mooncake, sglang) both from dispatch; mixed: one leg."""
+    assert gw.tracing is not None
+    end = time.time_ns()
+    prefill_s = exchange.prefill_s if exchange is not None else None
+    prefill_end = started_ns + int(prefill_s * 1e9) if prefill_s is not None else end
+    concurrent = gw.protocol.name in ("mooncake", "sglang")
+    gw.tracing.leg("conductor.prefill_leg" if decode else "conductor.leg", prefill, started_ns,
+                   prefill_end if decode else end, {"conductor.ok": ok, "conductor.prefill_s": prefill_s})
+    if decode is not None:
+        gw.tracing.leg("conductor.decode_leg", decode, started_ns if concurrent else prefill_end, end,
+                       {"conductor.ok": ok})

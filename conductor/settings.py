@@ -3,6 +3,13 @@
 Precedence, lowest first: defaults, the YAML file (`--config`), environment variables
 (`CONDUCTOR_<FIELD>`, nested fields joined with `__`, values parsed as YAML so lists and numbers
 work), then command-line flags.
+
+Instance lists are the exception to "the higher one replaces": instances given as flags
+(`overrides`: `--prefill`, `--decode`, `--mixed`) are merged into the list of that role from the
+file and environment, by URL. A flag naming a URL already listed updates that entry with what the
+flag gives (a bootstrap port) and keeps the rest (name, kv_events_endpoint, bootstrap_port unless
+given); a new URL is appended. So a flag can add or adjust a worker without losing its KV events
+endpoint. Environment lists still replace the file's.
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ class Settings(_Model):
     host: str = "127.0.0.1"
     port: int = 8000
     admin_port: int | None = None  # if set, /metrics, /openapi.json and /docs are served only here
+    # logs: "text" lines or one JSON object a line; an access log line per request (no prompt text)
+    log_format: Literal["text", "json"] = "text"
+    access_log: bool = False
+    # OpenTelemetry traces over OTLP/HTTP (e.g. http://collector:4318/v1/traces); off when unset
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    service_name: str = "conductor"
     log_level: str = "info"
 
     prefill: tuple[InstanceSpec, ...] = ()
@@ -203,6 +217,30 @@ def _with_roles(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def _url_key(url: Any) -> str:
+    return str(url).rstrip("/")
+
+
+def _merge_instances(data: Mapping[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """`flags` with each role's instance list merged into `data`'s by URL (see the module docstring).
+    Both are already in `_with_roles` form: lists of dicts with url and role."""
+    for role in ("prefill", "decode", "mixed"):
+        given, listed = flags.get(role), data.get(role)
+        if not given or not isinstance(listed, list | tuple) or not listed:
+            continue
+        merged = [dict(spec) for spec in listed]
+        where = {_url_key(spec.get("url")): i for i, spec in enumerate(merged)}
+        for spec in given:
+            i = where.get(_url_key(spec.get("url")))
+            if i is None:
+                where[_url_key(spec.get("url"))] = len(merged)
+                merged.append(dict(spec))
+            else:  # the flag's fields win; its URL spelling (a trailing slash) does not matter
+                merged[i] = {**merged[i], **{k: v for k, v in spec.items() if k != "url"}}
+        flags[role] = merged
+    return flags
+
+
 def load_settings(
     config_file: str | Path | None = None,
     *,
@@ -221,7 +259,8 @@ def load_settings(
         data = _with_roles(loaded)
     data = _merge(data, _with_roles(_env_overrides(os.environ if environ is None else environ)))
     if overrides:
-        data = _merge(data, _with_roles({k: v for k, v in overrides.items() if v is not None}))
+        flags = _with_roles({k: v for k, v in overrides.items() if v is not None})
+        data = _merge(data, _merge_instances(data, flags))
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:

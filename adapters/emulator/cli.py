@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=16, help="output length when a request sets none")
     p.add_argument("--side-channel-port", type=int, default=5600, help="NIXL side channel port reported")
     p.add_argument("--remote-wait-s", type=float, default=120.0, help="longest a decode waits for its remote prefill")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP/HTTP traces endpoint: one span per request, a child of its traceparent (as vLLM)")
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     return p
 
@@ -63,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         hash_seed=args.hash_seed, engine_id=args.engine_id or _engine_id(), max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, max_num_seqs=args.max_num_seqs,
         side_channel_port=args.side_channel_port, remote_wait_s=args.remote_wait_s,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

@@ -43,6 +43,7 @@ class EmulatorConfig:
     max_body_bytes: int = 64 << 20
     side_channel_port: int = 5600  # NIXL side channel advertised in kv_transfer_params (VLLM_NIXL_SIDE_CHANNEL_PORT)
     remote_wait_s: float = 120.0  # how long a decode leg waits for its prefill before prefilling locally
+    otlp_traces_endpoint: str | None = None  # vLLM's --otlp-traces-endpoint: spans joined to the caller's trace
 
     @property
     def advertised_host(self) -> str:

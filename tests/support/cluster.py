@@ -35,6 +35,7 @@ def cluster(
     n_mixed: int = 0,
     policy: Policy | None = None,
     standin: dict[str, Any] | None = None,
+    tracing: Any = None,
     **settings: Any,
 ) -> Iterator[Cluster]:
     opts = standin or {}
@@ -67,7 +68,7 @@ def cluster(
             overrides["decode"] = decode_specs
         if mixed_specs:
             overrides["mixed"] = mixed_specs
-        gateway = Gateway(load_settings(environ={}, overrides=overrides), policy=policy)
+        gateway = Gateway(load_settings(environ={}, overrides=overrides), policy=policy, tracing=tracing)
         gw_server = stack.enter_context(serve(create_app(gateway)))
         c.url, c.gateway = gw_server.url, gateway
         c.servers["gateway"] = gw_server

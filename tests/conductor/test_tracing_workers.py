@@ -1,0 +1,50 @@
+"""One trace tree per request across the gateway and the workers, as an OTLP collector receives it:
+the gateway's spans and each emulated worker's `llm_request` span (made as vLLM makes it from the
+`traceparent` the gateway sends) share the trace, the workers' spans children of the gateway's."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+
+from conductor.app import create_app
+from conductor.gateway import Gateway
+from conductor.settings import load_settings
+from tests.support.emulator import start_emulator
+from tests.support.otlp import OtlpReceiver
+from tests.support.servers import serve
+from tests.support.waiting import wait_for
+
+
+def test_trace_tree_spans_gateway_and_workers() -> None:
+    receiver = OtlpReceiver()
+    with serve(receiver) as collector:
+        endpoint = collector.url + "/v1/traces"
+        env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export the workers' spans within 0.1 s
+        with ExitStack() as stack:
+            p = stack.enter_context(start_emulator("prefill", "nixl", time_scale=0.01, model="tiny", env=env,
+                                                   otlp_traces_endpoint=endpoint))
+            d = stack.enter_context(start_emulator("decode", "nixl", time_scale=0.01, model="tiny", env=env,
+                                                   otlp_traces_endpoint=endpoint))
+            settings = load_settings(environ={}, overrides={
+                "prefill": [p.url], "decode": [d.url], "otlp_traces_endpoint": endpoint, "service_name": "gw"})
+            gateway = Gateway(settings)
+            with serve(create_app(gateway)) as gw:  # closing it flushes the gateway's spans
+                r = httpx.post(gw.url + "/v1/completions", timeout=30,
+                               json={"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True})
+                assert r.status_code == 200
+            assert wait_for(lambda: sum(s.name == "llm_request" for s in receiver.spans) == 2, timeout=15)
+    spans = receiver.spans
+    [root] = [s for s in spans if s.name == "conductor.request"]
+    assert root.service == "gw" and root.parent_span_id == ""  # the client sent no traceparent
+    tree = [s for s in spans if s.trace_id == root.trace_id]
+    names = {s.name for s in tree}
+    assert {"conductor.analyse", "conductor.decide", "conductor.prefill_leg", "conductor.decode_leg"} <= names
+    workers = [s for s in tree if s.name == "llm_request"]
+    assert {s.service for s in workers} == {"vllm-emulator-prefill", "vllm-emulator-decode"}
+    assert all(s.parent_span_id == root.span_id for s in workers)  # children of the gateway's request span
+    assert len({s.trace_id for s in spans}) == 1  # one request, one trace
