@@ -11,6 +11,13 @@ Wire format (vLLM `vllm/distributed/kv_events.py`, `ZmqEventPublisher`):
 - the optional ROUTER replay socket takes [b"", start seq] from a DEALER and answers
   [b"", seq, payload] for every buffered batch from start on, then [b"", seq -1, b""].
 
+Catching up: a gateway that starts after its workers (or restarts) has missed every block they
+cached before. With a replay endpoint, the subscriber asks for everything still buffered (from seq
+0) right after subscribing, so the index starts with what the workers hold, as far back as the
+buffer reaches (vLLM's buffer_steps). After a publisher restart, or a gap the replay cannot fill
+completely, the index forgets the instance and re-applies the buffered run that ends just before
+the live feed resumes.
+
 Socket direction mirrors vLLM's rule: its PUB binds when the endpoint holds "*" or "::" (or is
 ipc/inproc), so we connect (with "*" replaced by the worker's host); otherwise it connects to the
 concrete address given, so we must bind there. The replay ROUTER always binds, so we connect.
@@ -19,7 +26,9 @@ concrete address given, so we must bind there. The replay ROUTER always binds, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +152,7 @@ class EventSource:
     worker_host: host to put in place of "*" when vLLM binds (from the instance URL).
     replay_endpoint: vLLM's replay_endpoint, or None when it has none.
     topic: vLLM's topic ("" subscribes to all).
+    rank: the data-parallel rank publishing there (its own sequence numbers).
     """
 
     instance: str
@@ -150,11 +160,12 @@ class EventSource:
     worker_host: str = "127.0.0.1"
     replay_endpoint: str | None = None
     topic: str = ""
+    rank: int = 0
 
     @staticmethod
     def for_instance(instance: str, url: str, endpoint: str, replay_endpoint: str | None = None,
-                     topic: str = "") -> EventSource:
-        return EventSource(instance, endpoint, urlsplit(url).hostname or "127.0.0.1", replay_endpoint, topic)
+                     topic: str = "", rank: int = 0) -> EventSource:
+        return EventSource(instance, endpoint, urlsplit(url).hostname or "127.0.0.1", replay_endpoint, topic, rank)
 
 
 def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:
@@ -186,23 +197,28 @@ ResyncHandler = Callable[[str, str], Awaitable[None]]
 
 @dataclass(frozen=True, slots=True)
 class SubscriberStats:
-    """Counters for one instance's feed."""
+    """Counters for one instance's feed (one data-parallel rank): batches applied (live and replayed),
+    gaps seen live, batches replayed, replay requests, resyncs, the last seq; loop time of the last
+    batch; wall clock at start, and the last batch's publish time (the worker's clock) and receipt."""
 
     batches: int
     gaps: int
     replayed: int
     resyncs: int
     last_seq: int | None
-    last_event_at: float | None  # loop time of the last batch, None before the first
+    last_event_at: float | None
+    replay_requests: int = 0
+    started_wall: float | None = None
+    last_batch_ts: float | None = None
+    last_received_wall: float | None = None
 
 
 class EventSubscriber:
     """Receives one instance's KV events, in order, repairing sequence gaps.
 
-    A gap (a seq more than one past the last) is repaired by asking the replay socket for the
-    missing batches; if there is none, or it cannot supply all of them in time, `on_resync` is
-    called (the index then forgets the instance, and refills from later events and dispatches).
-    A seq that goes backwards means the publisher restarted: its cache is empty, so also a resync.
+    A gap (a seq more than one past the last) is repaired from the replay socket; failing that,
+    `on_resync` (the index forgets the instance). A seq that goes backwards means the publisher
+    restarted with an empty cache: also a resync. Catching up: see the module docstring.
     """
 
     def __init__(
@@ -213,17 +229,25 @@ class EventSubscriber:
         *,
         context: zmq.asyncio.Context,
         replay_timeout_s: float = 1.0,
+        catch_up: bool = True,
     ) -> None:
         self.source = source
         self._on_batch = on_batch
         self._on_resync = on_resync
         self._ctx = context
         self._replay_timeout_s = replay_timeout_s
+        self._catch_up = catch_up
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._last: int | None = None
-        self._batches = self._gaps = self._replayed = self._resyncs = 0
+        # after a catch-up: live batches up to here were already applied from the replay (they
+        # queued on the SUB socket meanwhile); not a restart
+        self._replayed_upto: int | None = None
+        self._batches = self._gaps = self._replayed = self._resyncs = self._replay_requests = 0
         self._last_event_at: float | None = None
+        self._started_wall: float | None = None
+        self._last_batch_ts: float | None = None
+        self._last_received_wall: float | None = None
         self.address, self.binds = subscriber_address(source.endpoint, source.worker_host)
 
     async def start(self) -> None:
@@ -235,15 +259,17 @@ class EventSubscriber:
         else:
             sub.connect(self.address)
         self._sub = sub
+        self._started_wall = time.time()
+        # subscribed first, replay second: whatever is published meanwhile queues on the socket
+        if self._catch_up and self.source.replay_endpoint is not None:
+            await self.catch_up()
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.source.instance}")
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         if self._sub is not None:
             self._sub.close(linger=0)
@@ -252,7 +278,22 @@ class EventSubscriber:
     @property
     def stats(self) -> SubscriberStats:
         return SubscriberStats(self._batches, self._gaps, self._replayed, self._resyncs, self._last,
-                               self._last_event_at)
+                               self._last_event_at, self._replay_requests, self._started_wall,
+                               self._last_batch_ts, self._last_received_wall)
+
+    async def catch_up(self) -> int:
+        """Apply every batch the worker's replay buffer still holds; the number applied."""
+        got = await self._replay(0)
+        if not got:
+            log.info("kv events from %s: replay buffer empty or unanswered at start-up", self.source.instance)
+            return 0
+        applied = await self._apply_run(got, None)
+        first = self._last - applied + 1 if self._last is not None else 0
+        self._replayed_upto = self._last
+        log.info("kv events from %s: caught up on %d buffered batches (seq %d..%s)%s", self.source.instance,
+                 applied, first, self._last,
+                 "" if first == 0 else "; blocks cached before that are unknown until announced again")
+        return applied
 
     async def _run(self) -> None:
         assert self._sub is not None
@@ -269,12 +310,18 @@ class EventSubscriber:
 
     async def handle(self, seq: int, payload: bytes) -> None:
         """Apply one published batch, after repairing any gap before it."""
+        if self._replayed_upto is not None:
+            if seq <= self._replayed_upto:
+                return  # queued while the catch-up replayed it
+            self._replayed_upto = None
         last = self._last
         if last is not None:
             if seq == last:
                 return  # a duplicate (e.g. overlap between a replay and the live feed)
             if seq < last:
                 await self._resync(f"sequence went back from {last} to {seq}: publisher restarted")
+                if seq > 0 and self.source.replay_endpoint is not None:
+                    await self._apply_run(await self._replay(0), seq)  # the new process's first batches
             elif seq > last + 1:
                 self._gaps += 1
                 await self._repair(last + 1, seq)
@@ -285,19 +332,37 @@ class EventSubscriber:
         self._last = seq
         self._batches += 1
         self._last_event_at = asyncio.get_running_loop().time()
+        self._last_batch_ts = batch.ts
+        self._last_received_wall = time.time()
         await self._on_batch(self.source.instance, batch)
+
+    async def _apply_run(self, got: list[tuple[int, bytes]], upto: int | None) -> int:
+        """Apply the consecutive run of replayed batches that ends right before `upto` (None: the
+        newest); older ones, cut off from it by a hole, would leave the index inconsistent."""
+        by_seq = dict(got)
+        if upto is None:
+            if not by_seq:
+                return 0
+            upto = max(by_seq) + 1
+        start = upto
+        while start - 1 in by_seq:
+            start -= 1
+        for s in range(start, upto):
+            await self._apply(s, by_seq[s])
+        self._replayed += upto - start
+        return upto - start
 
     async def _repair(self, start: int, upto: int) -> None:
         missing = upto - start
+        got: list[tuple[int, bytes]] = []
         if self.source.replay_endpoint is not None:
-            got = {s: p for s, p in await self._replay(start) if start <= s < upto}
+            got = [(s, p) for s, p in await self._replay(start) if start <= s < upto]
             if len(got) == missing:
-                for s in range(start, upto):
-                    await self._apply(s, got[s])
-                self._replayed += missing
+                await self._apply_run(got, upto)
                 log.info("kv events from %s: replayed %d missed batches", self.source.instance, missing)
                 return
         await self._resync(f"missed batches {start}..{upto - 1} and could not replay them")
+        await self._apply_run(got, upto)  # the part the buffer still had, when it ends at the live feed
 
     async def _resync(self, reason: str) -> None:
         self._resyncs += 1
@@ -308,7 +373,8 @@ class EventSubscriber:
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:
         assert self.source.replay_endpoint is not None
         address, _ = subscriber_address(self.source.replay_endpoint, self.source.worker_host)
-        # A fresh DEALER per repair: a late answer to an abandoned request cannot be mistaken
+        self._replay_requests += 1
+        # A fresh DEALER per request: a late answer to an abandoned request cannot be mistaken
         # for the answer to the next one.
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -3,11 +3,15 @@
 Never a hub download: `HFTokenizer` reads `tokenizer.json` (the `tokenizers` library) and the chat
 template from `tokenizer_config.json` (or `chat_template.jinja` / `chat_template.json`) in a
 directory on disk. Chat prompts are rendered as vLLM renders them through transformers'
-`apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`: a sandboxed jinja2
-environment with trim_blocks and lstrip_blocks, the tokenizer's special tokens as variables, a
-`raise_exception` global and a `tojson` filter; the text is then encoded without adding special
-tokens (the template already holds them). Completions prompts are encoded with special tokens,
-as vLLM does for a text prompt.
+`apply_chat_template(messages, tokenize=False, ...)`: a sandboxed jinja2 environment with
+trim_blocks and lstrip_blocks, the tokenizer's special tokens as variables, a `raise_exception`
+global and a `tojson` filter. The template gets what vLLM's chat endpoint passes it
+(`chat_template_arguments`): the request's `tools` (as vLLM's tool model dumps them), `documents`,
+`add_generation_prompt` (default true), `continue_final_message`, then `chat_template_kwargs` on
+top. A tool-calling prompt rendered without its tools is a different prompt: its keys would never
+match the workers' cache. The text is then encoded without adding special tokens (the template
+already holds them) unless the request sets `add_special_tokens`. Completions prompts are encoded
+with special tokens, as vLLM does for a text prompt.
 
 All tokenizers are used through the async `PromptTokenizer` protocol, so the gateway treats a local
 tokenizer and a remote /tokenize alike.
@@ -77,6 +81,55 @@ def _parts_text(parts: list[Any]) -> str:
                      and isinstance(text := p.get("text"), str))
 
 
+def _tool_dict(tool: Any) -> Any:
+    """One tool as vLLM hands it to the template: its pydantic model dumped, so the declared function
+    fields (name, description, parameters) are always there, None when the client left them out."""
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+        return tool
+    fn = tool["function"]
+    declared = {"name": fn.get("name"), "description": fn.get("description"), "parameters": fn.get("parameters")}
+    return {"type": tool.get("type", "function"), "function": {**declared, **fn}}
+
+
+def chat_template_arguments(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The variables vLLM's chat endpoint renders the template with, besides the messages: tools,
+    documents, add_generation_prompt, continue_final_message, then the request's
+    chat_template_kwargs over them (vLLM lets those override)."""
+    tools = body.get("tools")
+    args: dict[str, Any] = {
+        "tools": [_tool_dict(t) for t in tools] if isinstance(tools, list) and tools else None,
+        "documents": body.get("documents"),
+        "add_generation_prompt": body.get("add_generation_prompt", True) is not False,
+        "continue_final_message": body.get("continue_final_message") is True,
+    }
+    extra = body.get("chat_template_kwargs")
+    if isinstance(extra, Mapping):
+        args.update(extra)
+    return args
+
+
+def _final_text(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # the last text part, as transformers takes it
+        texts = [p.get("text") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+        return texts[-1] if texts else None
+    return content if isinstance(content, str) else None
+
+
+def _cut_after_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """continue_final_message: the prompt ends inside the last message, right after its text (what
+    transformers does: find the text's last occurrence, keep its leading part and, when the template
+    kept it verbatim, its trailing whitespace)."""
+    final = _final_text(messages)
+    if final is None or final.strip() not in rendered:
+        raise ValueError("continue_final_message is set but the final message does not appear in the rendered chat")
+    at = rendered.rindex(final.strip())
+    kept = final.lstrip()
+    if rendered[at : at + len(kept)] != kept:
+        kept = final.strip()
+    return rendered[: at + len(kept)]
+
+
 def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
 
@@ -131,7 +184,8 @@ class HFTokenizer:
         return env.from_string(source)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> str:
-        """The prompt text vLLM would build for these messages (add_generation_prompt=True)."""
+        """The prompt text vLLM would build for these messages; `extra` are the template arguments
+        (`chat_template_arguments`: tools, documents, add_generation_prompt, ...)."""
         if self._template is None:
             raise ConfigError(f"{self.directory} has no chat template (tokenizer_config.json chat_template)")
         # vLLM hands string-format templates the text parts of a content list joined by newlines
@@ -139,7 +193,8 @@ class HFTokenizer:
                  for m in messages]
         variables: dict[str, Any] = {"messages": plain, "add_generation_prompt": True, "tools": None,
                                      "documents": None, **self.special_tokens, **extra}
-        return str(self._template.render(**variables))
+        text = str(self._template.render(**variables))
+        return _cut_after_final_message(text, plain) if variables.get("continue_final_message") else text
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -177,11 +232,12 @@ class HFPromptTokenizer(LocalTokenizer):
         return encode(text)
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
-        kwargs = body.get("chat_template_kwargs") or {}
-        text = self.hf.render_chat(messages, **kwargs)
+        text = self.hf.render_chat(messages, **chat_template_arguments(body))
+        # vLLM's chat default: no special tokens beyond those the template writes
+        encode = self.hf.encode if body.get("add_special_tokens") is True else self.hf.encode_plain
         if len(text) > self.OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.hf.encode_plain, text)
-        return self.hf.encode_plain(text)
+            return await asyncio.to_thread(encode, text)
+        return encode(text)
 
 
 class WorkerTokenizer:
@@ -211,11 +267,13 @@ class WorkerTokenizer:
         return await self._tokenize({"prompt": text, "add_special_tokens": add_special_tokens})
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
-        payload: dict[str, Any] = {"messages": list(messages), "add_generation_prompt": True}
-        if body.get("model"):
-            payload["model"] = body["model"]
-        if body.get("chat_template_kwargs"):
-            payload["chat_template_kwargs"] = body["chat_template_kwargs"]
+        payload: dict[str, Any] = {"messages": list(messages),
+                                   "add_generation_prompt": body.get("add_generation_prompt", True) is not False}
+        # the worker renders its own template: hand it what shapes the prompt, as the chat request has it
+        for key in ("model", "tools", "documents", "continue_final_message", "add_special_tokens",
+                    "chat_template_kwargs"):
+            if body.get(key) is not None:
+                payload[key] = body[key]
         return await self._tokenize(payload)
 
     async def close(self) -> None:

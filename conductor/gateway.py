@@ -206,7 +206,7 @@ def kv_settings(settings: Settings) -> KVAwarenessSettings:
     the model's own tokenizer, unless asked: the built-in one's ids mean nothing to a real model)."""
     kv = settings.kv
     events = {
-        spec.name: KVEventsEndpoint(endpoint=spec.kv_events_endpoint)
+        spec.name: KVEventsEndpoint(endpoint=spec.kv_events_endpoint, replay_endpoint=spec.kv_events_replay_endpoint)
         for spec in settings.instances()
         if spec.kv_events_endpoint and spec.name
     }

@@ -3,12 +3,14 @@
 Wiring, per request: tokenizer -> block keys (`conductor.core.block_keys`) -> `KVIndex.match` (and a
 Mooncake Store probe) -> PromptAnalysis. After the decision the prompt's keys are inserted for the
 chosen prefill instance as unconfirmed entries; vLLM's KV events confirm (or remove) them. When a
-request finishes, the cached tokens the worker reports are compared with what the index predicted
-(`HashAgreement`): if the index keeps predicting hits that the workers never see, the gateway's
-block keys do not match the workers' (wrong block size, hash algorithm or PYTHONHASHSEED), and a
-loud warning says so.
+request finishes, the cached tokens the worker reports are compared with what the index predicted,
+both ways and per instance (`conductor.kv_agreement.HashAgreement`): predicted hits the workers
+never see (the gateway's keys are not the workers') and hits the workers see that the index did not
+predict (events missing, wrong seed, a gateway started late) each raise a loud warning that names the
+likely cause. Per-instance KV event metrics: `conductor.kv_event_metrics`.
 
-Build it with `build_analyzer(options, instances, registry)`; options are `KVAwarenessSettings`.
+Build it with `build_analyzer(options, instances, registry)`; options are `KVAwarenessSettings`
+(`conductor.kv_settings`, re-exported here).
 """
 
 from __future__ import annotations
@@ -16,143 +18,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import httpx
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from pydantic import BaseModel, ConfigDict, Field
+from prometheus_client import CollectorRegistry
 
 from adapters.breaker import CircuitBreaker, register_breaker
 from adapters.index.base import IndexLimits, KVIndex, MemoryUse, PrefixMatch
-from adapters.index.feed import DEFAULT_MAP_BUDGET_BYTES, IndexFeeder, mapped_within
+from adapters.index.feed import IndexFeeder, mapped_within
 from adapters.index.guarded import GuardedIndex
-from adapters.index.memory import DEFAULT_INDEX_BUDGET_BYTES, MemoryIndex, blocks_within
+from adapters.index.memory import MemoryIndex, blocks_within
 from adapters.index.metrics import register_guard, register_kv_memory
 from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
-from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings, StoreProbe
+from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
 from conductor.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
 from conductor.core.block_keys import BlockKeyScheme, VllmKeys, make_scheme
 from conductor.core.errors import BadRequest, ConductorError, ConfigError
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Decision, Observation, Role
+from conductor.kv_agreement import FeedEvidence, HashAgreement, HashSetup
+from conductor.kv_event_metrics import KVEventsCollector
+from conductor.kv_settings import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
+
+__all__ = ["HashAgreement", "KVAwareAnalyzer", "KVAwarenessSettings", "KVEventsEndpoint", "build_analyzer"]
 
 log = logging.getLogger(__name__)
 
 InstanceInfo = tuple[str, Role, str]  # (id, role, base URL)
 REDIS_MAX_BLOCKS = 1_000_000  # entries a Redis index keeps when kv.max_blocks is unset (server memory)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class KVEventsEndpoint(_Model):
-    """One instance's vLLM --kv-events-config, as given to that worker."""
-
-    endpoint: str  # e.g. "tcp://*:5557" (vLLM binds, we connect) or "tcp://gateway:5557" (we bind)
-    replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
-    topic: str = ""
-    data_parallel_size: Annotated[int, Field(gt=0)] = 1  # rank r publishes on port + r (vLLM's rule)
-
-
-class KVAwarenessSettings(_Model):
-    """Options of the KV-aware analyzer; nested in the gateway settings as `kv`."""
-
-    enabled: bool = False  # off: the gateway keeps its estimating analyzer
-    tokenizer: str = "builtin"  # "builtin" (byte-level), "worker" (POST /tokenize) or a local HF dir
-    tokenizer_url: str | None = None  # for "worker": defaults to the first prefill/mixed instance
-    forward_token_ids: bool = True  # send completions prompts on as token ids (tokenized once)
-    block_size: Annotated[int, Field(gt=0)] = 16  # must equal the workers' --block-size
-    key_mode: Literal["xxhash", "vllm"] = "xxhash"
-    hash_seed: int = 0  # xxhash mode: seed of the key chain (all replicas must agree)
-    vllm_hash_algo: str = "sha256"  # vllm mode: the workers' --prefix-caching-hash-algo
-    vllm_hash_seed: str | None = None  # vllm mode: the workers' PYTHONHASHSEED, None if unset
-    index: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "conductor:kv:"
-    # Redis calls give up after these (look-ups are on the request path; writes run beside it), and
-    # after redis_breaker_failures in a row none is tried for redis_breaker_open_s (adapters/breaker.py)
-    redis_timeout_s: Annotated[float, Field(gt=0)] = 0.05
-    redis_write_timeout_s: Annotated[float, Field(gt=0)] = 0.25
-    redis_breaker_failures: Annotated[int, Field(gt=0)] = 3
-    redis_breaker_open_s: Annotated[float, Field(gt=0)] = 1.0
-    # while Redis cannot be used: "memory" = answer from a local copy fed by the same events and
-    # dispatches (sized by index_memory_bytes), "none" = route as if nothing were cached
-    redis_fallback: Literal["memory", "none"] = "memory"
-    # In-process memory, in bytes: the index (or the local copy beside Redis) and, per instance, the
-    # vLLM hash -> own key map of xxhash mode. Defaults: 48 MiB + 16 MiB per instance, 112 MiB for 2P+2D.
-    index_memory_bytes: Annotated[int, Field(gt=0)] = DEFAULT_INDEX_BUDGET_BYTES
-    hash_map_memory_bytes_per_instance: Annotated[int, Field(gt=0)] = DEFAULT_MAP_BUDGET_BYTES
-    # entries on the Redis server (None: 1,000,000); when set, also caps the in-process index
-    max_blocks: Annotated[int, Field(gt=0)] | None = None
-    key_ttl_s: Annotated[float, Field(gt=0)] = 3600.0
-    unconfirmed_ttl_s: Annotated[float, Field(gt=0)] = 30.0
-    kv_events: Mapping[str, KVEventsEndpoint] = Field(default_factory=dict)  # instance id -> endpoint
-    replay_timeout_s: float = 1.0
-    events_silence_s: float = 30.0  # no events this long and a failed /health: drop the instance
-    mooncake: MooncakeStoreSettings | None = None
-    agreement_window: Annotated[int, Field(gt=0)] = 200  # requests in the hash agreement window
-    agreement_min_samples: Annotated[int, Field(gt=0)] = 20
-    agreement_alarm_below: float = 0.2  # reported/predicted cached tokens below this: warn
-
-
-class HashAgreement:
-    """Predicted vs worker-reported cached tokens over a sliding window of finished requests."""
-
-    def __init__(self, registry: CollectorRegistry, *, window: int = 200, min_samples: int = 20,
-                 alarm_below: float = 0.2) -> None:
-        self._window: deque[tuple[int, int]] = deque(maxlen=window)
-        self._min_samples = min_samples
-        self._alarm_below = alarm_below
-        self.alarmed = False
-        self._ratio = Gauge("conductor_kv_hash_agreement",
-                            "Worker-reported / index-predicted cached prompt tokens over the recent window "
-                            "(1 = the index's block keys match the workers')", registry=registry)
-        self._predicted = Counter("conductor_kv_predicted_cached_tokens",
-                                  "Cached prompt tokens the index predicted on the chosen prefill instance",
-                                  registry=registry)
-        self._reported = Counter("conductor_kv_reported_cached_tokens",
-                                 "Cached prompt tokens the workers reported", registry=registry)
-        self._ratio.set(1.0)
-
-    def observe(self, predicted: int, reported: int | None) -> None:
-        if reported is None:  # the worker did not say (no usage details): nothing to compare
-            return
-        self._predicted.inc(predicted)
-        self._reported.inc(reported)
-        self._window.append((predicted, reported))
-        self._check()
-
-    @property
-    def ratio(self) -> float:
-        predicted = sum(p for p, _ in self._window)
-        if predicted == 0:
-            return 1.0
-        return min(sum(min(p, r) for p, r in self._window) / predicted, 1.0)
-
-    def _check(self) -> None:
-        ratio = self.ratio
-        self._ratio.set(ratio)
-        hits = sum(1 for p, _ in self._window if p > 0)
-        if hits < self._min_samples:
-            return
-        if ratio < self._alarm_below and not self.alarmed:
-            self.alarmed = True
-            predicted = sum(p for p, _ in self._window)
-            reported = sum(min(p, r) for p, r in self._window)
-            log.warning(
-                "KV HASH AGREEMENT COLLAPSED: over the last %d requests the index predicted %d cached tokens "
-                "on the chosen instances but the workers reported %d (%.0f%%). The gateway's block keys do not "
-                "match the workers': check kv.block_size against --block-size, kv.key_mode/vllm_hash_algo "
-                "against --prefix-caching-hash-algo, and kv.vllm_hash_seed against the workers' "
-                "PYTHONHASHSEED.", len(self._window), predicted, reported, 100 * ratio)
-        elif ratio >= 2 * self._alarm_below and self.alarmed:
-            self.alarmed = False
-            log.warning("KV hash agreement recovered: %.0f%%", 100 * ratio)
 
 
 class KVAwareAnalyzer:
@@ -194,8 +90,8 @@ class KVAwareAnalyzer:
     async def start(self) -> None:
         if isinstance(self.index, GuardedIndex):
             await self.index.probe()  # never raises: a Redis absent now is picked up when it answers
-        for sub in self.subscribers:
-            await sub.start()
+        # all at once: each may wait up to replay_timeout_s for its worker's replay at start-up
+        await asyncio.gather(*(sub.start() for sub in self.subscribers))
         if isinstance(self.store, MooncakeStoreProbe):
             await self.store.start()
         if self.subscribers:
@@ -295,8 +191,23 @@ class KVAwareAnalyzer:
             log.warning("recording a dispatch in the KV index failed: %r", task.exception())
 
     def on_result(self, analysis: PromptAnalysis, decision: Decision, observation: Observation) -> None:
-        if observation.ok and analysis.block_keys:
-            self.agreement.observe(observation.predicted_cached_tokens, observation.cached_tokens)
+        if not (observation.ok and analysis.block_keys):
+            return
+        # a prefix pulled from another instance or the store is reported cached by the worker too
+        predicted = max(observation.predicted_cached_tokens, decision.pull_tokens)
+        self.agreement.observe(predicted, observation.cached_tokens, instance=observation.prefill or "",
+                               prompt_tokens=analysis.prompt_tokens if analysis.exact else None,
+                               reported_prompt_tokens=observation.reported_prompt_tokens)
+
+    def evidence(self, instance: str) -> FeedEvidence:
+        """What the KV event feed of `instance` has shown, for the agreement diagnosis."""
+        subs = [sub for sub in self.subscribers if sub.source.instance == instance]
+        feed = self.feeder.instance(instance)
+        return FeedEvidence(
+            configured=bool(subs), endpoint=subs[0].address if subs else None,
+            batches=sum(sub.stats.batches for sub in subs), hash_checked=feed.hash_checked,
+            hash_mismatched=feed.hash_mismatched, last_mismatch=feed.last_mismatch, orphans=feed.orphans,
+            block_size_mismatched=feed.block_size_mismatched)
 
     async def _watch(self) -> None:
         """Drop instances whose events stopped and whose /health fails; they come back with events."""
@@ -387,16 +298,25 @@ def build_analyzer(
         EventSubscriber(
             EventSource.for_instance(
                 iid, urls[iid], offset_endpoint(ep.endpoint, rank),
-                None if ep.replay_endpoint is None else offset_endpoint(ep.replay_endpoint, rank), ep.topic),
-            feeder.on_batch, feeder.on_resync, context=ctx, replay_timeout_s=s.replay_timeout_s)
+                None if ep.replay_endpoint is None else offset_endpoint(ep.replay_endpoint, rank), ep.topic, rank),
+            feeder.on_batch, feeder.on_resync, context=ctx, replay_timeout_s=s.replay_timeout_s,
+            catch_up=s.replay_on_start)
         for iid, ep in s.kv_events.items()
         for rank in range(ep.data_parallel_size)
         if ctx is not None
     ]
     store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None
+    setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
     agreement = HashAgreement(registry or CollectorRegistry(), window=s.agreement_window,
-                              min_samples=s.agreement_min_samples, alarm_below=s.agreement_alarm_below)
-    return KVAwareAnalyzer(tokenizer=_make_tokenizer(s, instances), scheme=scheme, index=index, feeder=feeder,
-                           agreement=agreement, subscribers=subscribers, store=store, instances=instances,
-                           forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
-                           zmq_context=ctx)
+                              min_samples=s.agreement_min_samples, alarm_below=s.agreement_alarm_below,
+                              coverage_alarm_below=s.agreement_coverage_alarm_below, setup=setup)
+    analyzer = KVAwareAnalyzer(tokenizer=_make_tokenizer(s, instances), scheme=scheme, index=index, feeder=feeder,
+                               agreement=agreement, subscribers=subscribers, store=store, instances=instances,
+                               forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
+                               zmq_context=ctx)
+    agreement.set_evidence(analyzer.evidence)
+    if registry is not None:
+        cached_here = [iid for iid, role, _ in instances if role != Role.DECODE]
+        registry.register(KVEventsCollector(subscribers, feeder, cached_here))
+    warn_about_setup(s, instances)
+    return analyzer

@@ -32,6 +32,7 @@ _MAX_INTERVALS = 256  # token intervals kept per stream for the TBT fit
 PREFILL_SETTLE_S = 5.0
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
 _USAGE_ONLY = b'"choices":[]'  # vLLM's final usage chunk (stream_options.include_usage)
 
@@ -60,6 +61,7 @@ class StreamStats:
     intervals: list[float] = field(default_factory=list)
     usage_completion_tokens: int | None = None
     usage_cached_tokens: int | None = None
+    usage_prompt_tokens: int | None = None
     done: bool = False
 
     def see(self, chunk: bytes, now: float) -> int:
@@ -79,6 +81,9 @@ class StreamStats:
                 self.usage_completion_tokens = int(completion[-1])
             if cached:
                 self.usage_cached_tokens = int(cached[-1])
+            prompt = _PROMPT_RE.findall(chunk)
+            if prompt:
+                self.usage_prompt_tokens = int(prompt[-1])
         if events:
             if self.first_token is not None and len(self.intervals) < _MAX_INTERVALS:
                 self.intervals.append((now - self.last) / events)
@@ -135,9 +140,13 @@ async def run_attempt(
             stats.first_token = loop.time()
             if reply.status == 200:
                 try:
-                    cached_reported = cached_tokens_of(decode_json(reply.body))
+                    answer = decode_json(reply.body)
                 except ValueError:
-                    cached_reported = None
+                    answer = None
+                cached_reported = cached_tokens_of(answer)
+                usage = answer.get("usage") if isinstance(answer, dict) else None
+                prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+                stats.usage_prompt_tokens = prompt_tokens if type(prompt_tokens) is int else None
             ok = reply.status == 200
             status = reply.status
         else:
@@ -201,6 +210,7 @@ async def run_attempt(
             decode_batch=batch,
             decode_resident_kv_tokens=resident,
             ok=ok,
+            reported_prompt_tokens=stats.usage_prompt_tokens,  # the worker's count: tells a tokenizer mismatch
         ))
 
 

@@ -44,6 +44,9 @@ class InstanceSpec(_Model):
     # binds, the gateway connects to the worker's host) or "tcp://gateway-host:5557" (the worker connects,
     # the gateway binds there). vLLM's own rule, applied by adapters/kv_events.py.
     kv_events_endpoint: str | None = None
+    # vLLM's KV events replay endpoint (--kv-events-config replay_endpoint, e.g. "tcp://*:5558"): the
+    # gateway catches up from it at start-up and after gaps (kv.replay_on_start)
+    kv_events_replay_endpoint: str | None = None
 
     @field_validator("url")
     @classmethod

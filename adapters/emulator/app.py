@@ -1,5 +1,9 @@
 """The emulator's HTTP surface: vLLM's OpenAI server routes plus /emulator/* test hooks.
 
+GET /emulator/requests lists each request's headers and body and, once each prompt's first token is
+out, `modelled`: per prompt the times the engine modelled for it (queue_s, prefill_s, ttft_s,
+transfer_s for a remote-KV decode leg; see engine.py), which CPU contention does not change.
+
 A plain ASGI app: the token path sends pre-encoded SSE bytes straight to the server, and a watcher
 on `receive()` sees `http.disconnect` the moment a client goes away, aborts the sequence in the
 engine (freeing its batch slot) and records the request id for GET /emulator/cancelled.
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -56,8 +61,9 @@ from adapters.emulator.openai_format import (
 from adapters.emulator.prefix_cache import PrefixCache
 from adapters.emulator.profile import load_profile
 from adapters.emulator.protocols import LegPlan, NixlAnswer, plan_leg
+from adapters.emulator.tracing import EmulatorTracing, request_span
 from conductor.core.tokenization import ByteTokenizer
-from conductor.core.vllm_hash import VllmBlockHasher
+from conductor.core.vllm_hash import VllmBlockHasher, worker_seed
 
 log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder().decode
@@ -73,7 +79,8 @@ class EmulatorApp:
             profile = dataclasses.replace(profile, max_num_seqs=config.max_num_seqs)
         self.profile = profile
         self.tokenizer = ByteTokenizer()
-        self.hasher = VllmBlockHasher(config.hash_algo, config.block_size, config.hash_seed)
+        # a stand-in for a vLLM worker: like vLLM, it reads PYTHONHASHSEED from its own environment
+        self.hasher = VllmBlockHasher(config.hash_algo, config.block_size, worker_seed(config.hash_seed, os.environ))
         self.cache = PrefixCache(config.block_size, config.kv_capacity_tokens)
         self.metrics = EngineMetrics(config.model)
         self.publisher: KvEventPublisher | None = None
@@ -92,6 +99,8 @@ class EmulatorApp:
         self.cancelled: deque[str] = deque(maxlen=config.cancelled_log_size)
         self.created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
+        self.tracing = EmulatorTracing(config.otlp_traces_endpoint, f"vllm-emulator-{config.role.value}") \
+            if config.otlp_traces_endpoint else None
 
     # -- lifespan ------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -106,6 +115,8 @@ class EmulatorApp:
             await self.publisher.close()
         if self._session is not None:
             await self._session.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flush the batched spans
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -206,7 +217,8 @@ class EmulatorApp:
         if not ok:
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        self.requests.append({"path": scope["path"], "headers": headers, "body": body, "time": time.time()})
+        record: dict[str, Any] = {"path": scope["path"], "headers": headers, "body": body, "time": time.time()}
+        self.requests.append(record)
         base_id = header(scope, b"x-request-id") or uuid.uuid4().hex
         try:
             req = parse_request(chat, body, tokenizer=self.tokenizer, served_model=self.config.model,
@@ -222,6 +234,10 @@ class EmulatorApp:
         legs = [_Leg(i, f"{response_id}-{i}" if req.batched else response_id,
                      plan if i == 0 else dataclasses.replace(plan, publish_key=None))
                 for i in range(len(req.prompts))]
+        modelled: list[dict[str, Any] | None] = [None] * len(legs)  # filled at each leg's first token
+        record["modelled"] = modelled
+        for leg in legs:
+            leg.modelled = modelled
         for leg, prompt, max_tokens in zip(legs, req.prompts, req.max_tokens, strict=True):
             leg.seq = self.engine.submit(leg.request_id, prompt, 1 if plan.force_one_token else max_tokens,
                                          self._remote_wait(plan))
@@ -229,10 +245,11 @@ class EmulatorApp:
         renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs))
         extra = [(b"x-request-id", base_id.encode())]
         try:
-            if req.stream:
-                await self._stream(send, legs, req, renderer, extra)
-            else:
-                await self._complete(send, legs, renderer, plan, extra)
+            with request_span(self.tracing, headers, base_id, req.model):
+                if req.stream:
+                    await self._stream(send, legs, req, renderer, extra)
+                else:
+                    await self._complete(send, legs, renderer, plan, extra)
         finally:
             watcher.cancel()
 
@@ -265,6 +282,20 @@ class EmulatorApp:
         if live:
             self.cancelled.append(base_id)
 
+    def _first_token(self, leg: _Leg) -> None:
+        """The prompt is computed: publish the transfer key, record the modelled times."""
+        self._publish(leg)
+        seq = leg.sequence
+        if leg.modelled is not None:
+            prefill = seq.modelled_prefill_s
+            leg.modelled[leg.index] = {
+                "request_id": seq.request_id, "prompt_tokens": seq.prompt_tokens, "cached_tokens": seq.cached_tokens,
+                "external_tokens": seq.external_tokens, "arrival_index": seq.arrival_index,
+                "prefill_step": seq.prefill_step, "queue_s": seq.modelled_queue_s, "prefill_s": prefill,
+                "transfer_s": seq.modelled_transfer_s,
+                "ttft_s": None if prefill is None else seq.modelled_queue_s + prefill,
+            }
+
     def _publish(self, leg: _Leg, *, aborted: bool = False) -> None:
         key = leg.plan.publish_key
         if key is not None:
@@ -286,7 +317,7 @@ class EmulatorApp:
             queue = leg.sequence.tokens
             while (k := await queue.get()) is not None:
                 if k == 0:
-                    self._publish(leg)
+                    self._first_token(leg)
                 yield leg, k
             return
         merged: asyncio.Queue[tuple[_Leg, int | None]] = asyncio.Queue()
@@ -306,7 +337,7 @@ class EmulatorApp:
                     open_legs -= 1
                     continue
                 if token == 0:
-                    self._publish(leg)
+                    self._first_token(leg)
                 yield leg, token
         finally:
             for task in pumps:
@@ -352,6 +383,7 @@ class _Leg:
     request_id: str
     plan: LegPlan
     seq: Sequence | None = None
+    modelled: list[dict[str, Any] | None] | None = None  # the request log's modelled times, one per leg
 
     @property
     def sequence(self) -> Sequence:

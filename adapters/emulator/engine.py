@@ -15,6 +15,12 @@ sequence joins the batch, its first token sampled at the next step.
 
 Each sequence carries the content seed of the KV it runs on (kv_content.py): its own prompt's, or
 the one its remote prefill reported, which is what the generated text is computed from.
+
+Each sequence also records the times the engine *modelled* for it (`modelled_*`: profile times with
+time scale and noise applied, i.e. what the steps were meant to last): a busy host stretches the
+wall-clock steps, never these figures, so tests check them exactly against the profile. The queue
+figure counts the modelled steps it waited through, plus what was left of the step running when it
+arrived.
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ class Sequence:
     last_token_at: float | None = None
     aborted: bool = False
     finished: bool = False
+    arrival_index: int = 0  # submission order in this engine (FCFS is checked against it)
+    prefill_step: int | None = None  # the engine step that computed the prompt
+    modelled_queue_s: float = 0.0  # modelled time between arrival and its prefill step
+    modelled_prefill_s: float | None = None  # modelled duration of that step
+    modelled_transfer_s: float | None = None  # remote-KV decode legs: modelled KV transfer
 
     @property
     def prompt_tokens(self) -> int:
@@ -96,6 +107,8 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._pending = CacheChanges()
         self.steps = 0
+        self._arrivals = 0
+        self._step_end: float | None = None  # loop time the running step is modelled to end at
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,7 +127,10 @@ class Engine:
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, remote_wait: RemoteWait | None = None) -> Sequence:
         loop = asyncio.get_running_loop()
         seq = Sequence(request_id, prompt, max(1, max_tokens), self.hasher.digests(prompt), loop.time(),
-                       content_seed(prompt))
+                       content_seed(prompt), arrival_index=self._arrivals)
+        self._arrivals += 1
+        if self._step_end is not None:  # it waits for the rest of the step running now
+            seq.modelled_queue_s = max(0.0, self._step_end - seq.arrival)
         if remote_wait is None:
             self.waiting.append(seq)
             self._wake.set()
@@ -211,7 +227,8 @@ class Engine:
         hit = self.cache.hit_blocks(seq.digests, seq.prompt_tokens)
         seq.cached_tokens = hit * self.cache.block_size
         seq.external_tokens = seq.prompt_tokens - seq.cached_tokens
-        await self.sleep_until(loop.time() + self.scaled(self.profile.transfer_s(seq.external_tokens)))
+        seq.modelled_transfer_s = self.scaled(self.profile.transfer_s(seq.external_tokens))
+        await self.sleep_until(loop.time() + seq.modelled_transfer_s)
         if seq.aborted:
             return
         self._admit(seq, hit)
@@ -275,7 +292,15 @@ class Engine:
                 step = profile.decode_step_s(len(batch), kv)
                 duration += step - profile.decode_base_s if prefill is not None else step
             self._update_gauges()
-            await self.sleep_until(start + self.scaled(duration))
+            step_s = self.scaled(duration)
+            if prefill is not None:
+                prefill.modelled_prefill_s = step_s
+                prefill.prefill_step = self.steps
+            for waiting in self.waiting:
+                waiting.modelled_queue_s += step_s
+            self._step_end = start + step_s
+            await self.sleep_until(self._step_end)
+            self._step_end = None
             self.steps += 1
             now = loop.time()
             self._flush_events()

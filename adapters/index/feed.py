@@ -10,6 +10,12 @@ Those maps are the gateway's second big structure (one per instance), so they ar
 (kv.hash_map_memory_bytes_per_instance) and lose their least recently stored pairs first.
 A pair that ages out costs a child whose parent it was: the child is counted `unmapped` and
 skipped, the same as a block stored before the gateway started listening.
+
+The feeder also keeps per-instance evidence for the hash agreement diagnosis
+(conductor/kv_agreement.py): blocks whose parent it never saw stored ("orphans": the gateway started
+after the worker cached their prefix), and, in "vllm" mode, a check of the worker's own hashes: a
+BlockStored at the start of a prompt carries its token ids, so the gateway hashes the first block
+itself; a different hash means kv.vllm_hash_algo or kv.vllm_hash_seed is not the workers'.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from adapters.index.base import KVIndex, MemoryUse, entries_within
 from adapters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -67,8 +73,35 @@ class FeedStats:
     dispatched: int
 
 
+@dataclass(slots=True)
+class InstanceFeed:
+    """What one instance's events did (blocks), for its metrics and the agreement diagnosis.
+
+    orphans: blocks stored under a parent the gateway never saw stored (counted for the first
+    ORPHAN_CHECKS events with a parent after a (re)start, in "vllm" mode; always in "xxhash" mode,
+    where they are the `unmapped` blocks). hash_checked / hash_mismatched: first blocks of prompts
+    whose vLLM hash the gateway recomputed from their token ids ("vllm" mode only).
+    block_size_mismatched: blocks skipped because the event's block size is not kv.block_size.
+    """
+
+    stored: int = 0
+    removed: int = 0
+    skipped: int = 0
+    orphans: int = 0
+    parent_checks: int = 0
+    hash_checked: int = 0
+    hash_mismatched: int = 0
+    block_size_mismatched: int = 0
+    cleared: int = 0
+    last_mismatch: tuple[int, int] | None = field(default=None)  # (event hash, gateway hash)
+
+
 class IndexFeeder:
     """Applies events and dispatches to one index with one key scheme."""
+
+    # parents looked up in the index per instance after a (re)start ("vllm" mode): a late start
+    # shows in the first events; looking up every parent would double the index traffic
+    ORPHAN_CHECKS = 1024
 
     def __init__(self, index: KVIndex, scheme: BlockKeyScheme, *, translate: bool,
                  max_mapped_per_instance: int = DEFAULT_MAP_BUDGET_BYTES // MAPPED_ENTRY_BYTES) -> None:
@@ -82,6 +115,14 @@ class IndexFeeder:
         self._stored = self._removed = self._unmapped = self._skipped = self._cleared = 0
         self._dispatched = 0
         self._warned_block_size = False
+        self._instances: dict[str, InstanceFeed] = {}
+
+    def instance(self, name: str) -> InstanceFeed:
+        """The live per-instance counters (created on first use)."""
+        feed = self._instances.get(name)
+        if feed is None:
+            feed = self._instances[name] = InstanceFeed()
+        return feed
 
     @property
     def stats(self) -> FeedStats:
@@ -109,6 +150,9 @@ class IndexFeeder:
     async def on_resync(self, instance: str, reason: str = "") -> None:
         """Forget what `instance` holds: its event stream can no longer be trusted (or it is gone)."""
         self._cleared += 1
+        feed = self.instance(instance)
+        feed.cleared += 1
+        feed.parent_checks = 0  # a fresh start: its first events are checked again
         self._maps.pop(instance, None)
         await self.index.drop_instance(instance)
 
@@ -123,8 +167,10 @@ class IndexFeeder:
 
     async def _stored_event(self, instance: str, ev: BlockStored) -> None:
         n = len(ev.block_hashes)
+        feed = self.instance(instance)
         if ev.group_idx not in (None, 0) or ev.lora_name or (ev.extra_keys and any(ev.extra_keys)):
             self._skipped += n
+            feed.skipped += n
             return
         if ev.block_size != self.scheme.block_size:
             if not self._warned_block_size:
@@ -133,11 +179,15 @@ class IndexFeeder:
                             self.scheme.block_size)
                 self._warned_block_size = True
             self._skipped += n
+            feed.skipped += n
+            feed.block_size_mismatched += n
             return
         tier = tier_of_medium(ev.medium)
         if not self.translate:
+            await self._check_vllm_event(instance, feed, ev)
             await self.index.insert(instance, ev.block_hashes, tier=tier, confirmed=True)
             self._stored += n
+            feed.stored += n
             return
         mapping = self._maps.setdefault(instance, OrderedDict())
         parent: int | None = None
@@ -145,6 +195,7 @@ class IndexFeeder:
             parent = mapping.get(ev.parent_block_hash)
             if parent is None:
                 self._unmapped += n
+                feed.orphans += n
                 return
         keys = self.scheme.extend(parent, ev.token_ids[: n * ev.block_size])
         for vllm_hash, key in zip(ev.block_hashes, keys, strict=False):
@@ -157,6 +208,30 @@ class IndexFeeder:
             self._map_evictions[instance] = self._map_evictions.get(instance, 0) + excess
         await self.index.insert(instance, keys, tier=tier, confirmed=True)
         self._stored += len(keys)
+        feed.stored += len(keys)
+
+    async def _check_vllm_event(self, instance: str, feed: InstanceFeed, ev: BlockStored) -> None:
+        """Evidence for the diagnosis, "vllm" mode: are the worker's hashes ours, is its parent known?"""
+        size = self.scheme.block_size
+        if ev.parent_block_hash is None:
+            if len(ev.token_ids) >= size and ev.block_hashes:
+                # one block's hash per prompt start: cheap, and enough to tell a wrong seed or algo
+                ours = self.scheme.keys(ev.token_ids[:size])[0]
+                feed.hash_checked += 1
+                if ours != ev.block_hashes[0]:
+                    feed.hash_mismatched += 1
+                    feed.last_mismatch = (ev.block_hashes[0], ours)
+            return
+        if feed.parent_checks >= self.ORPHAN_CHECKS:
+            return
+        feed.parent_checks += 1
+        try:
+            held = await self.index.match([ev.parent_block_hash])
+        except Exception:  # noqa: BLE001  # evidence only: an index hiccup must not cost the insert
+            return
+        # confirmed only: the gateway's own dispatch of that prefix does not mean it saw it stored
+        if instance not in held.confirmed_blocks:
+            feed.orphans += len(ev.block_hashes)
 
     async def _removed_event(self, instance: str, ev: BlockRemoved) -> None:
         if ev.group_idx not in (None, 0):
@@ -173,3 +248,4 @@ class IndexFeeder:
         if keys:
             await self.index.remove(instance, keys, tier=tier_of_medium(ev.medium))
             self._removed += len(keys)
+            self.instance(instance).removed += len(keys)

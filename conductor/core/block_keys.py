@@ -100,7 +100,9 @@ class VllmKeys:
     """vLLM's block hashes (low 64 bits, as in its KV events), computed by `conductor.core.vllm_hash`.
 
     algo: vLLM's --prefix-caching-hash-algo (sha256, sha256_cbor, xxhash, xxhash_cbor).
-    seed: the workers' PYTHONHASHSEED, or None for vLLM's default none-hash seed.
+    seed: the workers' PYTHONHASHSEED, or None when the workers run without one (vLLM's default
+    none-hash seed for sha256*; for xxhash* unreproducible, see `vllm_hash.seed_is_reproducible`).
+    Never this process's own PYTHONHASHSEED: the gateway is not a worker.
     """
 
     def __init__(self, block_size: int, algo: str = "sha256", seed: str | int | None = None) -> None:

@@ -188,6 +188,9 @@ class Observation:
     decode_batch: int = 0  # other decode streams on that instance when this one joined (not counting it)
     decode_resident_kv_tokens: int = 0  # their resident KV tokens then
     ok: bool = True
+    # usage.prompt_tokens as the worker reported it (None: not reported); differing from
+    # prompt_tokens means the gateway tokenizes unlike the workers (kv hash agreement diagnosis)
+    reported_prompt_tokens: int | None = None
 
 
 @runtime_checkable

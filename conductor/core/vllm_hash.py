@@ -8,14 +8,18 @@ Facts read from vLLM main (`vllm/utils/hashing.py`, `vllm/v1/core/kv_cache_utils
   `xxhash` / `xxhash_cbor` = the same two serialisations hashed with XXH3-128 (16-byte digest).
 - A block's hash is `H((parent_digest or NONE_HASH, tuple(block_token_ids), extra_keys))`; only full
   blocks are hashed, so a trailing partial block never has one.
-- `NONE_HASH = H(seed)`: the seed is `PYTHONHASHSEED` when set; otherwise the fixed string
-  `"vllm-none-hash"` for the cryptographic (sha256) algorithms, so separate processes agree, and
-  fresh random bytes per process for the xxhash ones.
+- `NONE_HASH = H(seed)`: the seed is the *worker's* `PYTHONHASHSEED` when set; otherwise the fixed
+  string `"vllm-none-hash"` for the cryptographic (sha256) algorithms, so separate processes agree,
+  and fresh random bytes per process for the xxhash ones.
 - KV events carry each hash, by default, as the low 64 bits of the digest read big-endian
   (`maybe_convert_block_hash`).
 
-Everything here is pure (no I/O beyond reading PYTHONHASHSEED once per `none_hash` call), so the
-gateway's index and the emulated workers compute the very same keys.
+The seed is always passed in: `seed=None` means "the worker runs without PYTHONHASHSEED", never
+"whatever this process happens to have in its environment". The gateway is not a vLLM worker, and a
+PYTHONHASHSEED set for the gateway (and not for the workers) once made every key miss. Only a
+process that stands in for a vLLM worker (the emulator) reads its own environment, through
+`worker_seed`. Everything else here is pure, so the gateway's index and the emulated workers
+compute the very same keys from the same inputs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import cbor2
@@ -75,22 +79,33 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
     return fn
 
 
-def resolve_seed(algo: str, seed: str | None = None) -> str:
-    """The seed NONE_HASH derives from: explicit seed, else PYTHONHASHSEED, else vLLM's default.
+def seed_is_reproducible(algo: str, seed: str | None) -> bool:
+    """Whether another process can compute the hashes of a worker started with PYTHONHASHSEED=`seed`
+    (None: unset). False only for the xxhash algorithms without a seed: vLLM draws NONE_HASH from
+    os.urandom then, different in every worker process."""
+    return seed is not None or algo in _CRYPTO_ALGOS
 
-    For the xxhash algorithms without any seed, vLLM draws random bytes per process; we do the
-    same, which means nobody outside this process can reproduce those hashes (as with vLLM).
+
+def resolve_seed(algo: str, seed: str | None = None) -> str:
+    """The seed NONE_HASH derives from, for a worker whose PYTHONHASHSEED is `seed` (None: unset).
+
+    Unset: vLLM's fixed DEFAULT_NONE_HASH_SEED for the sha256 algorithms; for the xxhash ones vLLM
+    draws random bytes per process, and so do we, which means nobody outside that process can
+    reproduce those hashes (`seed_is_reproducible` says so up front).
     """
     if algo not in _ALGOS:
         raise ValueError(f"unsupported hash algorithm {algo!r}; expected one of {HASH_ALGOS}")
     if seed is not None:
         return seed
-    env_seed = os.environ.get("PYTHONHASHSEED")
-    if env_seed is not None:
-        return env_seed
     if algo in _CRYPTO_ALGOS:
         return DEFAULT_NONE_HASH_SEED
     return os.urandom(32).hex()
+
+
+def worker_seed(seed: str | None, environ: Mapping[str, str]) -> str | None:
+    """The seed a stand-in vLLM worker uses: its explicit seed, else PYTHONHASHSEED from its own
+    environment (as vLLM reads it at engine start), else None (unset)."""
+    return seed if seed is not None else environ.get("PYTHONHASHSEED")
 
 
 def none_hash(algo: str, seed: str | None = None) -> bytes:

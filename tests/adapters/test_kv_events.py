@@ -239,3 +239,134 @@ async def test_sequence_gap_is_repaired_by_replay_or_resync(ctx: zmq.asyncio.Con
     finally:
         await sub.close()
         await pub.close()
+
+
+def _batch(events: list[dict[str, Any]]) -> bytes:
+    return msgspec.msgpack.encode([time.time(), events, 0])
+
+
+async def test_catch_up_at_start_applies_what_the_worker_buffered(ctx: zmq.asyncio.Context) -> None:
+    """The gateway starts after the worker cached blocks: the replay buffer brings them in."""
+    index = MemoryIndex()
+    scheme = XxhashKeys(BS)
+    feeder = IndexFeeder(index, scheme, translate=True)
+    pub = WirePublisher(ctx, bind=True, replay=True)
+    a, b = list(range(0, 3 * BS)), list(range(5000, 5000 + 2 * BS))
+    # published before anyone listens: lost on the wire, kept in the worker's replay buffer
+    await pub.publish([stored([1, 2, 3], None, a)])
+    await pub.publish([stored([4, 5], None, b)])
+    await pub.publish([{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}])
+    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+                          feeder.on_batch, feeder.on_resync, context=ctx)
+    try:
+        await sub.start()  # the catch-up is done when start() returns
+        assert index.match_sync(scheme.keys(a)).blocks == {"p0": 2}  # the removal replayed in order
+        assert index.match_sync(scheme.keys(b)).confirmed_blocks == {"p0": 2}
+        st = sub.stats
+        assert (st.replayed, st.replay_requests, st.last_seq, st.gaps, st.resyncs) == (3, 1, 2, 0, 0)
+        # the live feed goes on from there with no gap
+        c = list(range(9000, 9000 + BS))
+        await pub.publish([stored([6], None, c)])
+        await wait_for(lambda: bool(index.match_sync(scheme.keys(c)).blocks))
+        assert sub.stats.gaps == 0 and sub.stats.last_seq == 3
+        # a batch that queued on the socket during the catch-up is a duplicate, not a restart
+        sub._replayed_upto = 3
+        await sub.handle(2, _batch([]))
+        assert sub.stats.resyncs == 0 and sub.stats.last_seq == 3
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+async def test_catch_up_can_be_turned_off_and_survives_a_silent_replay_socket(ctx: zmq.asyncio.Context) -> None:
+    index = MemoryIndex()
+    feeder = IndexFeeder(index, XxhashKeys(BS), translate=True)
+    with socket.socket() as probe:  # a replay endpoint nobody serves: the catch-up times out, start goes on
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    src = EventSource("p0", "tcp://*:1", replay_endpoint=f"tcp://*:{dead}")
+    quiet = EventSubscriber(src, feeder.on_batch, feeder.on_resync, context=ctx, catch_up=False)
+    silent = EventSubscriber(src, feeder.on_batch, feeder.on_resync, context=ctx, replay_timeout_s=0.1)
+    try:
+        await quiet.start()
+        await silent.start()
+        assert quiet.stats.replay_requests == 0
+        assert silent.stats.replay_requests == 1 and silent.stats.batches == 0 and silent.stats.last_seq is None
+    finally:
+        await quiet.close()
+        await silent.close()
+
+
+async def test_publisher_restart_refills_from_its_replay_buffer(ctx: zmq.asyncio.Context) -> None:
+    index = MemoryIndex()
+    scheme = XxhashKeys(BS)
+    feeder = IndexFeeder(index, scheme, translate=True)
+    pub = WirePublisher(ctx, bind=True, replay=True)
+    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+                          feeder.on_batch, feeder.on_resync, context=ctx, catch_up=False)
+    old, new0, new1 = (list(range(s, s + BS)) for s in (0, 3000, 6000))
+    try:
+        await sub.handle(7, _batch([stored([1], None, old)]))
+        # the worker restarted: its buffer now holds seq 0 (missed here) and seq 1 arrives live
+        pub.buffer = [(0, _batch([stored([2], None, new0)]))]
+        await sub.handle(1, _batch([stored([3], None, new1)]))
+        st = sub.stats
+        assert st.resyncs == 1 and st.replayed == 1 and st.last_seq == 1
+        assert index.match_sync(scheme.keys(old)).blocks == {}  # forgotten: that cache is gone
+        assert index.match_sync(scheme.keys(new0)).blocks == {"p0": 1}  # from the new process's buffer
+        assert index.match_sync(scheme.keys(new1)).blocks == {"p0": 1}
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+async def test_unrepairable_gap_keeps_the_buffered_run_that_reaches_the_live_feed(ctx: zmq.asyncio.Context) -> None:
+    index = MemoryIndex()
+    scheme = XxhashKeys(BS)
+    feeder = IndexFeeder(index, scheme, translate=True)
+    pub = WirePublisher(ctx, bind=True, replay=True)
+    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+                          feeder.on_batch, feeder.on_resync, context=ctx, catch_up=False)
+    first, lost, kept, live = (list(range(s, s + BS)) for s in (0, 2000, 4000, 8000))
+    try:
+        await sub.handle(0, _batch([stored([1], None, first)]))
+        # seq 1 has left the worker's buffer; seq 2 is still there; seq 3 arrives live
+        pub.buffer = [(2, _batch([stored([3], None, kept)]))]
+        await sub.handle(3, _batch([stored([4], None, live)]))
+        st = sub.stats
+        assert (st.gaps, st.resyncs, st.replayed, st.last_seq) == (1, 1, 1, 3)
+        assert index.match_sync(scheme.keys(first)).blocks == {}
+        assert index.match_sync(scheme.keys(lost)).blocks == {}
+        assert index.match_sync(scheme.keys(kept)).blocks == {"p0": 1}
+        assert index.match_sync(scheme.keys(live)).blocks == {"p0": 1}
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+async def test_feeder_checks_worker_hashes_and_counts_orphans_per_instance() -> None:
+    """vllm key mode: the gateway recomputes a prompt's first block hash from the event's token ids."""
+    right = VllmBlockHasher("sha256_cbor", BS, "42")
+    wrong = VllmBlockHasher("sha256_cbor", BS, "43")  # a worker started with another PYTHONHASHSEED
+    feeder = IndexFeeder(MemoryIndex(), VllmKeys(BS, "sha256_cbor", "42"), translate=False)
+    tokens = list(range(3 * BS))
+    ids = right.event_ids(tokens)
+    await feeder.on_batch("good", decode_batch(_batch([stored(ids, None, tokens)])))
+    bad = wrong.event_ids(tokens)
+    await feeder.on_batch("bad", decode_batch(_batch([stored(bad, None, tokens)])))
+    # a child whose parent this gateway never saw stored: the worker cached the prefix before
+    await feeder.on_batch("good", decode_batch(_batch([stored([99], 12345, list(range(BS)))])))
+    good, mismatched = feeder.instance("good"), feeder.instance("bad")
+    assert (good.hash_checked, good.hash_mismatched, good.stored, good.orphans) == (1, 0, 4, 1)
+    assert (mismatched.hash_checked, mismatched.hash_mismatched) == (1, 1)
+    assert mismatched.last_mismatch == (bad[0], ids[0])
+    # a child of a known block is no orphan
+    await feeder.on_batch("good", decode_batch(_batch([stored([100], ids[-1], list(range(BS)))])))
+    assert good.orphans == 1
+    # xxhash mode: children of unknown parents are the unmapped ones
+    translating = IndexFeeder(MemoryIndex(), XxhashKeys(BS), translate=True)
+    await translating.on_batch("p", decode_batch(_batch([stored([5, 6], 77, list(range(2 * BS)))])))
+    assert translating.instance("p").orphans == 2 and translating.stats.unmapped == 2
+    odd = {**stored([7], None, list(range(BS))), "block_size": 32}
+    await translating.on_batch("p", decode_batch(_batch([odd])))
+    assert translating.instance("p").block_size_mismatched == 1

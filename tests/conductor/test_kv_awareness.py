@@ -16,10 +16,11 @@ from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from adapters.index.memory import MemoryIndex
-from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, WorkerTokenizer
+from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, WorkerTokenizer, chat_template_arguments
 from conductor.core.block_keys import XxhashKeys
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import CachedPrefix, Decision, Observation, Role
+from conductor.core.vllm_hash import VllmBlockHasher
 from conductor.kv_awareness import HashAgreement, KVAwareAnalyzer, build_analyzer
 from tests.support.emulator import Emulator, start_emulator
 
@@ -28,10 +29,25 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['co
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
+# renders tools and documents the way tool-calling templates do (Llama 3.1, Qwen 2.5, Hermes: tojson)
+TOOLS_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n"
+                  "{% endif %}{% for d in documents or [] %}<|system|>\n{{ d['text'] }}</s>\n{% endfor %}"
+                  "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Hugging Face tokenizer directory: WordLevel vocabulary, BOS added, a chat template."""
-    d = tmp_path_factory.mktemp("tok")
+    return _tokenizer_dir(tmp_path_factory.mktemp("tok"), TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tools_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tokenizer_dir(tmp_path_factory.mktemp("tools"), TOOLS_TEMPLATE)
+
+
+def _tokenizer_dir(d: Path, template: str) -> Path:
     specials = ["[UNK]", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
     vocab = {t: i for i, t in enumerate(specials + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -40,7 +56,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": TEMPLATE}))
+        {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": template}))
     return d
 
 
@@ -53,6 +69,51 @@ def test_hf_tokenizer_renders_and_encodes_like_vllm(hf_dir: Path) -> None:
     assert text == "<s><|system|>\nthe cache</s>\n<|user|>\nis\nwarm</s>\n<|assistant|>\n"
     # the template holds the BOS already: encoded without special tokens, as vLLM does
     assert tok.apply_chat_template(msgs) == [1, 3, 8, 9, 2, 4, 10, 11, 2, 5]
+
+
+TOOL = {"type": "function", "function": {"name": "cache", "parameters": {"type": "object"}}}
+
+
+async def test_chat_template_gets_the_requests_tools_documents_and_kwargs(tools_dir: Path) -> None:
+    """What vLLM's chat endpoint hands the template; without the tools a tool-calling prompt is another prompt."""
+    tok = HFPromptTokenizer(HFTokenizer(tools_dir))
+    msgs = [{"role": "user", "content": "hello world"}]
+    plain = await tok.encode_chat(msgs, {"messages": msgs})
+    with_tools = await tok.encode_chat(msgs, {"messages": msgs, "tools": [TOOL]})
+    assert with_tools[-len(plain) + 1:] == plain[1:] and len(with_tools) > len(plain)  # same ending, longer start
+    # vLLM dumps its tool model: the declared function fields are there, None when left out
+    text = tok.hf.render_chat(msgs, **chat_template_arguments({"tools": [TOOL]}))
+    assert '{"type": "function", "function": {"name": "cache", "description": null, "parameters": {"type": ' \
+        '"object"}}}' in text
+    docs = tok.hf.render_chat(msgs, **chat_template_arguments({"documents": [{"title": "t", "text": "the cache"}]}))
+    assert docs.startswith("<s><|system|>\nthe cache</s>\n<|user|>")
+    # chat_template_kwargs go on top, as in vLLM; add_generation_prompt from the body too
+    assert not tok.hf.render_chat(msgs, **chat_template_arguments(
+        {"chat_template_kwargs": {"add_generation_prompt": False}})).endswith("<|assistant|>\n")
+    assert not tok.hf.render_chat(msgs, **chat_template_arguments({"add_generation_prompt": False})).endswith(
+        "<|assistant|>\n")
+    # continue_final_message: the prompt ends inside the last message
+    cont = [*msgs, {"role": "assistant", "content": "the cache is "}]
+    text = tok.hf.render_chat(cont, **chat_template_arguments({"continue_final_message": True,
+                                                               "add_generation_prompt": False}))
+    assert text.endswith("<|assistant|>\nthe cache is ")
+    assert await tok.encode_chat(msgs, {"add_special_tokens": True}) == [1, *plain]  # BOS added once more
+
+
+async def test_worker_tokenizer_passes_what_shapes_the_chat_prompt() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3, "max_model_len": 100})
+
+    tok = WorkerTokenizer("http://w", client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    msgs = [{"role": "user", "content": "hi"}]
+    body = {"model": "m", "tools": [TOOL], "documents": [{"text": "d"}], "chat_template_kwargs": {"x": 1},
+            "add_generation_prompt": False, "temperature": 0.5}
+    assert await tok.encode_chat(msgs, body) == [1, 2, 3]
+    assert seen[0] == {"messages": msgs, "add_generation_prompt": False, "model": "m", "tools": [TOOL],
+                       "documents": [{"text": "d"}], "chat_template_kwargs": {"x": 1}}
 
 
 async def test_hf_prompt_tokenizer_and_analyzer_forward_token_ids(hf_dir: Path) -> None:
@@ -162,6 +223,8 @@ def test_hash_agreement_collapse_warns_loudly(caplog: pytest.LogCaptureFixture) 
     assert registry.get_sample_value("conductor_kv_hash_agreement") == 0.0
     assert any("HASH AGREEMENT COLLAPSED" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
+    # no feed evidence and the built-in tokenizer: that is what the warning suspects
+    assert agreement.alarm("", "over") == "tokenizer"
     assert registry.get_sample_value("conductor_kv_predicted_cached_tokens_total") == 80 * 512
 
 
@@ -214,3 +277,25 @@ async def test_index_down_degrades_to_no_cache_knowledge() -> None:
         await analyzer.on_dispatch(a, _decision("p0"))  # must not raise either
     finally:
         await analyzer.close()
+
+
+async def test_gateway_never_takes_the_vllm_seed_from_its_own_environment(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Finding: PYTHONHASHSEED set for the gateway and not for the workers made 0 keys match."""
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    with caplog.at_level(logging.INFO, logger="conductor.kv_awareness"):
+        analyzer = build_analyzer({"enabled": True, "key_mode": "vllm", "vllm_hash_algo": "sha256_cbor"}, [])
+    try:
+        a = await analyzer.analyse("completions", {"prompt": "x" * 40})
+        # the workers' keys when they run without PYTHONHASHSEED (vLLM's "vllm-none-hash" seed)
+        expected = VllmBlockHasher("sha256_cbor", 16, "vllm-none-hash").event_ids(list(b"x" * 40))
+        assert list(a.block_keys) == expected
+        assert any("PYTHONHASHSEED=123 is NOT used" in r.getMessage() for r in caplog.records)
+    finally:
+        await analyzer.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"):
+        explicit = build_analyzer({"enabled": True, "key_mode": "vllm", "vllm_hash_algo": "xxhash"}, [])
+        await explicit.close()
+    assert any(r.getMessage().startswith("VLLM HASH SEED UNSET with kv.vllm_hash_algo 'xxhash'")
+               for r in caplog.records)

@@ -79,3 +79,43 @@ def test_example_config_is_valid() -> None:
     assert s.pd_protocol == "mooncake" and [p.bootstrap_port for p in s.prefill] == [8998, 8998]
     assert s.kv.enabled and s.kv.index == "redis" and s.policy == "kvcache_aware"
     assert s.prefill[0].kv_events_endpoint == "tcp://*:5557"
+
+
+def test_instance_flags_merge_with_the_config_file_by_url(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.environ", {})
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "pd_protocol: mooncake\n"
+        "prefill:\n"
+        "  - {url: 'http://p0:8100', name: p-a, bootstrap_port: 8998, kv_events_endpoint: 'tcp://*:5557'}\n"
+        "  - {url: 'http://p1:8100', bootstrap_port: 8998, kv_events_endpoint: 'tcp://*:5558'}\n"
+        "decode: [{url: 'http://d0:8200', name: d-a}]\n"
+        "mixed: [{url: 'http://m0:8300', kv_events_endpoint: 'tcp://*:5559'}]\n"
+    )
+    s = settings_from_args(_args([
+        "--config", str(cfg),
+        "--prefill", "http://p0:8100/",  # known URL (a trailing slash is the same URL): keeps name, port, events
+        "--prefill", "http://p1:8100", "9000",  # known URL with a port: the port changes, the events stay
+        "--prefill", "http://p2:8100", "8998",  # a new one: added
+        "--decode", "http://d1:8200", "--mixed", "http://m0:8300",
+    ]))
+    assert [(p.name, p.url, p.bootstrap_port, p.kv_events_endpoint) for p in s.prefill] == [
+        ("p-a", "http://p0:8100", 8998, "tcp://*:5557"),
+        (None, "http://p1:8100", 9000, "tcp://*:5558"),
+        (None, "http://p2:8100", 8998, None),
+    ]
+    assert [(i.name, i.url) for i in s.instances() if i.role is Role.DECODE] == [
+        ("d-a", "http://d0:8200"), ("decode-1", "http://d1:8200")]
+    assert s.mixed[0].kv_events_endpoint == "tcp://*:5559"
+    # an explicit "none" clears the file's bootstrap port (nixl needs none)
+    s = settings_from_args(_args(["--config", str(cfg), "--prefill", "http://p0:8100", "none",
+                                  "--pd-protocol", "nixl"]))
+    assert s.prefill[0].bootstrap_port is None and s.prefill[0].kv_events_endpoint == "tcp://*:5557"
+
+
+def test_vllm_hash_seed_may_be_written_as_a_number(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kv: {enabled: true, key_mode: vllm, vllm_hash_seed: 123}\n")
+    assert load_settings(cfg, environ={}).kv.vllm_hash_seed == "123"
+    assert load_settings(environ={"CONDUCTOR_KV__VLLM_HASH_SEED": "0"}).kv.vllm_hash_seed == "0"
+    assert load_settings(environ={}).kv.vllm_hash_seed is None  # never the gateway's own PYTHONHASHSEED

@@ -214,10 +214,29 @@ def test_service_monitors_keep_the_gateways_instance_label() -> None:
         assert workers["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+# Kubernetes minors the chart is validated against (kubernetes-validate ships their schemas)
+KUBERNETES_VERSIONS = ("1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
+# kinds from CRDs (Prometheus Operator, Gateway API): not in the Kubernetes schemas; their fields are
+# checked by test_chart_operations.py and test_service_monitors_keep_the_gateways_instance_label
+CRD_GROUPS = ("monitoring.coreos.com/", "gateway.networking.k8s.io/")
+
+
 def test_manifests_validate_against_kubernetes_schemas() -> None:
     kv = pytest.importorskip("kubernetes_validate")
-    for protocol in ("nixl", "mooncake", "sglang"):
-        for doc in render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558"):
-            kv.validate(doc, "1.33.0", strict=True)
-    for doc in render("workers.emulator.enabled=true", "gateway.kv.mooncakeStore=true"):
-        kv.validate(doc, "1.33.0", strict=True)
+    renders = [render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558")
+               for protocol in ("nixl", "mooncake", "sglang")]
+    renders.append(render("workers.emulator.enabled=true", "gateway.kv.mooncakeStore=true"))
+    # every optional production piece at once: Secret, admin Service, HPA, Ingress, RDMA capability
+    renders.append(render("gateway.apiKeys={sk-1}", "gateway.adminPort=9090", "gateway.autoscaling.enabled=true",
+                          "ingress.enabled=true", "ingress.tls[0].secretName=tls", "ingress.tls[0].hosts[0]=a.example",
+                          "httpRoute.enabled=true", "httpRoute.parentRefs[0].name=gw", "workers.rdma.ipcLock=true",
+                          "monitoring.serviceMonitor.enabled=true"))
+    kinds = set()
+    for docs in renders:
+        for doc in docs:
+            if doc["apiVersion"].startswith(CRD_GROUPS):
+                continue
+            kinds.add(doc["kind"])
+            for version in KUBERNETES_VERSIONS:
+                kv.validate(doc, version, strict=True)
+    assert {"Secret", "HorizontalPodAutoscaler", "Ingress", "Deployment", "StatefulSet", "Pod"} <= kinds

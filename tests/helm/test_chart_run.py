@@ -6,6 +6,7 @@ loopback here, so each pod's ports are remapped to free ones; everything else is
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import subprocess
@@ -105,7 +106,9 @@ def _remap(args: list[str], pod: str) -> tuple[list[str], dict[str, int]]:
 @pytest.mark.parametrize(("protocol", "n_prefill"), [("nixl", 1), ("mooncake", 2), ("sglang", 1)])
 def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefill: int, tmp_path: Path) -> None:
     docs = render("workers.emulator.enabled=true", f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}",
-                  "decode.replicas=1", "gateway.replicas=1", "model.servedName=tiny")
+                  "decode.replicas=1", "gateway.replicas=1", "model.servedName=tiny", "gateway.apiKeys={sk-chart-run}")
+    # the client keys as the kubelet hands them over: the chart's Secret, named by the pods' env
+    keys = base64.b64decode(one(docs, "Secret", f"{FULL}-gateway-api-keys")["data"]["api-keys"]).decode()
     cfg = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
     procs: list[subprocess.Popen[bytes]] = []
     index, prefix = redis.Redis(db=14), f"conductor:kv:test-{uuid.uuid4().hex}:"  # this test's own index
@@ -131,6 +134,7 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         port = free_port()
         environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
         environ.update(CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_INTERVAL_S="0.2",
+                       CONDUCTOR_API_KEYS=keys,
                        CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
                        # quoted: env values are read as YAML
                        CONDUCTOR_KV__REDIS_PREFIX=f'"{prefix}"')
@@ -141,7 +145,9 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/ready", procs[-1])
         body = {"model": "tiny", "prompt": "the chart's cluster " * 30, "max_tokens": 8, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        auth = {"Authorization": "Bearer sk-chart-run"}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=30) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) >= 3
@@ -158,7 +164,9 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         # `helm test`'s script, pointed at this gateway instead of the in-cluster Service
         smoke = one(docs, "Pod", f"{FULL}-smoke")["spec"]["containers"][0]
         script = smoke["args"][0].replace(f"http://{FULL}-gateway:8000", url)
-        done = subprocess.run([*smoke["command"], script], capture_output=True, text=True, timeout=60)
+        assert smoke["env"][0]["name"] == "API_KEYS"  # from the same Secret: the test sends a key too
+        done = subprocess.run([*smoke["command"], script], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "API_KEYS": keys})
         assert done.returncode == 0, done.stderr
         assert '"object":"text_completion"' in done.stdout.replace(" ", "")
     finally:

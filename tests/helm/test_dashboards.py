@@ -148,6 +148,101 @@ def test_every_query_reads_existing_metrics_and_labels(path: Path, known: dict[s
                 assert unsampled or label in labels_here | TARGET_LABELS, f"{title}: no label {label!r} in {expr}"
 
 
+# The Grafana unit a panel must use, from the names of the metrics it plots (Prometheus naming: the
+# base unit is the suffix, counters end in _total, fractions 0..1 carry one of the words below). First
+# match wins. A plain gauge (queue lengths, entries, 0/1 states) is a count: "short".
+GAUGE_UNITS = (
+    (re.compile(r"_seconds$"), "s"),
+    (re.compile(r"_bytes$"), "bytes"),
+    (re.compile(r"(_ratio|_perc|mape|agreement|coverage)$"), "percentunit"),
+    (re.compile(r"."), "short"),
+)
+# rate() / increase() of a counter: a per-second unit; requests in reqps, tokens in tok/s, the rest ops
+RATE_UNITS = (
+    (re.compile(r"tokens(_by_source)?_total$"), "suffix: tok/s"),
+    (re.compile(r"^conductor_(requests|rejections|decisions|upstream_errors|client_disconnects|failovers"
+                r"|late_prefill_failures)_total$"), "reqps"),
+    (re.compile(r"_total$"), "ops"),
+)
+QUANTILE = re.compile(r"^histogram_quantile\(")
+RATED = r"(?:rate|increase)\({name}\{{"
+
+
+def _unit_of(name: str, table: tuple[tuple[re.Pattern[str], str], ...]) -> str:
+    return next(unit for pattern, unit in table if pattern.search(name))
+
+
+def expected_unit(expr: str, heatmap: bool = False) -> str:
+    """The unit one query's values are in, from its metric names and its shape."""
+    names = [name for name, _ in SELECTOR.findall(expr)]
+    if QUANTILE.match(expr) or heatmap:
+        # quantiles and bucket counts of a histogram: the observed quantity's unit
+        [bucket] = {n for n in names if n.endswith("_bucket")}
+        return _unit_of(bucket.removesuffix("_bucket"), GAUGE_UNITS)
+    if " / " in expr:
+        bases = {re.sub(r"_(sum|count)$", "", n) for n in names}
+        if len(bases) == 1 and {n.rsplit("_", 1)[1] for n in names} == {"sum", "count"}:
+            return _unit_of(bases.pop(), GAUGE_UNITS)  # a histogram's mean keeps its unit
+        return "percentunit"  # one rate over another: hits / lookups, 2xx / all
+    units = {_unit_of(n, RATE_UNITS) if re.search(RATED.format(name=re.escape(n)), expr) else _unit_of(n, GAUGE_UNITS)
+             for n in names}
+    assert len(units) == 1, f"{expr} mixes units {units}"
+    return units.pop()
+
+
+def unit_mismatches(board: dict[str, Any]) -> list[str]:
+    out = []
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            continue
+        unit = panel["fieldConfig"]["defaults"]["unit"]
+        for target in panel["targets"]:
+            want = expected_unit(target["expr"], target.get("format") == "heatmap")
+            if want != unit:
+                out.append(f"{panel['title']!r}: unit {unit!r}, its query {target['expr']!r} is in {want!r}")
+    return out
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_panel_units_match_their_metrics(path: Path) -> None:
+    assert unit_mismatches(_load(path)) == []
+
+
+def test_unit_check_catches_wrong_units() -> None:
+    """The check above on panels with the mistakes it is there for (MAPE was once "percent": 13% read 0.13%)."""
+    def panel(unit: str, expr: str, **target: Any) -> dict[str, Any]:
+        return {"type": "timeseries", "title": "p", "fieldConfig": {"defaults": {"unit": unit}},
+                "targets": [{"expr": expr, **target}]}
+    wrong = [
+        panel("percent", 'avg by (component) (conductor_prediction_mape{namespace=~"$namespace"})'),
+        panel("ms", 'histogram_quantile(0.9, sum by (le) (rate(conductor_ttft_seconds_bucket{a="b"}[5m])))'),
+        panel("short", 'sum(rate(conductor_requests_total{a="b"}[5m]))'),
+        panel("reqps", 'sum(rate(conductor_prompt_tokens_total{a="b"}[5m]))'),
+        panel("short", 'sum(conductor_kv_memory_bytes{a="b"})'),
+        panel("reqps", 'sum(rate(conductor_requests_total{a="b"}[5m])) / sum(rate(conductor_requests_total{c="d"}[5m]))'),
+        panel("short", 'sum(rate(x_seconds_sum{a="b"}[5m])) / sum(rate(x_seconds_count{a="b"}[5m]))'),
+        panel("short", 'sum by (le) (increase(conductor_tbt_seconds_bucket{a="b"}[5m]))', format="heatmap"),
+        panel("percentunit", 'max(vllm:num_requests_waiting{a="b"})'),
+    ]
+    for p in wrong:
+        assert len(unit_mismatches({"panels": [p]})) == 1, p
+    right = [panel("percentunit", p["targets"][0]["expr"]) for p in wrong[:1]]
+    assert unit_mismatches({"panels": right}) == []
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_panel_says_what_it_shows(path: Path) -> None:
+    board = _load(path)
+    for panel in board["panels"]:
+        if panel["type"] != "row":
+            assert len(panel.get("description", "").split()) >= 5, panel["title"]
+    # a panel that stays empty under one protocol says so, rather than looking broken
+    [leg] = [p for p in board["panels"] if "conductor_prefill_leg_seconds" in str(p.get("targets"))]
+    assert "mooncake" in leg["description"] and "No data" in leg["description"]
+    [errors] = [p for p in board["panels"] if "conductor_upstream_errors_total" in str(p.get("targets"))]
+    assert "No data" in errors["description"]
+
+
 def test_dashboard_covers_the_required_signals(known: dict[str, set[str]]) -> None:
     exprs = " ".join(t["expr"] for _, t in _targets(_load(ROOT / "grafana" / "conductor-overview.json")))
     for needed in ("conductor_requests_total", "conductor_rejections_total", "conductor_ttft_seconds_bucket",

@@ -65,6 +65,56 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* Replica bounds of the gateway Deployment: the autoscaler's when it is on. */}}
+{{- define "conductor.gatewayMinReplicas" -}}
+{{- ternary .Values.gateway.autoscaling.minReplicas .Values.gateway.replicas .Values.gateway.autoscaling.enabled | int -}}
+{{- end -}}
+{{- define "conductor.gatewayMaxReplicas" -}}
+{{- ternary .Values.gateway.autoscaling.maxReplicas .Values.gateway.replicas .Values.gateway.autoscaling.enabled | int -}}
+{{- end -}}
+
+{{/* The Secret holding the client API keys (existing or the chart's own); empty: no keys. */}}
+{{- define "conductor.apiKeysSecretName" -}}
+{{- if .Values.gateway.apiKeysSecret.name -}}
+{{- .Values.gateway.apiKeysSecret.name -}}
+{{- else if .Values.gateway.apiKeys -}}
+{{- printf "%s-gateway-api-keys" (include "conductor.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* gateway.apiKeys as the JSON list CONDUCTOR_API_KEYS holds: every key a string (`--set` turns
+     digits into numbers, which the gateway would refuse), valid YAML and JSON alike. */}}
+{{- define "conductor.apiKeysJson" -}}
+{{- $keys := list -}}
+{{- range .Values.gateway.apiKeys }}{{ $keys = append $keys (toString .) }}{{ end -}}
+{{- toJson $keys -}}
+{{- end -}}
+
+{{/* The admin port the gateway will listen on, read from its final settings (so gateway.config.admin_port
+     counts too); empty when it serves everything on the public port. */}}
+{{- define "conductor.gatewayAdminPort" -}}
+{{- $port := (fromYaml (include "conductor.gatewayConfig" .)).admin_port -}}
+{{- if not (kindIs "invalid" $port) }}{{ int $port }}{{ end -}}
+{{- end -}}
+
+{{/* Refuse value combinations that would render a working but wrong (or insecure) release. */}}
+{{- define "conductor.validate" -}}
+{{- $g := .Values.gateway -}}
+{{- if hasKey $g.config "api_keys" -}}
+{{- fail "gateway.config.api_keys would put the API keys in a ConfigMap in plain text: give them as gateway.apiKeys (the chart makes a Secret) or name an existing Secret in gateway.apiKeysSecret.name" -}}
+{{- end -}}
+{{- if and $g.apiKeys $g.apiKeysSecret.name -}}
+{{- fail "give either gateway.apiKeys or gateway.apiKeysSecret.name, not both" -}}
+{{- end -}}
+{{- $admin := include "conductor.gatewayAdminPort" . -}}
+{{- if and $admin (eq (int $admin) (int (fromYaml (include "conductor.gatewayConfig" .)).port)) -}}
+{{- fail "gateway.adminPort must differ from gateway.port" -}}
+{{- end -}}
+{{- if and $g.autoscaling.enabled (gt (int $g.autoscaling.minReplicas) (int $g.autoscaling.maxReplicas)) -}}
+{{- fail "gateway.autoscaling.minReplicas is above maxReplicas" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "conductor.image" -}}
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion (toString .image.tag)) -}}
 {{- end -}}
@@ -77,7 +127,9 @@ URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.conf
 {{- $v := .Values -}}
 {{- $cfg := dict "host" "0.0.0.0" "port" (int $v.gateway.port) "pd_protocol" $v.pdProtocol
       "policy" $v.gateway.policy "block_size" (int $v.model.blockSize)
-      "models" (list (include "conductor.servedModel" .)) -}}
+      "models" (list (include "conductor.servedModel" .))
+      "drain_grace_s" (float64 $v.gateway.drainGraceSeconds) -}}
+{{- if not (kindIs "invalid" $v.gateway.adminPort) }}{{ $_ := set $cfg "admin_port" (int $v.gateway.adminPort) }}{{ end -}}
 {{- if eq $v.pdProtocol "mooncake" -}}
 {{- $_ := set $cfg "mooncake_schema" $v.gateway.mooncakeSchema -}}
 {{- end -}}

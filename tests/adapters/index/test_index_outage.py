@@ -53,11 +53,13 @@ async def server() -> AsyncIterator[RedisProcess]:
 
 
 def guarded(url: str, clock: Clock, *, fallback: bool = True) -> tuple[GuardedIndex, CountingRedisIndex]:
-    primary = CountingRedisIndex(url, prefix=f"test:outage:{uuid.uuid4().hex[:8]}:", timeout_s=0.05,
-                                 write_timeout_s=0.1)
+    # timeouts far above what a busy laptop needs to reach a local Redis (the counts below assume no
+    # call times out unless Redis is stopped), and still short: a SIGSTOPped Redis costs 3 x 0.5 s
+    primary = CountingRedisIndex(url, prefix=f"test:outage:{uuid.uuid4().hex[:8]}:", timeout_s=0.5,
+                                 write_timeout_s=0.5)
     breaker = CircuitBreaker("test index", failures_to_open=3, open_s=30.0, clock=clock)
     local = MemoryIndex(IndexLimits(max_blocks=10_000)) if fallback else None
-    return GuardedIndex(primary, breaker, fallback=local, lookup_timeout_s=0.05, write_timeout_s=0.1), primary
+    return GuardedIndex(primary, breaker, fallback=local, lookup_timeout_s=0.5, write_timeout_s=0.5), primary
 
 
 async def test_hung_redis_lookups_fall_back_and_the_open_breaker_keeps_off_the_network(server: RedisProcess) -> None:

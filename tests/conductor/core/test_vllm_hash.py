@@ -20,6 +20,8 @@ from conductor.core.vllm_hash import (
     digest_to_event_id,
     hash_block_tokens,
     none_hash,
+    seed_is_reproducible,
+    worker_seed,
 )
 
 # Literal digests computed once from the vLLM algorithm (seed "vllm-none-hash", tokens 0..15 / 16..31).
@@ -91,11 +93,23 @@ def test_seed_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     # xxhash without a seed is random per call (per process in vLLM), sha256 is fixed.
     assert none_hash("xxhash_cbor") != none_hash("xxhash_cbor")
     assert none_hash("sha256") == none_hash("sha256")
+    assert not seed_is_reproducible("xxhash", None) and seed_is_reproducible("xxhash", "0")
+    assert seed_is_reproducible("sha256_cbor", None)
+    # this process's PYTHONHASHSEED is not the workers': an unset seed stays vLLM's default
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    assert none_hash("xxhash_cbor") == xxhash.xxh3_128_digest(cbor2.dumps("0", canonical=True))
-    assert none_hash("sha256_cbor").hex() != NONE_SHA256_CBOR
-    # An explicit seed wins over the environment.
-    assert none_hash("sha256_cbor", seed="vllm-none-hash").hex() == NONE_SHA256_CBOR
+    assert none_hash("sha256_cbor").hex() == NONE_SHA256_CBOR
+    assert VllmBlockHasher("sha256_cbor", 16).digests(list(range(40))) == [bytes.fromhex(CBOR_B0), bytes.fromhex(CBOR_B1)]
+    assert none_hash("xxhash_cbor") != none_hash("xxhash_cbor")
+    # an explicit seed is the workers' PYTHONHASHSEED
+    assert none_hash("xxhash_cbor", seed="0") == xxhash.xxh3_128_digest(cbor2.dumps("0", canonical=True))
+    assert none_hash("sha256_cbor", seed="0").hex() != NONE_SHA256_CBOR
+
+
+def test_worker_seed_reads_the_given_environment_only() -> None:
+    # what a stand-in worker (the emulator) does at start: its own environment, as vLLM does
+    assert worker_seed(None, {"PYTHONHASHSEED": "7"}) == "7"
+    assert worker_seed("3", {"PYTHONHASHSEED": "7"}) == "3"
+    assert worker_seed(None, {}) is None
 
 
 def test_event_id_is_low_64_bits_big_endian() -> None:

@@ -1,0 +1,114 @@
+"""The `kv:` settings: KV-cache awareness options (tokenizer, block keys, index, event feeds, agreement),
+and the start-up warnings about settings that will make the index disagree with the workers.
+
+Split from conductor/kv_awareness.py (which re-exports both models) to keep that module about wiring.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from adapters.index.feed import DEFAULT_MAP_BUDGET_BYTES
+from adapters.index.memory import DEFAULT_INDEX_BUDGET_BYTES
+from adapters.mooncake_store import MooncakeStoreSettings
+from conductor.core.types import Role
+from conductor.core.vllm_hash import DEFAULT_NONE_HASH_SEED, seed_is_reproducible
+
+# the analyzer's logger: these start-up warnings belong with the ones it logs later
+log = logging.getLogger("conductor.kv_awareness")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KVEventsEndpoint(_Model):
+    """One instance's vLLM --kv-events-config, as given to that worker."""
+
+    endpoint: str  # e.g. "tcp://*:5557" (vLLM binds, we connect) or "tcp://gateway:5557" (we bind)
+    replay_endpoint: str | None = None  # e.g. "tcp://*:5558"
+    topic: str = ""
+    data_parallel_size: Annotated[int, Field(gt=0)] = 1  # rank r publishes on port + r (vLLM's rule)
+
+
+class KVAwarenessSettings(_Model):
+    """Options of the KV-aware analyzer; nested in the gateway settings as `kv`."""
+
+    enabled: bool = False  # off: the gateway keeps its estimating analyzer
+    tokenizer: str = "builtin"  # "builtin" (byte-level), "worker" (POST /tokenize) or a local HF dir
+    tokenizer_url: str | None = None  # for "worker": defaults to the first prefill/mixed instance
+    forward_token_ids: bool = True  # send completions prompts on as token ids (tokenized once)
+    block_size: Annotated[int, Field(gt=0)] = 16  # must equal the workers' --block-size
+    key_mode: Literal["xxhash", "vllm"] = "xxhash"
+    hash_seed: int = 0  # xxhash mode: seed of the key chain (all replicas must agree)
+    vllm_hash_algo: str = "sha256"  # vllm mode: the workers' --prefix-caching-hash-algo
+    # vllm mode: the PYTHONHASHSEED the *workers* run with ("123" or 123: workers run with
+    # PYTHONHASHSEED=123). None: the workers run without it, which vLLM's sha256 / sha256_cbor
+    # turn into the fixed seed "vllm-none-hash"; with xxhash / xxhash_cbor vLLM then draws a random
+    # seed in every worker process and no gateway can compute its hashes (a start-up warning says
+    # so: start the workers with PYTHONHASHSEED and set it here too, or use key_mode xxhash, which
+    # translates events). The gateway's own PYTHONHASHSEED is never used.
+    vllm_hash_seed: str | None = None
+    index: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "conductor:kv:"
+    # Redis calls give up after these (look-ups are on the request path; writes run beside it), and
+    # after redis_breaker_failures in a row none is tried for redis_breaker_open_s (adapters/breaker.py)
+    redis_timeout_s: Annotated[float, Field(gt=0)] = 0.05
+    redis_write_timeout_s: Annotated[float, Field(gt=0)] = 0.25
+    redis_breaker_failures: Annotated[int, Field(gt=0)] = 3
+    redis_breaker_open_s: Annotated[float, Field(gt=0)] = 1.0
+    # while Redis cannot be used: "memory" = answer from a local copy fed by the same events and
+    # dispatches (sized by index_memory_bytes), "none" = route as if nothing were cached
+    redis_fallback: Literal["memory", "none"] = "memory"
+    # In-process memory, in bytes: the index (or the local copy beside Redis) and, per instance, the
+    # vLLM hash -> own key map of xxhash mode. Defaults: 48 MiB + 16 MiB per instance, 112 MiB for 2P+2D.
+    index_memory_bytes: Annotated[int, Field(gt=0)] = DEFAULT_INDEX_BUDGET_BYTES
+    hash_map_memory_bytes_per_instance: Annotated[int, Field(gt=0)] = DEFAULT_MAP_BUDGET_BYTES
+    # entries on the Redis server (None: 1,000,000); when set, also caps the in-process index
+    max_blocks: Annotated[int, Field(gt=0)] | None = None
+    key_ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+    unconfirmed_ttl_s: Annotated[float, Field(gt=0)] = 30.0
+    kv_events: Mapping[str, KVEventsEndpoint] = Field(default_factory=dict)  # instance id -> endpoint
+    replay_timeout_s: float = 1.0
+    # at start-up, apply everything each worker's replay socket still buffers (from seq 0), so a
+    # gateway started after its workers knows what they cached (as far back as vLLM's buffer_steps)
+    replay_on_start: bool = True
+    events_silence_s: float = 30.0  # no events this long and a failed /health: drop the instance
+    mooncake: MooncakeStoreSettings | None = None
+    agreement_window: Annotated[int, Field(gt=0)] = 200  # requests in the hash agreement window
+    agreement_min_samples: Annotated[int, Field(gt=0)] = 20
+    agreement_alarm_below: float = 0.2  # confirmed/predicted cached tokens below this: warn (over-prediction)
+    agreement_coverage_alarm_below: float = 0.8  # confirmed/reported below this: warn (under-prediction)
+
+    @field_validator("vllm_hash_seed", mode="before")
+    @classmethod
+    def _seed_text(cls, v: Any) -> Any:
+        # YAML and CONDUCTOR_* values parse `123` as a number; PYTHONHASHSEED is text all the same
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+def warn_about_setup(s: KVAwarenessSettings, instances: Sequence[tuple[str, Role, str]]) -> None:
+    """Say at start-up what will make the index disagree with the workers, before it does."""
+    if s.key_mode == "vllm" and not seed_is_reproducible(s.vllm_hash_algo, s.vllm_hash_seed):
+        log.warning("VLLM HASH SEED UNSET with kv.vllm_hash_algo %r: vLLM seeds its xxhash block hashes with random "
+                    "bytes in every worker process when PYTHONHASHSEED is unset, so no gateway can compute them and no "
+                    "cache hit will be predicted. Start the workers with PYTHONHASHSEED=<n> and set kv.vllm_hash_seed "
+                    "to the same value, or use kv.key_mode xxhash (it translates the events' hashes).", s.vllm_hash_algo)
+    own = os.environ.get("PYTHONHASHSEED")
+    if s.key_mode == "vllm" and s.vllm_hash_seed is None and own is not None:
+        log.warning("kv.vllm_hash_seed is unset, so the workers are taken to run without PYTHONHASHSEED (vLLM's seed %r "
+                    "for sha256*); the gateway's own PYTHONHASHSEED=%s is NOT used. If the workers run with "
+                    "PYTHONHASHSEED, set kv.vllm_hash_seed to their value.", DEFAULT_NONE_HASH_SEED, own)
+    if s.tokenizer == "builtin":
+        log.info("kv.tokenizer is 'builtin' (UTF-8 bytes): its keys match only emulated workers; against a real "
+                 "model set kv.tokenizer to the model's tokenizer directory or 'worker'")
+    silent = [iid for iid, role, _ in instances if role != Role.DECODE and iid not in s.kv_events]
+    if silent:
+        log.info("no KV events endpoint for %s: the index knows their caches only from this gateway's dispatches, "
+                 "forgotten after kv.unconfirmed_ttl_s (%.0fs)", ", ".join(silent), s.unconfirmed_ttl_s)
