@@ -72,7 +72,8 @@ class Gateway:
         )
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
-        self._api_keys = frozenset(settings.api_keys)
+        self._api_keys = settings.client_keys()  # read once: a key file is checked at start-up
+        self.upstream_key = settings.upstream_key()
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
 
     async def start(self) -> None:

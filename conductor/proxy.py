@@ -192,8 +192,8 @@ class CompletionsEndpoint:
         headers = {"Content-Type": "application/json", "X-Request-ID": request_id}
         if gw.tracing is not None:
             gw.tracing.inject(headers)  # the workers' spans join this request's trace
-        if gw.settings.upstream_api_key:
-            headers["Authorization"] = f"Bearer {gw.settings.upstream_api_key}"
+        if gw.upstream_key:
+            headers["Authorization"] = f"Bearer {gw.upstream_key}"
         return Outgoing(path=self.path, body=body, headers=headers, request_id=request_id, stream=stream,
                         client_request_id=client_id)
 

@@ -1,8 +1,8 @@
 """The one typed settings object, built at start-up and passed in.
 
 Precedence, lowest first: defaults, the YAML file (`--config`), environment variables
-(`CONDUCTOR_<FIELD>`, nested fields joined with `__`, values parsed as YAML so lists and numbers
-work), then command-line flags.
+(`CONDUCTOR_<FIELD>`, nested fields joined with `__`, parsed by pydantic-settings from the
+model's own types: see conductor/settings_env.py), then command-line flags.
 
 Instance lists are the exception to "the higher one replaces": instances given as flags
 (`overrides`: `--prefill`, `--decode`, `--mixed`) are merged into the list of that role from the
@@ -20,13 +20,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role
 from conductor.kv_awareness import KVAwarenessSettings
+from conductor.settings_env import env_values
 
 ENV_PREFIX = "CONDUCTOR_"
+# list settings a single plain environment value may give (one key, one model, one worker URL)
+_PLAIN_LISTS = ("api_keys", "models", "prefill", "decode", "mixed")
 
 
 class _Model(BaseModel):
@@ -99,8 +102,11 @@ class Settings(_Model):
     slo: SloSettings = SloSettings()
     default_max_tokens: int = 256  # assumed output length when a request sets none
 
-    api_keys: tuple[str, ...] = ()  # if set, clients must send one as a Bearer token
-    upstream_api_key: str | None = None  # sent to workers instead of the client's key
+    # secrets: never printed (SecretStr), and may come from files Kubernetes mounts from a Secret
+    api_keys: tuple[SecretStr, ...] = ()  # if set, clients must send one as a Bearer token
+    api_keys_file: str | None = None  # more keys, one per line ('#' lines and blank lines skipped)
+    upstream_api_key: SecretStr | None = None  # sent to workers instead of the client's key
+    upstream_api_key_file: str | None = None  # the upstream key from a file (its first line)
     max_body_bytes: int = 16 * 1024 * 1024
 
     connect_timeout_s: float = 5.0
@@ -167,6 +173,19 @@ class Settings(_Model):
                 raise ValueError(f"--pd-protocol {self.pd_protocol} needs a bootstrap port for prefill {missing}")
         return self
 
+    def client_keys(self) -> frozenset[str]:
+        """Every accepted client key: `api_keys` plus the lines of `api_keys_file`."""
+        keys = {k.get_secret_value() for k in self.api_keys}
+        if self.api_keys_file:
+            keys |= set(_secret_lines(self.api_keys_file))
+        return frozenset(keys)
+
+    def upstream_key(self) -> str | None:
+        if self.upstream_api_key_file:
+            lines = _secret_lines(self.upstream_api_key_file)
+            return lines[0] if lines else None
+        return self.upstream_api_key.get_secret_value() if self.upstream_api_key else None
+
     def instances(self) -> tuple[InstanceSpec, ...]:
         """Every instance, each with its name filled in."""
         out = []
@@ -180,23 +199,12 @@ class Settings(_Model):
         return bool(self.prefill or self.decode)
 
 
-def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX):
-            continue
-        path = key[len(ENV_PREFIX) :].lower().split("__")
-        if path[0] not in Settings.model_fields:
-            continue
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return out
+def _secret_lines(path: str) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from exc
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -260,7 +268,11 @@ def load_settings(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {config_file} must hold a mapping at the top level")
         data = _with_roles(loaded)
-    data = _merge(data, _with_roles(_env_overrides(os.environ if environ is None else environ)))
+    try:
+        env = env_values(Settings, os.environ if environ is None else environ, ENV_PREFIX, _PLAIN_LISTS)
+    except ValueError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+    data = _merge(data, _with_roles(env))
     if overrides:
         flags = _with_roles({k: v for k, v in overrides.items() if v is not None})
         data = _merge(data, _merge_instances(data, flags))

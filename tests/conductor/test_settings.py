@@ -119,3 +119,41 @@ def test_vllm_hash_seed_may_be_written_as_a_number(tmp_path) -> None:
     assert load_settings(cfg, environ={}).kv.vllm_hash_seed == "123"
     assert load_settings(environ={"CONDUCTOR_KV__VLLM_HASH_SEED": "0"}).kv.vllm_hash_seed == "0"
     assert load_settings(environ={}).kv.vllm_hash_seed is None  # never the gateway's own PYTHONHASHSEED
+
+
+@pytest.mark.parametrize(("value", "keys"), [
+    ("sk-a #b", ["sk-a #b"]),  # a YAML reading cut the "comment"
+    ("null", ["null"]),  # ... turned it into no key at all
+    ("12345", ["12345"]),  # ... made it a number, then refused it
+    ("sk-single", ["sk-single"]),
+    ('["k1", "k 2"]', ["k1", "k 2"]),  # several keys: a JSON list
+])
+def test_api_keys_from_the_environment_round_trip_exactly(value: str, keys: list[str]) -> None:
+    s = load_settings(environ={"CONDUCTOR_API_KEYS": value})
+    assert [k.get_secret_value() for k in s.api_keys] == keys
+    assert s.client_keys() == frozenset(keys)
+    assert value not in repr(s) or value == "null"  # secrets are not printed
+
+
+def test_environment_values_take_the_models_types(tmp_path) -> None:
+    s = load_settings(environ={"CONDUCTOR_SLO__TTFT_S": "2", "CONDUCTOR_PREFILL": "http://p:1",
+                               "CONDUCTOR_DECODE": '["http://d:2", "http://d:3"]', "CONDUCTOR_KV__ENABLED": "true",
+                               "CONDUCTOR_MODELS": "tiny", "CONDUCTOR_UPSTREAM_API_KEY": "up #1"})
+    assert s.slo.ttft_s == 2.0 and [p.url for p in s.prefill] == ["http://p:1"]
+    assert [d.url for d in s.decode] == ["http://d:2", "http://d:3"] and s.kv.enabled and s.models == ("tiny",)
+    assert s.upstream_key() == "up #1"
+    with pytest.raises(ConfigError, match="slo"):  # the field is named
+        load_settings(environ={"CONDUCTOR_SLO": "{not json"})
+
+
+def test_secrets_from_files_kubernetes_mounts(tmp_path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text("# one key a line\nsk-file-1\n\nsk-file-2 #x\n")
+    upstream = tmp_path / "upstream"
+    upstream.write_text("sk-up\n")
+    s = load_settings(environ={"CONDUCTOR_API_KEYS_FILE": str(keys), "CONDUCTOR_API_KEYS": "sk-env",
+                               "CONDUCTOR_UPSTREAM_API_KEY_FILE": str(upstream)})
+    assert s.client_keys() == {"sk-env", "sk-file-1", "sk-file-2 #x"}
+    assert s.upstream_key() == "sk-up"
+    with pytest.raises(ConfigError, match="cannot read secret file"):
+        load_settings(environ={"CONDUCTOR_API_KEYS_FILE": str(tmp_path / "missing")}).client_keys()

@@ -50,7 +50,7 @@ def test_api_keys_live_in_a_secret_the_gateway_reads(tmp_path: Path) -> None:
     assert json.loads(value) == ["sk-team-a", "0042"]  # a JSON list, every key a string
     # the gateway's loader, given the variable as the kubelet would set it
     settings = _settings(docs, tmp_path, {"CONDUCTOR_API_KEYS": value})
-    assert settings.api_keys == ("sk-team-a", "0042")
+    assert [k.get_secret_value() for k in settings.api_keys] == ["sk-team-a", "0042"]
     # nowhere in plain text: not the ConfigMap, not the pod spec
     plain = yaml.safe_dump([d for d in docs if d["kind"] != "Secret"])
     assert "sk-team-a" not in plain

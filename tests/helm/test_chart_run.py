@@ -136,8 +136,7 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         environ.update(CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_INTERVAL_S="0.2",
                        CONDUCTOR_API_KEYS=keys,
                        CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
-                       # quoted: env values are read as YAML
-                       CONDUCTOR_KV__REDIS_PREFIX=f'"{prefix}"')
+                       CONDUCTOR_KV__REDIS_PREFIX=prefix)  # taken as written: a string field
         args = [str(config_file) if a == flag(gw["args"], "--config") else a for a in gw["args"]]
         gw_exe = venv_exe(gw["command"][0])
         assert gw_exe
