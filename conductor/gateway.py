@@ -64,6 +64,10 @@ class Gateway:
             settings.max_connections_per_upstream,
         )
         self.registry = InstanceRegistry(settings, self.pool, _load_share(settings, self.metrics))
+        for name in self.registry.states:  # series at 0 from the start, so rate() and alerts see them
+            for kind in ("status", "transport"):
+                self.metrics.upstream_errors.labels(name, kind)
+            self.metrics.ejections.labels(name)
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
         self.analyzer = analyzer or _analyzer(settings, self.metrics)
         protocol_name = settings.pd_protocol if settings.disaggregated else "mixed"

@@ -29,3 +29,12 @@ def test_metrics_after_traffic() -> None:
         assert ttft, "TTFT prediction error not exported"
         samples = [line for line in text.splitlines() if line.startswith('conductor_prediction_samples{component="ttft"')]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in samples) == 6
+
+
+def test_error_series_exist_before_the_first_error() -> None:
+    with cluster("nixl") as c:
+        text = httpx.get(c.url + "/metrics").text
+    for instance in ("prefill-0", "decode-0"):
+        for kind in ("status", "transport"):
+            assert f'conductor_upstream_errors_total{{instance="{instance}",kind="{kind}"}} 0.0' in text
+        assert f'conductor_instance_ejections_total{{instance="{instance}"}} 0.0' in text
