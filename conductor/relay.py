@@ -65,16 +65,16 @@ class StreamStats:
     done: bool = False
 
     def see(self, chunk: bytes, now: float) -> int:
-        """Account one upstream chunk; returns the token events in it."""
+        """Account one upstream chunk; returns the token events in it. Most chunks are one token
+        event: one count() and two `in` tests, the rest only for the final chunks."""
         n = chunk.count(b"data:")
         if not n:
             return 0
-        done = chunk.count(_DONE)
-        usage_only = chunk.count(_USAGE_ONLY)
-        events = max(0, n - done - usage_only)
-        if done:
+        if b"[DONE]" in chunk:
             self.done = True
+            n -= chunk.count(_DONE)
         if b'"usage"' in chunk:  # usage-only final chunk, or continuous usage stats on every chunk
+            n -= chunk.count(_USAGE_ONLY)
             completion = _COMPLETION_RE.findall(chunk)
             cached = _CACHED_RE.findall(chunk)
             if completion:
@@ -84,12 +84,13 @@ class StreamStats:
             prompt = _PROMPT_RE.findall(chunk)
             if prompt:
                 self.usage_prompt_tokens = int(prompt[-1])
-        if events:
+        if n > 0:
             if self.first_token is not None and len(self.intervals) < _MAX_INTERVALS:
-                self.intervals.append((now - self.last) / events)
+                self.intervals.append((now - self.last) / n)
             self.last = now
-            self.tokens += events
-        return events
+            self.tokens += n
+            return n
+        return 0
 
 
 async def run_attempt(
