@@ -47,6 +47,8 @@ def available() -> str | None:
         if shutil.which(tool) is None:
             return f"no {tool} (util-linux)"
     for path in _needed():
+        if Path("/tmp") in (path, *path.parents):  # the containers' /tmp emptyDir would hide it
+            return f"{path} is under /tmp, which the sandbox covers with the pod's emptyDir"
         hit = _blocked(path)
         # only the first closed directory is covered: any below it would still be closed
         below = [d for d in (*path.parents, path) if hit is not None and hit[0] in d.parents]
