@@ -118,6 +118,8 @@ def test_a_client_id_is_echoed_never_used_as_a_key() -> None:
             t.join()
         assert [r.status_code for r in results] == [200, 200]
         assert all(r.headers["x-request-id"] == "same-id" for r in results)
+        # concurrent legs: a decode may answer before its prefill leg has even arrived
+        assert wait_for(lambda: len(c.prefills[0].requests) == 2)
         worker_ids = {p.headers["x-request-id"] for p in c.prefills[0].requests}
         assert len(worker_ids) == 2 and "same-id" not in worker_ids
         p_tids = {p.body["kv_transfer_params"]["transfer_id"] for p in c.prefills[0].requests}

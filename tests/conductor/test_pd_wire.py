@@ -67,6 +67,8 @@ def test_mooncake_transfer_id_schema_concurrent_legs(shape: str) -> None:
         r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3},
                   {"X-Request-ID": "rid-m"})
         assert r.status_code == 200, r.text
+        # concurrent legs: the decode may answer before the prefill leg has even arrived
+        assert wait_for(lambda: len(c.prefills[0].requests) == 1)
         [p] = c.prefills[0].requests
         [d] = c.decodes[0].requests
         tid = p.body["kv_transfer_params"]["transfer_id"]
@@ -114,6 +116,7 @@ def test_sglang_same_body_with_bootstrap_fields() -> None:
         body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
         r = _post(c.url, "/v1/completions", body)
         assert r.status_code == 200
+        assert wait_for(lambda: len(c.prefills[0].requests) == 1)  # concurrent: it may arrive after the answer
         [p] = c.prefills[0].requests
         [d] = c.decodes[0].requests
         assert p.body == d.body
