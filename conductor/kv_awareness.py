@@ -193,8 +193,9 @@ class KVAwareAnalyzer:
     def on_result(self, analysis: PromptAnalysis, decision: Decision, observation: Observation) -> None:
         if not (observation.ok and analysis.block_keys):
             return
-        # a prefix pulled from another instance or the store is reported cached by the worker too
-        predicted = max(observation.predicted_cached_tokens, decision.pull_tokens)
+        # only what the chosen instance holds: the gateway does not carry out the pulls a policy plans
+        # (Decision.pull_from), so a planned pull is no cached token the worker will report
+        predicted = observation.predicted_cached_tokens
         self.agreement.observe(predicted, observation.cached_tokens, instance=observation.prefill or "",
                                prompt_tokens=analysis.prompt_tokens if analysis.exact else None,
                                reported_prompt_tokens=observation.reported_prompt_tokens)
