@@ -3,16 +3,7 @@
 # transfer engine links against (even for TCP) and the CPU-only build of the Mooncake wheel.
 set -euo pipefail
 
-need_apt=0
-for pkg in libibverbs1 ibverbs-providers; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt=1
-done
-if [ "$need_apt" = 1 ]; then
-  SUDO=""
-  [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 ibverbs-providers
-fi
+bash "$(dirname "$0")/apt.sh" libibverbs1 ibverbs-providers
 
 PY="${PYTHON:-python}"
 if ! "$PY" -c "import mooncake.store" 2>/dev/null || ! command -v mooncake_master >/dev/null; then

@@ -41,16 +41,7 @@ fi
 # The Mooncake transfer engine links against the RDMA user-space libraries even when it only
 # speaks TCP (the same two packages .ci/run installs for the Mooncake Store tests); vLLM's CPU
 # backend binds its threads and memory with libnuma.
-need_apt=0
-for pkg in libibverbs1 ibverbs-providers libnuma1; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt=1
-done
-if [ "$need_apt" = 1 ]; then
-  SUDO=""
-  [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 ibverbs-providers libnuma1
-fi
+bash .ci/apt.sh libibverbs1 ibverbs-providers libnuma1
 
 pip_() {
   # pip, minus one warning per package about local index folders that do not carry it (this

@@ -131,7 +131,7 @@ def openapi_document(app: FastAPI, gateway: Gateway) -> dict[str, Any]:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(defs.get("$defs", {}))
     schemas["ErrorResponse"] = _ERROR_SCHEMA
-    secured = bool(gateway.settings.client_keys())
+    secured = bool(gateway.api_keys)
     if secured:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     bodies: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

@@ -17,10 +17,19 @@ from typing import Any
 
 from adapters.pd.base import Exchange, Outgoing
 from conductor.batching import StreamMerger, merge_replies
-from conductor.core.errors import NoHealthyInstance, UpstreamError
+from conductor.core.errors import UpstreamError
 from conductor.core.types import Observation
 from conductor.gateway import Gateway, Routed
-from conductor.relay import ClientState, Send, StreamStats, count_failure, id_headers, settle_prefill
+from conductor.relay import (
+    ClientState,
+    Dispatch,
+    Send,
+    StreamStats,
+    count_failure,
+    dispatch,
+    id_headers,
+    settle_prefill,
+)
 
 
 def sub_requests(out: Outgoing, bodies: list[dict[str, Any]]) -> list[Outgoing]:
@@ -33,11 +42,8 @@ def sub_requests(out: Outgoing, bodies: list[dict[str, Any]]) -> list[Outgoing]:
     return subs
 
 
-async def _exchange_all(gw: Gateway, subs: list[Outgoing], routed: Routed) -> list[Exchange]:
-    states = gw.registry.states
-    prefill = states[routed.decision.prefill or ""].target
-    decode = states[routed.decision.decode].target if routed.decision.decode else None
-    tasks = [asyncio.create_task(gw.protocol.exchange(sub, prefill, decode)) for sub in subs]
+async def _exchange_all(gw: Gateway, subs: list[Outgoing], d: Dispatch) -> list[Exchange]:
+    tasks = [asyncio.create_task(gw.protocol.exchange(sub, d.prefill, d.decode)) for sub in subs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
@@ -66,18 +72,9 @@ async def run_batch_attempt(
 ) -> int:
     """Serve a batch on the decision's instances; the HTTP status sent."""
     decision = routed.decision
-    assert decision.prefill is not None
-    states = gw.registry.states
-    prefill = states[decision.prefill].target
-    if not gw.protocol.ready(prefill):
-        raise NoHealthyInstance(f"prefill instance {prefill.name} is not ready (bootstrap not answered)")
-    decode_name = decision.decode or prefill.name
     analysis = routed.analysis
-    cached = analysis.cached.get(prefill.name)
-    predicted_cached = cached.tokens if cached else 0
-    gw.registry.add_prefill(prefill.name, out.request_id, analysis.prompt_tokens - predicted_cached, predicted_cached)
-    gw.registry.add_decode(decode_name, out.request_id, analysis.prompt_tokens, routed.view.max_tokens * len(bodies))
-    await gw.analyzer.on_dispatch(analysis, decision)
+    d = await dispatch(gw, routed, out.request_id, client, routed.view.max_tokens * len(bodies))
+    prefill, decode_name, predicted_cached = d.prefill, d.decode_name, d.predicted_cached
     loop = asyncio.get_running_loop()
     exchanges: list[Exchange] = []
     stats = StreamStats()
@@ -85,7 +82,7 @@ async def run_batch_attempt(
     cached_reported: int | None = None
     try:
         try:
-            exchanges = await _exchange_all(gw, sub_requests(out, bodies), routed)
+            exchanges = await _exchange_all(gw, sub_requests(out, bodies), d)
         except UpstreamError as exc:
             count_failure(gw, exc)
             raise
@@ -132,17 +129,14 @@ async def run_batch_attempt(
         for ex in exchanges:
             await settle_prefill(gw, ex, prefill.name)
         if ok:
-            gw.registry.report_result(prefill.name, True)
-            if decision.decode is not None:
-                gw.registry.report_result(decision.decode, True)
+            d.succeeded(gw)
         return status
     except BaseException:
         for ex in exchanges:
             ex.abort()
         raise
     finally:
-        gw.registry.end_prefill(prefill.name, out.request_id)
-        gw.registry.end_decode(decode_name, out.request_id)
+        d.end(gw)
         prefill_cached = [ex.prefill_cached_tokens for ex in exchanges if ex.prefill_cached_tokens is not None]
         prefill_times = [ex.prefill_s for ex in exchanges if ex.prefill_s is not None]
         gw.observe(routed, Observation(

@@ -76,7 +76,7 @@ class Gateway:
         )
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
-        self._api_keys = settings.client_keys()  # read once: a key file is checked at start-up
+        self.api_keys = settings.client_keys()  # read once: a key file is checked at start-up
         self.upstream_key = settings.upstream_key()
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
 
@@ -104,11 +104,11 @@ class Gateway:
 
     # ---- checks ---------------------------------------------------------------------------
     def authorize(self, authorization: str | None) -> None:
-        if not self._api_keys:
+        if not self.api_keys:
             return
         if not authorization or not authorization.startswith("Bearer "):
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        if authorization[7:].strip() not in self._api_keys:
+        if authorization[7:].strip() not in self.api_keys:
             raise Unauthorized("invalid API key")
 
     def known_models(self) -> tuple[str, ...]:
@@ -117,11 +117,10 @@ class Gateway:
     def ready(self) -> tuple[bool, dict[str, int]]:
         """Ready when enough instances can take requests: healthy, not ejected, and (Mooncake) with
         their bootstrap's engine id known, since no request can be handed over without it."""
-        counts = {role.value: self.registry.healthy_count(role) for role in Role}
-        counts["prefill"] = sum(
-            1 for s in self.registry.states.values()
-            if s.spec.role == Role.PREFILL and s.healthy and self.protocol.ready(s.target)
-        )
+        counts = dict.fromkeys((role.value for role in Role), 0)
+        for s in self.registry.states.values():
+            if s.healthy and (s.spec.role is not Role.PREFILL or self.protocol.ready(s.target)):
+                counts[s.spec.role.value] += 1
         if self.settings.disaggregated:
             ok = counts["prefill"] >= self.settings.min_ready_prefill and counts["decode"] >= self.settings.min_ready_decode
         else:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.pd.base import Exchange, Outgoing, cached_tokens_of, decode_json
+from adapters.pd.base import Exchange, Outgoing, Target, cached_tokens_of, decode_json
 from adapters.upstream import UpstreamPoolExhausted
 from conductor.core.errors import NoHealthyInstance, UpstreamError
 from conductor.core.types import Observation
@@ -93,11 +93,31 @@ class StreamStats:
         return 0
 
 
-async def run_attempt(
-    gw: Gateway, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float
-) -> int:
-    """Serve `routed` on its instances; the HTTP status sent. Raises UpstreamError when a leg
-    fails (before or after bytes reached the client: the caller looks at `client`)."""
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """One attempt's place on the instances: where it went and what the index predicted there."""
+
+    request_id: str
+    prefill: Target
+    decode: Target | None
+    decode_name: str  # where it decodes: the decode instance, or the mixed worker itself
+    predicted_cached: int  # leading tokens the index said the prefill instance holds
+
+    def end(self, gw: Gateway) -> None:
+        """Its load leaves the registry (whatever happened)."""
+        gw.registry.end_prefill(self.prefill.name, self.request_id)
+        gw.registry.end_decode(self.decode_name, self.request_id)
+
+    def succeeded(self, gw: Gateway) -> None:
+        """Passive outlier detection: every instance it used served it."""
+        gw.registry.report_result(self.prefill.name, True)
+        if self.decode is not None:
+            gw.registry.report_result(self.decode.name, True)
+
+
+async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientState, output_tokens: int) -> Dispatch:
+    """Check the chosen prefill can take it, then account its load (prefill work, a decode stream
+    of `output_tokens` at most) and tell the analyzer; `Dispatch.end` undoes the accounting."""
     decision = routed.decision
     assert decision.prefill is not None
     states = gw.registry.states
@@ -105,17 +125,29 @@ async def run_attempt(
     decode = states[decision.decode].target if decision.decode else None
     if not gw.protocol.ready(prefill):
         raise NoHealthyInstance(f"prefill instance {prefill.name} is not ready (bootstrap not answered)")
-    request_id = out.request_id
     client.prefill, client.decode = prefill.name, decode.name if decode else None
     analysis = routed.analysis
     cached = analysis.cached.get(prefill.name)
-    predicted_cached = cached.tokens if cached else 0
-    decode_name = decode.name if decode else prefill.name
-    joined = states[decode_name]  # the others already decoding there (this replica's)
-    batch, resident = len(joined.decodes), sum(d.context_tokens for d in joined.decodes.values())
-    gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted_cached, predicted_cached)
-    gw.registry.add_decode(decode_name, request_id, analysis.prompt_tokens, routed.view.max_tokens)
+    predicted = cached.tokens if cached else 0
+    d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, predicted)
+    gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted)
+    gw.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
     await gw.analyzer.on_dispatch(analysis, decision)
+    return d
+
+
+async def run_attempt(
+    gw: Gateway, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float
+) -> int:
+    """Serve `routed` on its instances; the HTTP status sent. Raises UpstreamError when a leg
+    fails (before or after bytes reached the client: the caller looks at `client`)."""
+    request_id = out.request_id
+    analysis = routed.analysis
+    d = await dispatch(gw, routed, request_id, client, routed.view.max_tokens)
+    prefill, decode, decode_name, predicted_cached = d.prefill, d.decode, d.decode_name, d.predicted_cached
+    joined = gw.registry.states[decode_name]  # the others already decoding there (this replica's)
+    others = [a for rid, a in joined.decodes.items() if rid != request_id]
+    batch, resident = len(others), sum(a.context_tokens for a in others)
     loop = asyncio.get_running_loop()
     started_ns = time.time_ns()
     exchange: Exchange | None = None
@@ -181,17 +213,14 @@ async def run_attempt(
         if stats.intervals:
             gw.metrics.tbt.observe(sum(stats.intervals) / len(stats.intervals))
         if ok:
-            gw.registry.report_result(prefill.name, True)
-            if decode is not None:
-                gw.registry.report_result(decode.name, True)
+            d.succeeded(gw)
         return status
     except BaseException:
         if exchange is not None:
             exchange.abort()
         raise
     finally:
-        gw.registry.end_prefill(prefill.name, request_id)
-        gw.registry.end_decode(decode_name, request_id)
+        d.end(gw)
         if gw.tracing is not None:
             trace_legs(gw, exchange, started_ns, prefill.name, decode.name if decode else None, ok)
         reported = exchange.prefill_cached_tokens if exchange and exchange.prefill_cached_tokens is not None \

@@ -269,10 +269,8 @@ def _bad_request(exc: ValidationError) -> BadRequest:
     return BadRequest(message, param=field)
 
 
-def parse_request(raw: bytes, kind: RequestKind, *, vocab_size: int | None = None) -> dict[str, Any]:
-    """The JSON object of a completions or chat request, with every field the gateway reads
-    checked (400 otherwise); token ids must be below `vocab_size` when the tokenizer knows one.
-    Fields the gateway does not know are kept as they are, for the workers."""
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body decoded as one JSON object, nesting bounded before decoding (400 otherwise)."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     depth = nesting_depth(raw)
@@ -286,6 +284,14 @@ def parse_request(raw: bytes, kind: RequestKind, *, vocab_size: int | None = Non
         raise BadRequest("request body nests too deeply") from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def parse_request(raw: bytes, kind: RequestKind, *, vocab_size: int | None = None) -> dict[str, Any]:
+    """The JSON object of a completions or chat request, with every field the gateway reads
+    checked (400 otherwise); token ids must be below `vocab_size` when the tokenizer knows one.
+    Fields the gateway does not know are kept as they are, for the workers."""
+    body = json_object(raw)
     try:
         SCHEMAS[kind].model_validate(body)
     except ValidationError as exc:
@@ -316,19 +322,7 @@ PASS_THROUGH_KINDS = ("embeddings", "responses")
 def parse_pass_through(raw: bytes, kind: str) -> dict[str, Any]:
     """The JSON object of an embeddings or Responses API request: the fields the gateway reads
     (model, input, stream, max_output_tokens) checked; the rest is the worker's to judge."""
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    depth = nesting_depth(raw)
-    if depth > MAX_DEPTH:
-        raise BadRequest(f"request body nests arrays and objects {depth} levels deep; the limit is {MAX_DEPTH}")
-    try:
-        body = _decode(raw)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise BadRequest("request body nests too deeply") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must be a non-empty string", param="model")
