@@ -3,11 +3,22 @@ a session work directory and the tiny model built in it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e_vllm.engines import TIMINGS, find_vllm_python, make_tiny_model
+from tests.e2e_vllm.engines import (
+    HASH_SEED,
+    TIMINGS,
+    Engine,
+    MixedEngines,
+    find_vllm_python,
+    make_tiny_model,
+    python_imports,
+    start_all,
+    stop_all,
+)
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +40,23 @@ def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python: str, e2e_dir: Path) -> Path:
     return make_tiny_model(vllm_python, e2e_dir / "tiny-llama")
+
+
+@pytest.fixture(scope="package")
+def mixed_engines(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[MixedEngines]:
+    """Two mixed engines shared by the modules that put gateways in front of them (each module
+    its own gateways, each test its own prompts): an engine start costs a minute or more."""
+    # xxhash (pickle + XXH3-128) when the engines' venv has it, as .ci/vllm.sh installs it; else the
+    # default sha256 (the P/D module covers sha256 with vLLM's default seed)
+    algo = "xxhash" if python_imports(vllm_python, "xxhash") is None else "sha256"
+    engines = {f"mixed-{i}": Engine(f"mixed-{i}", vllm_python, tiny_model, e2e_dir / "mixed", core=i,
+                                    hash_algo=algo, hash_seed=HASH_SEED, kv_events=True)
+               for i in range(2)}
+    start_all(list(engines.values()))
+    try:
+        yield MixedEngines(engines, algo)
+    finally:
+        stop_all(engines.values())
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

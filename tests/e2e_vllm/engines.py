@@ -33,6 +33,11 @@ ENV_VAR = "CONDUCTOR_VLLM_PYTHON"
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32  # the CPU attention backend wants a multiple of 32
+# PYTHONHASHSEED of the mixed engines, told to the gateway as kv.vllm_hash_seed: with the xxhash
+# algorithm vLLM otherwise seeds its first block's parent with random bytes per process, and no
+# gateway (nor the other engine) could reproduce a single hash.
+HASH_SEED = "20261130"
+GEN = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
 TIMINGS: list[str] = []  # one line per engine start and model build, printed at the end of the run
 
 # Engine flags shared by every engine of these tests (see RUNBOOK "vLLM on the CPU").
@@ -283,13 +288,33 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+@dataclass
+class MixedEngines:
+    """Two mixed engines with KV events on, prefix caching with `hash_algo` and PYTHONHASHSEED HASH_SEED."""
+
+    engines: dict[str, Engine]  # by gateway instance name: mixed-0, mixed-1
+    hash_algo: str
+
+
 def start_all(engines: Sequence[Engine], timeout_s: float = 420) -> None:
     """Start engines side by side and wait for all (the first start on a fresh box is the slow one)."""
     for e in engines:
         e.start()
     try:
         for e in engines:
-            e.wait_ready(timeout_s)
+            for attempt in range(3):
+                try:
+                    e.wait_ready(timeout_s)
+                    break
+                except RuntimeError:
+                    # free_port() hands out a port that is free *now*; the other engine's processes
+                    # bind ephemeral ports of their own meanwhile and can take it first
+                    if attempt == 2 or "Address already in use" not in e.log_tail(200):
+                        raise
+                    e.stop()
+                    e.port, e.events_port, e.replay_port = free_port(), free_port(), free_port()
+                    TIMINGS.append(f"{e.name}: a port was taken before the engine bound it; restarted on new ports")
+                    e.start()
     except BaseException:
         stop_all(engines)
         raise

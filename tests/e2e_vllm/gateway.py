@@ -38,6 +38,7 @@ class GatewayUnderTest:
     server: ServerThread
     observations: list[Observation] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)  # the conductor.decisions log lines
+    kv_warnings: list[str] = field(default_factory=list)  # warnings of the KV index (conductor.kv_awareness)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -104,9 +105,9 @@ class GatewayUnderTest:
         raise AssertionError("the gateway recorded no observation for the request")
 
 
-class _DecisionLines(logging.Handler):
-    def __init__(self, sink: list[str]) -> None:
-        super().__init__(logging.INFO)
+class _LogLines(logging.Handler):
+    def __init__(self, sink: list[str], level: int) -> None:
+        super().__init__(level)
         self.sink = sink
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -115,7 +116,11 @@ class _DecisionLines(logging.Handler):
 
 @contextmanager
 def run_gateway(**overrides: Any) -> Iterator[GatewayUnderTest]:
-    settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, **overrides})
+    # health probes every second, but patient ones: on a machine whose cores are saturated (four
+    # engines and the tests on two cores) an engine's /health can take seconds to answer, and
+    # these tests are not about ejecting engines
+    settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, "health_timeout_s": 15.0,
+                                                    "unhealthy_after": 4, **overrides})
     gateway = Gateway(settings)
     with serve(create_app(gateway)) as server:
         gut = GatewayUnderTest(url=server.url, gateway=gateway, server=server)
@@ -128,10 +133,13 @@ def run_gateway(**overrides: Any) -> Iterator[GatewayUnderTest]:
 
         gateway.observe = observe  # type: ignore[method-assign]
         decisions = logging.getLogger("conductor.decisions")
-        handler = _DecisionLines(gut.decisions)
+        handler = _LogLines(gut.decisions, logging.INFO)
         old_level = decisions.level
         decisions.setLevel(logging.INFO)
         decisions.addHandler(handler)
+        kv_log = logging.getLogger("conductor.kv_awareness")
+        kv_handler = _LogLines(gut.kv_warnings, logging.WARNING)
+        kv_log.addHandler(kv_handler)
         try:
             deadline = time.monotonic() + 60
             while httpx.get(gut.url + "/ready", timeout=5).status_code != 200:
@@ -139,5 +147,6 @@ def run_gateway(**overrides: Any) -> Iterator[GatewayUnderTest]:
                 time.sleep(0.2)
             yield gut
         finally:
+            kv_log.removeHandler(kv_handler)
             decisions.removeHandler(handler)
             decisions.setLevel(old_level)

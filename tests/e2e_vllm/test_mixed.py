@@ -15,7 +15,6 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,28 +22,22 @@ import pytest
 
 from tests.e2e_vllm.engines import (
     BLOCK_SIZE,
+    GEN,
+    HASH_SEED,
     MODEL_NAME,
     Engine,
     EventCollector,
+    MixedEngines,
     choice_outputs,
     metric_sum,
-    python_imports,
-    start_all,
-    stop_all,
     stream_result,
     words,
 )
 from tests.e2e_vllm.gateway import GatewayUnderTest, run_gateway
 from tests.support.waiting import wait_for
 
-# The module's engines start inside the first test's setup: far beyond the suite's 120 s default.
+# The package's engines may start inside the first test's setup: far beyond the suite's 120 s default.
 pytestmark = pytest.mark.timeout(900)
-
-# PYTHONHASHSEED of both engines, told to the gateway as kv.vllm_hash_seed: with the xxhash
-# algorithm vLLM otherwise seeds its first block's parent with random bytes per process, and no
-# gateway (nor the other engine) could reproduce a single hash.
-HASH_SEED = "20261130"
-GEN = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
 
 
 @dataclass
@@ -95,14 +88,8 @@ def _sync(m: Mixed) -> None:
 
 
 @pytest.fixture(scope="module")
-def mixed(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Mixed]:
-    # xxhash (pickle + XXH3-128) when the engines' venv has it, as .ci/vllm.sh installs it; else the
-    # default sha256 (the P/D module covers sha256 with vLLM's default seed)
-    algo = "xxhash" if python_imports(vllm_python, "xxhash") is None else "sha256"
-    engines = {f"mixed-{i}": Engine(f"mixed-{i}", vllm_python, tiny_model, e2e_dir / "mixed", core=i,
-                                    hash_algo=algo, hash_seed=HASH_SEED, kv_events=True)
-               for i in range(2)}
-    start_all(list(engines.values()))
+def mixed(mixed_engines: MixedEngines) -> Iterator[Mixed]:
+    engines, algo = mixed_engines.engines, mixed_engines.hash_algo
     collectors: dict[str, EventCollector] = {}
     try:
         collectors = {name: EventCollector(e.events_port) for name, e in engines.items()}
@@ -113,7 +100,7 @@ def mixed(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Mixed]:
             mixed=[{"url": e0.url, "kv_events_endpoint": e0.events_endpoint}, {"url": e1.url}],
             policy="kvcache_aware",
             block_size=BLOCK_SIZE,
-            kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": algo,
+            kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(e0.model_dir), "vllm_hash_algo": algo,
                 "vllm_hash_seed": HASH_SEED,
                 # the silence watchdog (no events and a failed /health: drop the instance) would also
                 # empty a restarting engine's entries; pushed out of the way so that the restart test
@@ -128,7 +115,6 @@ def mixed(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Mixed]:
     finally:
         for c in collectors.values():
             c.close()
-        stop_all(engines.values())
 
 
 def assert_confirmed(gw: GatewayUnderTest, instance: str, token_ids: list[int]) -> None:
