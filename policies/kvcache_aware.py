@@ -18,8 +18,9 @@ compares that with what happened, records the errors, and feeds the predictors' 
   features of the queue and the request (Predictors.queue_features / observe_leg). The model keeps
   learning under sustained load, when no leg runs on an empty queue.
 * decode leg: TTFT at the client minus the prefill leg (KV handoff, the decode step in progress and
-  the one that samples the first token, HTTP) is fitted as e0 + e1*handoff + e2*TBT
-  (Predictors.first_token_s); the predicted TTFT is the leg plus this.
+  the one that samples the first token, HTTP) is fitted as k0 + k1*handoff bytes + k2*TBT
+  (Predictors.observe_decode_leg); k1 is the link's cost per byte, so the transfer model (handoffs
+  and prefix pulls) learns from every request; the predicted TTFT is the leg plus this.
 * TBT: the mean of the stream's token intervals, against the batch it joined (decode_batch + 1) and
   the resident KV then (decode_resident_kv_tokens plus its own prompt and half its output).
 * calibrated bounds: observed / predicted TTFT (and TBT as admission judged it) go into bounded
@@ -48,7 +49,7 @@ from policies.estimate import (
 )
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
-from predictors.params import prefill_features
+from predictors.params import INSTANCE_LINK, STORE_LINK, prefill_features
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,15 @@ class _Pending:
     bounds: tuple[float, float, float]  # p90 bounds at decision time: ttft, leg, tbt (0: none)
     judged_tbt_s: float | None  # the TBT admission judged (early: the load now; predicted: at arrival)
     generation: int  # Predictors.generation when predicted: ratios of an older model are not kept
+
+
+def pull_links(allow_pull: bool | str) -> frozenset[str]:
+    """Link classes a policy may pull prefixes over: True/"both", "peer", "store", False/"none"."""
+    links = ("both" if allow_pull else "none") if isinstance(allow_pull, bool) else allow_pull
+    table = {"both": (INSTANCE_LINK, STORE_LINK), "peer": (INSTANCE_LINK,), "store": (STORE_LINK,), "none": ()}
+    if links not in table:
+        raise ValueError(f"allow_pull must be true, false, both, peer, store or none, not {allow_pull!r}")
+    return frozenset(table[links])
 
 
 def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
@@ -130,7 +140,7 @@ class KvCacheAwarePolicy(BasePolicy):
         self,
         predictor_params: str | None = None,
         admission: str = "predicted",
-        allow_pull: bool = True,
+        allow_pull: bool | str = True,
         online: bool = True,
         window: int = 512,
         refit_every: int = 32,
@@ -156,7 +166,8 @@ class KvCacheAwarePolicy(BasePolicy):
         learns only from admitted requests: predictions that run too high would otherwise reject
         everything for ever, with nothing observed to correct them (None: never probe)."""
         self.admission = parse_mode(admission)
-        self.allow_pull = allow_pull
+        self.pull_links = pull_links(allow_pull)
+        self.allow_pull = bool(self.pull_links)
         self.ttft_quantile = ttft_quantile
         self.tbt_quantile = tbt_quantile
         self.refit_queue_fraction = refit_queue_fraction
@@ -174,16 +185,33 @@ class KvCacheAwarePolicy(BasePolicy):
     # ---- deciding -------------------------------------------------------------------------
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        return self._decide(request, cluster, None, None)
+
+    def judge(self, request: RequestView, cluster: ClusterSnapshot, prefill: str, decode: str | None) -> Decision:
+        """This policy's predictions and admission for a placement chosen by someone else (a
+        baseline's): the same predictors, calibrated bounds and probes, without prefix pulls
+        (the baselines recompute what their instance lacks). Call `on_decided` and `observe` as
+        for `decide`, so the predictors keep learning from the baseline's outcomes."""
+        return self._decide(request, cluster, prefill, decode or "")
+
+    def _decide(self, request: RequestView, cluster: ClusterSnapshot, only_p: str | None, only_d: str | None) -> Decision:
         pred = self.predictors
         prefills, disaggregated = prefill_pool(cluster)
+        if only_p is not None:
+            prefills = tuple(p for p in prefills if p.id == only_p)
         if not prefills:
             return no_instance(request, self.name, Role.PREFILL if disaggregated else Role.MIXED)
         decodes = cluster.by_role(Role.DECODE) if disaggregated else ()
+        if only_d is not None:
+            decodes = tuple(d for d in decodes if d.id == only_d)
         if disaggregated and not decodes:
             return no_instance(request, self.name, Role.DECODE)
-        sources = remote_sources(request) if request.cached or request.store_cached_tokens else []
+        sources = []
+        if self.pull_links and only_p is None and (request.cached or request.store_cached_tokens):
+            sources = [s for s in remote_sources(request) if s[2] in self.pull_links]
         ests = [
-            estimate_prefill(pred, request, p, sources, allow_pull=self.allow_pull, disaggregated=disaggregated) for p in prefills
+            estimate_prefill(pred, request, p, sources, allow_pull=bool(sources), disaggregated=disaggregated)
+            for p in prefills
         ]
         predicted = self.admission is AdmissionMode.PREDICTED
         if disaggregated:
@@ -203,7 +231,8 @@ class KvCacheAwarePolicy(BasePolicy):
         judged = chosen_decode
         if disaggregated and predicted and chosen_decode is not None:
             # prediction-based early rejection: the chosen instance as it will be on arrival
-            joins = JoinForecast(pred, prefills, len(decodes)) if self.forecast_joins else None
+            pool = prefill_pool(cluster)[0] if only_p is not None else prefills
+            joins = JoinForecast(pred, pool, len(cluster.by_role(Role.DECODE))) if self.forecast_joins else None
             judged = estimate_decode(pred, request, chosen_decode.instance, best.ttft_s, joins)
         elif self.admission is AdmissionMode.EARLY and chosen_decode is not None:
             # plain early rejection judges the load now: the streams already decoding there
@@ -336,7 +365,7 @@ class KvCacheAwarePolicy(BasePolicy):
             qf = p.queue_features
             pred.observe_leg((qf[0] + own[0], qf[1] + own[1], qf[2] + own[2]), leg + p.head_elapsed_s - p.transfer_s)
             if obs.ttft_s is not None and obs.ttft_s > leg and p.decode is not None:
-                pred.observe_first_token(p.handoff_s, p.first_tbt_s, obs.ttft_s - leg)
+                pred.observe_decode_leg(obs.prompt_tokens, p.first_tbt_s, obs.ttft_s - leg)
         if obs.ttft_s is not None and obs.ttft_s > 0:
             pred.record_error("ttft", p.prefill, p.ttft_s, ttft_hi, obs.ttft_s)
             ratios.add("ttft", p.ttft_s, obs.ttft_s)

@@ -71,6 +71,92 @@ class FitOptions:
     prior_weight: float = 0.0  # total weight of the prior pseudo-residuals (0: no prior)
 
 
+# scipy.optimize.least_squares' convex robust losses: for z = (r / f)^2, rho(z), rho'(z) (the gradient
+# weight) and the curvature weight of the Hessian in r, rho' + 2 z rho'' (for huber rho' itself, a
+# majorant, since its exact curvature vanishes beyond f). Non-convex losses go to least_squares.
+def _soft_l1(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    s = np.sqrt(1.0 + z)
+    inv = 1.0 / s
+    return 2.0 * (s - 1.0), inv, inv * inv * inv
+
+
+def _huber(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    w = 1.0 / np.sqrt(np.maximum(z, 1.0))
+    return np.where(z <= 1.0, z, 2.0 * np.sqrt(z) - 1.0), w, w
+
+
+def _linear(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ones = np.ones_like(z)
+    return z, ones, ones
+
+
+_LOSSES = {"linear": _linear, "soft_l1": _soft_l1, "huber": _huber}
+_NEWTON_MAX_ITER = 100
+_NEWTON_RTOL = 1e-10  # relative size of the last step that ends the iteration
+_SUBSETS: dict[int, list[np.ndarray]] = {}
+
+
+def _nnls(g: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """argmin_{p >= 0} p'Gp/2 - h'p (G positive definite, a few coefficients): the unconstrained
+    solution when it is non-negative, else the best over every support set (exact for small k)."""
+    k = len(h)
+    try:
+        p = np.linalg.solve(g, h)
+        if (p >= 0).all():
+            return p
+    except np.linalg.LinAlgError:
+        pass
+    if k not in _SUBSETS:
+        _SUBSETS[k] = [np.flatnonzero([(m >> i) & 1 for i in range(k)]) for m in range(1, 1 << k)]
+    best, best_cost = np.zeros(k), 0.0  # p = 0 costs 0
+    for idx in _SUBSETS[k]:
+        g_sub = g[np.ix_(idx, idx)]
+        try:
+            sub = np.linalg.solve(g_sub, h[idx])
+        except np.linalg.LinAlgError:
+            continue
+        cost = float(0.5 * sub @ g_sub @ sub - h[idx] @ sub)
+        if (sub >= 0).all() and cost < best_cost:
+            best, best_cost = np.zeros(k), cost
+            best[idx] = sub
+    return best
+
+
+def _newton(a: np.ndarray, b: np.ndarray, p: np.ndarray, opts: FitOptions) -> np.ndarray:
+    """min sum(rho(((a @ p - b) / f)^2)) over p >= 0: projected Newton steps with backtracking.
+
+    The same minimum `least_squares(..., bounds=(0, inf), loss=...)` converges to (the losses here
+    are convex), to within its tolerances (~1e-8), in a few k x k solves instead of trust-region
+    steps with a finite-difference Jacobian: refits run on every 32nd observation."""
+    terms = _LOSSES[opts.loss]
+    inv_f2 = 1.0 / (opts.f_scale * opts.f_scale)
+    k = a.shape[1]
+    outer = (a[:, :, None] * a[:, None, :]).reshape(len(a), k * k)  # Hessian = curvature @ outer
+    r = a @ p - b
+    rho, gw, cw = terms(r * r * inv_f2)
+    cost = float(rho.sum())
+    for _ in range(_NEWTON_MAX_ITER):
+        hess = (cw @ outer).reshape(k, k)
+        step = _nnls(hess, hess @ p - (gw * r) @ a) - p
+        size = float(np.abs(step).max())
+        if size <= _NEWTON_RTOL * max(float(np.abs(p).max()), 1e-300):
+            return p + step
+        t = 1.0
+        while True:  # backtrack until the cost does not rise (the step is a descent direction)
+            new = p + t * step
+            r_new = a @ new - b
+            terms_new = terms(r_new * r_new * inv_f2)
+            new_cost = float(terms_new[0].sum())
+            if new_cost <= cost or t < 1e-6:
+                break
+            t *= 0.5
+        p, r, cost = new, r_new, new_cost
+        _, gw, cw = terms_new
+        if t * size <= _NEWTON_RTOL * max(float(np.abs(p).max()), 1e-300):
+            break
+    return p
+
+
 def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | None, opts: FitOptions) -> np.ndarray:
     # scale columns so the solver sees coefficients of order one (c2 of a quadratic is ~1e-8)
     scale = np.abs(x).max(axis=0)
@@ -86,6 +172,14 @@ def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | 
     else:
         p_prior = None
 
+    if opts.loss in _LOSSES:
+        # the residuals below as one linear system: relative errors (x p - y) / y, then the prior
+        a, b = xs / y[:, None], np.ones(len(y))
+        if p_prior is not None:
+            a = np.vstack([a, np.diag(w / denom)])
+            b = np.concatenate([b, w * p_prior / denom])
+        return np.asarray(_newton(a, b, p_start, opts) / scale)
+
     def residuals(p: np.ndarray) -> np.ndarray:
         r = (xs @ p - y) / y
         if p_prior is None:
@@ -97,8 +191,8 @@ def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | 
 
 
 def fit_linear(
-    features: Sequence[Sequence[float]],
-    actual: Sequence[float],
+    features: Sequence[Sequence[float]] | np.ndarray,
+    actual: Sequence[float] | np.ndarray,
     *,
     start: Sequence[float] | None = None,
     prior: Sequence[float] | None = None,

@@ -12,10 +12,11 @@ tracked per instance, so a slow instance shows up in the error stats rather than
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+
+import numpy as np
 
 from conductor.core.types import InstanceView, QueuedPrefill
 from predictors.errors import ErrorStats, ErrorTracker
@@ -32,8 +33,10 @@ from predictors.quantile import RatioWindows
 
 # Decode leg (prefill answered -> first token at the client) = e0 + e1 * handoff + e2 * TBT; before
 # any observation: 2 ms of HTTP, the predicted handoff, 1.5 decode steps (half a step waiting for
-# the running one to end, then the step that samples the first token).
+# the running one to end, then the step that samples the first token). e1 stays 1: the handoff's
+# own cost is learned by the transfer model (see `observe_decode_leg`).
 FIRST_TOKEN_PRIOR = LinearModel(coef=(0.002, 1.0, 1.5), p90_ratio=1.25)
+_DECODE_LEG_REF_TOKENS = 4096  # where a decode-leg refit's move is measured
 _PREFILL_REF = prefill_features(4096, 0)  # where a prefill refit's move is measured
 
 
@@ -54,15 +57,35 @@ class OnlineConfig:
     ratio_window: int = 256  # actual/predicted ratios kept per quantity for calibrated bounds
 
 
-@dataclass(slots=True)
 class _Samples:
-    features: deque[tuple[float, ...]]
-    actual: deque[float]
-    fresh: int = 0  # samples since the last refit
+    """A model's sliding window of (features, actual), in preallocated arrays that a refit reads
+    as they are (rows in ring order: a fit does not depend on the order of its samples)."""
+
+    __slots__ = ("fresh", "head", "n", "x", "y")
+
+    def __init__(self, size: int) -> None:
+        self.x: np.ndarray | None = None  # (size, features), allocated on the first sample
+        self.y = np.empty(max(1, size))
+        self.n = 0  # samples held
+        self.head = 0  # where the next one goes
+        self.fresh = 0  # samples since the last refit
+
+    def append(self, features: Sequence[float], actual: float) -> None:
+        size = len(self.y)
+        if self.x is None:
+            self.x = np.empty((size, len(features)))
+        self.x[self.head] = features
+        self.y[self.head] = actual
+        self.head = (self.head + 1) % size
+        self.n = min(self.n + 1, size)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        assert self.x is not None
+        return self.x[: self.n], self.y[: self.n]
 
 
 def _samples(n: int) -> _Samples:
-    return _Samples(deque(maxlen=n), deque(maxlen=n))
+    return _Samples(n)
 
 
 class Predictors:
@@ -80,6 +103,10 @@ class Predictors:
         self._transfer: dict[str, _Samples] = {}
         self._first = _samples(online.window)
         self.first_token_model = FIRST_TOKEN_PRIOR
+        # the decode leg as fitted: k0 + k1 * handoff bytes + k2 * TBT (k1: the P -> D link's s/byte)
+        lat, per_byte = params.transfer_model(INSTANCE_LINK).coef
+        e0, _, e2 = FIRST_TOKEN_PRIOR.coef
+        self.decode_leg_model = LinearModel((e0 + lat, per_byte, e2), FIRST_TOKEN_PRIOR.p90_ratio)
         self.errors = ErrorTracker(online.error_window, online.error_max_keys)
         self.ratios = RatioWindows(online.ratio_window)
         # bumped whenever the ratio windows are cleared: a prediction made before (its request still
@@ -182,7 +209,7 @@ class Predictors:
         The KV handoff (predicted by the transfer model), then waiting for the decode batch's
         current step to end and one step with the request in it (about 1.5 steps of the predicted
         TBT on average), plus the gateway's and the worker's HTTP time. Fitted online to the
-        gateway's observed TTFT minus its observed prefill leg (`observe_first_token`).
+        gateway's observed TTFT minus its observed prefill leg (`observe_decode_leg`).
         """
         e0, e1, e2 = self._fc
         return e0 + e1 * handoff_s + e2 * tbt_s
@@ -212,13 +239,35 @@ class Predictors:
             self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, _PREFILL_REF))
             self._cache_params()
 
-    def observe_first_token(self, handoff_s: float, tbt_s: float, seconds: float) -> None:
-        """Observed TTFT minus observed prefill leg, with the handoff and TBT predicted for it."""
-        if seconds <= 0:
+    def observe_decode_leg(self, handoff_tokens: int, tbt_s: float, seconds: float) -> None:
+        """Observed TTFT minus observed prefill leg of a disaggregated request whose prompt KV of
+        `handoff_tokens` went P -> D, decoded at a predicted TBT of `tbt_s`.
+
+        The leg is the handoff (link latency + bytes / bandwidth) plus the decode steps and HTTP,
+        so it is fitted as k0 + k1 * bytes + k2 * TBT over a window, like every other model. k1 is
+        the link's seconds per byte: it replaces the instance link's (and that of every link that
+        was a copy of it, such as the store link of the bundled profile) per-byte coefficient, so
+        predicted transfers -- handoffs and prefix pulls -- learn from every request; the link's
+        latency stays as fitted offline (it cannot be told from k0) and k0 less it is the first-
+        token model's constant."""
+        if seconds <= 0 or handoff_tokens <= 0:
             return
-        if self._add(self._first, (1.0, handoff_s, tbt_s), seconds):
-            self.first_token_model = self._refit(self._first, self.first_token_model, (1.0, 0.005, 0.02))
-            self._cache_params()
+        nbytes = handoff_tokens * self._params.kv_bytes_per_token
+        if not self._add(self._first, (1.0, nbytes, tbt_s), seconds):
+            return
+        ref = (1.0, _DECODE_LEG_REF_TOKENS * self._params.kv_bytes_per_token, 0.02)
+        fitted = self._refit(self._first, self.decode_leg_model, ref)
+        self.decode_leg_model = fitted
+        k0, k1, k2 = fitted.coef
+        instance = self._params.transfer_model(INSTANCE_LINK)
+        links = dict(self._params.transfer)
+        for link, model in self._params.transfer.items():
+            if link == INSTANCE_LINK or (model == instance and link not in self._transfer):
+                links[link] = replace(model, coef=(model.coef[0], k1))
+        self._params = replace(self._params, transfer=MappingProxyType(links))
+        e0 = max(0.0, k0 - instance.coef[0])
+        self.first_token_model = LinearModel((e0, 1.0, k2), fitted.p90_ratio, fitted.samples, fitted.mape)
+        self._cache_params()
 
     def observe_tbt(self, batch: int, resident_kv_tokens: int, seconds: float, instance: str = "") -> None:
         """Mean time between tokens of a stream that ran with about this batch and resident KV."""
@@ -265,10 +314,9 @@ class Predictors:
         """Append a sample; True when it is time to refit."""
         if not self._online.enabled:
             return False
-        win.features.append(features)
-        win.actual.append(actual)
+        win.append(features, actual)
         win.fresh += 1
-        if win.fresh >= self._online.refit_every and len(win.actual) >= self._online.min_samples:
+        if win.fresh >= self._online.refit_every and win.n >= self._online.min_samples:
             win.fresh = 0
             return True
         return False
@@ -277,7 +325,8 @@ class Predictors:
         o = self._online
         opts = FitOptions(loss=o.loss, f_scale=o.f_scale, mad_k=o.mad_k, prior_weight=o.prior_weight)
         try:
-            fitted = fit_linear(list(win.features), list(win.actual), prior=current.coef, options=opts)
+            x, y = win.arrays()
+            fitted = fit_linear(x, y, prior=current.coef, options=opts)
         except ValueError:
             return current
         self.refits += 1

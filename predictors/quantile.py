@@ -22,6 +22,7 @@ Memory is bounded: `window` ratios per key, at most `max_keys` keys (component n
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 
 
@@ -32,13 +33,19 @@ class RatioWindow:
         if window < 1:
             raise ValueError("window must be positive")
         self._ratios: deque[float] = deque(maxlen=window)
-        self._sorted: list[float] | None = None  # cache, dropped on every new ratio
+        # the same ratios kept sorted as they come and go (a quantile is asked for on every
+        # decision and a ratio added on every observation: re-sorting each time dominated)
+        self._sorted: list[float] = []
         self.min_samples = min_samples
 
     def add(self, predicted: float, actual: float) -> None:
         if predicted > 0 and actual > 0 and math.isfinite(predicted) and math.isfinite(actual):
-            self._ratios.append(actual / predicted)
-            self._sorted = None
+            ratios, s = self._ratios, self._sorted
+            if len(ratios) == ratios.maxlen:
+                del s[bisect_left(s, ratios[0])]  # the oldest leaves the window with this append
+            ratio = actual / predicted
+            ratios.append(ratio)
+            insort(s, ratio)
 
     def __len__(self) -> int:
         return len(self._ratios)
@@ -48,8 +55,6 @@ class RatioWindow:
         n = len(self._ratios)
         if n < self.min_samples:
             return default
-        if self._sorted is None:
-            self._sorted = sorted(self._ratios)
         s = self._sorted
         pos = min(max(q, 0.0), 1.0) * (n - 1)
         lo = int(pos)

@@ -21,7 +21,7 @@ from conductor.core.cli_help import DefaultsHelpFormatter
 from conductor.core.errors import ConductorError
 from traces import live
 from traces.formats import load_trace, resolve_trace
-from traces.sim.options import add_cluster_args, config_from_args
+from traces.sim.options import add_cluster_args, add_policy_args, apply_policy_args, config_from_args, describe
 from traces.sim.results import RunResult, format_table
 from traces.sim.runner import PolicySpec, SimJob, parse_specs, run_jobs
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run several policies on the same trace and cluster, side by side")
     parser.add_argument("--jobs", type=int, default=None, help="parallel simulations (default: one per core)")
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results as JSON")
+    add_policy_args(parser)
     add_cluster_args(parser)
     live.add_live_args(parser)
     return parser
@@ -57,8 +58,6 @@ def _report(args: argparse.Namespace, results: Sequence[RunResult]) -> None:
     if args.json_out:
         write_json(args.json_out, args.trace, results)
         print(f"wrote {args.json_out}")
-
-
 
 
 def replay_main(argv: list[str] | None = None) -> int:
@@ -79,6 +78,7 @@ def replay_main(argv: list[str] | None = None) -> int:
             print(f"error: trace {args.trace} has no usable requests", file=sys.stderr)
             return 2
         specs = parse_specs(args.compare) if args.compare else [PolicySpec.parse(args.policy)]
+        specs = apply_policy_args(specs, args)
         config = config_from_args(args, args.prefill, args.decode)
         jobs = [SimJob(spec, config, str(path), args.limit) for spec in specs]
         results = run_jobs(jobs, workers=args.jobs)
@@ -86,6 +86,7 @@ def replay_main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _report(args, results)
+    print(f"setting: {describe(config)}")
     return 0
 
 

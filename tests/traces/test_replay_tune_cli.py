@@ -6,13 +6,18 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from policies.registry import load_policy
+from traces.formats import load_trace, resolve_trace
 from traces.replay_cli import replay_main
+from traces.sim.config import SimConfig
+from traces.sim.engine import simulate
 from traces.sim.results import result_from_dict
-from traces.tune import tune_main
+from traces.tune import SweepResult, format_sweep, plateau, recommend, robust_point, tune_main
 
 HEAD = "conversation-head400"
 
@@ -76,10 +81,43 @@ def test_tune_pd_sweeps_recommends_and_plots(tmp_path: Path, capsys: pytest.Capt
     doc = json.loads(js.read_text())
     results = [result_from_dict(r) for r in doc["results"]]
     best = max(results, key=lambda r: (r.slo_met, -r.ttft.mean))
-    assert doc["recommended"] == {"prefill": best.n_prefill, "decode": best.n_decode}
-    assert f"recommended: {best.n_prefill} prefill + {best.n_decode} decode" in text
+    assert doc["best"] == {"prefill": best.n_prefill, "decode": best.n_decode}
+    flat = doc["plateau"]
+    assert {"prefill": best.n_prefill, "decode": best.n_decode} in flat
+    assert all(r.goodput_rps >= 0.99 * best.goodput_rps for r in results if {"prefill": r.n_prefill} in
+               [{"prefill": f["prefill"]} for f in flat])
+    pick = doc["recommended"]
+    assert pick == flat[(len(flat) - 1) // 2] or pick == flat[len(flat) // 2]
+    assert f"recommended: {pick['prefill']} prefill + {pick['decode']} decode" in text and "plateau" in text
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_sweep(goodputs: list[float]) -> SweepResult:
+    base = simulate(load_policy("round_robin"), load_trace(resolve_trace(HEAD), limit=20).requests, SimConfig(1, 1))
+    n = len(goodputs) + 1
+    results = tuple(replace(base, n_prefill=p, n_decode=n - p, goodput_rps=g, slo_met=int(g * 1000))
+                    for p, g in enumerate(goodputs, start=1))
+    best = recommend(results)
+    flat = plateau(results, best)
+    return SweepResult(n, results, best, flat, robust_point(flat))
+
+
+def test_plateau_and_its_middle() -> None:
+    # best at 4P; 3P..7P within 1% of it (2P is 1.5% short, 8P far below)
+    s = _fake_sweep([1.0, 1.97, 1.995, 2.0, 1.99, 1.985, 1.991, 1.5, 1.0])
+    assert s.best.n_prefill == 4
+    assert [r.n_prefill for r in s.plateau] == [3, 4, 5, 6, 7]
+    assert s.pick.n_prefill == 5  # the middle, not the peak at one edge of the flat top
+    # a split within 1% but cut off from the best by a deeper dip is not on its plateau
+    s = _fake_sweep([2.0, 1.9, 1.999])
+    assert [r.n_prefill for r in s.plateau] == [1] and s.pick.n_prefill == 1
+    # two middles: the one with more goodput
+    s = _fake_sweep([1.0, 1.995, 2.0, 1.0])
+    assert [r.n_prefill for r in s.plateau] == [2, 3] and s.pick.n_prefill == 3
+    text = format_sweep(_fake_sweep([1.0, 1.97, 1.995, 2.0, 1.99, 1.985, 1.991, 1.5, 1.0]))
+    assert "plateau (goodput within 1% of the best, 4P:6D" in text and "3P:7D .. 7P:3D (5 splits)" in text
+    assert "recommended: 5 prefill + 5 decode" in text
 
 
 def test_tune_pd_rejects_too_few_nodes(capsys: pytest.CaptureFixture[str]) -> None:

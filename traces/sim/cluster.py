@@ -70,8 +70,8 @@ class Job:
         "prefill",
         "prefill_done",
         "prefill_start",
+        "pull_prefix",
         "pull_src",
-        "pull_tokens",
         "pulled_remote",
         "pulled_store",
         "ready_at",
@@ -91,7 +91,7 @@ class Job:
         self.dispatch = arrival
         self.ready_at = arrival  # when any pulled prefix has arrived
         self.pull_src = ""
-        self.pull_tokens = 0
+        self.pull_prefix = 0  # leading tokens it holds once a planned pull is done (local + pulled)
         self.est_new = req.input_length
         self.est_cached = 0
         self.predicted_cached = 0
@@ -155,6 +155,7 @@ class DecodeInstance:
         "sum_start",
         "t_last",
         "tbt",
+        "tick",
         "truth",
         "version",
         "view",
@@ -175,7 +176,10 @@ class DecodeInstance:
         self.sum_start = 0.0
         self.reserved = 0  # KV tokens reserved by running sequences (prompt + all output)
         self.waiting: deque[Job] = deque()
-        self.version = 0  # bumps on every join or finish; stale tick events are ignored
+        self.version = 0  # bumps whenever its view changes (routing, join, finish)
+        # generation of the one pending tick event: bumped each time a tick is scheduled, so a tick
+        # scheduled before is void. Routing a request here does not bump it (the batch is unchanged)
+        self.tick = 0
         self.busy_s = 0.0
         self.link_free = 0.0
         self.assigned: dict[int, Job] = {}  # routed here and not finished (the gateway's view)

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from conductor.core.types import Slo
 from traces.sim.truth import TruthModel, fit_truth
+
+# Which KV transfer mechanisms the cluster has for prefix pulls (the P -> D handoff always exists):
+# "peer" pulls from another prefill instance's memory (Mooncake Transfer Engine / NIXL between
+# instances), "store" from the pooled Mooncake Store (needs store_capacity_tokens > 0), "both", "none".
+PULL_MODES: Final = ("none", "peer", "store", "both")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,10 @@ class SimConfig:
     # reject at the decode stage when joining would break the TBT SLO (the baseline's second check
     # in arXiv 7.1; admitted streams then meet TBT in every admission mode, and prefill is wasted)
     decode_guard: bool = False
+    # prefix pulls the cluster can do (PULL_MODES); a decision asking for another is refused. The
+    # runner also hands it to policies that take an `allow_pull` option (kvcache_aware), so they
+    # plan only pulls that can happen. "both": any pull a policy asks for, as before this option.
+    pull: str = "both"
 
     def __post_init__(self) -> None:
         if self.n_prefill < 1 or self.n_decode < 1:
@@ -39,6 +49,16 @@ class SimConfig:
             raise ValueError("speedup must be > 0")
         if self.prefill_cache_tokens < 0 or self.store_capacity_tokens < 0:
             raise ValueError("cache capacities must be >= 0")
+        if self.pull not in PULL_MODES:
+            raise ValueError(f"pull must be one of {', '.join(PULL_MODES)}, not {self.pull!r}")
+
+    @property
+    def pull_from_peer(self) -> bool:
+        return self.pull in ("peer", "both")
+
+    @property
+    def pull_from_store(self) -> bool:
+        return self.pull in ("store", "both")
 
     def prefill_ids(self) -> tuple[str, ...]:
         return tuple(f"prefill-{i}" for i in range(self.n_prefill))

@@ -8,7 +8,10 @@ policy's own predictors fit online and their error shows in the result.
 
 Modelling choices (documented, deliberate):
 * A prefill instance reuses its *own* cache automatically (vLLM prefix caching). It uses another
-  instance's or the store's blocks only when the decision says `pull_from`/`pull_tokens`.
+  instance's or the store's blocks only when the decision says `pull_from`/`pull_tokens`
+  (`pull_tokens`: tokens pulled beyond its own prefix), and only over a mechanism the cluster has
+  (`SimConfig.pull`: peer-to-peer, store, both or none; a pull over a missing one is refused and
+  counted in `extra["refused_pulls"]`).
 * Pulled prefixes travel over the destination's inbound link while the job waits in the queue; the
   prefill starts when it is at the head and the pull is done.
 * After prefill, the whole prompt's KV goes to the decode instance over its inbound link; the first
@@ -38,6 +41,7 @@ from conductor.core.types import (
     RequestView,
     Role,
 )
+from policies.estimate import STORE_SOURCE
 from traces.formats import TraceRequest
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
 from traces.sim.config import SimConfig
@@ -65,6 +69,7 @@ class Simulator:
         self.now = 0.0
         self.rejections: Counter[str] = Counter()
         self.wasted_prefill = 0  # prefills done for requests then rejected at the decode stage
+        self.refused_pulls = 0  # pulls a decision asked for over a mechanism this cluster lacks
         self.done: list[Job] = []
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -162,32 +167,41 @@ class Simulator:
         local_tokens = local.tokens if local else 0
         job.predicted_cached = local_tokens
         self._plan_pull(job, decision, p, local_tokens)
-        job.est_cached = min(max(local_tokens, job.pull_tokens), job.req.input_length - 1)
+        job.est_cached = min(max(local_tokens, job.pull_prefix), job.req.input_length - 1)
         job.est_new = job.req.input_length - job.est_cached
         p.queue.append(job)
         p.version += 1
         d.assigned[job.seq] = job
-        d.version += 1
+        d.version += 1  # its view changed; its pending tick stays valid (the batch did not change)
         if len(p.queue) == 1:
             self._try_start(p_idx)
 
     def _plan_pull(self, job: Job, decision: Decision, p: PrefillInstance, local_tokens: int) -> None:
+        """`Decision.pull_tokens` is what the prefill pulls on top of the prefix it holds itself
+        (conductor.core.types: "tokens of that prefix it pulls instead of recomputing"), so the
+        prefix it works from is its local one plus those, as far as the source holds them."""
         src = decision.pull_from
-        if not src or decision.pull_tokens <= local_tokens:
+        if not src or decision.pull_tokens <= 0:
             return
         req = job.req
-        if src == "store":
+        if src == STORE_SOURCE:
+            if not self.cfg.pull_from_store:
+                self.refused_pulls += 1  # no store in this cluster's transfer setup
+                return
             avail = self._tokens(self.store.match(req.hash_ids), req)
         elif src in self.p_index and src != p.id:
+            if not self.cfg.pull_from_peer:
+                self.refused_pulls += 1
+                return
             avail = self._tokens(self.prefills[self.p_index[src]].cache.match(req.hash_ids), req)
         else:
             return
-        tokens = min(decision.pull_tokens, avail)
-        if tokens <= local_tokens:
+        prefix = min(local_tokens + decision.pull_tokens, avail)
+        if prefix <= local_tokens:
             return
-        job.pull_src, job.pull_tokens = src, tokens
+        job.pull_src, job.pull_prefix = src, prefix
         start = max(self.now, p.link_free)
-        job.ready_at = p.link_free = start + self.truth.transfer_s(tokens - local_tokens)
+        job.ready_at = p.link_free = start + self.truth.transfer_s(prefix - local_tokens)
 
     # -- prefill ----------------------------------------------------------------------------
     def _try_start(self, p_idx: int) -> None:
@@ -200,7 +214,7 @@ class Simulator:
             return
         req = job.req
         local = self._tokens(p.cache.match(req.hash_ids), req)
-        pulled = job.pull_tokens if job.pull_tokens > local else 0
+        pulled = job.pull_prefix if job.pull_prefix > local else 0
         job.reused = min(max(local, pulled), req.input_length - 1)
         job.local_tokens = min(local, job.reused)
         extra = job.reused - job.local_tokens
@@ -241,7 +255,7 @@ class Simulator:
             if self.truth.decode.tbt_s(len(d.active) + len(d.waiting) + 1, d.resident_kv() + job.req.input_length) > slo:
                 self.rejections["decode_overload"] += 1
                 del d.assigned[job.seq]
-                d.version += 1  # the view changed; this also voids the pending tick, rescheduled below
+                d.version += 1  # the view changed
                 self._admit_and_retime(d_idx)
                 self.wasted_prefill += 1
                 if self.cfg.observe:
@@ -265,13 +279,14 @@ class Simulator:
         nxt = d.retime(self._noise())
         for job in joined:
             job.first_token = self.now + d.tbt
+        d.tick += 1  # whatever tick was pending is void: this one replaces it
         if nxt is not None:
-            self._push(nxt, _DECODE_TICK, d_idx, d.version)
+            self._push(nxt, _DECODE_TICK, d_idx, d.tick)
 
-    def _decode_tick(self, d_idx: int, version: int) -> None:
+    def _decode_tick(self, d_idx: int, tick: int) -> None:
         d = self.decodes[d_idx]
-        if version != d.version:
-            return  # superseded by a later join or finish
+        if tick != d.tick:
+            return  # superseded: rescheduled by a later join, finish or arrival
         d.advance(self.now)
         for job in d.pop_finished():
             job.finish = max(self.now, job.first_token)
@@ -369,7 +384,7 @@ class Simulator:
             utilisation=util, ttft_prediction=PredictionError.of(pred_ttft), tbt_prediction=PredictionError.of(pred_tbt),
             wall_s=wall_s,
             extra={"events": float(self._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in self.done),
-                   "wasted_prefills": float(self.wasted_prefill)},
+                   "wasted_prefills": float(self.wasted_prefill), "refused_pulls": float(self.refused_pulls)},
         )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from conductor.core.types import Slo
-from traces.sim.config import SimConfig
+from traces.sim.config import PULL_MODES, SimConfig
+from traces.sim.runner import PolicySpec
 from traces.sim.truth import (
     DEFAULT_PROFILE,
     PAPER_KV_BYTES_PER_TOKEN,
@@ -34,6 +35,9 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-queue", type=int, default=256,
                    help="prefills queued per instance before requests are rejected (queue_full)")
     g.add_argument("--store-tokens", type=int, default=0, help="Mooncake Store pool capacity (0: no store)")
+    g.add_argument("--pull", choices=PULL_MODES, default="both",
+                   help="prefix pulls the cluster can do: from peer prefill instances, from the store "
+                        "(needs --store-tokens), both, or none; policies with an allow_pull option are told")
     g.add_argument("--decode-kv-tokens", type=int, default=_D.kv_capacity_tokens, help="KV capacity per decode")
     g.add_argument("--decode-max-batch", type=int, default=_D.max_batch, help="running sequences per decode")
     g.add_argument("--tbt-base-ms", type=float, default=_D.base_s * 1e3, help="decode step fixed cost")
@@ -47,6 +51,34 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace")
     g.add_argument("--no-observe", action="store_true", help="do not feed outcomes back to the policy")
+
+
+def add_policy_args(parser: argparse.ArgumentParser) -> None:
+    """Options applied to every policy spec of a run (a spec's own options win)."""
+    g = parser.add_argument_group("policies")
+    g.add_argument("--admission", choices=("none", "early", "predicted"), default=None,
+                   help="SLO admission mode for every policy whose spec sets none")
+    g.add_argument("--fit-predictors", action="store_true",
+                   help="judge the baselines' placements with kvcache_aware's online-fitted predictors and "
+                        "admission (default mode: predicted), for a like-for-like comparison")
+
+
+def apply_policy_args(specs: list[PolicySpec], args: argparse.Namespace) -> list[PolicySpec]:
+    """The specs with --admission / --fit-predictors added where a spec does not set them; the
+    label says so, in spec syntax."""
+    out = []
+    for spec in specs:
+        extra: dict[str, object] = {}
+        if args.admission is not None and "admission" not in spec.options:
+            extra["admission"] = args.admission
+        if args.fit_predictors and "fit_predictors" not in spec.options:
+            extra["fit_predictors"] = True
+        if not extra:
+            out.append(spec)
+            continue
+        suffix = "".join(f":{k}={str(v).lower()}" for k, v in extra.items())
+        out.append(PolicySpec(spec.name, {**spec.options, **extra}, (spec.label or spec.name) + suffix))
+    return out
 
 
 def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) -> SimConfig:
@@ -80,4 +112,23 @@ def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) ->
         noise=args.noise,
         seed=args.seed,
         observe=not args.no_observe,
+        pull=args.pull,
     )
+
+
+def describe(config: SimConfig) -> str:
+    """One line for printed headers: the transfer mechanisms and caches a run assumed."""
+    if config.pull == "none":
+        pulls = "no prefix pulls"
+    else:
+        ways = []
+        if config.pull_from_peer:
+            ways.append("peer-to-peer")
+        if config.pull_from_store:
+            ways.append(f"store ({config.store_capacity_tokens:,} tokens)" if config.store_capacity_tokens
+                        else "store (none configured: --store-tokens 0)")
+        pulls = "prefix pulls " + " + ".join(ways)
+    slo = config.slo
+    return (f"{config.n_prefill}P+{config.n_decode}D, {pulls} (--pull {config.pull}), "
+            f"SLO TTFT {slo.ttft_s}s TBT {slo.tbt_s}s, speedup {config.speedup:g}, "
+            f"prefill x{config.truth.prefill_scale:g}, KV {config.truth.kv_bytes_per_token:,} B/token")

@@ -4,10 +4,21 @@ A policy spec is a registered name with optional options: ``name`` or
 ``name:key=value:key2=value2`` (values parsed as YAML, so numbers and booleans work). Each run
 builds a fresh policy through `policies.registry.load_policy`, exactly as the gateway does, so
 plugins work and no fitted state leaks between runs.
+
+Two options are the simulator's, not the policy's:
+
+* ``allow_pull`` is filled in from `SimConfig.pull` for policies that take it (kvcache_aware) and
+  whose spec does not set it, so they plan only pulls the simulated cluster can do.
+* ``fit_predictors=true`` on any policy without its own predictors (the baselines): its placement
+  is judged by a KvCacheAwarePolicy (`FittedAdmission`) with the same online-fitted predictors,
+  calibrated bounds and admission mode (the spec's ``admission``, default ``predicted``) as
+  kvcache_aware, learning from the baseline's own outcomes; the baseline itself then runs without
+  admission. Without it, a baseline's ``admission`` uses fixed (never refitted) predictors.
 """
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
 from collections.abc import Mapping, Sequence
@@ -18,7 +29,9 @@ from typing import Any
 
 import yaml
 
-from policies.registry import load_policy
+from conductor.core.types import ClusterSnapshot, Decision, Observation, Policy, RequestView
+from policies.kvcache_aware import KvCacheAwarePolicy
+from policies.registry import available_policies, load_policy
 from traces.formats import TraceRequest, load_trace, resolve_trace
 from traces.sim.config import SimConfig
 from traces.sim.engine import simulate
@@ -70,16 +83,83 @@ def load_requests(trace: str | Path, limit: int | None = None) -> tuple[TraceReq
     return result.requests
 
 
+class FittedAdmission:
+    """A baseline's placement, admitted (or rejected) by kvcache_aware's fitted predictors.
+
+    The baseline decides where a request goes; `judge.judge` predicts TTFT and TBT for exactly that
+    placement and applies kvcache_aware's admission. Both see `on_decided` and `observe`, so the
+    judge's predictors learn online from the baseline's outcomes as kvcache_aware's do from its own.
+    """
+
+    def __init__(self, inner: Policy, judge: KvCacheAwarePolicy) -> None:
+        self.inner = inner
+        self.judge = judge
+        self.name = inner.name
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        decision = self.inner.decide(request, cluster)
+        if decision.rejection is not None or decision.prefill is None:
+            return decision
+        judged = self.judge.judge(request, cluster, decision.prefill, decision.decode)
+        if judged.rejection is not None:
+            return replace(judged, policy=decision.policy)
+        return replace(decision, predicted_ttft_s=judged.predicted_ttft_s, predicted_tbt_s=judged.predicted_tbt_s,
+                       candidates=judged.candidates + decision.candidates)
+
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        self.inner.on_decided(request, cluster, decision)
+        self.judge.on_decided(request, cluster, decision)
+
+    def observe(self, observation: Observation) -> None:
+        self.inner.observe(observation)
+        self.judge.observe(observation)
+
+
+def _factory(name: str) -> object:
+    ep = available_policies().get(name)
+    try:
+        return ep.load() if ep is not None else None
+    except Exception:  # noqa: BLE001 - load_policy reports a broken plugin properly; here it gets no options
+        return None
+
+
+def _accepts(factory: object, option: str) -> bool:
+    """Whether a policy factory takes `option` (False when its signature cannot be read)."""
+    try:
+        params = inspect.signature(factory).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return option in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def build_policy(spec: PolicySpec, config: SimConfig) -> Policy:
+    """The policy a spec names, with the simulator's options applied (see the module docstring)."""
+    options = dict(spec.options)
+    fit = bool(options.pop("fit_predictors", False))
+    factory = _factory(spec.name)
+    if "allow_pull" not in options and _accepts(factory, "allow_pull"):
+        options["allow_pull"] = config.pull
+    if not fit or (isinstance(factory, type) and issubclass(factory, KvCacheAwarePolicy)):
+        return load_policy(spec.name, options)  # kvcache_aware fits its own predictors anyway
+    admission = str(options.pop("admission", "predicted"))
+    return FittedAdmission(load_policy(spec.name, options), KvCacheAwarePolicy(admission=admission, allow_pull=False))
+
+
 def run_job(job: SimJob, requests: Sequence[TraceRequest] | None = None) -> RunResult:
     """Run one simulation; loads the trace unless `requests` is given."""
     reqs = requests if requests is not None else load_requests(job.trace, job.limit)
-    policy = load_policy(job.spec.name, job.spec.options)
+    policy = build_policy(job.spec, job.config)
     result = simulate(policy, reqs, job.config)
     return replace(result, policy=job.spec.label or job.spec.name)
 
 
+# traces loaded by the parent before it forks its workers, which inherit them instead of each
+# parsing the same file again (about half a second for the conversation trace)
+_PRELOADED: dict[tuple[str, int | None], tuple[TraceRequest, ...]] = {}
+
+
 def _worker(job: SimJob) -> RunResult:
-    return run_job(job)
+    return run_job(job, _PRELOADED.get((job.trace, job.limit)))
 
 
 def default_workers() -> int:
@@ -100,8 +180,16 @@ def run_jobs(jobs: Sequence[SimJob], *, workers: int | None = None) -> list[RunR
         return out
     # fork where the platform has it: workers start in milliseconds and inherit imports
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(method)) as pool:
-        return list(pool.map(_worker, jobs))
+    if method == "fork":
+        for job in jobs:
+            key = (job.trace, job.limit)
+            if key not in _PRELOADED:
+                _PRELOADED[key] = load_requests(job.trace, job.limit)
+    try:
+        with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(method)) as pool:
+            return list(pool.map(_worker, jobs))
+    finally:
+        _PRELOADED.clear()
 
 
 def config_for(base: SimConfig, **changes: Any) -> SimConfig:

@@ -1,0 +1,191 @@
+"""The simulator's decode timing under routing, what a pull decision means, and which pulls exist.
+
+* A request routed to a decode instance while a stream decodes there must not delay that stream:
+  routing changes the gateway's view of the instance, not its batch.
+* `Decision.pull_tokens` is what the prefill pulls *beyond its own prefix* (conductor.core.types);
+  the simulator credits exactly that, and kvcache_aware's planned pulls are what gets pulled.
+* Pulls happen only over a mechanism the simulated cluster has (`SimConfig.pull`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from conductor.core.types import ClusterSnapshot, Decision, Observation, Policy, RequestView, Slo
+from policies.kvcache_aware import KvCacheAwarePolicy
+from traces.formats import TraceRequest
+from traces.sim.config import SimConfig
+from traces.sim.engine import simulate
+from traces.sim.runner import PolicySpec, build_policy
+from traces.sim.truth import fit_truth
+
+Route = Callable[[RequestView, ClusterSnapshot], Decision]
+
+
+class Recording:
+    """Routes by a function (or delegates to a real policy) and keeps what it decided and saw."""
+
+    name = "recording"
+
+    def __init__(self, route: Route | None = None, inner: Policy | None = None) -> None:
+        self.route = route
+        self.inner = inner
+        self.decided: list[tuple[RequestView, Decision]] = []
+        self.observed: dict[str, Observation] = {}
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        if self.inner is not None:
+            return self.inner.decide(request, cluster)
+        assert self.route is not None
+        return self.route(request, cluster)
+
+    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        self.decided.append((request, decision))
+        if self.inner is not None:
+            self.inner.on_decided(request, cluster, decision)
+
+    def observe(self, observation: Observation) -> None:
+        self.observed[observation.request_id] = observation
+        if self.inner is not None:
+            self.inner.observe(observation)
+
+
+def req(t: float, n: int, out: int, ids: tuple[int, ...]) -> TraceRequest:
+    return TraceRequest(arrival_s=t, input_length=n, output_length=out, hash_ids=ids, line=1)
+
+
+def cfg(p: int = 1, d: int = 1, **kw: object) -> SimConfig:
+    base = SimConfig(p, d, truth=fit_truth(), noise=0.0, slo=Slo(ttft_s=60.0, tbt_s=0.1))
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+# ---- decode timing --------------------------------------------------------------------------
+
+
+def test_routing_a_request_to_a_decode_does_not_stall_its_stream() -> None:
+    # A decodes alone on decode-0; B is routed there at 0.5 s (mid-stream of A) but reaches decode
+    # only after A's stream should be over. A must finish when the model says, not when B arrives.
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        return Decision(r.request_id, "s", prefill=f"prefill-{r.seq}", decode="decode-0")
+
+    c = cfg(p=2)
+    t = c.truth
+    pol = Recording(route)
+    res = simulate(pol, [req(0.0, 1000, 51, (1, 2)), req(0.5, 60_000, 2, tuple(range(10, 128)))], c)
+    a, b = pol.observed["r0"], pol.observed["r1"]
+    tbt = t.decode.tbt_s(1, 1000)
+    assert a.ttft_s is not None and b.ttft_s is not None
+    a_done = a.ttft_s + 50 * tbt
+    assert 0.5 < a_done < 0.5 + b.ttft_s  # the setting: B is routed mid-stream, decodes after A is done
+    assert a.token_intervals_s == pytest.approx((tbt,) * 50, rel=1e-9)
+    assert b.decode_batch == 0  # A had left when B joined
+    assert res.completed == 2
+
+
+# ---- what pull_tokens means -----------------------------------------------------------------
+
+
+def test_pull_tokens_are_pulled_beyond_the_local_prefix() -> None:
+    # prefill-1 holds 1 block of the prompt, prefill-0 all 4: a decision to pull the other 3 blocks
+    # (1536 tokens) from prefill-0 credits 1536 pulled tokens on top of 512 local ones
+    blocks = (1, 2, 3, 4)
+
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        if r.seq == 0:
+            return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
+        if r.seq == 1:
+            return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0")
+        local = r.cached["prefill-1"].tokens
+        extra = r.cached["prefill-0"].tokens - local
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0",
+                        pull_tokens=extra)
+
+    pol = Recording(route)
+    trace = [req(0.0, 2048, 2, blocks), req(5.0, 600, 2, (1, 99)), req(10.0, 2500, 2, (*blocks, 5))]
+    res = simulate(pol, trace, cfg(p=2))
+    view, decision = pol.decided[2]
+    assert view.cached["prefill-1"].tokens == 512 and decision.pull_tokens == 1536
+    assert pol.observed["r2"].cached_tokens == 2048  # 512 local + 1536 pulled
+    total = 2048 + 600 + 2500
+    assert res.prefix_hit_remote == pytest.approx(1536 / total)
+    assert res.prefix_hit_local == pytest.approx(512 / total)
+
+
+def test_a_pull_takes_its_transfer_time_before_the_prefill() -> None:
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        if r.seq == 0:
+            return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0",
+                        pull_tokens=1024)
+
+    c = cfg(p=2)
+    pol = Recording(route)
+    simulate(pol, [req(0.0, 1024, 2, (1, 2)), req(5.0, 1500, 2, (1, 2, 3))], c)
+    t = c.truth
+    assert pol.observed["r1"].queue_and_prefill_s == pytest.approx(t.transfer_s(1024) + t.prefill_s(476, 1024))
+
+
+def tool_agent_trace(sessions: int = 24, turns: int = 5) -> list[TraceRequest]:
+    """Agent sessions over a shared 4-block system prompt, each turn extending its own history by
+    2 blocks: any instance holds the system prompt, only some hold a session's history."""
+    out = []
+    for s in range(sessions):
+        history: tuple[int, ...] = (1, 2, 3, 4)
+        for k in range(turns):
+            history = (*history, 1000 * (s + 1) + 2 * k, 1000 * (s + 1) + 2 * k + 1)
+            out.append(req(0.4 * s + 2.5 * k, len(history) * 512 - 100, 30, history))
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def test_kvcache_aware_pulls_are_credited_in_full() -> None:
+    c = cfg(p=4, d=2, truth=fit_truth(prefill_scale=7.0))
+    pol = Recording(inner=build_policy(PolicySpec("kvcache_aware", {"admission": "none"}), c))
+    res = simulate(pol, tool_agent_trace(), c)
+    pulls = [(v, d) for v, d in pol.decided if d.pull_tokens > 0]
+    beyond_local = [(v, d) for v, d in pulls if d.prefill in v.cached]
+    assert len(beyond_local) >= 5  # the setting: pulls on top of a local prefix (the system prompt)
+    planned = sum(d.pull_tokens for _, d in pulls)
+    prompt = sum(r.input_length for r in tool_agent_trace())
+    credited = res.prefix_hit_remote * prompt
+    # all of it, but for pulls whose prefill instance cached more of the prompt meanwhile
+    assert 0.95 * planned <= credited <= planned + 1e-6
+    for view, d in beyond_local:  # and each such request reused its local prefix plus the pull
+        assert pol.observed[view.request_id].cached_tokens == min(view.cached[d.prefill or ""].tokens
+                                                                    + d.pull_tokens, view.prompt_tokens - 1)
+
+
+# ---- which pulls exist ----------------------------------------------------------------------
+
+
+def _peer_pull(r: RequestView, c: ClusterSnapshot) -> Decision:
+    if r.seq == 0:
+        return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
+    return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0", pull_tokens=1024)
+
+
+@pytest.mark.parametrize(("mode", "pulled"), [("both", True), ("peer", True), ("store", False), ("none", False)])
+def test_the_engine_pulls_only_over_a_configured_mechanism(mode: str, pulled: bool) -> None:
+    res = simulate(Recording(_peer_pull), [req(0.0, 1024, 2, (1, 2)), req(5.0, 1500, 2, (1, 2, 3))], cfg(p=2, pull=mode))
+    assert (res.prefix_hit_remote > 0) is pulled
+    assert res.extra["refused_pulls"] == (0.0 if pulled else 1.0)
+
+
+def test_the_pull_setting_reaches_kvcache_aware() -> None:
+    trace = tool_agent_trace()
+    c = cfg(p=4, d=2, truth=fit_truth(prefill_scale=7.0))
+    for mode, pulls in (("none", False), ("store", False), ("peer", True)):
+        pol = build_policy(PolicySpec("kvcache_aware", {"admission": "none"}), replace(c, pull=mode))
+        assert isinstance(pol, KvCacheAwarePolicy)
+        res = simulate(pol, trace, replace(c, pull=mode))
+        assert (res.prefix_hit_remote > 0) is pulls, mode
+        assert res.extra["refused_pulls"] == 0  # it asked for none the cluster cannot do
+    explicit = build_policy(PolicySpec("kvcache_aware", {"allow_pull": False}), c)
+    assert isinstance(explicit, KvCacheAwarePolicy) and not explicit.allow_pull  # a spec's own option wins
+
+
+def test_sim_config_rejects_an_unknown_pull_mode() -> None:
+    with pytest.raises(ValueError, match="pull must be one of"):
+        cfg(pull="rdma")
