@@ -73,7 +73,7 @@ async def run_batch_attempt(
     """Serve a batch on the decision's instances; the HTTP status sent."""
     decision = routed.decision
     analysis = routed.analysis
-    d = await dispatch(gw, routed, out.request_id, client, routed.view.max_tokens * len(bodies))
+    d = await dispatch(gw, routed, out.request_id, client, routed.view.max_tokens * len(bodies), may_pull=False)
     prefill, decode_name, predicted_cached = d.prefill, d.decode_name, d.predicted_cached
     loop = asyncio.get_running_loop()
     exchanges: list[Exchange] = []

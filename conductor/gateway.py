@@ -23,6 +23,7 @@ from conductor.core.types import Decision, Observation, Policy, RequestView, Rol
 from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.metrics import GatewayMetrics
+from conductor.readback import Offer, ReadbackTable, pull_sources
 from conductor.settings import Settings
 from conductor.tracing import Tracing, decision_attributes
 from policies.base import NO_INSTANCE
@@ -42,6 +43,7 @@ class Routed:
     decision: Decision
     analysis: PromptAnalysis
     view: RequestView
+    readback: Offer | None = None  # the decode readback offered to the policy (taken if it pulls)
 
 
 class Gateway:
@@ -74,6 +76,9 @@ class Gateway:
         self.protocol: PDProtocol = make_protocol(
             protocol_name, mooncake_schema=settings.mooncake_schema, bootstrap_timeout_s=settings.bootstrap_timeout_s
         )
+        # decode readbacks (NIXL bidirectional KV transfer): only where block keys say which prefix matches
+        self.readback = ReadbackTable(ttl_s=settings.pd_readback_ttl_s, max_handles=settings.pd_readback_max_handles) \
+            if self.protocol.name == "nixl" and settings.pd_readback == "auto" and settings.kv.enabled else None
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
         self.api_keys = settings.client_keys()  # read once: a key file is checked at start-up
@@ -144,6 +149,11 @@ class Gateway:
                analysis: PromptAnalysis, exclude: frozenset[str] = frozenset()) -> Routed:
         """Ask the policy; `exclude`: instances this request already failed on (a failover)."""
         started = time.perf_counter()
+        offer = None
+        if self.readback is not None and analysis.block_keys:
+            states = self.registry.states
+            offer = self.readback.offer(
+                analysis.block_keys, lambda name: name not in exclude and name in states and states[name].healthy)
         view = RequestView(
             request_id=request_id,
             seq=next(self._seq),
@@ -156,6 +166,7 @@ class Gateway:
             store_cached_tokens=analysis.store_cached_tokens,
             slo=slo,
             stream=stream,
+            pull_sources=pull_sources(offer, analysis.prompt_tokens, self.settings.block_size),
         )
         with self.tracing.child("conductor.decide") if self.tracing else contextlib.nullcontext() as span:
             snapshot = self.registry.snapshot(exclude)
@@ -176,7 +187,7 @@ class Gateway:
         self.metrics.decisions.labels(decision.policy, decision.prefill or "", decision.decode or "").inc()
         if decision.predicted_ttft_s is not None:
             self.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
-        return Routed(decision, analysis, view)
+        return Routed(decision, analysis, view, offer)
 
     def observe(self, routed: Routed, observation: Observation) -> None:
         """Feed what happened back to the policy's predictors and the KV index."""

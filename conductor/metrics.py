@@ -26,6 +26,13 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "conductor_upstream_errors", "Failed upstream legs, by instance and kind", ["instance", "kind"], registry=r
         )
+        self.readback = Counter(
+            "conductor_pd_readback", "Decode readbacks (NIXL bidirectional KV transfer): handles recorded from decode "
+            "answers, unusable ones, pulls handed to a prefill, and handles another request took first",
+            ["event"], registry=r,
+        )
+        for event in ("recorded", "unusable", "pulled", "lost"):
+            self.readback.labels(event)
         self.cancelled = Counter(
             "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r
         )

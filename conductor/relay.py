@@ -12,7 +12,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adapters.pd.base import Exchange, Outgoing, Target, cached_tokens_of, decode_json
@@ -20,6 +20,7 @@ from adapters.upstream import UpstreamPoolExhausted
 from conductor.core.errors import NoHealthyInstance, UpstreamError
 from conductor.core.types import Observation
 from conductor.gateway import Gateway, Routed
+from conductor.readback import parse_decode_params, pull_tokens_for
 
 log = logging.getLogger("conductor.proxy")
 
@@ -101,7 +102,9 @@ class Dispatch:
     prefill: Target
     decode: Target | None
     decode_name: str  # where it decodes: the decode instance, or the mixed worker itself
-    predicted_cached: int  # leading tokens the index said the prefill instance holds
+    predicted_cached: int  # leading tokens the prefill instance holds: its cache, or after the pull
+    # kv_transfer_params of the decode readback the prefill pulls (the decision's pull), else None
+    pull: dict[str, Any] | None = None
 
     def end(self, gw: Gateway) -> None:
         """Its load leaves the registry (whatever happened)."""
@@ -115,9 +118,11 @@ class Dispatch:
             gw.registry.report_result(self.decode.name, True)
 
 
-async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientState, output_tokens: int) -> Dispatch:
+async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientState, output_tokens: int,
+                   *, may_pull: bool = True) -> Dispatch:
     """Check the chosen prefill can take it, then account its load (prefill work, a decode stream
-    of `output_tokens` at most) and tell the analyzer; `Dispatch.end` undoes the accounting."""
+    of `output_tokens` at most) and tell the analyzer; `Dispatch.end` undoes the accounting.
+    `may_pull`: the exchange can carry the decision's pull (a batch's per-prompt legs cannot)."""
     decision = routed.decision
     assert decision.prefill is not None
     states = gw.registry.states
@@ -129,7 +134,20 @@ async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientS
     analysis = routed.analysis
     cached = analysis.cached.get(prefill.name)
     predicted = cached.tokens if cached else 0
-    d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, predicted)
+    pull = None
+    offer = routed.readback
+    if may_pull and offer is not None and gw.readback is not None and decision.pull_from == offer.handle.instance:
+        # the policy chose to pull the last turn's KV from that decode: a handle serves once
+        handle = gw.readback.take(offer)
+        if handle is None:
+            gw.metrics.readback.labels("lost").inc()  # another request took it first
+        else:
+            size = routed.view.block_size
+            tokens = pull_tokens_for(offer, analysis.prompt_tokens, size)
+            pull = handle.params(tokens // size, size)
+            predicted = max(predicted, tokens)
+            gw.metrics.readback.labels("pulled").inc()
+    d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, predicted, pull)
     gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted)
     gw.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
     await gw.analyzer.on_dispatch(analysis, decision)
@@ -144,6 +162,8 @@ async def run_attempt(
     request_id = out.request_id
     analysis = routed.analysis
     d = await dispatch(gw, routed, request_id, client, routed.view.max_tokens)
+    if d.pull is not None:
+        out = replace(out, pull=d.pull)
     prefill, decode, decode_name, predicted_cached = d.prefill, d.decode, d.decode_name, d.predicted_cached
     joined = gw.registry.states[decode_name]  # the others already decoding there (this replica's)
     others = [a for rid, a in joined.decodes.items() if rid != request_id]
@@ -177,6 +197,8 @@ async def run_attempt(
                 except ValueError:
                     answer = None
                 cached_reported = cached_tokens_of(answer)
+                if exchange.decode_kv_params is not None:
+                    keep_readback(gw, decode_name, analysis.block_keys, exchange.decode_kv_params)
                 usage = answer.get("usage") if isinstance(answer, dict) else None
                 prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
                 stats.usage_prompt_tokens = prompt_tokens if type(prompt_tokens) is int else None
@@ -242,6 +264,18 @@ async def run_attempt(
             ok=ok,
             reported_prompt_tokens=stats.usage_prompt_tokens,  # the worker's count: tells a tokenizer mismatch
         ))
+
+
+def keep_readback(gw: Gateway, decode: str, prompt_keys: tuple[int, ...], params: Any) -> None:
+    """File a bidirectional decode's pinned KV for the next turn (conductor/readback.py)."""
+    if gw.readback is None or not prompt_keys:
+        return
+    handle = parse_decode_params(decode, params, len(prompt_keys), gw.readback.now())
+    if handle is None:
+        gw.metrics.readback.labels("unusable").inc()
+        return
+    gw.readback.record(prompt_keys, handle)
+    gw.metrics.readback.labels("recorded").inc()
 
 
 def id_headers(out: Outgoing) -> list[tuple[bytes, bytes]]:

@@ -95,6 +95,16 @@ class Settings(_Model):
     pd_protocol: Literal["nixl", "mooncake", "sglang"] = "nixl"
     # which generation of vLLM's MooncakeConnector field names to speak (adapters/pd/mooncake.py)
     mooncake_schema: str = "transfer_id"
+    # Decode-to-prefill readback (conductor/readback.py): NIXL decodes started with
+    # kv_connector_extra_config {"bidirectional_kv_xfer": true} hand back where a finished request's
+    # KV is pinned; the next turn's prefill may pull its shared prefix from there instead of
+    # recomputing it. "auto": offered to the policy wherever decodes hand such KV back (NIXL only,
+    # KV awareness on: block keys tell which prefix matches); "off": never. No other protocol has a
+    # pull the gateway can drive, so there the policy is offered none.
+    pd_readback: Literal["auto", "off"] = "auto"
+    # never offer a handle older than this: below the workers' decoder_kv_blocks_ttl (480 s by default)
+    pd_readback_ttl_s: float = Field(default=240.0, gt=0)
+    pd_readback_max_handles: int = Field(default=100_000, gt=0)
 
     models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
     policy: str = "round_robin"

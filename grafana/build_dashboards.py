@@ -337,6 +337,11 @@ def _gateway_rows() -> tuple[Row, ...]:
                   (Target(f"sum by (source) ({rate('vllm:prompt_tokens_by_source_total')})", "{{source}}"),),
                   "suffix: tok/s", stack=True,
                   description="vLLM: computed here, local prefix-cache hit, or pulled over the KV connector."),
+            Panel("Decode readbacks (prefix pulls)",
+                  (Target(f"sum by (event) ({rate('conductor_pd_readback_total')})", "{{event}}"),),
+                  "ops", description="NIXL bidirectional transfer: decode answers whose pinned KV the gateway "
+                  "kept (recorded), could not use (unusable), handed to the next turn's prefill to pull (pulled), "
+                  "or lost to another request first (lost)."),
         )),
     )
 

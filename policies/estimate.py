@@ -77,12 +77,20 @@ def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> f
 
 
 def remote_sources(request: RequestView) -> list[tuple[int, str, str]]:
-    """(tokens, source, link) of every place a prefix could be pulled from, longest first."""
+    """(tokens, source, link) of every place a prefix could be pulled from, longest first.
+
+    Instances are sources only where the request says a pull from them can be carried out
+    (`pull_sources`; every cached instance when it is None, the simulator's peer-pull cluster);
+    the store is one wherever it holds the prefix (the worker loads from it by itself)."""
     # a store-tier entry is reachable from every instance through the store, whoever it is filed under
-    out = [
-        (p.tokens, STORE_SOURCE, STORE_LINK) if p.tier is Tier.STORE else (p.tokens, iid, INSTANCE_LINK)
-        for iid, p in request.cached.items()
-    ]
+    if request.pull_sources is None:
+        out = [
+            (p.tokens, STORE_SOURCE, STORE_LINK) if p.tier is Tier.STORE else (p.tokens, iid, INSTANCE_LINK)
+            for iid, p in request.cached.items()
+        ]
+    else:
+        out = [(p.tokens, STORE_SOURCE, STORE_LINK) for p in request.cached.values() if p.tier is Tier.STORE]
+        out += [(tokens, iid, INSTANCE_LINK) for iid, tokens in request.pull_sources.items() if tokens > 0]
     if request.store_cached_tokens > 0:
         out.append((request.store_cached_tokens, STORE_SOURCE, STORE_LINK))
     out.sort(key=lambda s: -s[0])

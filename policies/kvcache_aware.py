@@ -207,7 +207,8 @@ class KvCacheAwarePolicy(BasePolicy):
         if disaggregated and not decodes:
             return no_instance(request, self.name, Role.DECODE)
         sources = []
-        if self.pull_links and only_p is None and (request.cached or request.store_cached_tokens):
+        if self.pull_links and only_p is None and (request.cached or request.store_cached_tokens
+                                                       or request.pull_sources):
             sources = [s for s in remote_sources(request) if s[2] in self.pull_links]
         ests = [
             estimate_prefill(pred, request, p, sources, allow_pull=bool(sources), disaggregated=disaggregated)

@@ -12,6 +12,10 @@ A completions batch (`prompt` a list of strings or token-id lists) is served as 
 engine sequence per prompt (`{id}-{i}`, its own prefix-cache look-up, KV events and usage), their
 tokens relayed as they come, choice `index` = prompt position, usage summed, and, for a NIXL
 prefill, the first prompt's kv_transfer_params alone on the answer (protocols.py).
+
+Bidirectional NIXL (readback.py): a decode pins its finished requests' KV and names it in a
+non-streamed answer; a prefill handed such a handle pulls it before computing the rest, its
+`modelled` entry then carrying the pulled tokens (`external_tokens`) and their `transfer_s`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -46,6 +49,7 @@ from adapters.emulator.config import EmulatorConfig
 from adapters.emulator.engine import Engine, RemoteWait, Sequence
 from adapters.emulator.kv_content import RemoteKv
 from adapters.emulator.kv_events import KvEventPublisher
+from adapters.emulator.legs import Leg, modelled_times, relay
 from adapters.emulator.metrics import CONTENT_TYPE, EngineMetrics
 from adapters.emulator.openai_format import (
     DONE,
@@ -61,6 +65,7 @@ from adapters.emulator.openai_format import (
 from adapters.emulator.prefix_cache import PrefixCache
 from adapters.emulator.profile import load_profile
 from adapters.emulator.protocols import LegPlan, NixlAnswer, plan_leg
+from adapters.emulator.readback import KvPuller, ReadbackStore
 from adapters.emulator.tracing import EmulatorTracing, request_span
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.vllm_hash import VllmBlockHasher, worker_seed
@@ -95,6 +100,10 @@ class EmulatorApp:
                              time_scale=config.time_scale, noise=config.noise, seed=config.seed)
         self.registry = TransferRegistry()
         self.nixl = NixlAnswer(config.engine_id, config.advertised_host, config.side_channel_port, config.block_size)
+        self.readback = ReadbackStore(self.engine, self.nixl, config.decoder_kv_blocks_ttl) \
+            if config.serves_readback else None
+        self.puller = KvPuller(self._client, config.block_size, config.kv_recompute_threshold,
+                               self.metrics.kv_load_failures.inc) if config.pulls_readback else None
         self.requests: deque[dict[str, Any]] = deque(maxlen=config.request_log_size)
         self.cancelled: deque[str] = deque(maxlen=config.cancelled_log_size)
         self.created = int(time.time())
@@ -108,6 +117,10 @@ class EmulatorApp:
         if self.publisher is not None:
             self.publisher.start()
         self._session = aiohttp.ClientSession()
+
+    def _client(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "startup() not run"
+        return self._session
 
     async def shutdown(self) -> None:
         await self.engine.stop()
@@ -182,7 +195,8 @@ class EmulatorApp:
         return {"role": self.config.role.value, "engine_id": self.config.engine_id,
                 "running": len(self.engine.running), "waiting": len(self.engine.waiting),
                 "waiting_for_remote_kv": self.engine.waiting_for_remote,
-                "cached_blocks": len(self.cache), "kv_usage": self.cache.usage(), "steps": self.engine.steps}
+                "cached_blocks": len(self.cache), "kv_usage": self.cache.usage(), "steps": self.engine.steps,
+                "pinned_for_readback": self.engine.pinned}
 
     async def _read_json(self, receive: Receive, send: Send) -> tuple[bool, Any]:
         try:
@@ -231,16 +245,17 @@ class EmulatorApp:
         response_id = ("chatcmpl-" if chat else "cmpl-") + base_id
         # vLLM's serving_completion: one engine request per prompt, `{request_id}-{i}` in a batch.
         # Every sub-request gets the request's P/D plan, as every vLLM sub-request gets its params.
-        legs = [_Leg(i, f"{response_id}-{i}" if req.batched else response_id,
+        legs = [Leg(i, f"{response_id}-{i}" if req.batched else response_id,
                      plan if i == 0 else dataclasses.replace(plan, publish_key=None))
                 for i in range(len(req.prompts))]
         modelled: list[dict[str, Any] | None] = [None] * len(legs)  # filled at each leg's first token
         record["modelled"] = modelled
         for leg in legs:
             leg.modelled = modelled
+        pull = self.puller.pull(plan.readback) if self.puller is not None and plan.readback is not None else None
         for leg, prompt, max_tokens in zip(legs, req.prompts, req.max_tokens, strict=True):
             leg.seq = self.engine.submit(leg.request_id, prompt, 1 if plan.force_one_token else max_tokens,
-                                         self._remote_wait(plan))
+                                         self._remote_wait(plan), pull=pull, pin_on_finish=self.readback is not None)
         watcher = asyncio.get_running_loop().create_task(self._watch(receive, legs, base_id))
         renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs))
         extra = [(b"x-request-id", base_id.encode())]
@@ -255,7 +270,7 @@ class EmulatorApp:
 
     def _remote_wait(self, plan: LegPlan) -> RemoteWait | None:
         if plan.remote_ready:
-            ready = RemoteKv(plan.remote_seed)
+            ready = RemoteKv(plan.remote_seed, plan.remote_block_ids)
 
             async def nixl_ready() -> RemoteKv:
                 return ready
@@ -269,7 +284,7 @@ class EmulatorApp:
         deadline = self.config.remote_wait_s
         return lambda: wait_for_prefill(session, url, deadline)
 
-    async def _watch(self, receive: Receive, legs: list[_Leg], base_id: str) -> None:
+    async def _watch(self, receive: Receive, legs: list[Leg], base_id: str) -> None:
         """Abort every sequence of the request when the client disconnects before they finished."""
         while True:
             message = await receive()
@@ -282,21 +297,13 @@ class EmulatorApp:
         if live:
             self.cancelled.append(base_id)
 
-    def _first_token(self, leg: _Leg) -> None:
+    def _first_token(self, leg: Leg) -> None:
         """The prompt is computed: publish the transfer key, record the modelled times."""
         self._publish(leg)
-        seq = leg.sequence
         if leg.modelled is not None:
-            prefill = seq.modelled_prefill_s
-            leg.modelled[leg.index] = {
-                "request_id": seq.request_id, "prompt_tokens": seq.prompt_tokens, "cached_tokens": seq.cached_tokens,
-                "external_tokens": seq.external_tokens, "arrival_index": seq.arrival_index,
-                "prefill_step": seq.prefill_step, "queue_s": seq.modelled_queue_s, "prefill_s": prefill,
-                "transfer_s": seq.modelled_transfer_s,
-                "ttft_s": None if prefill is None else seq.modelled_queue_s + prefill,
-            }
+            leg.modelled[leg.index] = modelled_times(leg.sequence)
 
-    def _publish(self, leg: _Leg, *, aborted: bool = False) -> None:
+    def _publish(self, leg: Leg, *, aborted: bool = False) -> None:
         key = leg.plan.publish_key
         if key is not None:
             seq = leg.sequence
@@ -309,43 +316,9 @@ class EmulatorApp:
         return usage(sum(s.prompt_tokens for s in seqs), sum(s.generated for s in seqs),
                      sum(s.cached_tokens + s.external_tokens for s in seqs))
 
-    async def _tokens(self, legs: list[_Leg]) -> AsyncGenerator[tuple[_Leg, int], None]:
-        """(leg, token index) as the engine emits them, interleaved across the legs; publishes a
-        prefill leg's transfer key at its first token."""
-        if len(legs) == 1:  # the common case: no pump tasks on the token path
-            (leg,) = legs
-            queue = leg.sequence.tokens
-            while (k := await queue.get()) is not None:
-                if k == 0:
-                    self._first_token(leg)
-                yield leg, k
-            return
-        merged: asyncio.Queue[tuple[_Leg, int | None]] = asyncio.Queue()
-
-        async def pump(leg: _Leg) -> None:
-            while (k := await leg.sequence.tokens.get()) is not None:
-                merged.put_nowait((leg, k))
-            merged.put_nowait((leg, None))
-
-        loop = asyncio.get_running_loop()
-        pumps = [loop.create_task(pump(leg)) for leg in legs]
-        try:
-            open_legs = len(legs)
-            while open_legs:
-                leg, token = await merged.get()
-                if token is None:
-                    open_legs -= 1
-                    continue
-                if token == 0:
-                    self._first_token(leg)
-                yield leg, token
-        finally:
-            for task in pumps:
-                task.cancel()
-
-    async def _complete(self, send: Send, legs: list[_Leg], renderer: Renderer, plan: LegPlan,
+    async def _complete(self, send: Send, legs: list[Leg], renderer: Renderer, plan: LegPlan,
                         extra: list[tuple[bytes, bytes]]) -> None:
-        async with contextlib.aclosing(self._tokens(legs)) as tokens:
+        async with contextlib.aclosing(relay(legs, self._first_token)) as tokens:
             async for _ in tokens:
                 pass
         seqs = [leg.sequence for leg in legs]
@@ -353,15 +326,20 @@ class EmulatorApp:
             return
         # vLLM puts final_res_batch[0].kv_transfer_params on the response: the first prompt's only.
         first = seqs[0]
-        kv_params = self.nixl.params(first.request_id, first.prompt) if plan.nixl_prefill else None
+        kv_params: dict[str, Any] | None = None
+        if plan.nixl_prefill:
+            cached = first.cached_tokens + first.external_tokens if self.puller is not None else None
+            kv_params = self.nixl.params(first.request_id, first.prompt, first.kv_taint, cached)
+        elif self.readback is not None:
+            kv_params = self.readback.params(first)
         choices = [Choice(seq.kv_seed, seq.generated) for seq in seqs]
         await send_bytes(send, 200, renderer.full(choices, self._usage(seqs), kv_params), headers=extra)
 
-    async def _stream(self, send: Send, legs: list[_Leg], req: ParsedRequest, renderer: Renderer,
+    async def _stream(self, send: Send, legs: list[Leg], req: ParsedRequest, renderer: Renderer,
                       extra: list[tuple[bytes, bytes]]) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra]})
-        async with contextlib.aclosing(self._tokens(legs)) as tokens:
+        async with contextlib.aclosing(relay(legs, self._first_token)) as tokens:
             async for leg, k in tokens:
                 seq = leg.sequence
                 chunk = renderer.chunk(seq.kv_seed, k, k == seq.max_tokens - 1, leg.index)
@@ -373,19 +351,3 @@ class EmulatorApp:
             return
         tail = renderer.usage_chunk(self._usage(seqs)) + DONE if req.include_usage else DONE
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Leg:
-    """One prompt of a request: its position, engine request id, P/D plan and engine sequence."""
-
-    index: int
-    request_id: str
-    plan: LegPlan
-    seq: Sequence | None = None
-    modelled: list[dict[str, Any] | None] | None = None  # the request log's modelled times, one per leg
-
-    @property
-    def sequence(self) -> Sequence:
-        assert self.seq is not None, "submitted in _generate before use"
-        return self.seq

@@ -15,6 +15,7 @@ from adapters.emulator.app import EmulatorApp
 from adapters.emulator.bootstrap import BootstrapApp
 from adapters.emulator.config import EmulatorConfig, _engine_id
 from adapters.emulator.protocols import PdProtocol, Role
+from adapters.emulator.readback import SideChannelApp
 from conductor.core.cli_help import DefaultsHelpFormatter
 from conductor.core.vllm_hash import HASH_ALGOS
 
@@ -51,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote-wait-s", type=float, default=120.0, help="longest a decode waits for its remote prefill")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP/HTTP traces endpoint: one span per request, a child of its traceparent (as vLLM)")
+    p.add_argument("--bidirectional-kv-xfer", action="store_true",
+                   help="NIXL: a decode's KV can be read back by the next turn's prefill (vLLM 0.32 "
+                        "kv_connector_extra_config bidirectional_kv_xfer); a decode serves the reads on "
+                        "--side-channel-port")
+    p.add_argument("--kv-recompute-threshold", type=int, default=64,
+                   help="bidirectional prefill: pull from the decode only this many tokens or more")
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0,
+                   help="bidirectional decode: seconds a finished request's KV stays pinned unread")
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     return p
 
@@ -65,7 +74,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         hash_seed=args.hash_seed, engine_id=args.engine_id or _engine_id(), max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, max_num_seqs=args.max_num_seqs,
         side_channel_port=args.side_channel_port, remote_wait_s=args.remote_wait_s,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, bidirectional_kv_xfer=args.bidirectional_kv_xfer,
+        kv_recompute_threshold=args.kv_recompute_threshold, decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
     )
 
 
@@ -85,22 +95,27 @@ class _QuietServer(uvicorn.Server):
 async def serve(config: EmulatorConfig, log_level: str = "warning") -> None:
     app = EmulatorApp(config)
     main = uvicorn.Server(_uvicorn_config(app, config.host, config.port, log_level))
-    boot: uvicorn.Server | None = None
-    boot_task: asyncio.Task[None] | None = None
+    side: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []  # servers beside the main one
+
+    def beside(side_app: Any, port: int) -> None:
+        server = _QuietServer(_uvicorn_config(side_app, config.host, port, log_level))
+        side.append((server, asyncio.get_running_loop().create_task(server.serve())))
+
     if config.bootstrap_port is not None and config.role is Role.PREFILL:
         worker_addr = f"{config.advertised_host}:{config.side_channel_port}"
-        boot_app = BootstrapApp(app.registry, config.engine_id, worker_addr, config.block_size)
-        boot = _QuietServer(_uvicorn_config(boot_app, config.host, config.bootstrap_port, log_level))
-        boot_task = asyncio.get_running_loop().create_task(boot.serve())
-    log.warning("emulator %s/%s on %s:%d (bootstrap %s, kv events %s)", config.role.value,
+        beside(BootstrapApp(app.registry, config.engine_id, worker_addr, config.block_size), config.bootstrap_port)
+    if app.readback is not None:  # the side channel port a bidirectional decode advertises
+        beside(SideChannelApp(app.readback, config.engine_id), config.side_channel_port)
+    log.warning("emulator %s/%s on %s:%d (bootstrap %s, kv events %s, readback side channel %s)", config.role.value,
                 config.pd_protocol.value, config.host, config.port, config.bootstrap_port,
-                app.publisher.bound_endpoint if app.publisher else None)
+                app.publisher.bound_endpoint if app.publisher else None,
+                config.side_channel_port if app.readback is not None else None)
     try:
         await main.serve()
     finally:
-        if boot is not None and boot_task is not None:
-            boot.should_exit = True
-            await boot_task
+        for server, task in side:
+            server.should_exit = True
+            await task
 
 
 def emulate_main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,19 @@ class EmulatorConfig:
     side_channel_port: int = 5600  # NIXL side channel advertised in kv_transfer_params (VLLM_NIXL_SIDE_CHANNEL_PORT)
     remote_wait_s: float = 120.0  # how long a decode leg waits for its prefill before prefilling locally
     otlp_traces_endpoint: str | None = None  # vLLM's --otlp-traces-endpoint: spans joined to the caller's trace
+    # NixlConnector's kv_connector_extra_config (vLLM 0.32): decode -> prefill readback for multi-turn
+    bidirectional_kv_xfer: bool = False
+    kv_recompute_threshold: int = 64  # a prefill pulls only this many tokens or more
+    decoder_kv_blocks_ttl: float = 480.0  # seconds a decode keeps an unread finished request's KV
+
+    @property
+    def serves_readback(self) -> bool:
+        """A decode whose finished requests' KV a prefill can read back (on its side channel port)."""
+        return self.bidirectional_kv_xfer and self.role is Role.DECODE and self.pd_protocol is PdProtocol.NIXL
+
+    @property
+    def pulls_readback(self) -> bool:
+        return self.bidirectional_kv_xfer and self.role is Role.PREFILL and self.pd_protocol is PdProtocol.NIXL
 
     @property
     def advertised_host(self) -> str:

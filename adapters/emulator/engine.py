@@ -13,6 +13,12 @@ WAITING_FOR_REMOTE_KVS): first for the prefill to be done (`remote_wait`), then 
 the prompt's uncached KV; then the received blocks land in this instance's prefix cache and the
 sequence joins the batch, its first token sampled at the next step.
 
+A prefill leg given a decode's KV to read back (bidirectional NIXL, readback.py) also waits outside
+the loop: its local hit is pinned, the `pull` decides and reads, the transfer of the pulled tokens
+takes its modelled time, the pulled full blocks land in the prefix cache (KV events), and then it
+queues for the prefill of the rest (`preloaded`). A finished sequence marked `pin_on_finish` keeps
+its blocks (a bidirectional decode's KV waiting to be read back) until `unpin`.
+
 Each sequence carries the content seed of the KV it runs on (kv_content.py): its own prompt's, or
 the one its remote prefill reported, which is what the generated text is computed from.
 
@@ -34,7 +40,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from adapters.emulator.kv_content import RemoteKv, content_seed
+from adapters.emulator.kv_content import PulledKv, RemoteKv, Taint, content_seed, received_taint
 from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, events_for
 from adapters.emulator.metrics import EngineMetrics, RequestTimes
 from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
@@ -43,6 +49,9 @@ from conductor.core.vllm_hash import VllmBlockHasher
 
 # Awaited by a remote-KV decode leg before its transfer starts; None means "no remote KV, prefill here".
 RemoteWait = Callable[[], Awaitable[RemoteKv | None]]
+# Awaited by a prefill leg that may read KV back from a decode, given its local hit in tokens; None:
+# nothing pulled (below the threshold, covered, or a load failure), compute it all here.
+KvPull = Callable[["Sequence", int], Awaitable[PulledKv | None]]
 _SPIN_S = 0.0015  # the last stretch of a step is spun on loop.time(): asyncio.sleep overshoots by ~1 ms
 
 
@@ -56,9 +65,12 @@ class Sequence:
     digests: list[bytes]
     arrival: float
     kv_seed: int  # content seed of the KV this sequence runs on: the generated text follows it
+    kv_taint: Taint | None = None  # where its KV stops being its tokens' (kv_content.py); None: clean
     tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     cached_tokens: int = 0  # served from this instance's prefix cache
-    external_tokens: int = 0  # received from a remote prefill
+    external_tokens: int = 0  # received from a remote prefill (or pulled back from a decode)
+    preloaded: bool = False  # external KV already in cache: the prefill step computes only the rest
+    pin_on_finish: bool = False  # keep the blocks after finishing, until `Engine.unpin`
     held_blocks: int = 0  # leading digests this sequence pins in the cache
     generated: int = 0
     scheduled_at: float | None = None
@@ -102,7 +114,9 @@ class Engine:
         self._rng = random.Random(seed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._remote: dict[Sequence, asyncio.Task[None]] = {}  # decode legs waiting for remote KV
+        self._remote: dict[Sequence, asyncio.Task[None]] = {}  # legs waiting for remote KV
+        self._pinned: set[Sequence] = set()  # finished, blocks kept (pin_on_finish)
+        self.on_pinned: Callable[[Sequence], None] | None = None  # told of each sequence pinned
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pending = CacheChanges()
@@ -124,18 +138,23 @@ class Engine:
         self._task = None
 
     # -- requests ----------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int, remote_wait: RemoteWait | None = None) -> Sequence:
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, remote_wait: RemoteWait | None = None,
+               *, pull: KvPull | None = None, pin_on_finish: bool = False) -> Sequence:
         loop = asyncio.get_running_loop()
         seq = Sequence(request_id, prompt, max(1, max_tokens), self.hasher.digests(prompt), loop.time(),
-                       content_seed(prompt), arrival_index=self._arrivals)
+                       content_seed(prompt), arrival_index=self._arrivals, pin_on_finish=pin_on_finish)
         self._arrivals += 1
         if self._step_end is not None:  # it waits for the rest of the step running now
             seq.modelled_queue_s = max(0.0, self._step_end - seq.arrival)
-        if remote_wait is None:
+        if remote_wait is None and pull is None:
             self.waiting.append(seq)
             self._wake.set()
         else:
-            task = loop.create_task(self._receive_remote(seq, remote_wait))
+            if remote_wait is not None:
+                task = loop.create_task(self._receive_remote(seq, remote_wait))
+            else:
+                assert pull is not None
+                task = loop.create_task(self._pull(seq, pull))
             self._remote[seq] = task
             task.add_done_callback(functools.partial(self._remote_done, seq))
         self.metrics.waiting.set(len(self.waiting) + len(self._remote))
@@ -148,6 +167,18 @@ class Engine:
 
     def _remote_done(self, seq: Sequence, _task: asyncio.Task[None]) -> None:
         self._remote.pop(seq, None)
+
+    @property
+    def pinned(self) -> int:
+        """Finished sequences whose blocks are kept for a readback."""
+        return len(self._pinned)
+
+    def unpin(self, seq: Sequence) -> None:
+        """A pinned sequence's KV was read back or expired: its blocks become evictable."""
+        if seq in self._pinned:
+            self._pinned.discard(seq)
+            self._release(seq)
+            self._update_gauges()
 
     def abort(self, seq: Sequence) -> None:
         """The client went away: free the sequence's slot and blocks at once (vLLM aborts likewise)."""
@@ -169,7 +200,7 @@ class Engine:
     def reset_cache(self) -> None:
         """Drop every cached block and announce AllBlocksCleared (vLLM's /reset_prefix_cache)."""
         self.cache.clear()
-        for seq in [*self.running, *self.waiting]:
+        for seq in [*self.running, *self.waiting, *self._remote, *self._pinned]:
             seq.held_blocks = 0
         self._pending = CacheChanges()
         if self.publisher is not None:
@@ -224,6 +255,7 @@ class Engine:
             return
         if remote.seed is not None:  # the KV that arrives is that prompt's, whatever this prompt is
             seq.kv_seed = remote.seed
+            seq.kv_taint = received_taint(remote, seq.prompt, self.cache.block_size)
         hit = self.cache.hit_blocks(seq.digests, seq.prompt_tokens)
         seq.cached_tokens = hit * self.cache.block_size
         seq.external_tokens = seq.prompt_tokens - seq.cached_tokens
@@ -239,6 +271,39 @@ class Engine:
         self._update_gauges()
         self._wake.set()
 
+    async def _pull(self, seq: Sequence, pull: KvPull) -> None:
+        """A prefill leg reading KV back from a decode, then queueing for the prefill of the rest."""
+        loop = asyncio.get_running_loop()
+        size = self.cache.block_size
+        hit = self.cache.hit_blocks(seq.digests, seq.prompt_tokens)
+        self.cache.acquire(seq.digests[:hit])  # held across the transfer, as vLLM allocates before loading
+        seq.held_blocks = hit
+        pulled = await pull(seq, hit * size)
+        if seq.aborted:
+            return
+        if pulled is not None:
+            seq.modelled_queue_s = 0.0  # the wait before the transfer is the transfer's, not the queue's
+            seq.modelled_transfer_s = self.scaled(self.profile.transfer_s(pulled.tokens))
+            await self.sleep_until(loop.time() + seq.modelled_transfer_s)
+            if seq.aborted:
+                return
+            # a reset during the transfer dropped the local hit: what is held now is where to insert from
+            start = seq.held_blocks
+            end = (hit * size + pulled.tokens) // size  # only full blocks are cached
+            held, changes = self.cache.insert(seq.digests[:end], seq.prompt, start)
+            seq.held_blocks = start + held
+            self._pending.extend(changes)
+            self._flush_events()  # the pulled blocks are announced when they land
+            seq.cached_tokens, seq.external_tokens = start * size, pulled.tokens
+            seq.kv_taint, seq.kv_seed = pulled.taint, pulled.seed
+            seq.preloaded = True
+            if self._step_end is not None:
+                seq.modelled_queue_s = max(0.0, self._step_end - loop.time())
+        else:  # prefilled like any request: the step takes its own hit
+            self._release(seq)
+        self.waiting.append(seq)
+        self._wake.set()
+
     def _emit(self, seq: Sequence, now: float) -> None:
         """One token for `seq`; finishes it at max_tokens."""
         if seq.first_token_at is None:
@@ -252,7 +317,11 @@ class Engine:
         self.metrics.generation_tokens.inc()
         if seq.generated >= seq.max_tokens:
             seq.finished = True
-            self._release(seq)
+            if seq.pin_on_finish and self.on_pinned is not None:
+                self._pinned.add(seq)
+                self.on_pinned(seq)  # before the end of the token stream: the answer can name the pin
+            else:
+                self._release(seq)
             seq.tokens.put_nowait(None)
             scheduled = seq.scheduled_at if seq.scheduled_at is not None else seq.arrival
             self.metrics.finished(
@@ -277,16 +346,21 @@ class Engine:
             prefill: Sequence | None = None
             if self.waiting and len(self.running) < profile.max_num_seqs:
                 prefill = self.waiting.popleft()
-                hit = self.cache.hit_blocks(prefill.digests, prefill.prompt_tokens)
-                prefill.cached_tokens = hit * self.cache.block_size
                 prefill.scheduled_at = start
-                self._admit(prefill, hit)
-                self.metrics.prompt(prefill.prompt_tokens, prefill.cached_tokens, 0)
+                if prefill.preloaded:  # its hit and pulled blocks are held: cache the rest
+                    held, changes = self.cache.insert(prefill.digests, prefill.prompt, prefill.held_blocks)
+                    prefill.held_blocks += held
+                    self._pending.extend(changes)
+                else:
+                    hit = self.cache.hit_blocks(prefill.digests, prefill.prompt_tokens)
+                    prefill.cached_tokens = hit * self.cache.block_size
+                    self._admit(prefill, hit)
+                self.metrics.prompt(prefill.prompt_tokens, prefill.cached_tokens, prefill.external_tokens)
             batch = list(self.running)
             duration = 0.0
             if prefill is not None:
-                new = prefill.prompt_tokens - prefill.cached_tokens
-                duration += profile.prefill_s(new, prefill.cached_tokens)
+                have = prefill.cached_tokens + prefill.external_tokens
+                duration += profile.prefill_s(prefill.prompt_tokens - have, have)
             if batch:
                 kv = sum(s.prompt_tokens + s.generated for s in batch)
                 step = profile.decode_step_s(len(batch), kv)

@@ -66,6 +66,9 @@ class EngineMetrics:
         self.tokens_local_compute = by_source.labels(*values, "local_compute")
         self.tokens_cache_hit = by_source.labels(*values, "local_cache_hit")
         self.tokens_external = by_source.labels(*values, "external_kv_transfer")
+        # emulator-only: bidirectional NIXL readbacks that found no KV (recomputed instead)
+        self.kv_load_failures = counter("emulator:kv_load_failures",
+                                        "KV loads from a remote engine that failed and were recomputed.")
         self._success = Counter(
             "vllm:request_success", "Count of successfully processed requests.", (*labels, "finished_reason"),
             registry=r,

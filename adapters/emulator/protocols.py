@@ -28,6 +28,29 @@ decode given one set of params pulls that one KV for every prompt. A batched Moo
 prefill shares one transfer key among its prompts: the emulator lets the first prompt own the key
 (`LegPlan.publish_key` is used by sub-request 0 only), so a batched decode waiting on the key gets
 the first prompt's KV for every prompt.
+
+Bidirectional NIXL (vLLM 0.32, `kv_connector_extra_config.bidirectional_kv_xfer`; readback.py):
+- A decode with it on pins every normally finished request's KV and answers a non-streamed request
+  with `{do_remote_prefill: false, do_remote_decode: true, remote_block_ids: [[...]] (the sequence's
+  blocks from position 0), remote_engine_id, remote_request_id, remote_host, remote_port, tp_size,
+  dcp_size, pp_size, remote_num_tokens (prompt + generated - 1, the computed tokens),
+  remote_blocks_expiry_time (the decode process's perf_counter() at expiry), transfer_mode: "pull"}`.
+  A streamed answer carries none (its blocks are pinned all the same, until the TTL).
+- The next turn's prefill request carries `{do_remote_decode: true, do_remote_prefill: false,
+  remote_block_ids: [[first k]], remote_engine_id, remote_request_id, remote_host, remote_port,
+  tp_size, remote_num_tokens: N}`. With all of remote_engine_id/request_id/host/port and block ids
+  present, a bidirectional prefill pulls `min(N, prompt) - local hit` tokens when that is > 0 and
+  >= kv_recompute_threshold, else nothing; either way the decode's pin is then released. Its own
+  answer adds `remote_prefill_cached_tokens` (local hit + pulled).
+- The wire (emulator-only, standing in for NIXL's side channel + RDMA read): the decode serves HTTP
+  on its advertised side channel port (`remote_host:remote_port`, `--side-channel-port`), and the
+  prefill calls `POST /emulator/kv/{remote_request_id}/read` with `{"engine_id", "first_block",
+  "num_tokens"}`: 200 `{"block_ids": [...]}` (the content ids of the pinned sequence's blocks
+  `first_block..` up to token `num_tokens`, the last one cut there; the pin is released: single
+  use), or 404 when the pin is gone (expired, read, unknown) or 409 on an engine id mismatch, which
+  the prefill treats as a KV load failure and recomputes. `num_tokens: 0` only releases the pin
+  (NIXL's free notification when nothing is pulled). The block ids the request carries are not used
+  as addresses: what is read is the pinned KV of `remote_request_id`, at the positions pulled.
 """
 
 from __future__ import annotations
@@ -37,7 +60,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from adapters.emulator.kv_content import content_block_ids, seed_from_block_ids
+from adapters.emulator.kv_content import Taint, content_block_ids, held_block_ids, seed_from_block_ids
 from conductor.core.types import Role
 
 
@@ -65,9 +88,46 @@ class KvTransferFields:
     bootstrap_host: str = "bootstrap_host"
     bootstrap_port: str = "bootstrap_port"
     bootstrap_room: str = "bootstrap_room"
+    dcp_size: str = "dcp_size"
+    pp_size: str = "pp_size"
+    remote_blocks_expiry_time: str = "remote_blocks_expiry_time"
+    transfer_mode: str = "transfer_mode"
+    remote_prefill_cached_tokens: str = "remote_prefill_cached_tokens"
 
 
 FIELDS = KvTransferFields()
+
+
+@dataclass(frozen=True, slots=True)
+class ReadbackHandle:
+    """A prefill request's pointer to a decode's pinned KV (bidirectional NIXL)."""
+
+    request_id: str
+    engine_id: str
+    host: str
+    port: int
+    num_blocks: int  # len(remote_block_ids[-1]): the blocks the router lets it read
+    num_tokens: int | None  # remote_num_tokens; None: as many as the blocks hold
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/emulator/kv/{self.request_id}/read"
+
+
+def _readback(params: Mapping[str, Any]) -> ReadbackHandle | None:
+    f = FIELDS
+    ids = params.get(f.remote_block_ids)
+    group = ids[-1] if isinstance(ids, list) and ids and isinstance(ids[-1], list) else ids
+    engine, request, host, port = (params.get(k) for k in (f.remote_engine_id, f.remote_request_id,
+                                                           f.remote_host, f.remote_port))
+    if not isinstance(group, list) or not group or None in (engine, request, host, port):
+        return None
+    tokens = params.get(f.remote_num_tokens)
+    try:
+        num_tokens = int(tokens) if tokens is not None else None
+        return ReadbackHandle(str(request), str(engine), str(host), int(str(port)), len(group), num_tokens)
+    except (TypeError, ValueError):  # a port or token count that is no number: no readback
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +144,11 @@ class LegPlan:
     wait_url: str | None = None
     remote_ready: bool = False
     remote_seed: int | None = None
+    remote_block_ids: tuple[int, ...] | None = None  # a NIXL decode's ids (the last KV cache group)
     publish_key: str | None = None
     nixl_prefill: bool = False
     force_one_token: bool = False
+    readback: ReadbackHandle | None = None  # a NIXL prefill may pull this decode's KV (bidirectional)
 
     @property
     def remote_decode(self) -> bool:
@@ -131,11 +193,14 @@ def plan_leg(role: Role, protocol: PdProtocol, body: Mapping[str, Any]) -> LegPl
         return LegPlan()
     # NIXL
     if role is Role.PREFILL and params.get(f.do_remote_decode):
-        return LegPlan(nixl_prefill=True, force_one_token=True)
+        return LegPlan(nixl_prefill=True, force_one_token=True, readback=_readback(params))
     if role is Role.DECODE and params.get(f.do_remote_prefill) and params.get(f.remote_block_ids):
         needed = (f.remote_engine_id, f.remote_request_id, f.remote_host, f.remote_port)
         if all(params.get(k) is not None for k in needed):
-            return LegPlan(remote_ready=True, remote_seed=seed_from_block_ids(params.get(f.remote_block_ids)))
+            ids = params.get(f.remote_block_ids)
+            group = ids[-1] if isinstance(ids, list) and ids and isinstance(ids[-1], list) else ids
+            block_ids = tuple(group) if isinstance(group, list) and all(type(b) is int for b in group) else None
+            return LegPlan(remote_ready=True, remote_seed=seed_from_block_ids(ids), remote_block_ids=block_ids)
     return LegPlan()
 
 
@@ -152,16 +217,43 @@ class NixlAnswer:
         self.port = side_channel_port
         self.block_size = block_size
 
-    def params(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
+    def params(self, request_id: str, prompt: list[int], taint: Taint | None = None,
+               cached_tokens: int | None = None) -> dict[str, Any]:
+        """A prefill's answer; `taint`: its KV is not all its prompt's (a wrong readback);
+        `cached_tokens`: a bidirectional prefill reports its local hit + pulled tokens."""
         f = FIELDS
-        return {
+        ids = content_block_ids(prompt, self.block_size) if taint is None else \
+            held_block_ids(prompt, self.block_size, taint)
+        out: dict[str, Any] = {
             f.do_remote_prefill: True,
             f.do_remote_decode: False,
-            f.remote_block_ids: [content_block_ids(prompt, self.block_size)],
+            f.remote_block_ids: [ids],
             f.remote_engine_id: self.engine_id,
             f.remote_request_id: request_id,
             f.remote_host: self.host,
             f.remote_port: self.port,
             f.tp_size: 1,
             f.remote_num_tokens: len(prompt),
+        }
+        if cached_tokens is not None:
+            out[f.remote_prefill_cached_tokens] = cached_tokens
+        return out
+
+    def decode_params(self, request_id: str, block_ids: list[int], num_tokens: int, expiry: float) -> dict[str, Any]:
+        """A bidirectional decode's answer: where the next turn's prefill can read its KV back."""
+        f = FIELDS
+        return {
+            f.do_remote_prefill: False,
+            f.do_remote_decode: True,
+            f.remote_block_ids: [block_ids],
+            f.remote_engine_id: self.engine_id,
+            f.remote_request_id: request_id,
+            f.remote_host: self.host,
+            f.remote_port: self.port,
+            f.tp_size: 1,
+            f.dcp_size: 1,
+            f.pp_size: 1,
+            f.remote_num_tokens: num_tokens,
+            f.remote_blocks_expiry_time: expiry,
+            f.transfer_mode: "pull",
         }

@@ -58,6 +58,9 @@ class Outgoing:
     request_id: str  # the gateway's own id: unique, the only id workers and internal tables see
     stream: bool
     client_request_id: str = ""  # the client's X-Request-ID (checked), echoed back, never a key
+    # kv_transfer_params the prefill leg adds to its usual ones: a pull the decision planned (NIXL
+    # readback of a decode's pinned KV, conductor/readback.py); None: no pull
+    pull: Mapping[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +77,9 @@ class Exchange:
     prefill_cached_tokens: int | None = None  # as the prefill worker reported
     prefill_failed: BaseException | None = None
     pending: list[asyncio.Task[Any]] = field(default_factory=list)
+    # the decode's own kv_transfer_params, taken off its answer before the client sees it: where a
+    # bidirectional NIXL decode keeps the request's KV for a later readback
+    decode_kv_params: Any = None
 
     def abort(self) -> None:
         """Cancel every leg still in flight: the workers see their connections close."""

@@ -3,9 +3,16 @@
 Prefill first: the prefill leg asks the connector to keep the KV for a remote decode and generates
 one token; the `kv_transfer_params` of its answer (remote_engine_id, remote_block_ids, remote_host,
 remote_port, ...) go to the decode leg verbatim, and the decode leg pulls the KV and streams.
+
+Bidirectional transfer (vLLM 0.32, `bidirectional_kv_xfer`): a decode's non-streamed answer then
+carries its own `kv_transfer_params` (where the request's KV stays pinned). They are taken off the
+answer here (workers' addresses are not the client's business) and handed to the gateway as
+`Exchange.decode_kv_params`; a later prefill leg given `Outgoing.pull` pulls from them.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from adapters.pd.base import (
     Exchange,
@@ -14,6 +21,7 @@ from adapters.pd.base import (
     Target,
     cached_tokens_of,
     check_leg,
+    decode_json,
     encode_json,
     open_leg,
     prefill_body,
@@ -37,13 +45,24 @@ class NixlProtocol(NoBootstrap):
     async def exchange(self, out: Outgoing, prefill: Target, decode: Target | None) -> Exchange:
         if decode is None:
             raise ValueError("nixl needs a decode instance")
-        reply = await prefill.upstream.post(out.path, encode_json(prefill_body(out.body, PREFILL_PARAMS)), out.headers)
+        params = PREFILL_PARAMS if out.pull is None else {**PREFILL_PARAMS, **out.pull}
+        reply = await prefill.upstream.post(out.path, encode_json(prefill_body(out.body, params)), out.headers)
         answer = check_leg(reply, prefill, "prefill")
         decode_body = dict(out.body)
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        if params:
-            decode_body["kv_transfer_params"] = params
+        handed = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if handed:
+            decode_body["kv_transfer_params"] = handed
         exchange = await open_leg(decode, out, decode_body)
+        reply_d = exchange.reply
+        # a cheap look first: only a bidirectional decode's answer names remote block ids
+        if reply_d is not None and reply_d.status == 200 and b'"remote_block_ids"' in reply_d.body:
+            try:
+                body = decode_json(reply_d.body)
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("kv_transfer_params"):
+                exchange.decode_kv_params = body.pop("kv_transfer_params")
+                exchange.reply = replace(reply_d, body=encode_json(body))
         exchange.prefill_s = reply.elapsed_s
         exchange.prefill_cached_tokens = cached_tokens_of(answer)
         return exchange

@@ -63,6 +63,12 @@ class RequestView:
     store_cached_tokens: int = 0  # leading tokens present in the pooled store (Mooncake Store)
     slo: Slo = Slo()
     stream: bool = False
+    # Where a prefill could pull a cached prefix from, and how many leading tokens: instance id ->
+    # tokens. The gateway lists only pulls it can carry out (a NIXL decode's readback of the last
+    # turn, conductor/readback.py); empty when the cluster has no pull mechanism. None: every
+    # instance in `cached` is a source (a cluster whose instances pull from each other, as the
+    # simulator's peer-pull mode models).
+    pull_sources: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

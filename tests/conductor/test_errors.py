@@ -149,19 +149,20 @@ def test_api_key_401() -> None:
 
 
 def test_inflight_limit_503_without_queueing() -> None:
-    import threading
+    from tests.support.waiting import wait_for
 
+    # the first request holds the only slot for as long as this test keeps its stream open (up to
+    # 400 tokens at 50 ms: far longer than the test needs, however busy the machine)
     with cluster("nixl", max_inflight_requests=1, standin={"decode": {"token_delay_s": 0.05}}) as c:
-        slow = threading.Thread(target=lambda: httpx.post(
-            c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40, "stream": True},
-            timeout=20))
-        slow.start()
-        from tests.support.waiting import wait_for
-
-        assert wait_for(lambda: c.gateway.inflight == 1)
-        r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
-        err = _assert_openai_error(r, 503)
-        assert err["code"] == "overloaded" and r.headers["retry-after"] == "1"
-        slow.join()
-        assert c.gateway.inflight == 0
+        with httpx.stream("POST", c.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "x", "max_tokens": 400, "stream": True}) as slow:
+            assert slow.status_code == 200
+            chunks = slow.iter_bytes()  # kept: a dropped iterator would close the stream
+            next(chunks)  # answering: admitted and in flight
+            assert c.gateway.inflight == 1
+            r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+            err = _assert_openai_error(r, 503)
+            assert err["code"] == "overloaded" and r.headers["retry-after"] == "1"
+        # the client went away: the slot is given back
+        assert wait_for(lambda: c.gateway.inflight == 0, 10.0)
         assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 200

@@ -288,6 +288,23 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def pd_connector(protocol: str, role: str, **extra: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """--kv-transfer-config and environment of one engine of a P/D pair (RUNBOOK, "P/D between two
+    CPU vLLM instances"); `extra`: the connector's kv_connector_extra_config. vLLM 0.32 deprecates
+    kv_both for NixlConnector: producer and consumer it is."""
+    if protocol == "nixl":
+        config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
+        if extra:
+            config["kv_connector_extra_config"] = extra
+        return (config, {"VLLM_HOST_IP": "127.0.0.1", "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
+                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+    return ({"kv_connector": "MooncakeConnector", "kv_role": role,
+             "kv_connector_extra_config": {"mooncake_protocol": "tcp", **extra}},
+            {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
+             # the connector asks torch for the accelerator's index; launch_vllm.py answers 0 on a CPU torch
+             "E2E_VLLM_CPU_DEVICE_INDEX": "1"})
+
+
 @dataclass
 class MixedEngines:
     """Two mixed engines with KV events on, prefix caching with `hash_algo` and PYTHONHASHSEED HASH_SEED."""

@@ -118,9 +118,9 @@ class _LogLines(logging.Handler):
 def run_gateway(**overrides: Any) -> Iterator[GatewayUnderTest]:
     # health probes every second, but patient ones: on a machine whose cores are saturated (four
     # engines and the tests on two cores) an engine's /health can take seconds to answer, and
-    # these tests are not about ejecting engines
+    # these tests are not about ejecting engines (nor connect timeouts)
     settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, "health_timeout_s": 15.0,
-                                                    "unhealthy_after": 4, **overrides})
+                                                    "unhealthy_after": 4, "connect_timeout_s": 30.0, **overrides})
     gateway = Gateway(settings)
     with serve(create_app(gateway)) as server:
         gut = GatewayUnderTest(url=server.url, gateway=gateway, server=server)

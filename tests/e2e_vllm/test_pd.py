@@ -25,6 +25,7 @@ from tests.e2e_vllm.engines import (
     MODEL_NAME,
     Engine,
     choice_outputs,
+    pd_connector,
     python_imports,
     start_all,
     stop_all,
@@ -32,7 +33,6 @@ from tests.e2e_vllm.engines import (
     words,
 )
 from tests.e2e_vllm.gateway import GatewayUnderTest, run_gateway
-from tests.support.servers import free_port
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(900)  # a pair starts inside the first test's setup
@@ -49,20 +49,6 @@ class PD:
     gw: GatewayUnderTest
 
 
-def _connector(protocol: str, role: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """--kv-transfer-config and environment of one engine of the pair (RUNBOOK, "P/D between two CPU
-    vLLM instances"). vLLM 0.32 deprecates kv_both for NixlConnector: producer and consumer it is."""
-    if protocol == "nixl":
-        return ({"kv_connector": "NixlConnector", "kv_role": role},
-                {"VLLM_HOST_IP": "127.0.0.1", "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
-                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-    return ({"kv_connector": "MooncakeConnector", "kv_role": role,
-             "kv_connector_extra_config": {"mooncake_protocol": "tcp"}},
-            {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
-             # the connector asks torch for the accelerator's index; launch_vllm.py answers 0 on a CPU torch
-             "E2E_VLLM_CPU_DEVICE_INDEX": "1"})
-
-
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
 def pd(request: pytest.FixtureRequest, vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[PD]:
     protocol: str = request.param
@@ -72,7 +58,7 @@ def pd(request: pytest.FixtureRequest, vllm_python: str, tiny_model: Path, e2e_d
         pytest.skip(f"{protocol}: `import {needed}` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
     engines = []
     for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
-        config, env = _connector(protocol, role)
+        config, env = pd_connector(protocol, role)
         engines.append(Engine(f"{protocol}-{kind}", vllm_python, tiny_model, e2e_dir / protocol, core=core,
                               hash_algo="sha256", kv_events=kind == "prefill", kv_transfer_config=config,
                               extra_env=env))

@@ -94,6 +94,21 @@ def test_no_pull_option(params: PredictorParams) -> None:
     assert d.pull_tokens == 0 and d.pull_from is None
 
 
+def test_only_pulls_the_cluster_can_carry_out_are_planned(params: PredictorParams) -> None:
+    # the same busy holder as above; the gateway says no instance can be pulled from (no mechanism)
+    cluster = snapshot(prefill("p0", queued=4), prefill("p1"), decode("d0"))
+    d = policy(params).decide(replace(request(cached={"p0": 6144}), pull_sources={}), cluster)
+    assert d.pull_from is None and d.pull_tokens == 0
+    p1 = d.candidates[1]
+    assert p1.detail["cached_tokens"] == 0 and p1.detail["transfer_s"] == 0
+    # a decode's readback of the last turn is offered: the idle prefill pulls from it, not from p0
+    d = policy(params).decide(replace(request(cached={"p0": 6144}), pull_sources={"d0": 6144}), cluster)
+    assert (d.prefill, d.pull_from, d.pull_tokens) == ("p1", "d0", 6144)
+    # and with the prefix offered by the decode, a prefill that holds none of it pulls it
+    d = policy(params).decide(replace(request(), pull_sources={"d0": 4096}), snapshot(prefill("p0"), decode("d0")))
+    assert (d.pull_from, d.pull_tokens) == ("d0", 4096)
+
+
 def test_decode_with_lowest_predicted_tbt(params: PredictorParams) -> None:
     cluster = snapshot(prefill("p0"), decode("d0", streams=64, remaining=5000), decode("d1", streams=8))
     d = policy(params).decide(request(), cluster)

@@ -1,0 +1,134 @@
+"""A prefix pulled for real: the next turn's prefill reads the last turn's KV back from the decode.
+
+vLLM 0.32's NixlConnector with `bidirectional_kv_xfer` keeps a finished request's KV pinned on the
+decode and says where in its answer; the gateway files that (conductor/readback.py), and when the
+next turn's prompt starts with the last one, offers the policy a pull from that decode. Here the
+prefill engine's own cache is emptied between the turns (what a prefill that never saw the
+conversation, or evicted it, holds), so the only way to a cache hit is the pull: the prefill counts
+the tokens as `external_kv_transfer`, reports them cached, and the index predicted exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e_vllm.engines import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    Engine,
+    choice_outputs,
+    metric_sum,
+    pd_connector,
+    python_imports,
+    start_all,
+    stop_all,
+    words,
+)
+from tests.e2e_vllm.gateway import GatewayUnderTest, run_gateway
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+GEN = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+# vLLM skips a pull shorter than this; low enough for the tiny prompts here
+RECOMPUTE_THRESHOLD = 32
+
+
+@dataclass
+class Pair:
+    prefill: Engine
+    decode: Engine
+    gw: GatewayUnderTest
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Pair]:
+    missing = python_imports(vllm_python, "nixl._api")
+    if missing is not None:
+        pytest.skip(f"nixl: `import nixl._api` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
+    extra = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": RECOMPUTE_THRESHOLD}
+    engines = []
+    for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
+        config, env = pd_connector("nixl", role, **extra)
+        engines.append(Engine(f"readback-{kind}", vllm_python, tiny_model, e2e_dir / "readback", core=core,
+                              hash_algo="sha256", kv_events=kind == "prefill", kv_transfer_config=config,
+                              extra_env=env))
+    p, d = engines
+    start_all(engines)
+    try:
+        with run_gateway(pd_protocol="nixl", prefill=[{"url": p.url, "kv_events_endpoint": p.events_endpoint}],
+                         decode=[d.url], policy="kvcache_aware", block_size=BLOCK_SIZE,
+                         kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model),
+                             "vllm_hash_algo": "sha256"}) as gw:
+            yield Pair(p, d, gw)
+    finally:
+        stop_all(engines)
+
+
+def readbacks(gw: GatewayUnderTest, event: str) -> float:
+    return metric_sum(httpx.get(gw.url + "/metrics", timeout=10).text, "conductor_pd_readback_total", event=event)
+
+
+def forget_on_prefill(pair: Pair, prompt: str) -> None:
+    """Empty the prefill engine's prefix cache and wait until the index knows it holds nothing."""
+    assert pair.prefill.post("/reset_prefix_cache", {}) == {"success": True}
+    pair.prefill.post("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 1})  # publishes it
+    ids = pair.prefill.post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})["tokens"]
+    keys = pair.gw.keys_of(ids)
+    assert wait_for(lambda: "prefill-0" not in pair.gw.index_match(keys), 10.0), pair.gw.index_match(keys)
+
+
+def test_the_next_turn_pulls_the_last_turns_kv_from_the_decode(pair: Pair) -> None:
+    gw = pair.gw
+    turn1 = words(2101, 300)  # 301 tokens with BOS: 9 full blocks
+    first, obs1 = gw.post("/v1/completions", {**GEN, "prompt": turn1})
+    assert "kv_transfer_params" not in first or first["kv_transfer_params"] is None, \
+        "the decode's readback params (worker addresses) reached the client"
+    assert readbacks(gw, "recorded") == 1
+    forget_on_prefill(pair, turn1)
+
+    turn2 = turn1 + " " + words(2102, 60)  # 361 tokens, starting with all of turn 1's prompt
+    before = pair.prefill.prompt_tokens_by_source()
+    second, obs2 = gw.post("/v1/completions", {**GEN, "prompt": turn2})
+    record = json.loads(gw.decisions[-1])
+    assert record["pull_from"] == "decode-0", record
+    pulled = 9 * BLOCK_SIZE
+    assert wait_for(lambda: pair.prefill.prompt_tokens_by_source()["external_kv_transfer"]
+                    - before["external_kv_transfer"] == pulled, 10.0), (before, pair.prefill.prompt_tokens_by_source())
+    after = pair.prefill.prompt_tokens_by_source()
+    assert after["local_compute"] - before["local_compute"] == 361 - pulled
+    # predicted = what the worker reported: the pull is a cache hit the index promised and got
+    assert obs2.cached_tokens == obs2.predicted_cached_tokens == pulled
+    assert readbacks(gw, "pulled") == 1
+    # and the pulled KV is the right one: the answer is the engine's own for that prompt
+    forget_on_prefill(pair, turn2)
+    direct = pair.prefill.post("/v1/completions", {**GEN, "prompt": turn2})
+    assert choice_outputs(second) == choice_outputs(direct)
+    assert obs1.decode == obs2.decode == "decode-0"
+
+
+def test_a_handle_serves_once_and_a_streamed_turn_leaves_none(pair: Pair) -> None:
+    gw = pair.gw
+    turn1 = words(2201, 200)
+    gw.post("/v1/completions", {**GEN, "prompt": turn1})
+    recorded, pulled = readbacks(gw, "recorded"), readbacks(gw, "pulled")
+    forget_on_prefill(pair, turn1)
+    gw.post("/v1/completions", {**GEN, "prompt": turn1 + " " + words(2202, 40)})
+    assert readbacks(gw, "pulled") == pulled + 1
+    # the same next turn again: the handle is spent (the decode freed those blocks), so no pull;
+    # the prefill has the prefix from the first try by now, which the index predicts instead
+    forget_on_prefill(pair, turn1)
+    _, obs = gw.post("/v1/completions", {**GEN, "prompt": turn1 + " " + words(2203, 40)})
+    assert json.loads(gw.decisions[-1])["pull_from"] != "decode-0"
+    assert obs.cached_tokens == obs.predicted_cached_tokens
+    # a streamed answer carries no kv_transfer_params (vLLM sends them only on full answers)
+    stream_turn = words(2204, 200)
+    raw, _ = gw.stream("/v1/completions", {**GEN, "prompt": stream_turn, "stream": True})
+    assert "remote_block_ids" not in raw
+    assert readbacks(gw, "recorded") == recorded + 1  # the second turn's own answer, not the stream
