@@ -28,10 +28,11 @@ class GatewayMetrics:
         )
         self.readback = Counter(
             "conductor_pd_readback", "Decode readbacks (NIXL bidirectional KV transfer): handles recorded from decode "
-            "answers, unusable ones, pulls handed to a prefill, and handles another request took first",
+            "answers, unusable ones, pulls handed to a prefill, handles another request took first, and pulls that failed "
+            "(the prefill then computed the prefix itself)",
             ["event"], registry=r,
         )
-        for event in ("recorded", "unusable", "pulled", "lost"):
+        for event in ("recorded", "unusable", "pulled", "lost", "failed"):
             self.readback.labels(event)
         self.cancelled = Counter(
             "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r

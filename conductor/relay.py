@@ -105,6 +105,7 @@ class Dispatch:
     predicted_cached: int  # leading tokens the prefill instance holds: its cache, or after the pull
     # kv_transfer_params of the decode readback the prefill pulls (the decision's pull), else None
     pull: dict[str, Any] | None = None
+    local_cached: int = 0  # what the prefill instance holds itself (predicted_cached without the pull)
 
     def end(self, gw: Gateway) -> None:
         """Its load leaves the registry (whatever happened)."""
@@ -147,7 +148,8 @@ async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientS
             pull = handle.params(tokens // size, size)
             predicted = max(predicted, tokens)
             gw.metrics.readback.labels("pulled").inc()
-    d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, predicted, pull)
+    d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, predicted, pull,
+                 cached.tokens if cached else 0)
     gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted)
     gw.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
     await gw.analyzer.on_dispatch(analysis, decision)
@@ -178,8 +180,22 @@ async def run_attempt(
         try:
             exchange = await gw.protocol.exchange(out, prefill, decode)
         except UpstreamError as exc:
-            count_failure(gw, exc)
-            raise
+            if not pull_failed(out, exc, prefill.name):
+                count_failure(gw, exc)
+                raise
+            # the prefill could not read the decode's KV (a NIXL handshake or transfer failure fails
+            # the request there, vLLM's default kv_load_failure_policy): not the prefill's fault, and
+            # nothing was computed, so the same prefill computes the prefix itself instead
+            gw.metrics.readback.labels("failed").inc()
+            log.warning("request %s: %s could not pull the prefix from %s (%s); computing it there instead",
+                        request_id, prefill.name, routed.decision.pull_from, exc)
+            out = replace(out, pull=None)
+            predicted_cached = d.local_cached
+            try:
+                exchange = await gw.protocol.exchange(out, prefill, decode)
+            except UpstreamError as again:
+                count_failure(gw, again)
+                raise
         if exchange.prefill_s is not None:  # sequential prefill (nixl) is over
             gw.registry.end_prefill(prefill.name, request_id)
             gw.registry.mark_decoding(decode_name, request_id)
@@ -264,6 +280,11 @@ async def run_attempt(
             ok=ok,
             reported_prompt_tokens=stats.usage_prompt_tokens,  # the worker's count: tells a tokenizer mismatch
         ))
+
+
+def pull_failed(out: Outgoing, exc: UpstreamError, prefill: str) -> bool:
+    """A prefill leg that carried a pull answered 5xx: the pull may be what failed."""
+    return out.pull is not None and exc.instance == prefill and (exc.upstream_status or 0) >= 500
 
 
 def keep_readback(gw: Gateway, decode: str, prompt_keys: tuple[int, ...], params: Any) -> None:

@@ -341,7 +341,7 @@ def _gateway_rows() -> tuple[Row, ...]:
                   (Target(f"sum by (event) ({rate('conductor_pd_readback_total')})", "{{event}}"),),
                   "ops", description="NIXL bidirectional transfer: decode answers whose pinned KV the gateway "
                   "kept (recorded), could not use (unusable), handed to the next turn's prefill to pull (pulled), "
-                  "or lost to another request first (lost)."),
+                  "lost to another request first (lost), or whose pull failed and was computed instead (failed)."),
         )),
     )
 

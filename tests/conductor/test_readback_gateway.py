@@ -24,6 +24,8 @@ from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.kv_awareness import KVAwareAnalyzer
 from conductor.settings import load_settings
+from policies.registry import load_policy
+from tests.support.cluster import cluster
 from tests.support.emulator import Emulator, free_port, start_emulator
 from tests.support.servers import ServerThread, serve
 from tests.support.waiting import wait_for
@@ -172,3 +174,25 @@ def test_a_prompt_that_leaves_the_last_turn_early_gets_no_pull(setup: Setup, dec
     alone = httpx.post(s.mixed.url + "/v1/completions", timeout=30, json={
         "model": "tiny", "prompt": other, "max_tokens": 4, "ignore_eos": True}).json()
     assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_a_failed_pull_is_computed_on_the_same_prefill_instead() -> None:
+    # stand-ins: a decode that offers readbacks, a prefill whose every pull fails (vLLM answers 500
+    # under its default kv_load_failure_policy "fail"); the gateway's own dispatch guesses expire at
+    # once, so nothing but the decode holds turn 1's prefix and the policy plans the pull
+    with cluster("nixl", n_prefill=1, n_decode=1, policy=load_policy("kvcache_aware"), standin={
+            "prefill": {"fail_pulls": 500}, "decode": {"bidirectional": True}},
+            block_size=BLOCK, kv={"enabled": True, "unconfirmed_ttl_s": 0.001}) as c:
+        turn1 = "Tell me about the weather in Lisbon in spring. " * 20
+        first = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": turn1, "max_tokens": 4})
+        assert first.status_code == 200 and first.json().get("kv_transfer_params") is None
+        turn2 = turn1 + "And in autumn?"
+        r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": turn2, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        legs = [b for b in c.prefills[0].bodies() if b["prompt"] == turn2]
+        assert [bool(b["kv_transfer_params"].get("remote_block_ids")) for b in legs] == [True, False]
+        assert legs[0]["kv_transfer_params"]["remote_engine_id"] == "engine-0"
+        metrics = httpx.get(c.url + "/metrics").text
+        assert 'conductor_pd_readback_total{event="failed"} 1.0' in metrics
+        assert 'conductor_pd_readback_total{event="pulled"} 1.0' in metrics
+        assert 'conductor_upstream_errors_total{instance="prefill-0",kind="status"} 0.0' in metrics

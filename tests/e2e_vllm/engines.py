@@ -296,8 +296,10 @@ def pd_connector(protocol: str, role: str, **extra: Any) -> tuple[dict[str, Any]
         config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
         if extra:
             config["kv_connector_extra_config"] = extra
+        # the side channel's host as the engine advertises it in kv_transfer_params (vLLM's default
+        # "localhost" leaves the address family to the resolver)
         return (config, {"VLLM_HOST_IP": "127.0.0.1", "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
-                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
     return ({"kv_connector": "MooncakeConnector", "kv_role": role,
              "kv_connector_extra_config": {"mooncake_protocol": "tcp", **extra}},
             {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),

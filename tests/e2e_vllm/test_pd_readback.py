@@ -86,31 +86,46 @@ def forget_on_prefill(pair: Pair, prompt: str) -> None:
 
 def test_the_next_turn_pulls_the_last_turns_kv_from_the_decode(pair: Pair) -> None:
     gw = pair.gw
-    turn1 = words(2101, 300)  # 301 tokens with BOS: 9 full blocks
-    first, obs1 = gw.post("/v1/completions", {**GEN, "prompt": turn1})
-    assert "kv_transfer_params" not in first or first["kv_transfer_params"] is None, \
-        "the decode's readback params (worker addresses) reached the client"
-    assert readbacks(gw, "recorded") == 1
-    forget_on_prefill(pair, turn1)
+    # vLLM's NIXL handshake waits 5 s for the other engine's side channel (hard-coded); on a
+    # saturated machine it can miss that, the prefill then fails the request (kv_load_failure_policy
+    # "fail") and the gateway computes the prefix on the same prefill instead. That fallback must give
+    # the right answer too; a real pull must happen in one of three conversations.
+    for attempt in range(3):
+        failed_before = readbacks(gw, "failed")
+        turn1 = words(2101 + 10 * attempt, 300)  # 301 tokens with BOS: 9 full blocks
+        first, obs1 = gw.post("/v1/completions", {**GEN, "prompt": turn1})
+        assert "kv_transfer_params" not in first or first["kv_transfer_params"] is None, \
+            "the decode's readback params (worker addresses) reached the client"
+        assert readbacks(gw, "recorded") == attempt + 1
+        forget_on_prefill(pair, turn1)
 
-    turn2 = turn1 + " " + words(2102, 60)  # 361 tokens, starting with all of turn 1's prompt
-    before = pair.prefill.prompt_tokens_by_source()
-    second, obs2 = gw.post("/v1/completions", {**GEN, "prompt": turn2})
-    record = json.loads(gw.decisions[-1])
-    assert record["pull_from"] == "decode-0", record
-    pulled = 9 * BLOCK_SIZE
-    assert wait_for(lambda: pair.prefill.prompt_tokens_by_source()["external_kv_transfer"]
-                    - before["external_kv_transfer"] == pulled, 10.0), (before, pair.prefill.prompt_tokens_by_source())
-    after = pair.prefill.prompt_tokens_by_source()
-    assert after["local_compute"] - before["local_compute"] == 361 - pulled
-    # predicted = what the worker reported: the pull is a cache hit the index promised and got
-    assert obs2.cached_tokens == obs2.predicted_cached_tokens == pulled
-    assert readbacks(gw, "pulled") == 1
-    # and the pulled KV is the right one: the answer is the engine's own for that prompt
-    forget_on_prefill(pair, turn2)
-    direct = pair.prefill.post("/v1/completions", {**GEN, "prompt": turn2})
-    assert choice_outputs(second) == choice_outputs(direct)
-    assert obs1.decode == obs2.decode == "decode-0"
+        turn2 = turn1 + " " + words(2102 + 10 * attempt, 60)  # 361 tokens, starting with all of turn 1's prompt
+        before = pair.prefill.prompt_tokens_by_source()
+        second, obs2 = gw.post("/v1/completions", {**GEN, "prompt": turn2})
+        record = json.loads(gw.decisions[-1])
+        assert record["pull_from"] == "decode-0", record
+        pulled = 9 * BLOCK_SIZE
+        failed = readbacks(gw, "failed") > failed_before
+        if failed:
+            assert obs2.predicted_cached_tokens == obs2.cached_tokens == 0  # recomputed, and predicted so
+        else:
+            def arrived(b: dict[str, float] = before) -> bool:  # the counters may trail the answer
+                return pair.prefill.prompt_tokens_by_source()["external_kv_transfer"] - b["external_kv_transfer"] > 0
+
+            assert wait_for(arrived, 10.0)
+            after = pair.prefill.prompt_tokens_by_source()
+            assert after["external_kv_transfer"] - before["external_kv_transfer"] == pulled, (before, after)
+            assert after["local_compute"] - before["local_compute"] == 361 - pulled
+            # predicted = what the worker reported: the pull is a cache hit the index promised and got
+            assert obs2.cached_tokens == obs2.predicted_cached_tokens == pulled
+            assert readbacks(gw, "pulled") == attempt + 1
+            assert obs1.decode == obs2.decode == "decode-0"
+        forget_on_prefill(pair, turn2)
+        direct = pair.prefill.post("/v1/completions", {**GEN, "prompt": turn2})
+        assert choice_outputs(second) == choice_outputs(direct)  # pulled or recomputed: the engine's answer
+        if not failed:
+            return
+    raise AssertionError("three pulls in a row failed (see the prefill engine's log: NIXL handshake)")
 
 
 def test_a_handle_serves_once_and_a_streamed_turn_leaves_none(pair: Pair) -> None:
@@ -131,4 +146,4 @@ def test_a_handle_serves_once_and_a_streamed_turn_leaves_none(pair: Pair) -> Non
     stream_turn = words(2204, 200)
     raw, _ = gw.stream("/v1/completions", {**GEN, "prompt": stream_turn, "stream": True})
     assert "remote_block_ids" not in raw
-    assert readbacks(gw, "recorded") == recorded + 1  # the second turn's own answer, not the stream
+    assert readbacks(gw, "recorded") == recorded + 2  # the two next turns' own answers, not the stream

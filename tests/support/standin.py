@@ -30,6 +30,9 @@ class StandIn:
     prefill_delay_s: float = 0.0
     fail_status: int | None = None  # answer every completion with this status
     hang: bool = False  # never answer completions
+    # a NIXL decode with bidirectional_kv_xfer: full answers say where the request's KV stays pinned
+    bidirectional: bool = False
+    fail_pulls: int | None = None  # a prefill: answer requests that carry a readback with this status
     cached_tokens: int = 0
     requests: list[Recorded] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -62,6 +65,10 @@ class StandIn:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         self.requests.append(Recorded(path, body, headers, time.monotonic(), scope["client"][1]))
         rid = headers.get("x-request-id", "")
+        pulling = (body.get("kv_transfer_params") or {}).get("remote_block_ids") and self.role == "prefill"
+        if self.fail_pulls is not None and pulling:
+            return await _json(send, self.fail_pulls, {"error": {"message": "KV load failure", "type": "x",
+                                                                 "param": None, "code": self.fail_pulls}})
         if self.fail_status is not None:
             return await _json(send, self.fail_status, {"error": {"message": "boom", "type": "x", "param": None,
                                                                   "code": self.fail_status}})
@@ -105,6 +112,12 @@ class StandIn:
             out_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
                           "remote_engine_id": self.engine_id, "remote_request_id": rid, "remote_host": "127.0.0.1",
                           "remote_port": 5600, "tp_size": 1}
+        if self.role == "decode" and self.bidirectional:
+            out_params = {"do_remote_prefill": False, "do_remote_decode": True,
+                          # one block per 16 prompt bytes at least: covers what a byte tokenizer keys
+                          "remote_block_ids": [list(range(1, len(json.dumps(body.get("prompt"))) // 16 + 2))],
+                          "remote_engine_id": self.engine_id, "remote_request_id": rid, "remote_host": "127.0.0.1",
+                          "remote_port": 5601, "tp_size": 1, "remote_num_tokens": prompt_tokens + n - 1}
         cid = ("chatcmpl-" if chat else "cmpl-") + rid
         if not body.get("stream"):
             if chat:
