@@ -82,6 +82,16 @@ def authority(host: str, port: int, *, tls: bool) -> bytes:
     return raw
 
 
+@functools.lru_cache(maxsize=256)
+def _request_line(method: str, target: str) -> bytes:
+    # A gateway sends a handful of (method, path) pairs: validate and encode each once.
+    if not _TOKEN.fullmatch(method):
+        raise InvalidRequest(f"invalid method {method!r}")
+    if not _TARGET.fullmatch(target):
+        raise InvalidRequest(f"invalid request target {target!r}: an absolute path of visible ASCII characters")
+    return method.encode("ascii") + b" " + target.encode("ascii") + b" HTTP/1.1\r\nHost: "
+
+
 @functools.lru_cache(maxsize=512)
 def _header_name(name: str) -> bytes:
     # Header names repeat from request to request: validate and encode each one once.
@@ -104,11 +114,7 @@ def _header_value(name: str, value: str) -> bytes:
 def build_head(method: str, target: str, host: bytes, headers: Mapping[str, str], body_length: int) -> bytes:
     """The request line and header block, ending in the blank line. `host` comes from
     `authority()`; raises InvalidRequest on any part that is not valid HTTP/1.1."""
-    if not _TOKEN.fullmatch(method):
-        raise InvalidRequest(f"invalid method {method!r}")
-    if not _TARGET.fullmatch(target):
-        raise InvalidRequest(f"invalid request target {target!r}: an absolute path of visible ASCII characters")
-    parts = [method.encode("ascii"), b" ", target.encode("ascii"), b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    parts = [_request_line(method, target), host, b"\r\n"]
     for name, value in headers.items():
         parts += (_header_name(name), b": ", _header_value(name, value), b"\r\n")
     if body_length or method not in _BODILESS_METHODS:

@@ -102,6 +102,9 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, loop="auto", http="auto", lifespan="on",
+        # nothing reads the client's address, so uvicorn's X-Forwarded-For rewriting (a middleware
+        # every request passes through) is left out
+        proxy_headers=False,
         log_config=None,  # uvicorn's own lines go through the handler configure_logging set (JSON or text)
         # SIGTERM: stop accepting, let requests in flight finish for drain_grace_s, then close them
         timeout_graceful_shutdown=settings.drain_grace_s,

@@ -62,7 +62,7 @@ class Gateway:
             settings.otlp_traces_endpoint, settings.trace_sample_ratio, settings.service_name
         )
         self.pool = UpstreamPool(
-            Timeouts(settings.connect_timeout_s, settings.read_timeout_s, settings.request_timeout_s),
+            Timeouts(connect_s=settings.connect_timeout_s, read_s=settings.read_timeout_s),
             settings.max_connections_per_upstream,
         )
         self.registry = InstanceRegistry(settings, self.pool, _load_share(settings, self.metrics))
