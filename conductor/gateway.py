@@ -20,6 +20,7 @@ from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyze
 from conductor.core.decision_log import decision_log_record
 from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected, Unauthorized
 from conductor.core.types import Decision, Observation, Policy, RequestView, Role, Slo
+from conductor.deadlines import Deadlines
 from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.metrics import GatewayMetrics
@@ -79,6 +80,7 @@ class Gateway:
         # decode readbacks (NIXL bidirectional KV transfer): only where block keys say which prefix matches
         self.readback = ReadbackTable(ttl_s=settings.pd_readback_ttl_s, max_handles=settings.pd_readback_max_handles) \
             if self.protocol.name == "nixl" and settings.pd_readback == "auto" and settings.kv.enabled else None
+        self.deadlines = Deadlines(settings.request_timeout_s)  # request_timeout_s, swept (conductor/deadlines.py)
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
         self.api_keys = settings.client_keys()  # read once: a key file is checked at start-up
@@ -86,6 +88,7 @@ class Gateway:
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
 
     async def start(self) -> None:
+        self.deadlines.start()
         await self.pool.start()
         await self.registry.start()
         prefills = [s.target for s in self.registry.states.values() if s.spec.role in (Role.PREFILL, Role.MIXED)]
@@ -101,6 +104,7 @@ class Gateway:
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans still batched
         await self.analyzer.close()
+        await self.deadlines.close()
         close = getattr(self.protocol, "close", None)
         if close is not None:
             await close()

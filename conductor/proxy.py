@@ -208,33 +208,39 @@ class CompletionsEndpoint:
         failed: set[str] = set()
         # P/D: each prompt of a batch is its own exchange (see conductor/batch_relay.py)
         batch = split_prompts(out.body) if self.kind == "completions" and gw.settings.disaggregated else None
+        task = asyncio.current_task()
+        assert task is not None
+        deadline = gw.deadlines.enter(task, asyncio.get_running_loop().time())
         try:
-            async with asyncio.timeout(gw.settings.request_timeout_s):
-                for attempt in range(1, gw.settings.max_attempts + 1):
+            for attempt in range(1, gw.settings.max_attempts + 1):
+                try:
+                    if batch is not None:
+                        return await run_batch_attempt(gw, routed, out, batch, send, state, arrived)
+                    return await run_attempt(gw, routed, out, send, state, arrived)
+                except UpstreamError as exc:
+                    reason = failover_reason(exc)
+                    if state.response_started or reason is None or attempt == gw.settings.max_attempts:
+                        raise
+                    assert exc.instance is not None
+                    failed.add(exc.instance)
+                    gw.metrics.failovers.labels(exc.instance, reason).inc()
+                    log.info("request %s: %s on %s, deciding again (attempt %d)", out.request_id, reason,
+                             exc.instance, attempt + 1)
                     try:
-                        if batch is not None:
-                            return await run_batch_attempt(gw, routed, out, batch, send, state, arrived)
-                        return await run_attempt(gw, routed, out, send, state, arrived)
-                    except UpstreamError as exc:
-                        reason = failover_reason(exc)
-                        if state.response_started or reason is None or attempt == gw.settings.max_attempts:
-                            raise
-                        assert exc.instance is not None
-                        failed.add(exc.instance)
-                        gw.metrics.failovers.labels(exc.instance, reason).inc()
-                        log.info("request %s: %s on %s, deciding again (attempt %d)", out.request_id, reason,
-                                 exc.instance, attempt + 1)
-                        try:
-                            routed = gw.decide(out.request_id, out.body["model"], max_tokens, out.stream, slo,
-                                               analysis, exclude=frozenset(failed))
-                        except NoHealthyInstance:
-                            raise exc from None  # no other instance to try: the failure itself is the answer
+                        routed = gw.decide(out.request_id, out.body["model"], max_tokens, out.stream, slo,
+                                           analysis, exclude=frozenset(failed))
+                    except NoHealthyInstance:
+                        raise exc from None  # no other instance to try: the failure itself is the answer
             raise AssertionError("unreachable: the last attempt returns or raises")
-        except TimeoutError:
+        except asyncio.CancelledError:
+            # the sweep cancelled us (conductor/deadlines.py); any other cancellation goes on
+            if not deadline.expired or task.uncancel() > 0:
+                raise
             raise UpstreamTimeout(
                 f"the request did not finish within request_timeout_s ({gw.settings.request_timeout_s:g}s)"
             ) from None
         finally:
+            gw.deadlines.leave(deadline)
             gw.inflight -= 1
 
 
