@@ -76,6 +76,11 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: Cl
             return
 
 
+# request headers the gateway reads (without tracing): everything else is passed over undecoded
+_READ_HEADERS = frozenset(name.encode() for name in (
+    "authorization", "content-length", "x-request-id", SLO_TTFT_HEADER, SLO_TBT_HEADER))
+
+
 class CompletionsEndpoint:
     def __init__(self, gateway: Gateway, kind: EndpointKind, path: str) -> None:
         self.gateway = gateway
@@ -83,7 +88,13 @@ class CompletionsEndpoint:
         self.path = path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        tracing = self.gateway.tracing
+        # only the headers the gateway reads are decoded (ASGI servers lower-case the names); with
+        # tracing on, all of them: the propagator looks for traceparent, tracestate and baggage
+        if tracing is None:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in _READ_HEADERS}
+        else:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         # the gateway's own id keys every internal table and is what workers see; the client's
         # X-Request-ID is only echoed back and logged, so two clients reusing one id collide nowhere
         request_id = os.urandom(12).hex()
@@ -91,7 +102,6 @@ class CompletionsEndpoint:
         state = ClientState()
         task = asyncio.current_task()
         assert task is not None
-        tracing = self.gateway.tracing
         try:
             if tracing is None:
                 await self._serve(headers, request_id, client_id, receive, send, state, task)
@@ -150,7 +160,7 @@ class CompletionsEndpoint:
                 raise Overloaded(f"the gateway already has {gw.inflight} requests in flight")
             routed = gw.decide(request_id, body["model"], max_tokens, stream, slo, analysis)
             out = self._outgoing(routed, body, request_id, client_id, stream)
-            status = await self._forward(routed, out, slo, max_tokens, analysis, send, state, arrived)
+            status = await self._forward(routed, out, slo, max_tokens, analysis, send, state, arrived, task)
         except ConductorError as exc:
             status = await self._fail(exc, send, state, client_id)
         except (asyncio.CancelledError, KeyboardInterrupt):
@@ -199,7 +209,7 @@ class CompletionsEndpoint:
 
     async def _forward(
         self, routed: Routed, out: Outgoing, slo: Slo, max_tokens: int, analysis: PromptAnalysis,
-        send: Send, state: ClientState, arrived: float,
+        send: Send, state: ClientState, arrived: float, task: asyncio.Task[Any],
     ) -> int:
         """Attempts on the chosen instances, failing over while nothing reached the client, all
         within the request's deadline."""
@@ -208,8 +218,6 @@ class CompletionsEndpoint:
         failed: set[str] = set()
         # P/D: each prompt of a batch is its own exchange (see conductor/batch_relay.py)
         batch = split_prompts(out.body) if self.kind == "completions" and gw.settings.disaggregated else None
-        task = asyncio.current_task()
-        assert task is not None
         deadline = gw.deadlines.enter(task, asyncio.get_running_loop().time())
         try:
             for attempt in range(1, gw.settings.max_attempts + 1):
