@@ -2,6 +2,7 @@
 
     conductor demo                          # 2 prefill + 2 decode emulators, kvcache_aware, about a minute
     conductor demo --requests 100 --pd-protocol mooncake --policy round_robin --json out.json
+    conductor demo --compare round_robin    # the same slice through kvcache_aware, then round_robin
 
 On loopback it starts the emulated vLLM workers (`python -m adapters.emulator`, the bundled
 Qwen3-8B/H800 profile, 5% timing noise, vLLM KV events on) and the gateway (`python -m conductor
@@ -47,6 +48,7 @@ from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_
 
 if TYPE_CHECKING:
     from traces.formats import TraceRequest
+    from traces.live import LiveResult
 
 DEFAULT_TRACE = "conversation-head400"
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=2, help="prefill emulators")
     p.add_argument("--decode", type=int, default=2, help="decode emulators")
     p.add_argument("--policy", default="kvcache_aware", help="scheduling policy (registered name)")
+    p.add_argument("--compare", default=None, metavar="POLICY[,POLICY]",
+                   help="then replay the same requests through these policies too, each on a fresh cluster "
+                        "of the same shape, and print the runs side by side")
     p.add_argument("--pd-protocol", default="nixl", choices=["nixl", "mooncake", "sglang"], help="P/D handshake")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply the emulators' modelled durations")
     p.add_argument("--speedup", type=float, default=1.5, help="replay trace arrivals this many times faster")
@@ -133,12 +138,24 @@ def demo_main(argv: list[str] | None = None) -> int:
         return 2
     log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="conductor-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    group = ChildGroup(log_dir)
+    policies = [args.policy, *(p.strip() for p in (args.compare or "").split(",") if p.strip())]
+    groups: list[ChildGroup] = []
+    results: list[LiveResult] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     ok = False
     started = time.monotonic()
     try:
-        ok = _run(args, requests, group, log_dir, started)
+        for policy in policies:
+            # each policy on a cluster of its own, started cold: no run inherits another's caches
+            run_dir = log_dir if len(policies) == 1 else log_dir / policy
+            run_dir.mkdir(parents=True, exist_ok=True)
+            group = ChildGroup(run_dir)
+            groups.append(group)
+            try:
+                results.append(_run(args, policy, requests, group, run_dir, started))
+            finally:
+                group.stop()
+        ok = _report(args, results, groups)
     except (KeyboardInterrupt, _Terminated):
         print("\nconductor demo: interrupted, stopping the cluster", file=sys.stderr)
     except (RuntimeError, OSError, ValueError, aiohttp.ClientError) as exc:
@@ -147,11 +164,13 @@ def demo_main(argv: list[str] | None = None) -> int:
         # a second Ctrl-C must not cut the shutdown short and orphan workers
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        group.stop()
+        for group in groups:
+            group.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, previous)
-    pids = " ".join(str(c.pid) for c in group.children)
-    print(f"demo: stopped {len(group.children)} processes ({pids}) after {time.monotonic() - started:.1f}s",
+    children = [c for g in groups for c in g.children]
+    pids = " ".join(str(c.pid) for c in children)
+    print(f"demo: stopped {len(children)} processes ({pids}) after {time.monotonic() - started:.1f}s",
           file=sys.stderr)
     if ok and not args.keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -160,16 +179,17 @@ def demo_main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _run(args: argparse.Namespace, requests: Sequence[TraceRequest], group: ChildGroup, log_dir: Path,
-         started: float) -> bool:
-    from traces.live import TextProgress, print_live, replay_live
+def _run(args: argparse.Namespace, policy: str, requests: Sequence[TraceRequest], group: ChildGroup,
+         log_dir: Path, started: float) -> LiveResult:
+    """Start a cluster routed by `policy`, replay the requests through it, return what happened."""
+    from traces.live import TextProgress, replay_live
     from traces.synth import PromptSynthesizer
 
     options: dict[str, object] = {}
-    if args.policy == "kvcache_aware" and args.time_scale != 1.0:
+    if policy == "kvcache_aware" and args.time_scale != 1.0:
         options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
     spec = ClusterSpec(
-        n_prefill=args.prefill, n_decode=args.decode, pd_protocol=args.pd_protocol, policy=args.policy,
+        n_prefill=args.prefill, n_decode=args.decode, pd_protocol=args.pd_protocol, policy=policy,
         model=args.model, time_scale=args.time_scale, noise=args.noise, slo_ttft_s=args.slo_ttft,
         slo_tbt_s=args.slo_tbt, policy_options=options, kv_index=not args.no_kv_index,
     )
@@ -179,15 +199,16 @@ def _run(args: argparse.Namespace, requests: Sequence[TraceRequest], group: Chil
     wait_ready(cluster, group)
     print(f"demo: {args.prefill}P{args.decode}D ({args.pd_protocol}) ready after "
           f"{time.monotonic() - started:.1f}s; replaying {len(requests)} requests of {args.trace} "
-          f"(lengths x{args.length_scale:g}, {args.speedup:g}x faster) through {args.policy} at "
+          f"(lengths x{args.length_scale:g}, {args.speedup:g}x faster) through {policy} at "
           f"{cluster.gateway_url}", file=sys.stderr)
     bar = None if args.no_progress else TextProgress()
     try:
         result = asyncio.run(replay_live(
             cluster.gateway_url, requests, time_scale=args.speedup, concurrency_limit=args.concurrency,
             slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, progress=bar,
+            # the same seed for every policy: the same prompts, token for token
             synthesizer=PromptSynthesizer(args.length_scale, seed=args.seed), model=args.model,
-            label=args.policy,
+            label=policy,
         ))
     finally:
         if bar is not None:
@@ -195,15 +216,30 @@ def _run(args: argparse.Namespace, requests: Sequence[TraceRequest], group: Chil
     dead = group.dead()
     if dead:
         raise RuntimeError(f"{dead[0].name} died during the replay:\n{dead[0].log_tail()}")
-    print_live(result)
+    return result
+
+
+def _report(args: argparse.Namespace, results: Sequence[LiveResult], groups: Sequence[ChildGroup]) -> bool:
+    """Print the runs (side by side when several), write the JSON; False when requests failed."""
+    from traces.live import print_comparison, print_live
+
+    if len(results) == 1:
+        print_live(results[0])
+    else:
+        print_comparison(results)
     if args.json_out:
-        doc = {"trace": args.trace, "results": [result.run.as_dict()], "live": result.as_dict(),
-               "processes": {c.name: c.pid for c in group.children},
+        doc = {"trace": args.trace, "results": [r.run.as_dict() for r in results],
+               "live": results[0].as_dict() if len(results) == 1 else [r.as_dict() for r in results],
+               "processes": {(f"{r.run.policy}/" if len(results) > 1 else "") + c.name: c.pid
+                             for r, g in zip(results, groups, strict=False) for c in g.children},
                "settings": {k: v for k, v in vars(args).items() if k != "json_out"}}
         Path(args.json_out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         print(f"wrote {args.json_out}")
-    failed = sum(result.errors.values())
-    if failed:  # emulators do not fail requests: something is broken, and the logs say what
-        print(f"conductor demo: {failed} of {len(requests)} requests failed "
-              f"({', '.join(f'{k}={v}' for k, v in sorted(result.errors.items()))})", file=sys.stderr)
-    return failed == 0
+    ok = True
+    for result in results:
+        failed = sum(result.errors.values())
+        if failed:  # emulators do not fail requests: something is broken, and the logs say what
+            print(f"conductor demo: {result.run.policy}: {failed} of {result.run.requests} requests failed "
+                  f"({', '.join(f'{k}={v}' for k, v in sorted(result.errors.items()))})", file=sys.stderr)
+            ok = False
+    return ok

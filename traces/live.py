@@ -45,7 +45,7 @@ from traces.live_client import (
     scrape_metrics,
     stream_completion,
 )
-from traces.sim.results import Dist, RunResult, format_table
+from traces.sim.results import Dist, RunResult, render_table, summary_rows
 from traces.synth import PromptSynthesizer, SynthRequest
 
 
@@ -327,11 +327,9 @@ def add_live_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
-def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
-    """The simulator's table, then what only a live replay has: errors and both hit-rate sources."""
-    stream = out if out is not None else sys.stdout
-    table = format_table([result.run])
-    width = max(len(line.split("  ")[0]) for line in table.splitlines()[2:]) if table else 0
+def live_rows(result: LiveResult) -> list[tuple[str, str]]:
+    """What only a live replay has, as (label, value): errors, the hit-rate source, the gateway's
+    own KV index and prediction figures."""
     errs = ", ".join(f"{k}={v}" for k, v in sorted(result.errors.items())) or "-"
     extra = result.run.extra
     rows = [
@@ -348,10 +346,28 @@ def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
         if f"gateway_{component}_mape" in extra:
             rows.append((f"{component.upper()} pred. MAPE (gateway, n)",
                          f"{extra[f'gateway_{component}_mape']:.0%}, {int(extra[f'gateway_{component}_samples'])}"))
-    width = max(width, *(len(k) for k, _ in rows))
-    print(table, file=stream)
-    for key, value in rows:
-        print(f"{key.ljust(width)}  {value}", file=stream)
+    return rows
+
+
+def print_live(result: LiveResult, out: IO[str] | None = None) -> None:
+    """The simulator's table, then what only a live replay has: errors and both hit-rate sources."""
+    print_comparison([result], out)
+
+
+def print_comparison(results: Sequence[LiveResult], out: IO[str] | None = None) -> None:
+    """Live runs side by side, one column each (the simulator's rows, then the live-only ones);
+    with several runs, each one's goodput against the first's."""
+    stream = out if out is not None else sys.stdout
+    headers = ["", *(f"{r.run.policy} ({r.run.mode})" for r in results)]
+    print(render_table(headers, [[*summary_rows(r.run), *live_rows(r)] for r in results]), file=stream)
+    first = results[0].run
+    for r in results[1:]:
+        if r.run.goodput_rps > 0:
+            print(f"goodput {first.policy} / {r.run.policy}: {first.goodput_rps / r.run.goodput_rps:.2f}x",
+                  file=stream)
+        else:
+            print(f"goodput {first.policy} / {r.run.policy}: {first.goodput_rps:.3f} req/s against none",
+                  file=stream)
 
 
 def run_live(args: argparse.Namespace) -> int:

@@ -77,6 +77,30 @@ def test_demo_prints_the_table_and_leaves_no_process(tmp_path: Path) -> None:
     assert result["extra"]["gateway_kv_hash_agreement"] > 0.9
 
 
+def test_compare_runs_each_policy_on_a_fresh_cluster_and_prints_them_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    proc = _demo("--requests", "24", "--compare", "round_robin", "--json", str(out), *FAST)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr
+    # two clusters, one after the other, each stopped before the next started
+    starts = re.findall(r"^demo: gateway pid (\d+) on ", stderr, re.M)
+    assert len(starts) == 2 and starts[0] != starts[1]
+    assert "through kvcache_aware at" in stderr and "through round_robin at" in stderr
+    header = next(line for line in stdout.splitlines() if "kvcache_aware (live)" in line)
+    assert header.index("kvcache_aware (live)") < header.index("round_robin (live)")
+    for label in ("requests", "completed", "goodput", "TTFT p50/p90/p99", "SLO met", "errors"):
+        values = re.split(r"\s{2,}", _row(stdout, label))
+        assert len(values) == 2, (label, values)  # one column per policy, lined up
+    assert re.split(r"\s{2,}", _row(stdout, "requests")) == ["24", "24"]
+    doc = json.loads(out.read_text())
+    assert [r["policy"] for r in doc["results"]] == ["kvcache_aware", "round_robin"]
+    goodputs = [r["goodput_rps"] for r in doc["results"]]
+    ratio = re.search(r"^goodput kvcache_aware / round_robin: ([\d.]+)x$", stdout, re.M)
+    assert ratio and goodputs[1] > 0 and float(ratio.group(1)) == pytest.approx(goodputs[0] / goodputs[1], abs=0.006)
+    every = [int(pid) for pid in re.findall(r"^demo: \S+ pid (\d+) on ", stderr, re.M)]
+    assert len(every) == 10 and all(_gone(pid) for pid in every)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_demo_stops_every_child(sig: signal.Signals, tmp_path: Path) -> None:
     proc = _demo("--requests", "200", "--speedup", "1", "--keep-logs", str(tmp_path / "logs"), "--no-progress")

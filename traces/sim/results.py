@@ -139,11 +139,17 @@ def format_table(results: Sequence[RunResult]) -> str:
     figure for (utilisation and prediction error in a live replay) is left out."""
     if not results:
         return "(no results)"
-    columns = [summary_rows(r) for r in results]
-    labels = [label for label, _ in columns[0]]
-    headers = ["", *(f"{r.policy} ({r.mode})" for r in results)]
-    cells = [[label, *(col[i][1] for col in columns)] for i, label in enumerate(labels)]
+    return render_table(["", *(f"{r.policy} ({r.mode})" for r in results)], [summary_rows(r) for r in results])
+
+
+def render_table(headers: Sequence[str], columns: Sequence[Sequence[tuple[str, str]]]) -> str:
+    """Columns of (label, value) rows side by side under `headers` (the first names the labels);
+    rows in the order labels first appear, "-" where a column lacks one, rows with none left out."""
+    labels = list(dict.fromkeys(label for col in columns for label, _ in col))
+    values = [dict(col) for col in columns]
+    cells = [[label, *(v.get(label, "-") for v in values)] for label in labels]
     cells = [row for row in cells if any(value != "-" for value in row[1:])]
+    headers = list(headers)
     widths = [max(len(row[j]) for row in [headers, *cells]) for j in range(len(headers))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
