@@ -36,10 +36,10 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from traces.formats import TraceRequest
     from traces.live import LiveResult
 
+T = TypeVar("T")
 DEFAULT_TRACE = "conversation-head400"
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
 
@@ -88,13 +89,37 @@ def build_parser() -> argparse.ArgumentParser:
 class _Terminated(KeyboardInterrupt):
     """SIGTERM arrived: unwind like Ctrl-C does, through every finally.
 
-    A KeyboardInterrupt so that asyncio lets it through: raised (by the signal handler) while a
-    task's step runs, an ordinary exception would only become that task's result, and the demo
-    would carry on (seen in CI: the SIGTERM test's demo finished with exit status 0)."""
+    A KeyboardInterrupt so that asyncio lets it out of the task that raises it (see _until_sigterm)."""
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated()
+
+
+async def _until_sigterm(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work`; SIGTERM cancels it and raises _Terminated. Inside the event loop the signal goes
+    through the loop (add_signal_handler): a Python-level handler's exception raised while the loop
+    runs C code (uvloop) or a task's step can be swallowed, and the demo would run on (seen in CI)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated() from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIG_DFL: the demo's own handler again
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _scaled_params(time_scale: float, log_dir: Path) -> str:
@@ -203,13 +228,13 @@ def _run(args: argparse.Namespace, policy: str, requests: Sequence[TraceRequest]
           f"{cluster.gateway_url}", file=sys.stderr)
     bar = None if args.no_progress else TextProgress()
     try:
-        result = asyncio.run(replay_live(
+        result = asyncio.run(_until_sigterm(replay_live(
             cluster.gateway_url, requests, time_scale=args.speedup, concurrency_limit=args.concurrency,
             slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, progress=bar,
             # the same seed for every policy: the same prompts, token for token
             synthesizer=PromptSynthesizer(args.length_scale, seed=args.seed), model=args.model,
             label=policy,
-        ))
+        )))
     finally:
         if bar is not None:
             bar.close()

@@ -90,6 +90,8 @@ def test_mooncake_engine_id_schema() -> None:
     with cluster("mooncake", mooncake_schema="engine_id", standin={"bootstrap": {"shape": "engine"}}) as c:
         r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200, r.text
+        # the legs run concurrently: the gateway may answer before the prefill leg arrives
+        assert wait_for(lambda: len(c.prefills[0].requests) == 1, 10.0)
         [p] = c.prefills[0].requests
         [d] = c.decodes[0].requests
         assert p.body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
