@@ -96,29 +96,35 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated()
 
 
-async def _until_sigterm(work: Coroutine[Any, Any, T]) -> T:
-    """Run `work`; SIGTERM cancels it and raises _Terminated. Inside the event loop the signal goes
-    through the loop (add_signal_handler): a Python-level handler's exception raised while the loop
-    runs C code (uvloop) or a task's step can be swallowed, and the demo would run on (seen in CI)."""
+async def _interruptible(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work`; Ctrl-C or SIGTERM cancel it and raise KeyboardInterrupt / _Terminated.
+
+    Both signals go through the event loop (add_signal_handler) while it runs: asyncio.run's own
+    SIGINT handler and a Python-level SIGTERM handler act only when the loop happens to run Python
+    code, and CI saw an interrupted demo replay on to the end and exit 0."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
-    terminated = False
+    received: list[int] = []
 
-    def on_sigterm() -> None:
-        nonlocal terminated
-        terminated = True
+    def on_signal(sig: int) -> None:
+        received.append(sig)
         task.cancel()
 
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         return await work
     except asyncio.CancelledError:
-        if terminated:
+        if not received:
+            raise
+        if received[0] == signal.SIGTERM:
             raise _Terminated() from None
-        raise
+        raise KeyboardInterrupt() from None
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIG_DFL: the demo's own handler again
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)  # which leaves the defaults: the demo's own handlers again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
@@ -228,7 +234,7 @@ def _run(args: argparse.Namespace, policy: str, requests: Sequence[TraceRequest]
           f"{cluster.gateway_url}", file=sys.stderr)
     bar = None if args.no_progress else TextProgress()
     try:
-        result = asyncio.run(_until_sigterm(replay_live(
+        result = asyncio.run(_interruptible(replay_live(
             cluster.gateway_url, requests, time_scale=args.speedup, concurrency_limit=args.concurrency,
             slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, progress=bar,
             # the same seed for every policy: the same prompts, token for token
