@@ -51,6 +51,15 @@ class Emulator:
         return self.log_path.read_text(errors="replace")
 
 
+def modelled(emu: Emulator, request_id: str) -> dict[str, Any]:
+    """The times the emulator modelled for one request (GET /emulator/requests), by its X-Request-ID."""
+    for record in httpx.get(emu.url + "/emulator/requests").json():
+        if record["headers"].get("x-request-id") == request_id:
+            (times,) = record["modelled"]
+            return dict(times)
+    raise AssertionError(f"no record of {request_id}")
+
+
 def _flags(opts: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for key, value in opts.items():

@@ -16,7 +16,7 @@ import pytest
 
 from adapters.emulator.kv_content import content_seed, generated_token_ids
 from adapters.emulator.profile import load_profile
-from tests.support.emulator import Emulator, free_port, start_emulator
+from tests.support.emulator import Emulator, free_port, modelled, start_emulator
 
 BLOCK = 32
 SCALE = 0.01
@@ -66,14 +66,6 @@ def wait_pinned(emu: Emulator, want: int) -> None:
     while pinned(emu) != want:
         assert time.monotonic() < deadline, f"pinned stays {pinned(emu)}, want {want}"
         time.sleep(0.05)
-
-
-def modelled(emu: Emulator, request_id: str) -> dict[str, Any]:
-    for record in httpx.get(emu.url + "/emulator/requests").json():
-        if record["headers"].get("x-request-id") == request_id:
-            (times,) = record["modelled"]
-            return dict(times)
-    raise AssertionError(f"no record of {request_id}")
 
 
 def turn_one(p: Emulator, d: Emulator, prompt: list[int] = PROMPT, max_tokens: int = 8) -> dict[str, Any]:

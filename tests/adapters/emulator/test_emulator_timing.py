@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from adapters.emulator.profile import load_profile
-from tests.support.emulator import Emulator, start_emulator
+from tests.support.emulator import Emulator, modelled, start_emulator
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +36,6 @@ def prefill(client: httpx.Client, emu: Emulator, tokens: list[int], request_id: 
     r.raise_for_status()
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     return modelled(emu, request_id)
-
-
-def modelled(emu: Emulator, request_id: str) -> dict[str, Any]:
-    for record in httpx.get(emu.url + "/emulator/requests").json():
-        if record["headers"].get("x-request-id") == request_id:
-            (times,) = record["modelled"]
-            return dict(times)
-    raise AssertionError(f"no record of {request_id}")
 
 
 def test_8k_prefill_takes_the_profile_time(real_time: Emulator) -> None:
