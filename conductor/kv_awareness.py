@@ -250,7 +250,9 @@ def _make_tokenizer(s: KVAwarenessSettings, instances: Sequence[InstanceInfo]) -
     return HFPromptTokenizer(HFTokenizer(s.tokenizer))
 
 
-def _make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KVIndex:
+def make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KVIndex:
+    """The index `s.index` names, guarded by a breaker (and a local fallback) where it is remote; used by the
+    gateway and by `conductor indexer`."""
     unconfirmed = {"unconfirmed_ttl_s": s.unconfirmed_ttl_s, "key_ttl_s": s.key_ttl_s}
     local_cap = min(blocks_within(s.index_memory_bytes), s.max_blocks or sys.maxsize)
     local = IndexLimits(max_blocks=local_cap, **unconfirmed)
@@ -285,7 +287,7 @@ def build_analyzer(
     s = options if isinstance(options, KVAwarenessSettings) else KVAwarenessSettings.model_validate(options)
     scheme = make_scheme(s.key_mode, s.block_size, seed=s.hash_seed, algo=s.vllm_hash_algo,
                          vllm_seed=s.vllm_hash_seed)
-    index = _make_index(s, registry)
+    index = make_index(s, registry)
     feeder = IndexFeeder(index, scheme, translate=s.key_mode == "xxhash",
                          max_mapped_per_instance=mapped_within(s.hash_map_memory_bytes_per_instance))
     if registry is not None:
