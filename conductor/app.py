@@ -6,6 +6,7 @@ bound to that port. Both servers run in one event loop and share the gateway."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ from starlette.routing import Route
 
 from conductor import http_errors
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway
+from conductor.membership import admin_routes
 from conductor.proxy import CompletionsEndpoint
 from conductor.requests import ChatCompletionRequest, CompletionRequest
 
@@ -245,6 +247,7 @@ def create_app(gateway: Gateway) -> FastPath:
     app.include_router(_health_routes(gateway))
     if public_docs:
         app.include_router(_metrics_route(gateway))
+        app.include_router(admin_routes(gateway.membership))  # no admin port: the admin API is here
     _install_openapi(app, lambda: openapi_document(app, gateway))
     return FastPath(app, hot)
 
@@ -256,6 +259,7 @@ def create_admin_app(gateway: Gateway, public: FastPath) -> FastAPI:
     http_errors.install(app)
     app.include_router(_health_routes(gateway))
     app.include_router(_metrics_route(gateway))
+    app.include_router(admin_routes(gateway.membership))
     _install_openapi(app, lambda: openapi_document(public.app, gateway))
     return app
 
@@ -263,11 +267,12 @@ def create_admin_app(gateway: Gateway, public: FastPath) -> FastAPI:
 # ---- serving -----------------------------------------------------------------------------------
 
 
-async def serve_all(servers: list[uvicorn.Server]) -> None:
+async def serve_all(servers: list[uvicorn.Server], sockets: list[socket.socket] | None = None) -> None:
     """Serve until every server has stopped; when one stops (a signal, a failed start) the
     others are told to stop too. uvicorn chains its signal handlers, last started first: so
     the first server in `servers` is the last to hear SIGTERM."""
-    tasks = [asyncio.create_task(server.serve()) for server in servers]
+    # `sockets`: already bound listening sockets for the last (public) server, e.g. SO_REUSEPORT ones
+    tasks = [asyncio.create_task(server.serve(sockets if server is servers[-1] else None)) for server in servers]
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for server in servers:
         server.should_exit = True
@@ -285,7 +290,7 @@ def admin_server(config: uvicorn.Config, gateway: Gateway) -> uvicorn.Server | N
         access_log=False, loop=config.loop, http=config.http, lifespan="off"))
 
 
-def run(config: uvicorn.Config, gateway: Gateway) -> None:
+def run(config: uvicorn.Config, gateway: Gateway, sockets: list[socket.socket] | None = None) -> None:
     """Run the public server `config` describes and, with `admin_port` set, the admin server beside
     it in the same event loop. The admin server starts first, so on SIGTERM the public one stops
     (and drains) first while /metrics and /ready still answer."""
@@ -294,4 +299,4 @@ def run(config: uvicorn.Config, gateway: Gateway) -> None:
     if admin is not None:
         servers.insert(0, admin)
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(serve_all(servers))
+        runner.run(serve_all(servers, sockets))

@@ -61,6 +61,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-api-key", help="key sent to the workers (default: none)")
     p.add_argument("--max-body-bytes", type=int, help=f"largest request body (default: {_default('max_body_bytes')})")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {_default('log_level')})")
+    p.add_argument("--workers", type=int, help="gateway processes on --port, scheduling as one; more than one "
+                   f"needs --admin-port, worker i serving its /metrics on admin port + i (default: {_default('workers')})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -70,7 +72,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         "host": args.host, "port": args.port, "admin_port": args.admin_port, "pd_protocol": args.pd_protocol,
         "mooncake_schema": args.mooncake_schema, "policy": args.policy,
         "models": args.models, "api_keys": args.api_keys, "upstream_api_key": args.upstream_api_key,
-        "max_body_bytes": args.max_body_bytes, "log_level": args.log_level,
+        "max_body_bytes": args.max_body_bytes, "log_level": args.log_level, "workers": args.workers,
     }
     if args.prefill:
         overrides["prefill"] = [_prefill_arg(v) for v in args.prefill]
@@ -88,29 +90,14 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from conductor.app import create_app, run
-    from conductor.gateway import Gateway
+    from conductor import serving
     from conductor.logs import configure_logging
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format, settings.access_log)
-    if not settings.instances():
-        raise ConfigError("no instances: give --prefill/--decode or --mixed (or a --config file)")
-    gateway = Gateway(settings)  # loads the policy: a broken plugin stops start-up here
-    config = uvicorn.Config(
-        create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=False, loop="auto", http="auto", lifespan="on",
-        # nothing reads the client's address, so uvicorn's X-Forwarded-For rewriting (a middleware
-        # every request passes through) is left out
-        proxy_headers=False,
-        log_config=None,  # uvicorn's own lines go through the handler configure_logging set (JSON or text)
-        # SIGTERM: stop accepting, let requests in flight finish for drain_grace_s, then close them
-        timeout_graceful_shutdown=settings.drain_grace_s,
-    )
-    run(config, gateway)  # with admin_port set, the admin server beside it in the same loop
-    return 0
+    if not settings.instances() and not settings.discovery.sources():
+        raise ConfigError("no instances: give --prefill/--decode or --mixed, discovery: sources (or a --config file)")
+    return serving.serve(settings)
 
 
 def _missing_package(exc: ImportError) -> str | None:
@@ -158,6 +145,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[str, list[str], bool], int]]] = {
     "fit": ("fit predictor parameters from a profile CSV", _delegate("predictors.cli", "fit_main")),
     "replay": ("replay a trace: simulated, or live against a gateway", _delegate("traces.replay_cli", "replay_main")),
     "tune-pd": ("sweep P:D splits of N nodes on a trace", _delegate("traces.tune", "tune_main")),
+    "indexer": ("ingest every worker's KV events and answer cache look-ups (Mooncake RFC 1403 API)",
+                _delegate("conductor.indexer_cli", "indexer_main")),
 }
 
 

@@ -23,6 +23,7 @@ from conductor.core.types import Decision, Observation, Policy, RequestView, Rol
 from conductor.deadlines import Deadlines
 from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
+from conductor.membership import Membership
 from conductor.metrics import GatewayMetrics
 from conductor.readback import Offer, ReadbackTable, pull_sources
 from conductor.settings import Settings
@@ -56,7 +57,10 @@ class Gateway:
         analyzer: PromptAnalyzer | None = None,
         metrics: GatewayMetrics | None = None,
         tracing: Tracing | None = None,
+        load_share: LoadShare | None = None,
     ) -> None:
+        """load_share: how this process sees other gateway processes' in-flight work (a worker of
+        `conductor serve --workers N` gets its shared memory slot); None: what `settings.load_share` says."""
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
         self.tracing = tracing or Tracing.from_settings(
@@ -66,7 +70,7 @@ class Gateway:
             Timeouts(connect_s=settings.connect_timeout_s, read_s=settings.read_timeout_s),
             settings.max_connections_per_upstream,
         )
-        self.registry = InstanceRegistry(settings, self.pool, _load_share(settings, self.metrics))
+        self.registry = InstanceRegistry(settings, self.pool, load_share or _load_share(settings, self.metrics))
         for name in self.registry.states:  # series at 0 from the start, so rate() and alerts see them
             for kind in ("status", "transport"):
                 self.metrics.upstream_errors.labels(name, kind)
@@ -86,14 +90,17 @@ class Gateway:
         self.api_keys = settings.client_keys()  # read once: a key file is checked at start-up
         self.upstream_key = settings.upstream_key()
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
+        self.membership = Membership(self)  # instances joining and leaving at run time (DNS, admin API)
 
     async def start(self) -> None:
         self.deadlines.start()
         await self.pool.start()
         await self.registry.start()
+        await self.membership.start()  # the first DNS answer: its instances start with the others below
         prefills = [s.target for s in self.registry.states.values() if s.spec.role in (Role.PREFILL, Role.MIXED)]
         await self.protocol.start(prefills)
         await self.analyzer.start()
+        self.membership.watch()
         log.info(
             "gateway ready: %d prefill, %d decode, %d mixed; protocol %s; policy %s",
             len(self.settings.prefill), len(self.settings.decode), len(self.settings.mixed),
@@ -103,6 +110,7 @@ class Gateway:
     async def close(self) -> None:
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans still batched
+        await self.membership.close()
         await self.analyzer.close()
         await self.deadlines.close()
         close = getattr(self.protocol, "close", None)

@@ -29,7 +29,7 @@ from conductor.settings_env import env_values
 
 ENV_PREFIX = "CONDUCTOR_"
 # list settings a single plain environment value may give (one key, one model, one worker URL)
-_PLAIN_LISTS = ("api_keys", "models", "prefill", "decode", "mixed")
+_PLAIN_LISTS = ("api_keys", "admin_api_keys", "models", "prefill", "decode", "mixed")
 
 
 class _Model(BaseModel):
@@ -71,6 +71,36 @@ class InstanceSpec(_Model):
         return v.rstrip("/")
 
 
+class DnsSource(_Model):
+    """One role's workers found by DNS (conductor/membership.py): every A record of `name` (a Kubernetes
+    headless Service) is an instance named "<role>-<address>" at <scheme>://<address>:<port>."""
+
+    name: str = Field(min_length=1)  # e.g. conductor-prefill.default.svc.cluster.local
+    port: int = Field(gt=0, lt=65536)  # the workers' HTTP port
+    scheme: Literal["http", "https"] = "http"
+    # the workers bind their KV events PUB (and replay ROUTER) on these ports: "tcp://*:PORT"
+    kv_events_port: int | None = Field(default=None, gt=0, lt=65536)
+    kv_events_replay_port: int | None = Field(default=None, gt=0, lt=65536)
+    bootstrap_port: int | None = Field(default=None, gt=0, lt=65536)  # Mooncake / SGLang prefills
+
+
+class DiscoverySettings(_Model):
+    """Instances that join and leave at run time, found by DNS; the static lists stay as they are."""
+
+    prefill: DnsSource | None = None
+    decode: DnsSource | None = None
+    mixed: DnsSource | None = None
+    interval_s: float = Field(default=10.0, gt=0)  # how often every name is resolved again
+    timeout_s: float = Field(default=2.0, gt=0)  # one resolution, retries included
+    # the DNS server to ask (an IP address); unset: the system's, from /etc/resolv.conf (Kubernetes)
+    nameserver: str | None = None
+    nameserver_port: int = Field(default=53, gt=0, lt=65536)
+
+    def sources(self) -> dict[Role, DnsSource]:
+        return {role: src for role, src in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode),
+                                            (Role.MIXED, self.mixed)) if src is not None}
+
+
 class SloSettings(_Model):
     ttft_s: float | None = None
     tbt_s: float | None = None
@@ -80,6 +110,9 @@ class Settings(_Model):
     host: str = "127.0.0.1"
     port: int = 8000
     admin_port: int | None = None  # if set, /metrics, /openapi.json and /docs are served only here
+    # gateway processes on `port` (SO_REUSEPORT), scheduling as one through shared memory
+    # (conductor/serving.py); worker i serves its admin routes on admin_port + i, so > 1 needs admin_port
+    workers: int = Field(default=1, ge=1, le=256)
     # logs: "text" lines or one JSON object a line; an access log line per request (no prompt text)
     log_format: Literal["text", "json"] = "text"
     access_log: bool = False
@@ -92,6 +125,8 @@ class Settings(_Model):
     prefill: tuple[InstanceSpec, ...] = ()
     decode: tuple[InstanceSpec, ...] = ()
     mixed: tuple[InstanceSpec, ...] = ()
+    # workers found by DNS at run time, beside the lists above (conductor/membership.py)
+    discovery: DiscoverySettings = DiscoverySettings()
     pd_protocol: Literal["nixl", "mooncake", "sglang"] = "nixl"
     # which generation of vLLM's MooncakeConnector field names to speak (adapters/pd/mooncake.py)
     mooncake_schema: str = "transfer_id"
@@ -115,6 +150,9 @@ class Settings(_Model):
     # secrets: never printed (SecretStr), and may come from files Kubernetes mounts from a Secret
     api_keys: tuple[SecretStr, ...] = ()  # if set, clients must send one as a Bearer token
     api_keys_file: str | None = None  # more keys, one per line ('#' lines and blank lines skipped)
+    # the admin API (/admin/instances: conductor/membership.py) takes only these keys; with none it is off
+    admin_api_keys: tuple[SecretStr, ...] = ()
+    admin_api_keys_file: str | None = None  # more admin keys, one per line, like api_keys_file
     upstream_api_key: SecretStr | None = None  # sent to workers instead of the client's key
     upstream_api_key_file: str | None = None  # the upstream key from a file (its first line)
     max_body_bytes: int = 16 * 1024 * 1024
@@ -181,6 +219,8 @@ class Settings(_Model):
             missing = [p.url for p in self.prefill if p.bootstrap_port is None]
             if missing:
                 raise ValueError(f"--pd-protocol {self.pd_protocol} needs a bootstrap port for prefill {missing}")
+            if self.discovery.prefill is not None and self.discovery.prefill.bootstrap_port is None:
+                raise ValueError(f"--pd-protocol {self.pd_protocol} needs discovery.prefill.bootstrap_port")
         return self
 
     def client_keys(self) -> frozenset[str]:
@@ -188,6 +228,13 @@ class Settings(_Model):
         keys = {k.get_secret_value() for k in self.api_keys}
         if self.api_keys_file:
             keys |= set(_secret_lines(self.api_keys_file))
+        return frozenset(keys)
+
+    def admin_keys(self) -> frozenset[str]:
+        """Every accepted admin key: `admin_api_keys` plus the lines of `admin_api_keys_file`."""
+        keys = {k.get_secret_value() for k in self.admin_api_keys}
+        if self.admin_api_keys_file:
+            keys |= set(_secret_lines(self.admin_api_keys_file))
         return frozenset(keys)
 
     def upstream_key(self) -> str | None:
@@ -206,7 +253,7 @@ class Settings(_Model):
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.prefill or self.decode)
+        return bool(self.prefill or self.decode or self.discovery.prefill or self.discovery.decode)
 
 
 def _secret_lines(path: str) -> list[str]:

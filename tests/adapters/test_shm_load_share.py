@@ -1,0 +1,102 @@
+"""Worker processes of one gateway see each other's in-flight work through shared memory: tested
+across real processes (spawned, as the supervisor spawns them)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Event
+
+import pytest
+
+from adapters.load_share import LoadTable
+from adapters.shm_load_share import SharedMemoryLoadShare, create_segment, slot_written
+from tests.support.waiting import wait_for
+
+SLOT_BYTES = 4096
+
+
+def _sibling(segment: str, table: LoadTable, stop: Event, slot_bytes: int) -> None:
+    """Another worker: publishes `table` from slot 1 until told to stop, then leaves cleanly."""
+
+    async def main() -> None:
+        share = SharedMemoryLoadShare(segment, 1, 2, slot_bytes=slot_bytes, interval_s=0.01)
+        await share.start(lambda: table)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await share.close()
+
+    asyncio.run(main())
+
+
+def _spawn(segment: str, table: LoadTable, stop: Event, slot_bytes: int = SLOT_BYTES) -> BaseProcess:
+    proc = multiprocessing.get_context("spawn").Process(target=_sibling, args=(segment, table, stop, slot_bytes))
+    proc.start()
+    return proc
+
+
+@pytest.fixture
+def segment() -> Iterator[SharedMemory]:
+    shm = create_segment(2, SLOT_BYTES)
+    yield shm
+    shm.close()
+    shm.unlink()
+
+
+async def test_a_sibling_process_sees_queued_prefills_and_decodes(segment: SharedMemory) -> None:
+    table: LoadTable = {"prefill-0": ([(4096, 0, 1.0e9), (512, 256, 1.0e9 + 1)], []),
+                        "decode-1": ([], [(1000, 200, True)])}
+    stop = multiprocessing.get_context("spawn").Event()
+    me = SharedMemoryLoadShare(segment.name, 0, 2, slot_bytes=SLOT_BYTES)
+    await me.start(dict)
+    proc = _spawn(segment.name, table, stop)
+    try:
+        assert await _until(lambda: "prefill-0" in me.remote())
+        queue, _ = me.remote()["prefill-0"]
+        assert [(p.new_tokens, p.cached_tokens) for p in queue] == [(4096, 0), (512, 256)]
+        assert queue[0].elapsed_s > queue[1].elapsed_s  # dispatched first: the running head
+        assert me.remote()["decode-1"][1][0].context_tokens == 1000
+    finally:
+        stop.set()
+        proc.join(30)
+    # a sibling that stops clears its slot: its work no longer counts
+    assert await _until(lambda: me.remote() == {})
+    await me.close()
+
+
+async def test_a_killed_sibling_stops_counting_once_its_heartbeat_is_stale(segment: SharedMemory) -> None:
+    stop = multiprocessing.get_context("spawn").Event()
+    me = SharedMemoryLoadShare(segment.name, 0, 2, slot_bytes=SLOT_BYTES, stale_after_s=0.5)
+    await me.start(dict)
+    proc = _spawn(segment.name, {"prefill-0": ([(100, 0, 1.0e9)], [])}, stop)
+    assert await _until(lambda: "prefill-0" in me.remote())
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)  # no clean close: the slot still holds its table
+    proc.join(30)
+    assert segment.buf is not None and slot_written(segment.buf, 1, SLOT_BYTES)
+    assert await _until(lambda: me.remote() == {})
+    await me.close()
+
+
+async def test_a_table_too_big_for_the_slot_keeps_the_last_one_and_is_counted(segment: SharedMemory) -> None:
+    rows: list[tuple[int, int, float]] = [(1, 0, 1.0e9)]
+    share = SharedMemoryLoadShare(segment.name, 0, 2, slot_bytes=SLOT_BYTES)
+    await share.start(lambda: {"prefill-0": (list(rows), [])})
+    reader = SharedMemoryLoadShare(segment.name, 1, 2, slot_bytes=SLOT_BYTES)
+    await reader.start(dict)
+    assert len(reader.remote()["prefill-0"][0]) == 1
+    rows.extend([(1, 0, 1.0e9)] * 2000)  # ~ 20 KB of msgpack, slots are 4 KB
+    share.publish()
+    assert share.oversized == 1
+    assert len(reader.remote()["prefill-0"][0]) == 1
+    await share.close()
+    await reader.close()
+
+
+async def _until(condition: Callable[[], bool]) -> bool:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, lambda: wait_for(condition, timeout=30))

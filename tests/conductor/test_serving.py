@@ -1,0 +1,172 @@
+"""`conductor serve --workers N`: real worker processes on one port, sharing their load through
+shared memory, restarted when they die, drained on SIGTERM; and the start-up errors around it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.support.servers import free_port, serve
+from tests.support.standin import StandIn
+from tests.support.waiting import wait_for
+
+
+def _command(port: int, admin: int | None, workers: int, *instances: str) -> list[str]:
+    cmd = [sys.executable, "-m", "conductor", "serve", "--workers", str(workers), "--port", str(port),
+           "--model", "tiny", "--policy", "least_loaded", "--log-level", "warning", *instances]
+    return cmd + (["--admin-port", str(admin)] if admin is not None else [])
+
+
+def _env() -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "CONDUCTOR_DRAIN_GRACE_S": "5", "CONDUCTOR_HEALTH_INTERVAL_S": "0.5"}
+
+
+@contextmanager
+def supervisor(cmd: list[str]) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return found
+
+
+def _worker_pids(pid: int) -> set[int]:
+    """The supervisor's worker processes (spawned: not its resource tracker)."""
+    return {c for c in _children(pid) if b"spawn_main" in _cmdline(c)}
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def _served(admin_url: str) -> float:
+    text = httpx.get(admin_url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("conductor_requests_total{") and 'status="200"' in line)
+
+
+def test_two_workers_share_the_port_and_see_each_others_streams() -> None:
+    with ExitStack() as stack:
+        prefill = StandIn(role="prefill")
+        decodes = [StandIn(role="decode", token_delay_s=0.1) for _ in range(2)]
+        p_url = stack.enter_context(serve(prefill)).url
+        d_args = [a for d in decodes for a in ("--decode", stack.enter_context(serve(d)).url)]
+        port, admin = free_port(), free_port()
+        while admin + 1 == port:
+            admin = free_port()
+        proc = stack.enter_context(supervisor(_command(port, admin, 2, "--prefill", p_url, *d_args)))
+        url, admins = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{admin + i}" for i in range(2)]
+        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60), proc.poll()
+
+        # one long stream occupies decode-0 (least_loaded breaks the tie of an idle cluster by order)
+        def stream() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # cut short by the shutdown at the end
+                httpx.post(url + "/v1/completions", timeout=120,
+                           json={"model": "tiny", "prompt": "x", "max_tokens": 600, "stream": True})
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert wait_for(lambda: len(decodes[0].requests) == 1, timeout=30)
+        threading.Event().wait(0.3)  # pacing only: the siblings' tables are republished every 2 ms
+        # short requests on new connections, so the kernel hands them to both workers: the worker
+        # that did not dispatch the stream sees decode-0 busy only through the shared memory (alone,
+        # it would break the tie towards decode-0 again)
+        for _ in range(16):
+            r = httpx.post(url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "y", "max_tokens": 1})
+            assert r.status_code == 200
+        assert len(decodes[0].requests) == 1
+        assert len(decodes[1].requests) == 16
+        assert all(_served(a) > 0 for a in admins)  # both workers served some
+        assert sum(_served(a) for a in admins) == 16
+
+
+def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment() -> None:
+    before = set(os.listdir("/dev/shm"))
+    with ExitStack() as stack:
+        mixed_url = stack.enter_context(serve(StandIn())).url
+        port, admin = free_port(), free_port()
+        while admin + 1 == port:
+            admin = free_port()
+        proc = stack.enter_context(supervisor(_command(port, admin, 2, "--mixed", mixed_url)))
+        admins = [f"http://127.0.0.1:{admin + i}" for i in range(2)]
+        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60)
+        workers = _worker_pids(proc.pid)
+        assert len(workers) == 2
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        assert wait_for(lambda: len(_worker_pids(proc.pid) - workers) == 1, timeout=60)
+        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60)
+        assert victim not in _worker_pids(proc.pid)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={"model": "tiny", "prompt": "z", "max_tokens": 1})
+        assert r.status_code == 200
+        survivors = _worker_pids(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert all(not Path(f"/proc/{pid}").exists() for pid in survivors)
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("psm_")}
+
+
+def test_more_than_one_worker_needs_an_admin_port() -> None:
+    out = subprocess.run(_command(free_port(), None, 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "needs admin_port" in out.stderr
+
+
+def test_a_port_in_use_is_a_clean_error_not_a_shared_port() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(_command(port, free_port(), 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
+def test_a_worker_that_cannot_start_stops_the_supervisor() -> None:
+    port = free_port()
+    with socket.socket() as taken:  # worker 1's admin port is taken: it fails the same way every time
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        admin = taken.getsockname()[1] - 1
+        out = subprocess.run(_command(port, admin, 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "cannot start" in out.stdout + out.stderr
