@@ -54,7 +54,9 @@ class KVAwarenessSettings(_Model):
     # so: start the workers with PYTHONHASHSEED and set it here too, or use key_mode xxhash, which
     # translates events). The gateway's own PYTHONHASHSEED is never used.
     vllm_hash_seed: str | None = None
-    index: Literal["memory", "redis"] = "memory"
+    # "redis_cluster": a Redis Cluster (adapters/index/redis_cluster.py); redis_url then names its startup
+    # node(s), comma-separated ("redis://10.0.0.1:7000,redis://10.0.0.2:7000"); the client finds the rest
+    index: Literal["memory", "redis", "redis_cluster"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "conductor:kv:"
     # Redis calls give up after these (look-ups are on the request path; writes run beside it), and

@@ -1,0 +1,211 @@
+"""Lua for `RedisClusterIndex`: each script touches the keys of ONE shard, so of one cluster slot.
+
+A shard's keys share the hash tag T = "{<prefix>s<shard>}" (see redis_cluster.py for the layout):
+  T instances   set of the shard's instance names
+  T clock       counter the LRU scores come from (order within the shard)
+  T evictions   counter of entries dropped to stay under the cap
+  T i:<inst>    hash {8-byte block key: "<tier bits>" | "u<expiry ms>"} plus one "~" marker field
+  T l:<inst>    sorted set {8-byte block key: last touch}: the instance's LRU order
+Keys built inside a script (T i:<inst> of another instance in the look-up) carry the same tag, so
+Redis Cluster accepts them (a script may use undeclared keys of the slot it was routed to).
+
+Values and the look-up's walk over them are RedisIndex's; the look-up adds probes (below).
+"""
+
+from __future__ import annotations
+
+from adapters.index.redis import _NOW_MS
+
+# KEYS[1] instances, KEYS[2] clock, KEYS[3] evictions, KEYS[4] T i:<inst>, KEYS[5] T l:<inst>.
+# ARGV: instance, tier bit, confirmed, unconfirmed ttl ms, key ttl ms, max_blocks, instances in other
+# shards, use HPEXPIRE (server 7.4+), packed keys. Returns {instances in this shard, evicted}.
+INSERT = _NOW_MS + """
+local inst, tbit = ARGV[1], tonumber(ARGV[2])
+local confirmed, unconf_ms, ttl_ms = ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_blocks, others, hexpire, blob = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8] == '1', ARGV[9]
+local hk, lk = KEYS[4], KEYS[5]
+local guess = 'u' .. (now + unconf_ms)
+local n = #blob / 8
+local base = redis.call('INCRBY', KEYS[2], n) - n
+redis.call('SADD', KEYS[1], inst)
+if redis.call('EXISTS', hk) == 0 then
+  -- a long marker value forces the hashtable encoding (a listpack makes every HMGET field a scan)
+  redis.call('HSET', hk, '~', string.rep('-', 65))
+end
+for lo = 0, n - 1, 1000 do
+  local hi = math.min(n, lo + 1000) - 1
+  local fields = {}
+  for i = lo, hi do fields[#fields + 1] = string.sub(blob, i * 8 + 1, i * 8 + 8) end
+  local old = redis.call('HMGET', hk, unpack(fields))
+  local sets, touch, guessed, kept = {}, {}, {}, {}
+  for j = 1, #fields do
+    local v, f = old[j], fields[j]
+    if confirmed then
+      local b = 0
+      if v and string.byte(v, 1) ~= 117 then b = tonumber(v) elseif v then kept[#kept + 1] = f end
+      sets[#sets + 1] = f
+      sets[#sets + 1] = tostring(bit.bor(b, tbit))
+    elseif not v or string.byte(v, 1) == 117 then
+      sets[#sets + 1] = f
+      sets[#sets + 1] = guess
+      guessed[#guessed + 1] = f
+    end
+    -- the head of a prompt gets the newest score, so eviction eats chains from their tails
+    touch[#touch + 1] = base + n - (lo + j - 1)
+    touch[#touch + 1] = f
+  end
+  if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
+  if hexpire then
+    -- per-field TTL frees a guess's memory on time; the value's expiry stays the truth for look-ups
+    if #guessed > 0 then redis.call('HPEXPIRE', hk, unconf_ms, 'FIELDS', #guessed, unpack(guessed)) end
+    if #kept > 0 then redis.call('HPERSIST', hk, 'FIELDS', #kept, unpack(kept)) end
+  end
+  redis.call('ZADD', lk, unpack(touch))
+end
+redis.call('PEXPIRE', hk, ttl_ms)
+redis.call('PEXPIRE', lk, ttl_ms)
+local members = redis.call('SCARD', KEYS[1])
+-- fair share: an instance keeps at most max_blocks / (instances known), so the shards need no
+-- shared counter and the total stays under max_blocks (see the module docstring for the bound)
+local cap = math.max(1, math.floor(max_blocks / (others + members)))
+local excess = redis.call('ZCARD', lk) - cap
+if excess <= 0 then return {members, 0} end
+local victims = redis.call('ZPOPMIN', lk, excess)
+for lo = 1, #victims, 2000 do
+  local gone = {}
+  for i = lo, math.min(#victims, lo + 1999), 2 do gone[#gone + 1] = victims[i] end
+  redis.call('HDEL', hk, unpack(gone))
+end
+redis.call('INCRBY', KEYS[3], excess)
+return {members, excess}
+"""
+
+# KEYS[1] T i:<inst>, KEYS[2] T l:<inst>. ARGV: tier mask, packed keys.
+REMOVE = """
+local hk, lk, mask, blob = KEYS[1], KEYS[2], tonumber(ARGV[1]), ARGV[2]
+for off = 1, #blob, 8 do
+  local f = string.sub(blob, off, off + 7)
+  local v = redis.call('HGET', hk, f)
+  if v then
+    local b = 0
+    if string.byte(v, 1) ~= 117 then b = bit.band(tonumber(v), bit.bnot(mask)) end
+    if b == 0 then
+      redis.call('HDEL', hk, f)
+      redis.call('ZREM', lk, f)
+    else
+      redis.call('HSET', hk, f, tostring(b))
+    end
+  end
+end
+return 0
+"""
+
+# KEYS[1] instances, KEYS[2] T i:<inst>, KEYS[3] T l:<inst>. ARGV: instance.
+DROP = """
+redis.call('UNLINK', KEYS[2], KEYS[3])
+return redis.call('SREM', KEYS[1], ARGV[1])
+"""
+
+# KEYS[1] instances, KEYS[2] evictions. ARGV: tag. Returns {evictions, entries, instance names...}.
+STATS = """
+local tag = ARGV[1]
+local names = redis.call('SMEMBERS', KEYS[1])
+local entries = 0
+for _, inst in ipairs(names) do entries = entries + redis.call('ZCARD', tag .. 'l:' .. inst) end
+local out = {tonumber(redis.call('GET', KEYS[2]) or '0'), entries}
+for _, inst in ipairs(names) do out[#out + 1] = inst end
+return out
+"""
+
+# KEYS[1] instances, KEYS[2] clock, KEYS[3] evictions. ARGV: tag. Returns the keys deleted.
+CLEAR = """
+local tag = ARGV[1]
+local deleted = 0
+for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  deleted = deleted + redis.call('UNLINK', tag .. 'i:' .. inst, tag .. 'l:' .. inst)
+end
+return deleted + redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3])
+"""
+
+# KEYS[1] instances. ARGV: tag, packed keys. Returns [instance, blocks, worst tier rank, confirmed]*.
+# Per instance holding the head block: probe the last field of the next chunk (HEXISTS); if it is
+# absent, bisect with HEXISTS for a missing position b, then HMGET only [pos, b). A missing field
+# ends every run at or before it, and the HMGET walk stops at any earlier hole or expired guess, so
+# the answer is exact, yet a run of r blocks costs about r fields plus a few probes (never a
+# whole 4x-overshooting chunk). Field strings are cut from the blob only as far as some run reaches.
+MATCH = _NOW_MS + """
+local tag, blob = ARGV[1], ARGV[2]
+local n = #blob / 8
+local memo = {}
+local function field(i)  -- 1-based
+  local f = memo[i]
+  if not f then f = string.sub(blob, i * 8 - 7, i * 8) memo[i] = f end
+  return f
+end
+local function slice(a, b)
+  local t = {}
+  for i = a, b do t[#t + 1] = field(i) end
+  return t
+end
+local out = {}
+for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local hk = tag .. 'i:' .. inst
+  if redis.call('HEXISTS', hk, field(1)) == 1 then
+    local pos, conf, worst, conf_open, stop = 0, 0, 0, true, false
+    local chunk = 32
+    while pos < n and not stop do
+      local hi = math.min(n, pos + chunk)
+      if hi < n and redis.call('HEXISTS', hk, field(hi + 1)) == 0 then
+        -- block hi+1 is missing: the run ends at or before it; narrow that bound when it is far
+        local lo_, up = pos + 1, hi + 1  -- up: a missing position
+        while up - lo_ > 16 do
+          local mid = math.floor((lo_ + up) / 2)
+          if redis.call('HEXISTS', hk, field(mid)) == 1 then lo_ = mid + 1 else up = mid end
+        end
+        hi = up - 1
+        stop = true
+      elseif hi == n then
+        stop = true
+      end
+      if hi > pos then
+        local vals = redis.call('HMGET', hk, unpack(slice(pos + 1, hi)))
+        local count = hi - pos
+        -- fast path, in C: a chunk of confirmed device-only blocks concatenates to "111...1"
+        local ok, joined = pcall(table.concat, vals)
+        if ok and conf_open and joined == string.rep('1', count) then
+          pos = hi
+          conf = conf + count
+          count = 0
+        end
+        for j = 1, count do
+          local v = vals[j]
+          if v == '1' then
+            if conf_open then conf = conf + 1 end
+          elseif not v then
+            stop = true
+            break
+          elseif string.byte(v, 1) == 117 then
+            if tonumber(string.sub(v, 2)) <= now then stop = true break end
+            conf_open = false
+          else
+            local b = tonumber(v)
+            local rank = 2
+            if bit.band(b, 1) == 1 then rank = 0 elseif bit.band(b, 2) == 2 then rank = 1 end
+            if rank > worst then worst = rank end
+            if conf_open then conf = conf + 1 end
+          end
+          pos = pos + 1
+        end
+      end
+      chunk = math.min(chunk * 4, 4096)
+    end
+    if pos > 0 then
+      out[#out + 1] = inst
+      out[#out + 1] = pos
+      out[#out + 1] = worst
+      out[#out + 1] = conf
+    end
+  end
+end
+return out
+"""
