@@ -1,5 +1,12 @@
 """The workers the gateway routes to: their health, the load this gateway put on them, and the
-cluster snapshot a policy decides from."""
+cluster snapshot a policy decides from.
+
+Membership changes at run time (conductor/membership.py drives them: DNS discovery, the admin API):
+`add` puts an instance in rotation; `drain` takes it out of rotation while what it serves
+finishes, then removes it; `remove` takes it out at once. A removed instance's requests still in
+flight are not cut: its bookkeeping moves aside ("retired") until they end, and only then are its
+connections closed. Listeners hear of each change (the KV index, the metrics).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 from adapters.load_share import LoadShare, NoLoadShare, local_table
 from adapters.pd.base import Target, decode_json, host_of
-from adapters.upstream import UpstreamPool
-from conductor.core.errors import UpstreamError
+from adapters.upstream import Upstream, UpstreamPool
+from conductor.core.errors import ConductorError, NotFound, UpstreamError
 from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
 from conductor.health import HealthRules, InstanceHealth, may_eject
 from conductor.settings import InstanceSpec, Settings
@@ -19,6 +27,29 @@ from conductor.settings import InstanceSpec, Settings
 log = logging.getLogger("conductor.instances")
 
 RemoteEntry = tuple[tuple[QueuedPrefill, ...], tuple[ActiveDecode, ...]]
+# where an instance came from: the settings' lists, the admin API, or DNS discovery
+Origin = Literal["static", "admin", "dns"]
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the instance's last request ended
+
+
+class InstanceExists(ConductorError):
+    """An instance with that name or URL is already a member."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "instance_exists"
+
+
+class MembershipListener(Protocol):
+    async def instance_added(self, spec: InstanceSpec) -> None: ...
+
+    async def instance_removed(self, name: str) -> None:
+        """Out of rotation for good: forget what routing knows of it (its requests may still run)."""
+        ...
+
+    def instance_released(self, name: str) -> None:
+        """Its last request ended after its removal (or the wait for that gave up)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -34,6 +65,9 @@ class InstanceState:
     prefills: dict[str, QueuedPrefill] = field(default_factory=dict)
     started: dict[str, float] = field(default_factory=dict)  # request id -> dispatch, or when it became the head
     decodes: dict[str, ActiveDecode] = field(default_factory=dict)  # request id -> stream running here
+    origin: Origin = "static"
+    draining: bool = False  # out of rotation; removed once what runs here has ended
+    drained_by: Origin | None = None  # who asked for the drain (DNS undoes only its own)
 
     @property
     def name(self) -> str:
@@ -42,8 +76,13 @@ class InstanceState:
 
     @property
     def healthy(self) -> bool:
-        """May take requests: its probes answer and it is not ejected as an outlier."""
-        return self.health.available
+        """May take requests: its probes answer, it is not ejected as an outlier nor draining."""
+        return self.health.available and not self.draining
+
+    @property
+    def inflight(self) -> int:
+        """Requests of this gateway on the instance (a mixed one counts once)."""
+        return len(self.prefills.keys() | self.decodes.keys())
 
     def view(self, now: float, remote: RemoteEntry | None = None, excluded: bool = False) -> InstanceView:
         queue = tuple(self.prefills.values())
@@ -82,6 +121,12 @@ class InstanceRegistry:
             upstream = pool.add(spec.name, spec.url)
             target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
             self.states[spec.name] = InstanceState(spec=spec, target=target, health=InstanceHealth(spec.name))
+        self.listeners: list[MembershipListener] = []
+        # removed while requests still ran there: name -> (its state, when to stop waiting for them)
+        self.retired: dict[str, tuple[InstanceState, float]] = {}
+        self._own_upstreams: dict[str, Upstream] = {}  # those added at run time: closed here
+        self._drains: dict[str, asyncio.Task[None]] = {}
+        self._reaper: asyncio.Task[None] | None = None
         self._probe_task: asyncio.Task[None] | None = None
         self.rules = HealthRules(
             unhealthy_after=settings.unhealthy_after,
@@ -100,7 +145,97 @@ class InstanceRegistry:
     async def close(self) -> None:
         if self._probe_task is not None:
             self._probe_task.cancel()
+        for task in (*self._drains.values(), *([self._reaper] if self._reaper else [])):
+            task.cancel()
+        await asyncio.gather(*self._drains.values(), *([self._reaper] if self._reaper else []),
+                             return_exceptions=True)
         await self.load_share.close()
+        for upstream in self._own_upstreams.values():
+            await upstream.close()
+        self._own_upstreams.clear()
+
+    # ---- membership ---------------------------------------------------------------------
+    async def add(self, spec: InstanceSpec, origin: Origin = "admin") -> InstanceState:
+        """Into rotation once its first health probe answers (probed here, right away)."""
+        assert spec.name is not None
+        url = spec.url.rstrip("/")
+        if spec.name in self.states or spec.name in self.retired:
+            raise InstanceExists(f"an instance named {spec.name!r} exists already", param="name")
+        if any(s.spec.url.rstrip("/") == url for s in self.states.values()):
+            raise InstanceExists(f"an instance at {spec.url} exists already", param="url")
+        upstream = Upstream(spec.name, spec.url, timeouts=self.pool.timeouts,
+                            max_connections=self._settings.max_connections_per_upstream)
+        await upstream.start()
+        self._own_upstreams[spec.name] = upstream
+        target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
+        state = InstanceState(spec=spec, target=target, health=InstanceHealth(spec.name), origin=origin)
+        self.states[spec.name] = state
+        log.info("instance %s (%s, %s) added by %s", spec.name, spec.role.value, spec.url, origin)
+        for listener in self.listeners:
+            await listener.instance_added(spec)
+        await self._probe(state)
+        return state
+
+    def drain(self, name: str, by: Origin = "admin") -> InstanceState:
+        """Out of rotation now; removed when its last request here ends, or after drain_grace_s."""
+        state = self._member(name)
+        if not state.draining:
+            state.draining, state.drained_by = True, by
+            log.info("instance %s draining (%s; %d requests in flight)", name, by, state.inflight)
+            self._drains[name] = asyncio.create_task(self._finish_drain(name), name=f"drain-{name}")
+        return state
+
+    def undrain(self, name: str) -> None:
+        """Back into rotation (DNS lists again an address it had stopped listing)."""
+        state = self._member(name)
+        task = self._drains.pop(name, None)
+        if task is not None:
+            task.cancel()
+        state.draining, state.drained_by = False, None
+        log.info("instance %s back in rotation", name)
+
+    async def remove(self, name: str) -> None:
+        """Out at once. Its requests in flight run on; its connections close when they end."""
+        state = self._member(name)
+        del self.states[name]
+        task = self._drains.pop(name, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        # past request_timeout_s no request of it can still run: the deadline sweep closed it
+        self.retired[name] = (state, time.monotonic() + self._settings.request_timeout_s + 1.0)
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap(), name="retired-instances")
+        log.info("instance %s removed (%d requests still in flight)", name, state.inflight)
+        for listener in self.listeners:
+            await listener.instance_removed(name)
+
+    def _member(self, name: str) -> InstanceState:
+        state = self.states.get(name)
+        if state is None:
+            raise NotFound(f"no instance named {name!r}", param="name", code="instance_not_found")
+        return state
+
+    async def _finish_drain(self, name: str) -> None:
+        deadline = time.monotonic() + self._settings.drain_grace_s
+        while (state := self.states.get(name)) is not None and state.draining:
+            if state.inflight == 0 or time.monotonic() >= deadline:
+                self._drains.pop(name, None)
+                await self.remove(name)
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def _reap(self) -> None:
+        while self.retired:
+            await asyncio.sleep(DRAIN_POLL_S)
+            now = time.monotonic()
+            for name, (state, give_up_at) in list(self.retired.items()):
+                if state.inflight == 0 or now >= give_up_at:
+                    del self.retired[name]
+                    upstream = self._own_upstreams.pop(name, None)
+                    if upstream is not None:
+                        await upstream.close()
+                    for listener in self.listeners:
+                        listener.instance_released(name)
 
     async def _probe_forever(self) -> None:
         while True:
@@ -166,17 +301,24 @@ class InstanceRegistry:
         (shown unhealthy, so a failover decides among the others)."""
         now = time.monotonic()
         remote = self.load_share.remote()
-        return ClusterSnapshot(
-            now=now, instances=tuple(s.view(now, remote.get(n), n in exclude) for n, s in self.states.items())
-        )
+        # a draining instance is no candidate at all (not even a "down" one a policy might count)
+        return ClusterSnapshot(now=now, instances=tuple(
+            s.view(now, remote.get(n), n in exclude) for n, s in self.states.items() if not s.draining))
+
+    def _state(self, name: str) -> InstanceState | None:
+        """A member's bookkeeping, or a removed one's while its requests still run."""
+        state = self.states.get(name)
+        if state is None and name in self.retired:
+            state = self.retired[name][0]
+        return state
 
     def add_prefill(self, name: str, request_id: str, new_tokens: int, cached_tokens: int) -> None:
-        state = self.states[name]
+        state = self.states[name]  # only a member is routed to
         state.prefills[request_id] = QueuedPrefill(new_tokens, cached_tokens, 0.0)
         state.started[request_id] = time.monotonic()
 
     def end_prefill(self, name: str, request_id: str) -> None:
-        state = self.states.get(name)
+        state = self._state(name)
         if state is None:
             return
         was_head = next(iter(state.prefills), None) == request_id
@@ -193,7 +335,10 @@ class InstanceRegistry:
         self.states[name].decodes[request_id] = ActiveDecode(context_tokens, max_tokens, decoding=False)
 
     def advance_decode(self, name: str, request_id: str, tokens: int) -> None:
-        decodes = self.states[name].decodes
+        state = self._state(name)
+        if state is None:
+            return
+        decodes = state.decodes
         decode = decodes.get(request_id)
         if decode is not None and tokens:
             decodes[request_id] = ActiveDecode(
@@ -202,12 +347,15 @@ class InstanceRegistry:
 
     def mark_decoding(self, name: str, request_id: str) -> None:
         """The request's prefill is over (its KV is on the decode instance, or about to be)."""
-        decodes = self.states[name].decodes
+        state = self._state(name)
+        if state is None:
+            return
+        decodes = state.decodes
         decode = decodes.get(request_id)
         if decode is not None and not decode.decoding:
             decodes[request_id] = ActiveDecode(decode.context_tokens, decode.remaining_tokens, decoding=True)
 
     def end_decode(self, name: str, request_id: str) -> None:
-        state = self.states.get(name)
+        state = self._state(name)
         if state is not None:
             state.decodes.pop(request_id, None)

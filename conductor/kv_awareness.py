@@ -70,6 +70,8 @@ class KVAwareAnalyzer:
         forward_token_ids: bool = True,
         events_silence_s: float = 30.0,
         zmq_context: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 1.0,
+        replay_on_start: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheme = scheme
@@ -86,12 +88,58 @@ class KVAwareAnalyzer:
         self._gone: set[str] = set()
         self._pending: set[asyncio.Task[None]] = set()
         self._index_failures = 0
+        # for instances added at run time (add_instance): how their subscribers catch up
+        self._replay_timeout_s, self._replay_on_start = replay_timeout_s, replay_on_start
+        self.collector: KVEventsCollector | None = None  # its lists follow membership changes
+        self._started = False
+
+    async def add_instance(self, name: str, role: Role, url: str, events: KVEventsEndpoint | None) -> None:
+        """An instance joined: known to the watchdog, and its KV events subscribed when it has an endpoint."""
+        self.instances[name] = (name, role, url)
+        subs: list[EventSubscriber] = []
+        if events is not None:
+            if self._ctx is None:  # no instance had events at start-up
+                self._ctx = zmq.asyncio.Context()
+            subs = [EventSubscriber(
+                EventSource.for_instance(
+                    name, url, offset_endpoint(events.endpoint, rank),
+                    None if events.replay_endpoint is None else offset_endpoint(events.replay_endpoint, rank),
+                    events.topic, rank),
+                self.feeder.on_batch, self.feeder.on_resync, context=self._ctx,
+                replay_timeout_s=self._replay_timeout_s, catch_up=self._replay_on_start)
+                for rank in range(events.data_parallel_size)]
+            if self._started:  # else start() starts them with the others
+                await asyncio.gather(*(sub.start() for sub in subs))
+        self.subscribers = (*self.subscribers, *subs)
+        self._sync_collector(name, role, added=True)
+        if self._started and self.subscribers and self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
+
+    async def remove_instance(self, name: str) -> None:
+        """An instance left: its subscribers stop first (no event may re-add what is dropped next),
+        then the index forgets every block it held."""
+        info = self.instances.pop(name, None)
+        leaving = [sub for sub in self.subscribers if sub.source.instance == name]
+        self.subscribers = tuple(sub for sub in self.subscribers if sub.source.instance != name)
+        for sub in leaving:
+            await sub.close()
+        self._gone.discard(name)
+        self._sync_collector(name, info[1] if info else Role.DECODE, added=False)
+        await self.feeder.on_resync(name, "instance removed")
+
+    def _sync_collector(self, name: str, role: Role, *, added: bool) -> None:
+        if self.collector is None:
+            return
+        self.collector.subscribers = self.subscribers
+        others = tuple(i for i in self.collector.instances if i != name)
+        self.collector.instances = (*others, name) if added and role != Role.DECODE else others
 
     async def start(self) -> None:
         if isinstance(self.index, GuardedIndex):
             await self.index.probe()  # never raises: a Redis absent now is picked up when it answers
         # all at once: each may wait up to replay_timeout_s for its worker's replay at start-up
         await asyncio.gather(*(sub.start() for sub in self.subscribers))
+        self._started = True
         if isinstance(self.store, MooncakeStoreProbe):
             await self.store.start()
         if self.subscribers:
@@ -261,8 +309,15 @@ def make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KV
     from adapters.index.redis import RedisIndex
 
     shared = IndexLimits(max_blocks=s.max_blocks or REDIS_MAX_BLOCKS, **unconfirmed)
-    primary = RedisIndex(s.redis_url, prefix=s.redis_prefix, limits=shared, timeout_s=s.redis_timeout_s,
-                         write_timeout_s=s.redis_write_timeout_s)
+    primary: KVIndex
+    if s.index == "redis_cluster":  # redis_url: the cluster's startup node(s), comma-separated
+        from adapters.index.redis_cluster import RedisClusterIndex
+
+        primary = RedisClusterIndex(s.redis_url, prefix=s.redis_prefix, limits=shared, timeout_s=s.redis_timeout_s,
+                                    write_timeout_s=s.redis_write_timeout_s)
+    else:
+        primary = RedisIndex(s.redis_url, prefix=s.redis_prefix, limits=shared, timeout_s=s.redis_timeout_s,
+                             write_timeout_s=s.redis_write_timeout_s)
     breaker = CircuitBreaker("KV index Redis", failures_to_open=s.redis_breaker_failures,
                              open_s=s.redis_breaker_open_s, logger=log)
     index = GuardedIndex(primary, breaker, fallback=MemoryIndex(local) if s.redis_fallback == "memory" else None,
@@ -316,10 +371,11 @@ def build_analyzer(
     analyzer = KVAwareAnalyzer(tokenizer=_make_tokenizer(s, instances), scheme=scheme, index=index, feeder=feeder,
                                agreement=agreement, subscribers=subscribers, store=store, instances=instances,
                                forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
-                               zmq_context=ctx)
+                               zmq_context=ctx, replay_timeout_s=s.replay_timeout_s, replay_on_start=s.replay_on_start)
     agreement.set_evidence(analyzer.evidence)
     if registry is not None:
         cached_here = [iid for iid, role, _ in instances if role != Role.DECODE]
-        registry.register(KVEventsCollector(subscribers, feeder, cached_here))
+        analyzer.collector = KVEventsCollector(subscribers, feeder, cached_here)
+        registry.register(analyzer.collector)
     warn_about_setup(s, instances)
     return analyzer

@@ -137,7 +137,27 @@ URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.conf
 {{- if not (kindIs "invalid" $v.gateway.slo.ttftSeconds) }}{{ $_ := set $slo "ttft_s" (float64 $v.gateway.slo.ttftSeconds) }}{{ end -}}
 {{- if not (kindIs "invalid" $v.gateway.slo.tbtSeconds) }}{{ $_ := set $slo "tbt_s" (float64 $v.gateway.slo.tbtSeconds) }}{{ end -}}
 {{- if $slo }}{{ $_ := set $cfg "slo" $slo }}{{ end -}}
+{{- /* discovery: each role's headless Service resolved at run time, instead of the list below */ -}}
+{{- $discovery := $v.gateway.discovery.enabled -}}
+{{- if $discovery -}}
+{{- $sources := dict "interval_s" (float64 $v.gateway.discovery.intervalSeconds) -}}
 {{- range $role := list "prefill" "decode" "mixed" -}}
+{{- if gt (int (index $v $role).replicas) 0 -}}
+{{- $full := include "conductor.fullname" $ -}}
+{{- $src := dict "name" (printf "%s-%s.%s.svc.%s" $full $role $.Release.Namespace $v.clusterDomain) "port" (int $v.workers.port) -}}
+{{- if and (eq $role "prefill") (include "conductor.needsBootstrap" $) -}}
+{{- $_ := set $src "bootstrap_port" (int $v.workers.bootstrapPort) -}}
+{{- end -}}
+{{- if and $v.workers.kvEvents.enabled $v.gateway.subscribeKvEvents (ne $role "decode") -}}
+{{- $_ := set $src "kv_events_port" (int $v.workers.kvEvents.port) -}}
+{{- end -}}
+{{- $_ := set $sources $role $src -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $cfg "discovery" $sources -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" "mixed" -}}
+{{- if not $discovery -}}
 {{- $specs := list -}}
 {{- range $i := until (int (index $v $role).replicas) -}}
 {{- $host := include "conductor.workerHost" (dict "root" $ "role" $role "index" $i) -}}
@@ -154,12 +174,18 @@ URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.conf
 {{- end -}}
 {{- if $specs }}{{ $_ := set $cfg $role $specs }}{{ end -}}
 {{- end -}}
+{{- end -}}
 {{- $kv := $v.gateway.kv -}}
 {{- $redisUrl := include "conductor.redisUrl" . -}}
 {{- $index := $kv.index -}}
 {{- if eq $index "auto" }}{{ $index = ternary "redis" "memory" (ne $redisUrl "") }}{{ end -}}
 {{- $kvCfg := dict "enabled" $kv.enabled "tokenizer" $kv.tokenizer "index" $index "max_blocks" (int $kv.maxBlocks) -}}
 {{- if eq $index "redis" }}{{ $_ := set $kvCfg "redis_url" $redisUrl }}{{ end -}}
+{{- if and $discovery (eq $kv.tokenizer "worker") -}}
+{{- /* no instance is listed at start-up to take /tokenize from: the Service's name stands for its pods */ -}}
+{{- $tokRole := ternary "mixed" "prefill" (eq (int $v.prefill.replicas) 0) -}}
+{{- $_ := set $kvCfg "tokenizer_url" (printf "http://%s-%s.%s.svc.%s:%d" (include "conductor.fullname" .) $tokRole .Release.Namespace $v.clusterDomain (int $v.workers.port)) -}}
+{{- end -}}
 {{- if $kv.mooncakeStore -}}
 {{- $m := $v.mooncakeMaster -}}
 {{- $master := printf "%s-mooncake-master" (include "conductor.fullname" .) -}}
