@@ -238,6 +238,8 @@ def kv_settings(settings: Settings) -> KVAwarenessSettings:
         if spec.kv_events_endpoint and spec.name
     }
     update: dict[str, object] = {"block_size": settings.block_size, "kv_events": {**events, **kv.kv_events}}
+    if kv.index == "indexer" and kv.indexer_model is None and settings.models:
+        update["indexer_model"] = settings.models[0]  # the indexer checks it against the same `models`
     if "forward_token_ids" not in kv.model_fields_set:
         update["forward_token_ids"] = kv.tokenizer != "builtin"
     return kv.model_copy(update=update)

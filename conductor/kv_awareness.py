@@ -306,6 +306,13 @@ def make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KV
     local = IndexLimits(max_blocks=local_cap, **unconfirmed)
     if s.index == "memory":
         return MemoryIndex(local)
+    if s.index == "indexer":  # the client keeps its own breaker and answers from its guesses on failure
+        from adapters.index.remote import IndexerClient
+
+        assert s.indexer_url is not None  # the settings' validator says so
+        return IndexerClient(s.indexer_url, local, s.indexer_timeout_s, block_size=s.block_size,
+                             model=s.indexer_model or "default", breaker_failures=s.redis_breaker_failures,
+                             breaker_open_s=s.redis_breaker_open_s)
     from adapters.index.redis import RedisIndex
 
     shared = IndexLimits(max_blocks=s.max_blocks or REDIS_MAX_BLOCKS, **unconfirmed)
@@ -351,7 +358,8 @@ def build_analyzer(
     unknown = set(s.kv_events) - set(urls)
     if unknown:
         raise ConfigError(f"kv.kv_events names unknown instances: {sorted(unknown)}")
-    ctx = zmq.asyncio.Context() if s.kv_events else None
+    # with an indexer, it ingests the events: this gateway subscribes to none
+    ctx = zmq.asyncio.Context() if s.kv_events and s.index != "indexer" else None
     subscribers = [
         EventSubscriber(
             EventSource.for_instance(
@@ -372,7 +380,8 @@ def build_analyzer(
                                agreement=agreement, subscribers=subscribers, store=store, instances=instances,
                                forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
                                zmq_context=ctx, replay_timeout_s=s.replay_timeout_s, replay_on_start=s.replay_on_start)
-    agreement.set_evidence(analyzer.evidence)
+    if s.index != "indexer":  # the feeds' evidence is the indexer's there, not ours
+        agreement.set_evidence(analyzer.evidence)
     if registry is not None:
         cached_here = [iid for iid, role, _ in instances if role != Role.DECODE]
         analyzer.collector = KVEventsCollector(subscribers, feeder, cached_here)

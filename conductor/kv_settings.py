@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from adapters.index.feed import DEFAULT_MAP_BUDGET_BYTES
 from adapters.index.memory import DEFAULT_INDEX_BUDGET_BYTES
@@ -56,7 +56,13 @@ class KVAwarenessSettings(_Model):
     vllm_hash_seed: str | None = None
     # "redis_cluster": a Redis Cluster (adapters/index/redis_cluster.py); redis_url then names its startup
     # node(s), comma-separated ("redis://10.0.0.1:7000,redis://10.0.0.2:7000"); the client finds the rest
-    index: Literal["memory", "redis", "redis_cluster"] = "memory"
+    # "indexer": read a `conductor indexer` (conductor/indexer.py) over HTTP at indexer_url; it ingests the
+    # workers' KV events, so this gateway subscribes to none and keeps only its own dispatch guesses
+    # (adapters/index/remote.py). Look-ups give up after indexer_timeout_s and answer from those guesses.
+    index: Literal["memory", "redis", "redis_cluster", "indexer"] = "memory"
+    indexer_url: str | None = None
+    indexer_timeout_s: Annotated[float, Field(gt=0)] = 0.1
+    indexer_model: str | None = None  # the model look-ups name; default: the gateway's first served model
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "conductor:kv:"
     # Redis calls give up after these (look-ups are on the request path; writes run beside it), and
@@ -88,6 +94,12 @@ class KVAwarenessSettings(_Model):
     agreement_alarm_below: float = 0.2  # confirmed/predicted cached tokens below this: warn (over-prediction)
     agreement_coverage_alarm_below: float = 0.8  # confirmed/reported below this: warn (under-prediction)
 
+    @model_validator(mode="after")
+    def _indexer_has_url(self) -> KVAwarenessSettings:
+        if self.index == "indexer" and not self.indexer_url:
+            raise ValueError("kv.index 'indexer' needs kv.indexer_url (the conductor indexer's base URL)")
+        return self
+
     @field_validator("vllm_hash_seed", mode="before")
     @classmethod
     def _seed_text(cls, v: Any) -> Any:
@@ -111,6 +123,6 @@ def warn_about_setup(s: KVAwarenessSettings, instances: Sequence[tuple[str, Role
         log.info("kv.tokenizer is 'builtin' (UTF-8 bytes): its keys match only emulated workers; against a real "
                  "model set kv.tokenizer to the model's tokenizer directory or 'worker'")
     silent = [iid for iid, role, _ in instances if role != Role.DECODE and iid not in s.kv_events]
-    if silent:
+    if silent and s.index != "indexer":  # with an indexer, it subscribes, not this gateway
         log.info("no KV events endpoint for %s: the index knows their caches only from this gateway's dispatches, "
                  "forgotten after kv.unconfirmed_ttl_s (%.0fs)", ", ".join(silent), s.unconfirmed_ttl_s)

@@ -157,3 +157,13 @@ def test_secrets_from_files_kubernetes_mounts(tmp_path) -> None:
     assert s.upstream_key() == "sk-up"
     with pytest.raises(ConfigError, match="cannot read secret file"):
         load_settings(environ={"CONDUCTOR_API_KEYS_FILE": str(tmp_path / "missing")}).client_keys()
+
+
+def test_an_indexer_index_needs_its_url_and_names_the_served_model() -> None:
+    from conductor.gateway import kv_settings
+
+    with pytest.raises(ConfigError, match="kv.indexer_url"):
+        load_settings(environ={}, overrides={"mixed": ["http://m:1"], "kv": {"enabled": True, "index": "indexer"}})
+    s = load_settings(environ={}, overrides={"mixed": ["http://m:1"], "models": ["qwen"], "kv": {
+        "enabled": True, "index": "indexer", "indexer_url": "http://indexer:8400"}})
+    assert kv_settings(s).indexer_model == "qwen"
