@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conductor.core.types import ClusterSnapshot, RequestView
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -65,3 +71,148 @@ class Processes:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def percentile(sorted_xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) of an already sorted list, nearest rank; 0.0 when empty."""
+    if not sorted_xs:
+        return 0.0
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
+class PrivateRedis:
+    """A redis-server of the benchmark's own on a free port, so memory deltas and timings are not
+    disturbed by whatever else uses the shared server; stopped (by PID) on exit."""
+
+    def __init__(self, binary: str = "redis-server") -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._binary = binary
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> PrivateRedis:
+        argv = [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--protected-mode", "no"]
+        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.05)
+        self.__exit__()
+        raise RuntimeError(f"redis-server did not listen on {self.port}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+
+# ---- workloads of bench_scale.py ------------------------------------------------------------
+
+
+def event_payloads(n_instances: int, batches: int, *, block: int = 16, blocks_per_batch: int = 512, cache_blocks: int = 8192,
+                   seed: int = 0) -> tuple[dict[str, list[bytes]], int]:
+    """Per instance, `batches` encoded EventBatches; and the block events they carry in all."""
+    # imported here: the other benchmarks import this module without the project's packages
+    import msgspec
+    import numpy as np
+
+    from adapters.emulator.kv_events import block_removed, block_stored
+
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    encode = msgspec.msgpack.Encoder().encode
+    out: dict[str, list[bytes]] = {}
+    total = 0
+    for i in range(n_instances):
+        cache: deque[int] = deque()
+        open_chains: list[int | None] = []  # the last block hash of requests still prefilling
+        payloads = []
+        for step in range(batches):
+            events: list[dict[str, Any]] = []
+            parts = rng.randint(1, 4)
+            sizes = [blocks_per_batch // parts] * parts
+            stored: list[tuple[list[int], int | None]] = []
+            for size in sizes:
+                parent = open_chains.pop() if open_chains and rng.random() < 0.6 else None
+                hashes = [rng.getrandbits(64) for _ in range(size)]
+                stored.append((hashes, parent))
+                open_chains.append(hashes[-1])
+            del open_chains[:-4]  # a few requests in flight at once
+            new = sum(len(h) for h, _ in stored)
+            excess = len(cache) + new - cache_blocks
+            if excess > 0:  # removals first: they made the room, as one engine step reports them
+                events.append(block_removed([cache.popleft() for _ in range(excess)]))
+                total += excess
+            for hashes, parent in stored:
+                tokens = nrng.integers(0, 150_000, size=len(hashes) * block).tolist()
+                events.append(block_stored(hashes, parent, tokens, block))
+                cache.extend(hashes)
+                total += len(hashes)
+            payloads.append(encode([1.7e9 + step * 0.05, events, 0]))
+        out[f"prefill-{i}"] = payloads
+    return out, total
+
+
+def decision_cases(n_instances: int, n: int, seed: int = 3, prompt: int = 32768,
+                   block: int = 16) -> list[tuple[RequestView, ClusterSnapshot]]:
+    """bench_decision's load, on n_instances/2 prefill + n_instances/2 decode, 32K-token prompts.
+    A few snapshots are shared by the requests: building 80 streams on each of 512 decode
+    instances per decision would cost more than deciding."""
+    from conductor.core.types import (
+        ActiveDecode,
+        CachedPrefix,
+        ClusterSnapshot,
+        InstanceView,
+        QueuedPrefill,
+        RequestView,
+        Role,
+        Slo,
+        Tier,
+    )
+
+    rng = random.Random(seed)
+    n_p = max(1, n_instances // 2)
+    n_d = max(1, n_instances - n_p)
+    snapshots = []
+    for k in range(8):
+        views = [InstanceView(f"prefill-{p}", Role.PREFILL, kv_usage=rng.random(), prefill_queue=tuple(
+            QueuedPrefill(rng.randint(512, 16384), rng.choice((0, 0, rng.randint(0, 8192))), rng.uniform(0, 0.3))
+            for _ in range(rng.randint(0, 8)))) for p in range(n_p)]
+        views += [InstanceView(f"decode-{d}", Role.DECODE, kv_capacity_tokens=4_000_000, kv_usage=None, decodes=tuple(
+            ActiveDecode(rng.randint(1024, 32768), rng.randint(1, 1024)) for _ in range(rng.randint(32, 128))))
+            for d in range(n_d)]
+        snapshots.append(ClusterSnapshot(now=1000.0 + k, instances=tuple(views)))
+    cases = []
+    for i in range(n):
+        cached = {f"prefill-{h}": CachedPrefix(block * rng.randint(1, prompt // block), rng.choice((Tier.DEVICE, Tier.HOST)))
+                  for h in rng.sample(range(n_p), min(6, n_p))}
+        request = RequestView(
+            request_id=f"r{i}", seq=i, model="m", prompt_tokens=prompt, max_tokens=256, block_size=block,
+            block_keys=tuple(rng.getrandbits(64) for _ in range(prompt // block)), cached=cached,
+            store_cached_tokens=block * rng.randint(0, prompt // block), slo=Slo(ttft_s=30.0, tbt_s=1.0))
+        cases.append((request, snapshots[i % len(snapshots)]))
+    return cases
+
+
+def redis_used_memory(url: str) -> int:
+    """used_memory once lazy frees have settled (UNLINKs of an earlier run)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        for _ in range(200):
+            info = client.info("memory")
+            if int(info.get("lazyfree_pending_objects", 0)) == 0:
+                return int(info["used_memory"])
+            time.sleep(0.05)
+        return int(client.info("memory")["used_memory"])
+    finally:
+        client.close()
