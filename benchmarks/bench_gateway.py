@@ -1,157 +1,273 @@
-"""Gateway overhead, side by side: CPU per request and added latency of Conductor against the same
-stand-in workers hit directly, and against vllm-router, for nixl P/D.
+"""Gateway overhead, side by side: Conductor (one process and `--workers 2`), vllm-router and
+sglang-router in front of the same stand-in workers, with wrk as the load.
 
-    python benchmarks/bench_gateway.py [--vllm-router PATH] [--requests 2000]
+    python benchmarks/bench_gateway.py [--quick] [--seconds 4] [--repeat 2]
 
-vllm-router is optional: install it in its own virtualenv (`python -m venv /tmp/vr-venv &&
-/tmp/vr-venv/bin/pip install vllm-router`) and pass its binary, or it is looked up on PATH and at
-/tmp/vr-venv/bin/vllm-router. The load generator, the workers and the router under test share this
-box, so absolute numbers drift; compare the ratios printed in one run.
+Cells: mixed (two workers) and P/D (one prefill, one decode: NIXL for Conductor and vllm-router,
+SGLang's bootstrap fields for sglang-router), non-stream (8 tokens) and 32-token streams, at
+concurrency 1, 16 and 64; each router's CPU per request (from /proc, the process and its children)
+and its added p50/p99 over the workers hit directly; then the throughput ceiling (non-stream, mixed,
+concurrency 256) with round_robin and kvcache_aware. Every cell runs every router back to back, in
+alternating order, `--repeat` times (the median is kept): this box is shared and noisy, so read the
+ratios of one run, not the absolute figures.
+
+The peers live in their own virtual environments (found at these paths, or pass --vllm-router /
+--sglang-router; a missing one is reported and skipped):
+
+    python3 -m venv /tmp/vr-venv && /tmp/vr-venv/bin/pip install vllm-router
+    python3 -m venv /tmp/sr-venv && /tmp/sr-venv/bin/pip install sglang-router
+
+wrk comes from the distribution (`apt-get install wrk`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import shutil
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cpu_seconds, free_port, wait_http
+from common import ROOT, Processes, cpu_seconds, free_port, wait_http
+
+BODY = '{"model":"tiny","prompt":"benchmark prompt","max_tokens":%d,"stream":%s}'
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '%s'
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %%d %%d %%d %%d %%d\\n", summary.requests,
+    e.status + e.connect + e.read + e.write + e.timeout, latency:percentile(50), latency:percentile(99),
+    summary.duration))
+end
+"""
+
+
+@dataclass(frozen=True)
+class Load:
+    """What one wrk run measured: requests, failures, latency percentiles (us), duration (us)."""
+
+    requests: int
+    errors: int
+    p50_us: float
+    p99_us: float
+    duration_us: float
+    cpu_s: float | None  # the router's CPU over the run (None: the workers hit directly)
+
+    @property
+    def rps(self) -> float:
+        return self.requests / (self.duration_us / 1e6)
+
+    @property
+    def cpu_us_per_request(self) -> float | None:
+        return None if self.cpu_s is None else self.cpu_s / max(self.requests, 1) * 1e6
 
 
 @dataclass
-class Result:
-    target: str
-    mode: str
-    concurrency: int
-    requests: int
-    cpu_us: float | None
-    p50_ms: float
-    p99_ms: float
+class Router:
+    name: str
+    url: str
+    pids: Callable[[], list[int]]  # the processes whose CPU counts
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict, stream: bool, direct: tuple[str, str] | None) -> float:
-    t0 = time.perf_counter()
-    if direct is not None:  # the client does both legs itself, as a gateway would
-        prefill, decode = direct
-        pbody = {**body, "stream": False, "max_tokens": 1,
-                 "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                                        "remote_block_ids": None, "remote_host": None, "remote_port": None}}
-        async with session.post(prefill + "/v1/completions", json=pbody) as r:
-            params = (await r.json())["kv_transfer_params"]
-        body = {**body, "kv_transfer_params": params}
-        url = decode + "/v1/completions"
-    async with session.post(url, json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
-        async for _ in r.content.iter_any():
-            pass
-    return time.perf_counter() - t0
+def _pids(proc: subprocess.Popen[bytes]) -> Callable[[], list[int]]:
+    return lambda: [proc.pid]
 
 
-async def run_load(url: str, stream: bool, concurrency: int, n: int, direct: tuple[str, str] | None) -> list[float]:
-    body = {"model": "tiny", "prompt": "benchmark prompt", "max_tokens": 32 if stream else 8, "stream": stream}
-    connector = aiohttp.TCPConnector(limit=concurrency * 2)
-    latencies: list[float] = []
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(min(50, n)):  # warm the pools
-            await _one(session, url, body, stream, direct)
-        queue = iter(range(n))
-
-        async def worker() -> None:
-            for _ in queue:
-                latencies.append(await _one(session, url, body, stream, direct))
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a process and of every live descendant (a supervisor and its workers)."""
+    total = cpu_seconds(pid)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        total += sum(tree_cpu(int(c)) for c in children)
+    return total
 
 
-def measure(target: str, url: str, pid: int | None, stream: bool, conc: int, n: int,
-            direct: tuple[str, str] | None = None) -> Result:
-    before = cpu_seconds(pid) if pid else 0.0
-    lat = asyncio.run(run_load(url, stream, conc, n, direct))
-    cpu = (cpu_seconds(pid) - before) / (n + min(50, n)) * 1e6 if pid else None
-    lat.sort()
-    return Result(target, "stream32" if stream else "non-stream", conc, n, cpu,
-                  statistics.median(lat) * 1e3, lat[int(len(lat) * 0.99) - 1] * 1e3)
+def wrk(url: str, script: Path, conc: int, seconds: float, pids: list[int] | None) -> Load:
+    # wrk takes whole seconds
+    cmd = ["wrk", "-t", "1", "-c", str(conc), "-d", f"{max(1, round(seconds))}s", "--timeout", "30s", "-s", str(script), url]
+    before = sum(tree_cpu(p) for p in pids) if pids else None
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    cpu = sum(tree_cpu(p) for p in pids) - before if pids and before is not None else None
+    fields = next(line for line in out.splitlines() if line.startswith("RESULT")).split()[1:]
+    n, errors, p50, p99, duration = (int(f) for f in fields)
+    return Load(n, errors, p50, p99, duration, cpu)
+
+
+def scripts(tmp: Path) -> dict[str, Path]:
+    out = {}
+    for mode, body in (("non-stream", BODY % (8, "false")), ("stream32", BODY % (32, "true"))):
+        out[mode] = tmp / f"{mode}.lua"
+        out[mode].write_text(WRK_SCRIPT % body)
+    return out
+
+
+def start_workers(procs: Processes) -> dict[str, str]:
+    urls = {}
+    for name, role in (("mixed-a", "mixed"), ("mixed-b", "mixed"), ("prefill", "prefill"), ("decode", "decode")):
+        port = free_port()
+        procs.start([sys.executable, str(ROOT / "benchmarks/standin_worker.py"), "--role", role, "--port", str(port)],
+                     quiet=True)
+        urls[name] = f"http://127.0.0.1:{port}"
+    for url in urls.values():
+        wait_http(url + "/health")
+    return urls
+
+
+def start_routers(procs: Processes, w: dict[str, str], pd: bool, policy: str,
+                  vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...]) -> list[Router]:
+    routers = []
+    for n in workers:
+        port, admin = free_port(), free_port()
+        inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
+        extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
+        p = procs.start([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy,
+                         "--model", "tiny", "--log-level", "warning", *inst, *extra], quiet=True)
+        wait_http(f"http://127.0.0.1:{admin if n > 1 else port}/ready")
+        if n > 1:
+            for i in range(n):
+                wait_http(f"http://127.0.0.1:{admin + i}/ready")
+        routers.append(Router(f"conductor-w{n}" if n > 1 else "conductor", f"http://127.0.0.1:{port}/v1/completions",
+                              _pids(p)))
+    peer_policy = "round_robin"
+    if vllm_router:
+        port = free_port()
+        inst = (["--vllm-pd-disaggregation", "--prefill", w["prefill"], "--decode", w["decode"]] if pd
+                else ["--worker-urls", w["mixed-a"], w["mixed-b"]])
+        p = procs.start([vllm_router, "--port", str(port), "--prometheus-port", str(free_port()), "--policy",
+                         peer_policy, "--log-level", "warning", *inst],
+                        quiet=True)
+        wait_http(f"http://127.0.0.1:{port}/health")
+        routers.append(Router("vllm-router", f"http://127.0.0.1:{port}/v1/completions", _pids(p)))
+    if sglang_router:
+        port = free_port()
+        inst = (["--pd-disaggregation", "--prefill", w["prefill"], "none", "--decode", w["decode"]] if pd
+                else ["--worker-urls", w["mixed-a"], w["mixed-b"]])
+        p = procs.start([sglang_router, "-m", "sglang_router.launch_router", "--port", str(port),
+                         "--prometheus-port", str(free_port()), "--policy", peer_policy, "--log-level", "warn", *inst],
+                        quiet=True)
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+        routers.append(Router("sglang-router", f"http://127.0.0.1:{port}/v1/completions", _pids(p)))
+    return routers
+
+
+def measure_cell(routers: list[Router], direct: list[str], script: Path, conc: int, seconds: float,
+                 repeat: int) -> dict[str, Load]:
+    """Each router and the direct baseline, `repeat` rounds in alternating order; the median run of each
+    (by p50) is kept. P/D's direct baseline is the two legs measured one after the other, added."""
+    runs: dict[str, list[Load]] = {}
+    for r in range(repeat):
+        order = routers if r % 2 == 0 else routers[::-1]
+        legs = [wrk(url, script, conc, max(1.0, seconds / 2), None) for url in direct]
+        runs.setdefault("direct", []).append(Load(
+            min(leg.requests for leg in legs), 0, sum(leg.p50_us for leg in legs), sum(leg.p99_us for leg in legs),
+            legs[0].duration_us, None))
+        for router in order:
+            wrk(router.url, script, conc, 1, None)  # warm its pools
+            runs.setdefault(router.name, []).append(wrk(router.url, script, conc, seconds, router.pids()))
+    return {name: sorted(loads, key=lambda x: x.p50_us)[len(loads) // 2] for name, loads in runs.items()}
+
+
+def fmt(x: float | None, spec: str = ".0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
+    base = cell["direct"]
+    lines = []
+    peers = [n for n in cell if n not in ("direct",) and not n.startswith("conductor")]
+    for name, load in cell.items():
+        added50 = (load.p50_us - base.p50_us) / 1e3 if name != "direct" else None
+        added99 = (load.p99_us - base.p99_us) / 1e3 if name != "direct" else None
+        lines.append(f"{title:<24} {name:<14} {load.rps:>8.0f} {fmt(load.cpu_us_per_request):>9} "
+                     f"{load.p50_us / 1e3:>8.2f} {load.p99_us / 1e3:>8.2f} {fmt(added50, '+.2f'):>9} "
+                     f"{fmt(added99, '+.2f'):>9} {load.errors:>5}")
+    best_cpu = min((cell[p].cpu_us_per_request or 1e18 for p in peers), default=None)
+    best_p99 = min((cell[p].p99_us for p in peers), default=None)
+    for name in (n for n in cell if n.startswith("conductor")):
+        c = cell[name]
+        if best_cpu and c.cpu_us_per_request:
+            added = c.p99_us - base.p99_us
+            peer_added = (best_p99 or 0) - base.p99_us
+            lines.append(f"{'':<24} {name} / best peer: CPU per request {c.cpu_us_per_request / best_cpu:.2f}x, "
+                         f"added p99 {added / peer_added:.2f}x" if peer_added > 0 else
+                         f"{'':<24} {name} / best peer: CPU per request {c.cpu_us_per_request / best_cpu:.2f}x")
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router") or "/tmp/vr-venv/bin/vllm-router")
-    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--sglang-router", default="/tmp/sr-venv/bin/python",
+                    help="the Python of the virtualenv sglang-router is installed in")
+    ap.add_argument("--seconds", type=float, default=4.0, help="length of each measured wrk run")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--modes", default="mixed,pd")
+    ap.add_argument("--workers", default="1,2", help="Conductor process counts to measure")
+    ap.add_argument("--quick", action="store_true", help="2 s runs, once, concurrency 1 and 64")
     args = ap.parse_args()
-
-    procs: list[subprocess.Popen[bytes]] = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    try:
-        ports = {"prefill": free_port(), "decode": free_port()}
-        for role, port in ports.items():
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks/standin_worker.py"), "--role", role,
-                                           "--port", str(port)], env=env))
-        p_url, d_url = (f"http://127.0.0.1:{ports[r]}" for r in ("prefill", "decode"))
-        for url in (p_url, d_url):
-            wait_http(url + "/health")
-
-        targets: list[tuple[str, str, int | None]] = []
-        gw_port = free_port()
-        gw = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(gw_port), "--prefill", p_url,
-                               "--decode", d_url, "--pd-protocol", "nixl", "--log-level", "warning"], env=env)
-        procs.append(gw)
-        wait_http(f"http://127.0.0.1:{gw_port}/ready")
-        targets.append(("conductor", f"http://127.0.0.1:{gw_port}/v1/completions", gw.pid))
-        if args.vllm_router and Path(args.vllm_router).exists():
-            vr_port = free_port()
-            vr = subprocess.Popen([args.vllm_router, "--port", str(vr_port), "--vllm-pd-disaggregation",
-                                   "--prefill", p_url, "--decode", d_url, "--log-level", "warning",
-                                   "--policy", "round_robin"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.append(vr)
-            wait_http(f"http://127.0.0.1:{vr_port}/health")
-            targets.append(("vllm-router", f"http://127.0.0.1:{vr_port}/v1/completions", vr.pid))
-        else:
-            print(f"vllm-router not found at {args.vllm_router}: comparing with direct only", file=sys.stderr)
-
-        results: list[Result] = []
-        for stream in (False, True):
-            for conc in (1, 64):
-                n = args.requests if conc > 1 else max(200, args.requests // 5)
-                results.append(measure("direct", "", None, stream, conc, n, direct=(p_url, d_url)))
-                for name, url, pid in targets:
-                    results.append(measure(name, url, pid, stream, conc, n))
-        print_table(results)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=10)
+    if shutil.which("wrk") is None:
+        print("wrk is not installed: apt-get install wrk", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.seconds, args.repeat, args.concurrency = 2.0, 1, "1,64"
+    vllm_router = args.vllm_router if args.vllm_router and Path(args.vllm_router).exists() else None
+    sglang_ok = Path(args.sglang_router).exists() and subprocess.run(
+        [args.sglang_router, "-c", "import sglang_router"], capture_output=True).returncode == 0
+    sglang_router = args.sglang_router if sglang_ok else None
+    for name, found in (("vllm-router", vllm_router), ("sglang-router", sglang_router)):
+        if not found:
+            print(f"{name} not found: its columns are left out (see the install line in --help)", file=sys.stderr)
+    workers = tuple(int(n) for n in args.workers.split(","))
+    lines = [f"{'cell':<24} {'router':<14} {'req/s':>8} {'cpu us':>9} {'p50 ms':>8} {'p99 ms':>8} "
+             f"{'+p50 ms':>9} {'+p99 ms':>9} {'errs':>5}"]
+    with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
+        lua = scripts(Path(tmp))
+        w = start_workers(procs)
+        for mode in args.modes.split(","):
+            pd = mode == "pd"
+            with Processes() as rprocs:
+                routers = start_routers(rprocs, w, pd, "round_robin", vllm_router, sglang_router, workers)
+                direct = [w["prefill"] + "/v1/completions", w["decode"] + "/v1/completions"] if pd else \
+                    [w["mixed-a"] + "/v1/completions"]
+                for stream in ("non-stream", "stream32"):
+                    for conc in (int(c) for c in args.concurrency.split(",")):
+                        title = f"{mode} {stream} c{conc}"
+                        cell = measure_cell(routers, direct, lua[stream], conc, args.seconds, args.repeat)
+                        lines += report_cell(title, cell)
+                        print("\n".join(lines[-len(cell) - 3:]), flush=True)
+        lines += ceiling(w, lua["non-stream"], args, vllm_router, sglang_router, workers)
+    print("\n" + "\n".join(lines))
     return 0
 
 
-def print_table(results: list[Result]) -> None:
-    print(f"\n{'target':<12} {'mode':<11} {'conc':>4} {'reqs':>6} {'cpu us/req':>11} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'added p50 ms':>13}")
-    direct = {(r.mode, r.concurrency): r for r in results if r.target == "direct"}
-    for r in results:
-        d = direct[(r.mode, r.concurrency)]
-        cpu = f"{r.cpu_us:.0f}" if r.cpu_us is not None else "-"
-        added = f"{r.p50_ms - d.p50_ms:+.2f}" if r.target != "direct" else "-"
-        print(f"{r.target:<12} {r.mode:<11} {r.concurrency:>4} {r.requests:>6} {cpu:>11} {r.p50_ms:>8.2f} "
-              f"{r.p99_ms:>8.2f} {added:>13}")
-    by = {(r.target, r.mode, r.concurrency): r for r in results}
-    print()
-    for (target, mode, conc), r in by.items():
-        other = by.get(("vllm-router", mode, conc))
-        if target == "conductor" and other and other.cpu_us and r.cpu_us:
-            print(f"CPU ratio conductor / vllm-router, {mode}, concurrency {conc}: {r.cpu_us / other.cpu_us:.2f}x")
+def ceiling(w: dict[str, str], script: Path, args: argparse.Namespace,
+            vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...]) -> list[str]:
+    """Requests per second at concurrency 256 (non-stream, mixed), each router alone on the box."""
+    lines = ["", "throughput ceiling, mixed non-stream, concurrency 256 (req/s, median of runs):"]
+    results: dict[str, float] = {}
+    for policy in ("round_robin", "kvcache_aware"):
+        with Processes() as procs:
+            peers = (vllm_router, sglang_router) if policy == "round_robin" else (None, None)
+            for router in start_routers(procs, w, False, policy, *peers, workers):
+                name = router.name if not router.name.startswith("conductor") else f"{router.name} {policy}"
+                wrk(router.url, script, 256, 1, None)
+                runs = sorted(wrk(router.url, script, 256, args.seconds, None).rps for _ in range(args.repeat))
+                results[name] = statistics.median(runs)
+    ref = results.get("vllm-router")
+    for name, rps in results.items():
+        ratio = f"  {rps / ref:.2f}x vllm-router" if ref else ""
+        lines.append(f"  {name:<32} {rps:>8.0f}{ratio}")
+    return lines
 
 
 if __name__ == "__main__":
