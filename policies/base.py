@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Sequence
 
@@ -75,6 +76,15 @@ def missing_pool(
     if disaggregated and not decode:
         return no_instance(request, policy, Role.DECODE)
     return None
+
+
+def listed_indices(scores: Sequence[float], limit: int | None, chosen: int) -> list[int]:
+    """Which of a pool's candidates a decision lists, in pool order: the `limit` lowest `scores`
+    (the first of equals) and the `chosen` one; all of them when `limit` is None or not below the
+    pool's size."""
+    if limit is None or len(scores) <= limit:
+        return list(range(len(scores)))
+    return sorted({*heapq.nsmallest(limit, range(len(scores)), key=scores.__getitem__), chosen})
 
 
 def local_prefix(request: RequestView, instance_id: str) -> int:

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from types import MappingProxyType
 
-from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, RequestView, Role, Tier
+from conductor.core.types import ActiveDecode, CandidateScore, ClusterSnapshot, InstanceView, RequestView, Role, Tier
 from predictors.online import Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK
 
@@ -66,6 +68,39 @@ class DecodeEstimate:
     at_s: float  # how far in the future the state is predicted (0: now)
 
 
+def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
+    return CandidateScore(
+        instance_id=est.instance.id,
+        role=est.instance.role,
+        score=est.ttft_s,
+        predicted_ttft_s=est.ttft_s,
+        detail=MappingProxyType(
+            {
+                "transfer_s": est.transfer_s,
+                "queue_s": est.queue_s,
+                "prefill_s": est.prefill_s,
+                "handoff_s": est.handoff_s,
+                "cached_tokens": float(est.cached_tokens),
+                "pulled_tokens": float(est.pulled_tokens),
+            }
+        ),
+    )
+
+
+def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) -> CandidateScore:
+    """A decode instance as weighed for the choice; the chosen one also says how admission saw it."""
+    detail = {"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}
+    if judged is not None and judged is not est:
+        detail.update(admission_tbt_s=judged.tbt_s, admission_batch=judged.batch, admission_at_s=judged.at_s)
+    return CandidateScore(
+        instance_id=est.instance.id,
+        role=est.instance.role,
+        score=est.tbt_s,
+        predicted_tbt_s=est.tbt_s,
+        detail=MappingProxyType(detail),
+    )
+
+
 def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> float:
     """Smallest prefix gain d* (tokens) beyond which pulling beats recomputing; inf if never."""
     _, c1, c2 = pred.params.prefill.coef
@@ -97,6 +132,29 @@ def remote_sources(request: RequestView) -> list[tuple[int, str, str]]:
     return out
 
 
+def prefix_plan(
+    pred: Predictors, n: int, local: int, sources: Sequence[tuple[int, str, str]], own_id: str | None
+) -> tuple[float, float, int, int, str | None]:
+    """(transfer_s, prefill_s, prefix reused, tokens pulled, source) of the cheapest way to prefill
+    an n-token prompt on an instance holding its first `local` tokens: recompute what it lacks, or
+    pull the longest prefix a link offers (never from `own_id`, the instance itself) first."""
+    best_prefill = pred.prefill_s(n - local, local)
+    best_transfer, prefix, pulled, source = 0.0, local, 0, None
+    seen_links: set[str] = set()
+    for tokens, src, link in sources:  # longest first: the first per link is that link's best
+        if src == own_id or link in seen_links:
+            continue
+        seen_links.add(link)
+        cand = min(tokens, n - 1)
+        if cand <= local:
+            continue
+        t_x = pred.transfer_s(cand - local, link)
+        t_p = pred.prefill_s(n - cand, cand)
+        if t_x + t_p < best_transfer + best_prefill:
+            best_transfer, best_prefill, prefix, pulled, source = t_x, t_p, cand, cand - local, src
+    return best_transfer, best_prefill, prefix, pulled, source
+
+
 def estimate_prefill(
     pred: Predictors,
     request: RequestView,
@@ -110,21 +168,9 @@ def estimate_prefill(
     own = request.cached.get(inst.id)
     # a prefix in this instance's device or host memory is local; a "store" entry is not
     local = min(own.tokens, n - 1) if own is not None and own.tier is not Tier.STORE else 0
-    best_prefill = pred.prefill_s(n - local, local)
-    best_transfer, prefix, pulled, source = 0.0, local, 0, None
-    if allow_pull:
-        seen_links: set[str] = set()
-        for tokens, src, link in sources:  # longest first: the first per link is that link's best
-            if src == inst.id or link in seen_links:
-                continue
-            seen_links.add(link)
-            cand = min(tokens, n - 1)
-            if cand <= local:
-                continue
-            t_x = pred.transfer_s(cand - local, link)
-            t_p = pred.prefill_s(n - cand, cand)
-            if t_x + t_p < best_transfer + best_prefill:
-                best_transfer, best_prefill, prefix, pulled, source = t_x, t_p, cand, cand - local, src
+    best_transfer, best_prefill, prefix, pulled, source = prefix_plan(
+        pred, n, local, sources if allow_pull else (), inst.id
+    )
     queue = pred.queue_s(inst.prefill_queue)
     handoff = pred.transfer_s(n) if disaggregated else 0.0
     return PrefillEstimate(
@@ -138,6 +184,77 @@ def estimate_prefill(
         pulled_tokens=pulled,
         pull_from=source,
     )
+
+
+class PoolPrefillEstimates:
+    """estimate_prefill for every instance of a pool, built in full only where it can differ.
+
+    An instance that neither holds a prefix of the request (in `request.cached`) nor is a pull
+    source gets the same prefix plan as every other such instance (local prefix 0, the same
+    sources): its predicted TTFT differs from theirs only by its own queue. So the plan is made
+    once and each of those instances costs one queue estimate, not a PrefillEstimate and a walk over
+    the sources. `ttfts[i]` is bit for bit estimate_prefill(...).ttft_s of `prefills[i]` (the same
+    float operations in the same order) and `estimate(i)` an equal PrefillEstimate.
+    """
+
+    __slots__ = ("_full", "_handoff", "_plan", "_queues", "prefills", "ttfts")
+
+    def __init__(
+        self,
+        pred: Predictors,
+        request: RequestView,
+        prefills: tuple[InstanceView, ...],
+        sources: list[tuple[int, str, str]],
+        *,
+        allow_pull: bool,
+        disaggregated: bool,
+    ) -> None:
+        n = max(1, request.prompt_tokens)
+        self.prefills = prefills
+        self._plan = transfer, prefill, _, _, _ = prefix_plan(pred, n, 0, sources if allow_pull else (), None)
+        self._handoff = handoff = pred.transfer_s(n) if disaggregated else 0.0
+        # an instance named like a source (the store's "store" included) skips that source: in full
+        singular = request.cached.keys() | ({s[1] for s in sources} if allow_pull else set())
+        queue_s = pred.queue_s
+        self._queues = queues = [queue_s(inst.prefill_queue) for inst in prefills]
+        self.ttfts = [transfer + queue + prefill + handoff for queue in queues]  # estimate_prefill's sum, in its order
+        self._full: dict[int, PrefillEstimate] = {}
+        for i in [i for i, inst in enumerate(prefills) if inst.id in singular]:
+            self._full[i] = est = estimate_prefill(
+                pred, request, prefills[i], sources, allow_pull=allow_pull, disaggregated=disaggregated
+            )
+            self.ttfts[i] = est.ttft_s
+
+    def estimate(self, i: int) -> PrefillEstimate:
+        full = self._full.get(i)
+        if full is not None:
+            return full
+        transfer, prefill, prefix, pulled, source = self._plan
+        return PrefillEstimate(
+            instance=self.prefills[i],
+            ttft_s=self.ttfts[i],
+            transfer_s=transfer,
+            queue_s=self._queues[i],
+            prefill_s=prefill,
+            handoff_s=self._handoff,
+            cached_tokens=prefix,
+            pulled_tokens=pulled,
+            pull_from=source,
+        )
+
+
+def decode_loads_now(
+    pred: Predictors, request: RequestView, decodes: tuple[InstanceView, ...]
+) -> tuple[list[float], list[float], list[float]]:
+    """(tbt_s, batch, resident_kv_tokens) of estimate_decode(pred, request, d, 0.0) for each of
+    `decodes`, without an estimate object each. Now, with dispatched streams counted, decode_state
+    is the number of streams and the sum of their contexts (ints, so the sum is exact in any order)
+    whether they are decoding yet or not: no need to split them as the forecast does."""
+    prompt = request.prompt_tokens
+    batches = [float(len(d.decodes)) + 1 for d in decodes]
+    kvs = [float(sum(map(_CONTEXT, d.decodes))) + prompt for d in decodes]
+    tbt_s = pred.tbt_s
+    return [tbt_s(b, kv) for b, kv in zip(batches, kvs, strict=True)], batches, kvs
 
 
 class JoinForecast:

@@ -8,6 +8,10 @@ joins, by its load now; admission then judges that instance at the moment the re
 it (`admission="predicted"`) or by the streams decoding there now (`"early"`); see
 policies.admission. Mixed (non-disaggregated) workers are scored the same way, with the TBT check
 on the same worker: among workers whose predicted TBT meets the SLO, the one with the lowest TTFT.
+Cost per decision grows with the cluster as cheaply as that allows: instances holding no prefix
+share one prefix plan (only their queues differ; estimate.PoolPrefillEstimates), decode loads are
+a count and a sum, and only the best `listed_candidates` of each pool are built into the decision.
+tests/policies/test_kvcache_aware_differential.py holds these to the estimate-everything algorithm.
 
 Learning: `on_decided` remembers (boundedly) what was predicted for each admitted request; `observe`
 compares that with what happened, records the errors, and feeds the predictors' online refit:
@@ -33,17 +37,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView, Role
 from policies.admission import AdmissionMode, admit, parse_mode
-from policies.base import NO_INSTANCE, BasePolicy, no_instance
+from policies.base import NO_INSTANCE, BasePolicy, listed_indices, no_instance
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
-    PrefillEstimate,
+    PoolPrefillEstimates,
+    decode_candidate,
+    decode_loads_now,
     estimate_decode,
-    estimate_prefill,
+    prefill_candidate,
     prefill_pool,
     remote_sources,
 )
@@ -82,25 +87,6 @@ def pull_links(allow_pull: bool | str) -> frozenset[str]:
     return frozenset(table[links])
 
 
-def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
-    return CandidateScore(
-        instance_id=est.instance.id,
-        role=est.instance.role,
-        score=est.ttft_s,
-        predicted_ttft_s=est.ttft_s,
-        detail=MappingProxyType(
-            {
-                "transfer_s": est.transfer_s,
-                "queue_s": est.queue_s,
-                "prefill_s": est.prefill_s,
-                "handoff_s": est.handoff_s,
-                "cached_tokens": float(est.cached_tokens),
-                "pulled_tokens": float(est.pulled_tokens),
-            }
-        ),
-    )
-
-
 def _chosen_candidates(decision: Decision) -> tuple[CandidateScore, CandidateScore | None] | None:
     """The chosen prefill's and decode's scores among a decision's candidates (prefill candidates
     carry a predicted TTFT, decode candidates a predicted TBT; a mixed worker appears as both)."""
@@ -110,20 +96,6 @@ def _chosen_candidates(decision: Decision) -> tuple[CandidateScore, CandidateSco
     decoder = decision.decode or decision.prefill  # mixed: the same worker decodes
     decode = next((c for c in decision.candidates if c.instance_id == decoder and c.predicted_tbt_s is not None), None)
     return prefill, decode
-
-
-def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) -> CandidateScore:
-    """A decode instance as weighed for the choice; the chosen one also says how admission saw it."""
-    detail = {"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}
-    if judged is not None and judged is not est:
-        detail.update(admission_tbt_s=judged.tbt_s, admission_batch=judged.batch, admission_at_s=judged.at_s)
-    return CandidateScore(
-        instance_id=est.instance.id,
-        role=est.instance.role,
-        score=est.tbt_s,
-        predicted_tbt_s=est.tbt_s,
-        detail=MappingProxyType(detail),
-    )
 
 
 class _NoRatios:
@@ -151,6 +123,7 @@ class KvCacheAwarePolicy(BasePolicy):
         ttft_quantile: float | None = 0.95,
         tbt_quantile: float | None = 0.9,
         probe_after: int | None = 100,
+        listed_candidates: int | None = 8,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
@@ -164,7 +137,12 @@ class KvCacheAwarePolicy(BasePolicy):
         legs whose predicted queue is at most this fraction are also recorded as "prefill" errors.
         `probe_after`: after this many rejections in a row, admit the next request anyway. Admission
         learns only from admitted requests: predictions that run too high would otherwise reject
-        everything for ever, with nothing observed to correct them (None: never probe)."""
+        everything for ever, with nothing observed to correct them (None: never probe).
+        `listed_candidates`: how many instances of each pool a decision lists in `candidates` (the
+        decision log, traces): the best this many by score, the chosen one always among them, in
+        pool order; `Decision.unlisted_candidates` counts the rest (None: list every one). Every
+        instance is still weighed; building and logging a score for each of hundreds would cost
+        more than deciding."""
         self.admission = parse_mode(admission)
         self.pull_links = pull_links(allow_pull)
         self.allow_pull = bool(self.pull_links)
@@ -181,6 +159,9 @@ class KvCacheAwarePolicy(BasePolicy):
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self.probe_after = probe_after
         self._rejected_in_a_row = 0
+        if listed_candidates is not None and listed_candidates < 1:
+            raise ValueError(f"listed_candidates must be at least 1 or None, not {listed_candidates!r}")
+        self.listed_candidates = listed_candidates
 
     # ---- deciding -------------------------------------------------------------------------
 
@@ -210,25 +191,42 @@ class KvCacheAwarePolicy(BasePolicy):
         if self.pull_links and only_p is None and (request.cached or request.store_cached_tokens
                                                        or request.pull_sources):
             sources = [s for s in remote_sources(request) if s[2] in self.pull_links]
-        ests = [
-            estimate_prefill(pred, request, p, sources, allow_pull=bool(sources), disaggregated=disaggregated)
-            for p in prefills
-        ]
+        # every instance is weighed (the same predictions, bit for bit, as estimating each in full);
+        # full estimates are built only for the few a decision lists (see listed_indices)
+        weighed = PoolPrefillEstimates(pred, request, prefills, sources, allow_pull=bool(sources),
+                                       disaggregated=disaggregated)
+        ttfts, keep = weighed.ttfts, self.listed_candidates
         predicted = self.admission is AdmissionMode.PREDICTED
         if disaggregated:
-            best = min(ests, key=lambda e: e.ttft_s)
+            best_i = min(range(len(ttfts)), key=ttfts.__getitem__)  # the first of equals, as min() of estimates
             # the decode instance is chosen by its load now, dispatched-but-prefilling streams
             # included; choosing by the forecast instead herds requests onto instances whose
             # streams are about to finish, and their freed capacity is soon taken anyway
-            d_ests = [estimate_decode(pred, request, d, 0.0) for d in decodes]
-            chosen_decode: DecodeEstimate | None = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
+            tbts, batches, kvs = decode_loads_now(pred, request, decodes)
+            chosen_d = min(zip(tbts, batches, range(len(tbts)), strict=True))[2]  # by (tbt, batch), the first of equals
+            d_listed = {i: DecodeEstimate(decodes[i], tbts[i], batches[i], kvs[i], 0.0)
+                        for i in listed_indices(tbts, keep, chosen_d)}
+            chosen_decode: DecodeEstimate | None = d_listed[chosen_d]
+            d_ests = list(d_listed.values())
         else:
-            # mixed: the request decodes where it prefilled, so weigh both on the same worker
-            d_ests = [estimate_decode(pred, request, e.instance, e.ttft_s if predicted else 0.0, None) for e in ests]
+            # mixed: the request decodes where it prefilled, so weigh both on the same worker: the
+            # lowest TTFT among workers whose predicted TBT meets the SLO (the lowest of all if none
+            # does); in TTFT order (stable: equals in pool order, as min() takes them) the first that fits
+            order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
+            mixed: dict[int, DecodeEstimate] = {}
+
+            def on_worker(i: int) -> DecodeEstimate:
+                if i not in mixed:
+                    mixed[i] = estimate_decode(pred, request, prefills[i], ttfts[i] if predicted else 0.0, None)
+                return mixed[i]
+
             slo = request.slo.tbt_s
-            pairs = list(zip(ests, d_ests, strict=True))
-            fitting = [pair for pair in pairs if slo is None or pair[1].tbt_s <= slo] or pairs
-            best, chosen_decode = min(fitting, key=lambda pair: pair[0].ttft_s)
+            best_i = order[0] if slo is None else next((i for i in order if on_worker(i).tbt_s <= slo), order[0])
+            chosen_decode = on_worker(best_i)
+            d_ests = [on_worker(i) for i in listed_indices(ttfts, keep, best_i)]
+        best = weighed.estimate(best_i)
+        ests = [weighed.estimate(i) for i in listed_indices(ttfts, keep, best_i)]
+        unlisted = len(prefills) + (len(decodes) if disaggregated else len(prefills)) - len(ests) - len(d_ests)
         judged = chosen_decode
         if disaggregated and predicted and chosen_decode is not None:
             # prediction-based early rejection: the chosen instance as it will be on arrival
@@ -269,6 +267,7 @@ class KvCacheAwarePolicy(BasePolicy):
                 predicted_ttft_s=ttft,
                 predicted_tbt_s=tbt,
                 candidates=candidates,
+                unlisted_candidates=unlisted,
             )
         decode_id = chosen_decode.instance.id if disaggregated and chosen_decode is not None else None
         return Decision(
@@ -281,6 +280,7 @@ class KvCacheAwarePolicy(BasePolicy):
             pull_from=best.pull_from,
             pull_tokens=best.pulled_tokens,
             candidates=candidates,
+            unlisted_candidates=unlisted,
         )
 
     # ---- remembering ----------------------------------------------------------------------

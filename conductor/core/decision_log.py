@@ -45,6 +45,7 @@ def decision_log_record(decision: Decision, prompt_tokens: int | None = None) ->
         "pull_from": decision.pull_from,
         "pull_tokens": decision.pull_tokens,
         "candidates": [_candidate(c) for c in decision.candidates],
+        "unlisted_candidates": decision.unlisted_candidates,  # instances estimated but not listed (policy option)
     }
     r = decision.rejection
     if r is not None:

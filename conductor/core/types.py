@@ -171,6 +171,9 @@ class Decision:
     pull_from: str | None = None  # instance id or "store" the prefill pulls a cached prefix from
     pull_tokens: int = 0  # tokens of that prefix it pulls instead of recomputing
     candidates: tuple[CandidateScore, ...] = ()
+    # instances the policy weighed but left out of `candidates` (a policy may list only the best
+    # few of a large pool, the chosen ones always among them): 0 when every one is listed
+    unlisted_candidates: int = 0
 
     @property
     def rejected(self) -> bool:
