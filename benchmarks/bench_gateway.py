@@ -33,7 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import ROOT, Processes, cpu_seconds, free_port, wait_http
+
+from tests.support.servers import free_port_run
 
 BODY = '{"model":"tiny","prompt":"benchmark prompt","max_tokens":%d,"stream":%s}'
 WRK_SCRIPT = """wrk.method = "POST"
@@ -126,7 +129,7 @@ def start_routers(procs: Processes, w: dict[str, str], pd: bool, policy: str,
                   vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...]) -> list[Router]:
     routers = []
     for n in workers:
-        port, admin = free_port(), free_port()
+        port, admin = free_port(), free_port_run(n)
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
         extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
         p = procs.start([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy,

@@ -85,7 +85,7 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c.destroy(linger=0)
 
 
-async def wait_for(cond: Any, within_s: float = 5.0) -> None:
+async def wait_for(cond: Any, within_s: float = 30.0) -> None:  # generous: a busy box is slow, never wrong
     deadline = time.monotonic() + within_s
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.servers import free_port, serve
+from tests.support.servers import free_port, free_port_run, serve
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for
 
@@ -44,6 +44,13 @@ def supervisor(cmd: list[str]) -> Iterator[subprocess.Popen[str]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _output(proc: subprocess.Popen[str]) -> str:
+    """What a supervisor that stopped printed (for an assertion message)."""
+    if proc.poll() is None or proc.stdout is None:
+        return "still running, not ready"
+    return proc.stdout.read()[-3000:]
 
 
 def _ready(url: str) -> bool:
@@ -87,12 +94,12 @@ def test_two_workers_share_the_port_and_see_each_others_streams() -> None:
         decodes = [StandIn(role="decode", token_delay_s=0.1) for _ in range(2)]
         p_url = stack.enter_context(serve(prefill)).url
         d_args = [a for d in decodes for a in ("--decode", stack.enter_context(serve(d)).url)]
-        port, admin = free_port(), free_port()
-        while admin + 1 == port:
-            admin = free_port()
+        port, admin = free_port(), free_port_run(2)
+        while admin <= port <= admin + 1:
+            admin = free_port_run(2)
         proc = stack.enter_context(supervisor(_command(port, admin, 2, "--prefill", p_url, *d_args)))
         url, admins = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{admin + i}" for i in range(2)]
-        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60), proc.poll()
+        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60), _output(proc)
 
         # one long stream occupies decode-0 (least_loaded breaks the tie of an idle cluster by order)
         def stream() -> None:
@@ -119,12 +126,12 @@ def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment
     before = set(os.listdir("/dev/shm"))
     with ExitStack() as stack:
         mixed_url = stack.enter_context(serve(StandIn())).url
-        port, admin = free_port(), free_port()
-        while admin + 1 == port:
-            admin = free_port()
+        port, admin = free_port(), free_port_run(2)
+        while admin <= port <= admin + 1:
+            admin = free_port_run(2)
         proc = stack.enter_context(supervisor(_command(port, admin, 2, "--mixed", mixed_url)))
         admins = [f"http://127.0.0.1:{admin + i}" for i in range(2)]
-        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60)
+        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60), _output(proc)
         workers = _worker_pids(proc.pid)
         assert len(workers) == 2
         victim = min(workers)

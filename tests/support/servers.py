@@ -19,6 +19,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive ports that are all free now (e.g. the admin ports of N workers)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 class ServerThread:
     def __init__(self, app: Any, port: int | None = None, **config: Any) -> None:
         self.port = port or free_port()
