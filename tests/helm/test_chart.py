@@ -24,6 +24,7 @@ from tests.helm.chart import (
     HELM,
     NAMESPACE,
     ROOT,
+    STATIC,
     container,
     env,
     flag,
@@ -58,7 +59,7 @@ def test_schema_rejects_bad_values() -> None:
                          [("nixl", 1, 1), ("mooncake", 3, 2), ("sglang", 2, 3)])
 def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int, n_decode: int,
                                                      tmp_path: Path) -> None:
-    docs = render(f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}", f"decode.replicas={n_decode}",
+    docs = render(STATIC, f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}", f"decode.replicas={n_decode}",
                   "gateway.slo.ttftSeconds=2.5", "gateway.config.read_timeout_s=33")
     cfg = gateway_config(docs)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -177,7 +178,7 @@ def test_gateway_disruption_budget_only_with_several_replicas() -> None:
 
 
 def test_mixed_workers_only_and_mooncake_master() -> None:
-    docs = render("prefill.replicas=0", "decode.replicas=0", "mixed.replicas=2")
+    docs = render(STATIC, "prefill.replicas=0", "decode.replicas=0", "mixed.replicas=2")
     cfg = gateway_config(docs)
     assert "prefill" not in cfg and "decode" not in cfg
     assert [m["name"] for m in cfg["mixed"]] == ["mixed-0", "mixed-1"]

@@ -20,7 +20,7 @@ import pytest
 import redis
 import yaml
 
-from tests.helm.chart import FULL, container, env, flag, needs_helm, one, render, venv_exe, wait_http
+from tests.helm.chart import FULL, STATIC, container, env, flag, needs_helm, one, render, venv_exe, wait_http
 from tests.support.servers import free_port
 
 pytestmark = needs_helm
@@ -29,7 +29,7 @@ pytestmark = needs_helm
 @pytest.fixture
 def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """The gateway container's command, run here on the rendered settings (pods unreachable)."""
-    docs = render("pdProtocol=mooncake", "prefill.replicas=2", "decode.replicas=1")
+    docs = render(STATIC, "pdProtocol=mooncake", "prefill.replicas=2", "decode.replicas=1")
     c = container(one(docs, "Deployment", f"{FULL}-gateway"))
     config_file = tmp_path / "config.yaml"
     config_file.write_text(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])  # verbatim
@@ -105,7 +105,7 @@ def _remap(args: list[str], pod: str) -> tuple[list[str], dict[str, int]]:
 
 @pytest.mark.parametrize(("protocol", "n_prefill"), [("nixl", 1), ("mooncake", 2), ("sglang", 1)])
 def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefill: int, tmp_path: Path) -> None:
-    docs = render("workers.emulator.enabled=true", f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}",
+    docs = render(STATIC, "workers.emulator.enabled=true", f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}",
                   "decode.replicas=1", "gateway.replicas=1", "model.servedName=tiny", "gateway.apiKeys={sk-chart-run}")
     # the client keys as the kubelet hands them over: the chart's Secret, named by the pods' env
     keys = base64.b64decode(one(docs, "Secret", f"{FULL}-gateway-api-keys")["data"]["api-keys"]).decode()

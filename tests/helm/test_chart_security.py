@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from tests.helm import sandbox
-from tests.helm.chart import FULL, container, env, needs_helm, one, render, venv_exe, wait_http
+from tests.helm.chart import FULL, STATIC, container, env, needs_helm, one, render, venv_exe, wait_http
 from tests.helm.pod_security import baseline_violations, pod_of, restricted_violations
 from tests.support.servers import free_port
 
@@ -217,7 +217,7 @@ def test_rendered_gateway_serves_under_its_security_context() -> None:
     """Non-root, read-only root with /tmp only, no capabilities: it starts, takes its API keys from the
     chart's Secret through CONDUCTOR_API_KEYS, and serves /metrics on the admin port alone."""
     public, admin = free_port(), free_port()
-    docs = render("gateway.apiKeys={sk-chart,12345}", f"gateway.adminPort={admin}", f"gateway.port={public}",
+    docs = render(STATIC, "gateway.apiKeys={sk-chart,12345}", f"gateway.adminPort={admin}", f"gateway.port={public}",
                   "prefill.replicas=1", "decode.replicas=1")
     dep = one(docs, "Deployment", f"{FULL}-gateway")
     c = container(dep)
