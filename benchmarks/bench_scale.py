@@ -11,7 +11,8 @@ One table (about 3 minutes on a 2-core machine; `--quick` about 30 s):
 - memory per block: the memory index's traced bytes per entry (tracemalloc, index kept, keys' int
   objects counted) beside its budget figure ENTRY_BYTES; Redis: used_memory delta / entries held.
 - look-up: `match` of a 32K-token prompt (2,048 blocks of 16) with 16..1,024 prefill instances
-  present: four hold its head (2,048 / 1,536 / 1,024 / 256 blocks), the rest other prompts.
+  present: four hold its head (2,048 / 1,536 / 1,024 / 256 blocks), the rest other prompts; per
+  backend, and through a `conductor indexer` over HTTP as a replica with `kv.index: indexer` asks it.
 - decision: `decide` of kvcache_aware (and round_robin for reference) on N instances = N/2 prefill
   + N/2 decode, with the queues and streams of benchmarks/bench_decision.py.
 - paper calculation: what 1,000 H100-class prefill instances emit, from the bundled Qwen3-8B/H800
@@ -260,6 +261,84 @@ async def run_cluster(report: Report, args: argparse.Namespace, payloads: dict[s
         cluster.stop()
 
 
+def _serve_indexer(port: int, count: int, other_blocks: int) -> None:
+    """A `conductor indexer` process holding what `lookup_latencies` builds for `count` instances
+    (same seed, same order), written straight into its index (no feed connects anywhere)."""
+    import uvicorn
+
+    from conductor.indexer import IndexerService
+    from conductor.indexer_api import create_indexer_app
+    from conductor.settings import load_settings
+
+    settings = load_settings(environ={}, overrides={"block_size": BLOCK, "mixed": [
+        {"url": f"http://127.0.0.1:9/w{i}", "name": f"prefill-{i}", "kv_events_endpoint": "tcp://*:9"}
+        for i in range(count)]})
+    service = IndexerService(settings)
+
+    async def no_feeds() -> None:
+        return None
+
+    service.start = no_feeds  # type: ignore[method-assign]
+
+    async def main() -> None:
+        rng = np.random.default_rng(2)
+        scheme = XxhashKeys(BLOCK)
+        prompt_keys = scheme.keys(rng.integers(0, 150_000, size=PROMPT).tolist())
+        for present in range(count):
+            if present < len(HOLDERS):
+                keys = prompt_keys[: HOLDERS[present]]
+            else:
+                keys = scheme.keys(rng.integers(0, 150_000, size=other_blocks * BLOCK).tolist())
+            await service.index.insert(f"prefill-{present}", keys, confirmed=True)
+        service.gc_freezer.freeze_now()  # as the indexer's freezer does every gc_freeze_interval_s
+        config = uvicorn.Config(create_indexer_app(service), host="127.0.0.1", port=port, log_level="warning",
+                                access_log=False, lifespan="on")
+        await uvicorn.Server(config).serve()
+
+    asyncio.run(main())
+
+
+async def run_indexer(report: Report, args: argparse.Namespace) -> None:
+    """Look-ups of a 32K-token prompt as gateway replicas make them with `kv.index: indexer`:
+    IndexerClient over HTTP to a `conductor indexer` in its own process (memory index), one process
+    per instance count, filled like the other backends."""
+    import multiprocessing
+
+    from common import free_port, wait_http
+
+    from adapters.index.remote import IndexerClient
+
+    rng = np.random.default_rng(2)
+    prompt_keys = XxhashKeys(BLOCK).keys(rng.integers(0, 150_000, size=PROMPT).tolist())
+    rows: dict[int, dict[str, float]] = {}
+    for count in sorted(args.instances):
+        port = free_port()
+        proc = multiprocessing.get_context("spawn").Process(
+            target=_serve_indexer, args=(port, count, args.other_blocks), daemon=True)
+        proc.start()
+        client = IndexerClient(f"http://127.0.0.1:{port}", _limits(), timeout_s=10.0, block_size=BLOCK)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+            got = await client.match(prompt_keys)
+            expected = {f"prefill-{i}": n for i, n in enumerate(HOLDERS[:count])}
+            if dict(got.blocks) != expected:
+                raise RuntimeError(f"indexer look-up is wrong at {count} instances: {dict(got.blocks)}")
+            times = []
+            for _ in range(args.lookup_reps):
+                t = time.perf_counter()
+                await client.match(prompt_keys)
+                times.append((time.perf_counter() - t) * 1e3)
+            times.sort()
+            rows[count] = {"p50_ms": percentile(times, 0.5), "p99_ms": percentile(times, 0.99),
+                           "samples": float(args.lookup_reps)}
+        finally:
+            await client.close()
+            proc.terminate()
+            proc.join(10)
+    report.lookup["indexer-http"] = rows
+    print("  look-ups indexer-http: done", file=sys.stderr)
+
+
 async def run_all(args: argparse.Namespace) -> Report:
     report = Report()
     t0 = time.perf_counter()
@@ -284,6 +363,7 @@ async def run_all(args: argparse.Namespace) -> Report:
         await run_cluster(report, args, payloads)
     else:
         report.unavailable["redis-cluster"] = "skipped (--no-cluster)"
+    await run_indexer(report, args)
     report.decision = decision_latencies(args.instances, args.decision_budget)
     report.paper = paper_calculation({k: v for k, v in report.ingest.items() if "[" not in k})
     report.goals = judge(report, args)

@@ -21,6 +21,7 @@ from conductor.core.decision_log import decision_log_record
 from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected, Unauthorized
 from conductor.core.types import Decision, Observation, Policy, RequestView, Role, Slo
 from conductor.deadlines import Deadlines
+from conductor.gc_freeze import GcFreezer
 from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.membership import Membership
@@ -91,6 +92,7 @@ class Gateway:
         self.upstream_key = settings.upstream_key()
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
         self.membership = Membership(self)  # instances joining and leaving at run time (DNS, admin API)
+        self.gc_freezer = GcFreezer(settings.gc_freeze_interval_s)
 
     async def start(self) -> None:
         self.deadlines.start()
@@ -101,6 +103,7 @@ class Gateway:
         await self.protocol.start(prefills)
         await self.analyzer.start()
         self.membership.watch()
+        self.gc_freezer.start()
         log.info(
             "gateway ready: %d prefill, %d decode, %d mixed; protocol %s; policy %s",
             len(self.settings.prefill), len(self.settings.decode), len(self.settings.mixed),
@@ -110,6 +113,7 @@ class Gateway:
     async def close(self) -> None:
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans still batched
+        await self.gc_freezer.close()
         await self.membership.close()
         await self.analyzer.close()
         await self.deadlines.close()

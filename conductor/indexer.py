@@ -37,6 +37,7 @@ from adapters.kv_events import EventBatch, EventSource, EventSubscriber, offset_
 from conductor.core.block_keys import BlockKeyScheme, make_scheme
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role, Tier
+from conductor.gc_freeze import GcFreezer
 from conductor.kv_awareness import make_index
 from conductor.kv_event_metrics import KVEventsCollector
 from conductor.settings import Settings
@@ -205,6 +206,7 @@ class IndexerService:
             self.instances[feed.instance] = (*self.instances.get(feed.instance, ()), feed.rank)
         self.registry.register(KVEventsCollector(self.subscribers, self.feeder, list(self.feeds)))
         self._started = False
+        self.gc_freezer = GcFreezer(settings.gc_freeze_interval_s)  # the index's p99 (conductor/gc_freeze.py)
 
     @property
     def block_size(self) -> int:
@@ -213,11 +215,13 @@ class IndexerService:
     async def start(self) -> None:
         # all at once: each may wait up to replay_timeout_s for its worker's replay buffer
         await asyncio.gather(*(sub.start() for sub in self.subscribers))
+        self.gc_freezer.start()
         self._started = True
         log.info("indexer: %d feeds from %d instances, %d-token blocks, %s keys", len(self.subscribers),
                  len(self.instances), self.block_size, "xxhash" if self.feeder.translate else "vllm")
 
     async def close(self) -> None:
+        await self.gc_freezer.close()
         for sub in self.subscribers:
             await sub.close()
         await self.index.close()
@@ -242,23 +246,26 @@ class IndexerService:
             return
         self.metrics.blocks_held.set(stats.blocks)
 
-    async def match(self, keys: Sequence[int]) -> dict[str, dict[str, object]]:
-        """Per tracked instance, the RFC 1403 entry for the leading run of `keys`:
-        {"longest_matched", "GPU", "CPU", "DISK", "DP": {rank: tokens}}, in tokens."""
+    async def match(self, keys: Sequence[int], *, holders_only: bool = False) -> dict[str, dict[str, object]]:
+        """Per tracked instance (only those holding a run, with `holders_only`), the RFC 1403 entry for
+        the leading run of `keys`: {"longest_matched", "GPU", "CPU", "DISK", "DP": {rank: tokens}}, in tokens."""
         raw = await self.index.match_holders(keys) if keys else PrefixMatch()
         size = self.block_size
-        per_tier: dict[str, dict[Tier, int]] = {iid: {} for iid in self.instances}
-        per_rank: dict[str, dict[int, int]] = {iid: dict.fromkeys(ranks, 0) for iid, ranks in self.instances.items()}
+        per_tier: dict[str, dict[Tier, int]] = {}
+        per_rank: dict[str, dict[int, int]] = {}
         for name, n in raw.blocks.items():
             parsed = split_holder(name)
             feed = self.feeds.get(parsed[0]) if parsed is not None else None
             if parsed is None or feed is None:
                 continue  # an entry of something else sharing the index
-            tiers, ranks = per_tier[feed.instance], per_rank[feed.instance]
+            tiers = per_tier.setdefault(feed.instance, {})
+            ranks = per_rank.setdefault(feed.instance, dict.fromkeys(self.instances[feed.instance], 0))
             tiers[parsed[1]] = max(tiers.get(parsed[1], 0), n)
             ranks[feed.rank] = max(ranks[feed.rank], n)
         out: dict[str, dict[str, object]] = {}
-        for iid in self.instances:
+        for iid in (per_rank if holders_only else self.instances):
+            if iid not in per_rank:  # holds nothing: every rank at 0
+                per_tier[iid], per_rank[iid] = {}, dict.fromkeys(self.instances[iid], 0)
             tiers, ranks = per_tier[iid], per_rank[iid]
             out[iid] = {
                 "longest_matched": max(ranks.values(), default=0) * size,

@@ -27,6 +27,9 @@ Choices where the RFC is silent or loose, and where this indexer differs from it
 - `model` is required (non-empty); it must be one of `models` when the settings name any (else 404),
   otherwise any model is answered from the one index. `block_size` must be the indexer's (else 400).
   An `instance_id` the indexer does not track is a 404. Unknown fields are ignored.
+- Extension: `"holders_only": true` lists only the instances that hold a leading run (longest_matched
+  > 0). Gateways (adapters/index/remote.py) ask so: at 1,024 tracked instances the full answer is
+  ~100 KB of zeros to encode and decode per look-up. Without it, the answer is the RFC's.
 - Errors are the project's OpenAI-style JSON (`conductor/http_errors.py`), not the RFC draft's
   {"error": "..."}: 400 malformed, 404 unknown model or instance, 405 wrong method, 413 body over
   max_body_bytes or more token ids / hashes than `QueryLimits` allow.
@@ -77,6 +80,7 @@ class QueryBody(msgspec.Struct, frozen=True):
     tenant_id: str | None = None
     instance_id: str | None = None
     cache_salt: str | None = None
+    holders_only: bool = False  # extension: leave out the instances at 0 (module docstring)
 
 
 _decode_query = msgspec.json.Decoder(QueryBody).decode
@@ -135,9 +139,12 @@ class QueryHandler:
         tenant = body.tenant_id or DEFAULT_TENANT
         if tenant != DEFAULT_TENANT:
             return {}
-        per_instance = await self.service.match([] if self._unindexed(body) else keys)
+        per_instance = await self.service.match([] if self._unindexed(body) else keys,
+                                                holders_only=body.holders_only and body.instance_id is None)
         if body.instance_id is not None:
             per_instance = {body.instance_id: per_instance[body.instance_id]}
+        if body.holders_only:
+            per_instance = {iid: entry for iid, entry in per_instance.items() if entry["longest_matched"]}
         return {tenant: per_instance}
 
     async def by_tokens(self, raw: bytes) -> dict[str, Any]:

@@ -203,6 +203,10 @@ class Settings(_Model):
     # requests in flight at once through this gateway; past it new ones get 503 at once instead of
     # queueing without bound in front of the workers
     max_inflight_requests: int = 4096
+    # every this many seconds: one full garbage collection, then everything that survived is frozen
+    # out of later ones (conductor/gc_freeze.py: a big KV index otherwise makes each full pass a
+    # tens-of-milliseconds stall in the p99); None: Python's default collector alone
+    gc_freeze_interval_s: float | None = Field(default=60.0, gt=0)
 
     @model_validator(mode="after")
     def _check_roles(self) -> Settings:

@@ -13,7 +13,7 @@
   block size must be the indexer's (it answers 400 otherwise) and is how tokens become blocks again.
 
 Semantics, per `KVIndex` method:
-- `match(keys)`: POST /query_by_hash {"model", "block_size", "tenant_id", "seq_hashes": keys} (keys are
+- `match(keys)`: POST /query_by_hash {"model", "block_size", "tenant_id", "seq_hashes": keys, "holders_only": true} (keys are
   the gateway's block keys, which are the indexer's hashes when both use the same kv.key_mode and seed);
   each instance's `longest_matched` / block_size is its confirmed run, its tier "device" when the GPU
   run covers it, else "host". Merged with the overlay: an instance's run is the longer of the two, and
@@ -105,7 +105,7 @@ class IndexerClient:
 
     async def _remote(self, keys: Sequence[int]) -> PrefixMatch:
         body = _encode({"model": self.model, "block_size": self.block_size, "tenant_id": self.tenant_id,
-                        "seq_hashes": list(keys)})
+                        "seq_hashes": list(keys), "holders_only": True})
         r = await self._http().post("/query_by_hash", content=body, headers={"content-type": "application/json"})
         if r.status_code != 200:
             raise IndexerError(f"HTTP {r.status_code}: {r.text[:300]}")

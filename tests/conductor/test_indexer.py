@@ -171,6 +171,10 @@ def test_query_and_query_by_hash_answer_what_each_worker_holds() -> None:
         r = httpx.post(url + "/query_by_hash", json={"model": "m", "block_size": BS, "seq_hashes": keys})
         assert r.json()["default"]["mixed-1"]["longest_matched"] == 12 * BS
         assert r.json()["default"]["mixed-0"]["longest_matched"] == 0
+        # the extension gateways use: only the holders
+        r = httpx.post(url + "/query_by_hash", json={"model": "m", "block_size": BS, "seq_hashes": keys,
+                                                       "holders_only": True})
+        assert list(r.json()["default"]) == ["mixed-1"]
         r = httpx.post(url + "/query_by_hash", json={"model": "m", "block_size": BS, "block_hash": keys[:3],
                                                        "instance_id": "mixed-1"})
         assert r.json() == {"default": {"mixed-1": {"longest_matched": 48, "GPU": 48, "CPU": 0, "DISK": 0,
