@@ -81,7 +81,7 @@ class SharedMemoryLoadShare:
     """The `LoadShare` of one worker process: slot `slot` of `workers` in the named segment."""
 
     def __init__(self, segment: str, slot: int, workers: int, *, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 interval_s: float = 0.002, stale_after_s: float = 1.0) -> None:
+                 interval_s: float = 0.005, stale_after_s: float = 1.0) -> None:
         if not 0 <= slot < workers:
             raise ValueError(f"slot {slot} outside 0..{workers - 1}")
         self.segment, self.slot, self.workers = segment, slot, workers
