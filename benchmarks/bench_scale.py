@@ -270,9 +270,9 @@ def _serve_indexer(port: int, count: int, other_blocks: int) -> None:
     from conductor.indexer_api import create_indexer_app
     from conductor.settings import load_settings
 
-    settings = load_settings(environ={}, overrides={"block_size": BLOCK, "mixed": [
-        {"url": f"http://127.0.0.1:9/w{i}", "name": f"prefill-{i}", "kv_events_endpoint": "tcp://*:9"}
-        for i in range(count)]})
+    settings = load_settings(environ={}, overrides={"block_size": BLOCK, "kv": {"index_memory_bytes": 8 << 30},
+                                                    "mixed": [{"url": f"http://127.0.0.1:9/w{i}", "name": f"prefill-{i}",
+                                                               "kv_events_endpoint": "tcp://*:9"} for i in range(count)]})
     service = IndexerService(settings)
 
     async def no_feeds() -> None:
