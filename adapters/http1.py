@@ -148,7 +148,7 @@ class Response:
         if conn is None:
             return
         try:
-            while (chunk := await conn.next_chunk()) is not None:
+            while (chunk := await conn.next_chunk(coalesce=True)) is not None:
                 yield chunk
         finally:  # also when the consumer stops iterating, or the generator is collected
             self.close()

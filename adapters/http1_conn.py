@@ -292,8 +292,10 @@ class Connection(asyncio.Protocol):
             self.transport.write(head)
             self.transport.write(body)
 
-    async def next_chunk(self) -> bytes | None:
-        """The next piece of the body, None at its end."""
+    async def next_chunk(self, coalesce: bool = False) -> bytes | None:
+        """The next piece of the body, None at its end. `coalesce`: every piece already received,
+        as one (a relay then writes once what arrived at once: a fast 32-token stream is one or two
+        writes downstream, not 33; nothing waits for more)."""
         while not self.body:
             self._waiter = self.loop.create_future()
             try:
@@ -301,6 +303,11 @@ class Connection(asyncio.Protocol):
             finally:
                 self._waiter = None
         item = self.body.popleft()
+        if coalesce and isinstance(item, bytes) and self.body and isinstance(self.body[0], bytes):
+            parts = [item]
+            while self.body and isinstance(self.body[0], bytes):  # stop before the end or a failure
+                parts.append(self.body.popleft())
+            item = b"".join(parts)
         if self.paused and len(self.body) < _HIGH_WATER // 2 and self.transport is not None and not self.closed:
             self.paused = False
             self.transport.resume_reading()

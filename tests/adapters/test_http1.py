@@ -398,6 +398,28 @@ async def test_streamed_body_with_backpressure(serve: Callable[..., Awaitable[Se
     assert up.pool.opened == 1 and len(server.requests[0][1]) == 200_000
 
 
+async def test_pieces_that_arrived_together_are_relayed_as_one(serve: Callable[..., Awaitable[Server]],
+                                                              pools: list[Pool]) -> None:
+    pieces = [b"data: %d\n\n" % i for i in range(33)]
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+
+    async def handler(peer: Peer) -> None:
+        while await peer.request() is not None:
+            await peer.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await asyncio.sleep(0.2)  # the head is read first; then the 33 pieces arrive in one write
+            await peer.send(framed)
+            await asyncio.sleep(0.2)
+            await peer.send(b"8\r\nlast one\r\n0\r\n\r\n")
+
+    server = await serve(handler)
+    up = await new_upstream(pools, f"http://127.0.0.1:{server.port}", Timeouts(read_s=5.0))
+    stream = await up.open_stream("/", b"{}", {})
+    got = [chunk async for chunk in stream.chunks()]
+    # what one read delivered is one chunk (nothing waited for the later piece); order and bytes kept
+    assert b"".join(got) == b"".join(pieces) + b"last one"
+    assert got[-1] == b"last one" and len(got) < len(pieces)
+
+
 # ---- keep-alive -------------------------------------------------------------------------------------
 async def test_server_closing_an_idle_connection_is_noticed(serve: Callable[..., Awaitable[Server]],
                                                             pools: list[Pool]) -> None:

@@ -264,15 +264,28 @@ async def test_catch_up_at_start_applies_what_the_worker_buffered(ctx: zmq.async
         assert index.match_sync(scheme.keys(b)).confirmed_blocks == {"p0": 2}
         st = sub.stats
         assert (st.replayed, st.replay_requests, st.last_seq, st.gaps, st.resyncs) == (3, 1, 2, 0, 0)
-        # the live feed goes on from there with no gap
+        # the live feed goes on from there. A SUB socket may still be joining when the first live
+        # batch goes out (ZMQ's slow joiner: a busy box drops it on the wire); then the next batch
+        # shows the gap and the replay socket brings it back. Either way it arrives, no restart.
         c = list(range(9000, 9000 + BS))
         await pub.publish([stored([6], None, c)])
-        await wait_for(lambda: bool(index.match_sync(scheme.keys(c)).blocks))
-        assert sub.stats.gaps == 0 and sub.stats.last_seq == 3
+        published = 4
+        for _ in range(30):
+            try:
+                await wait_for(lambda: bool(index.match_sync(scheme.keys(c)).blocks), within_s=1.0)
+                break
+            except AssertionError:
+                await pub.publish([{"type": "BlockRemoved", "block_hashes": [999], "medium": "GPU"}])
+                published += 1
+        await wait_for(lambda: sub.stats.last_seq == published - 1)
+        assert index.match_sync(scheme.keys(c)).blocks == {"p0": 1}
+        assert sub.stats.resyncs == 0
+        assert sub.stats.gaps == 0 or sub.stats.replayed > 3  # in order, or repaired from the replay
         # a batch that queued on the socket during the catch-up is a duplicate, not a restart
-        sub._replayed_upto = 3
-        await sub.handle(2, _batch([]))
-        assert sub.stats.resyncs == 0 and sub.stats.last_seq == 3
+        last = sub.stats.last_seq
+        sub._replayed_upto = last
+        await sub.handle(last - 1, _batch([]))
+        assert sub.stats.resyncs == 0 and sub.stats.last_seq == last
     finally:
         await sub.close()
         await pub.close()
