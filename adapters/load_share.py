@@ -173,9 +173,16 @@ class RedisLoadShare:
 
     def remote(self) -> RemoteLoad:
         synced = self._synced_at
-        if synced is None or time.monotonic() - synced > self._ttl_ms / 1000:
+        age = time.monotonic() - synced if synced is not None else 0.0
+        if synced is None or age > self._ttl_ms / 1000:
             return {}  # too old to trust (Redis down): route on our own load alone
-        return self._remote
+        # elapsed_s was measured at the exchange; the prefills have run on since (up to an interval,
+        # a large share of a prefill), and a frozen elapsed_s overstates what is left of the head
+        return {
+            instance: (tuple(QueuedPrefill(q.new_tokens, q.cached_tokens, q.elapsed_s + age) for q in queue), decodes)
+            if queue else (queue, decodes)
+            for instance, (queue, decodes) in self._remote.items()
+        }
 
 
 def _false() -> bool:

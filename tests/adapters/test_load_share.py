@@ -115,3 +115,23 @@ async def test_close_with_redis_hung_does_not_wait_for_it() -> None:
         await a.close()  # the breaker is open: the table is left to expire, not withdrawn
         assert a.breaker.stats.attempts == attempts
         server.resume()
+
+
+async def test_remote_prefills_age_between_exchanges() -> None:
+    # what is left of another replica's running prefill shrinks as time passes, not only at the
+    # next exchange: a frozen elapsed_s overstated the head's remaining time by up to an interval
+    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
+    dispatched = time.time()
+    with redis_process() as server:
+        b = share(server.url, "b", prefix)
+        a = RedisLoadShare(server.url, "a", interval_s=60.0, prefix=prefix, timeout_s=0.5)  # one exchange: start's
+        await b.start(lambda: {"p0": ([(1000, 0, dispatched)], [])})
+        await a.start(table("d0", 0))
+        try:
+            first = a.remote()["p0"][0][0].elapsed_s
+            attempts = a.breaker.stats.attempts
+            assert await until(lambda: a.remote()["p0"][0][0].elapsed_s >= first + 0.05)
+            assert a.breaker.stats.attempts == attempts  # aged by a itself, not by a new exchange
+        finally:
+            await a.close()
+            await b.close()
