@@ -130,6 +130,11 @@ class SharedMemoryLoadShare:
             except Exception:  # a bug here must not stop the sharing for good
                 log.exception("publishing this worker's load failed")
 
+    def dispatched(self) -> None:
+        # the shared memory is republished every interval_s (5 ms) anyway; an immediate publish per
+        # dispatch would cost a table encode per request for little (siblings see it within 5 ms)
+        return None
+
     def publish(self) -> None:
         """Write this process's table into its slot (the heartbeat alone when the table is unchanged)."""
         buf, base = self._buf, self.slot * self.slot_bytes

@@ -316,6 +316,7 @@ class InstanceRegistry:
         state = self.states[name]  # only a member is routed to
         state.prefills[request_id] = QueuedPrefill(new_tokens, cached_tokens, 0.0)
         state.started[request_id] = time.monotonic()
+        self.load_share.dispatched()
 
     def end_prefill(self, name: str, request_id: str) -> None:
         state = self._state(name)

@@ -135,3 +135,31 @@ async def test_remote_prefills_age_between_exchanges() -> None:
         finally:
             await a.close()
             await b.close()
+
+
+async def test_a_dispatch_is_shared_at_once_not_at_the_next_beat() -> None:
+    # replicas deciding a burst were blind to each other until the beat; a dispatch now wakes the
+    # exchange (beats here are a minute apart: only the dispatch can have carried it)
+    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
+    mine: LoadTable = {}
+    with redis_process() as server:
+        a = RedisLoadShare(server.url, "a", interval_s=60.0, prefix=prefix, timeout_s=0.5)
+        b = RedisLoadShare(server.url, "b", interval_s=60.0, prefix=prefix, timeout_s=0.5)
+        await a.start(lambda: mine)
+        await b.start(dict)
+        try:
+            mine["p0"] = ([(1000, 0, time.time())], [])
+            a.dispatched()
+            b.dispatched()  # b's own exchange reads what a published
+
+            async def b_sees() -> bool:
+                b.dispatched()
+                await asyncio.sleep(0.01)
+                return "p0" in b.remote()
+
+            deadline = time.monotonic() + 10
+            while not await b_sees():
+                assert time.monotonic() < deadline, "a's dispatch never reached b"
+        finally:
+            await a.close()
+            await b.close()
