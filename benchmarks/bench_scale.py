@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decision import measure
 from common import PrivateRedis, decision_cases, event_payloads, percentile, redis_used_memory
+from scale_indexer import BLOCK, HOLDERS, PROMPT, indexer_lookups
 
 from adapters.index.base import IndexLimits, KVIndex
 from adapters.index.feed import MAPPED_ENTRY_BYTES, IndexFeeder
@@ -50,9 +51,6 @@ from adapters.kv_events import decode_batch
 from conductor.core.block_keys import XxhashKeys
 from conductor.core.profile import Profile
 
-BLOCK = 16
-PROMPT = 32768
-HOLDERS = (2048, 1536, 1024, 256)  # blocks of the prompt's head held by prefill-0..3
 GOALS = {"ingest_memory": 200_000.0, "ingest_cluster": 100_000.0, "lookup_p99_ms": 5.0, "decision_p99_ms": 2.0}
 IndexFactory = Callable[[], Awaitable[tuple[KVIndex, Callable[[], Awaitable[None]]]]]
 
@@ -261,84 +259,6 @@ async def run_cluster(report: Report, args: argparse.Namespace, payloads: dict[s
         cluster.stop()
 
 
-def _serve_indexer(port: int, count: int, other_blocks: int) -> None:
-    """A `conductor indexer` process holding what `lookup_latencies` builds for `count` instances
-    (same seed, same order), written straight into its index (no feed connects anywhere)."""
-    import uvicorn
-
-    from conductor.indexer import IndexerService
-    from conductor.indexer_api import create_indexer_app
-    from conductor.settings import load_settings
-
-    settings = load_settings(environ={}, overrides={"block_size": BLOCK, "kv": {"index_memory_bytes": 8 << 30},
-                                                    "mixed": [{"url": f"http://127.0.0.1:9/w{i}", "name": f"prefill-{i}",
-                                                               "kv_events_endpoint": "tcp://*:9"} for i in range(count)]})
-    service = IndexerService(settings)
-
-    async def no_feeds() -> None:
-        return None
-
-    service.start = no_feeds  # type: ignore[method-assign]
-
-    async def main() -> None:
-        rng = np.random.default_rng(2)
-        scheme = XxhashKeys(BLOCK)
-        prompt_keys = scheme.keys(rng.integers(0, 150_000, size=PROMPT).tolist())
-        for present in range(count):
-            if present < len(HOLDERS):
-                keys = prompt_keys[: HOLDERS[present]]
-            else:
-                keys = scheme.keys(rng.integers(0, 150_000, size=other_blocks * BLOCK).tolist())
-            await service.index.insert(f"prefill-{present}", keys, confirmed=True)
-        service.gc_freezer.freeze_now()  # as the indexer's freezer does every gc_freeze_interval_s
-        config = uvicorn.Config(create_indexer_app(service), host="127.0.0.1", port=port, log_level="warning",
-                                access_log=False, lifespan="on")
-        await uvicorn.Server(config).serve()
-
-    asyncio.run(main())
-
-
-async def run_indexer(report: Report, args: argparse.Namespace) -> None:
-    """Look-ups of a 32K-token prompt as gateway replicas make them with `kv.index: indexer`:
-    IndexerClient over HTTP to a `conductor indexer` in its own process (memory index), one process
-    per instance count, filled like the other backends."""
-    import multiprocessing
-
-    from common import free_port, wait_http
-
-    from adapters.index.remote import IndexerClient
-
-    rng = np.random.default_rng(2)
-    prompt_keys = XxhashKeys(BLOCK).keys(rng.integers(0, 150_000, size=PROMPT).tolist())
-    rows: dict[int, dict[str, float]] = {}
-    for count in sorted(args.instances):
-        port = free_port()
-        proc = multiprocessing.get_context("spawn").Process(
-            target=_serve_indexer, args=(port, count, args.other_blocks), daemon=True)
-        proc.start()
-        client = IndexerClient(f"http://127.0.0.1:{port}", _limits(), timeout_s=10.0, block_size=BLOCK)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
-            got = await client.match(prompt_keys)
-            expected = {f"prefill-{i}": n for i, n in enumerate(HOLDERS[:count])}
-            if dict(got.blocks) != expected:
-                raise RuntimeError(f"indexer look-up is wrong at {count} instances: {dict(got.blocks)}")
-            times = []
-            for _ in range(args.lookup_reps):
-                t = time.perf_counter()
-                await client.match(prompt_keys)
-                times.append((time.perf_counter() - t) * 1e3)
-            times.sort()
-            rows[count] = {"p50_ms": percentile(times, 0.5), "p99_ms": percentile(times, 0.99),
-                           "samples": float(args.lookup_reps)}
-        finally:
-            await client.close()
-            proc.terminate()
-            proc.join(10)
-    report.lookup["indexer-http"] = rows
-    print("  look-ups indexer-http: done", file=sys.stderr)
-
-
 async def run_all(args: argparse.Namespace) -> Report:
     report = Report()
     t0 = time.perf_counter()
@@ -363,7 +283,7 @@ async def run_all(args: argparse.Namespace) -> Report:
         await run_cluster(report, args, payloads)
     else:
         report.unavailable["redis-cluster"] = "skipped (--no-cluster)"
-    await run_indexer(report, args)
+    report.lookup["indexer-http"] = await indexer_lookups(args)
     report.decision = decision_latencies(args.instances, args.decision_budget)
     report.paper = paper_calculation({k: v for k, v in report.ingest.items() if "[" not in k})
     report.goals = judge(report, args)
