@@ -112,8 +112,42 @@ end
 return 0
 """
 
+# One HMGET chunk of a run, walked in order; both match scripts (this one and the cluster's) use it.
+# In: the chunk's values, how many, and the run so far (blocks, confirmed blocks, worst tier rank,
+# whether the confirmed run is still unbroken). Out: the run after the chunk, and whether it ended
+# inside the chunk (a missing field or an expired dispatch guess). Needs `now` (_NOW_MS) before it.
+WALK_CHUNK = """
+local function walk_chunk(vals, count, pos, conf, worst, conf_open)
+  -- fast path, in C: a chunk of confirmed device-only blocks concatenates to "111...1"
+  -- (a missing field is `false`, which makes table.concat fail: then take the slow path)
+  local ok, joined = pcall(table.concat, vals)
+  if ok and conf_open and joined == string.rep('1', count) then
+    return pos + count, conf + count, worst, conf_open, false
+  end
+  for j = 1, count do
+    local v = vals[j]
+    if v == '1' then  -- the common case: confirmed, device only
+      if conf_open then conf = conf + 1 end
+    elseif not v then
+      return pos, conf, worst, conf_open, true
+    elseif string.byte(v, 1) == 117 then
+      if tonumber(string.sub(v, 2)) <= now then return pos, conf, worst, conf_open, true end
+      conf_open = false
+    else
+      local b = tonumber(v)
+      local rank = 2
+      if bit.band(b, 1) == 1 then rank = 0 elseif bit.band(b, 2) == 2 then rank = 1 end
+      if rank > worst then worst = rank end
+      if conf_open then conf = conf + 1 end
+    end
+    pos = pos + 1
+  end
+  return pos, conf, worst, conf_open, false
+end
+"""
+
 # KEYS: instances. ARGV: prefix, packed keys. Returns [instance, blocks, worst tier rank, confirmed]*.
-_MATCH = _NOW_MS + """
+_MATCH = _NOW_MS + WALK_CHUNK + """
 local prefix, blob = ARGV[1], ARGV[2]
 local n = #blob / 8
 local first = string.sub(blob, 1, 8)
@@ -131,34 +165,9 @@ for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     while pos < n and not stop do
       local hi = math.min(n, pos + chunk)
       local vals = redis.call('HMGET', hk, unpack(fields, pos + 1, hi))
-      local count = hi - pos
-      -- fast path, in C: a chunk of confirmed device-only blocks concatenates to "111...1"
-      -- (a missing field is `false`, which makes table.concat fail: then take the slow path)
-      local ok, joined = pcall(table.concat, vals)
-      if ok and conf_open and joined == string.rep('1', count) then
-        pos = hi
-        conf = conf + count
-        count = 0
-      end
-      for j = 1, count do
-        local v = vals[j]
-        if v == '1' then  -- the common case: confirmed, device only
-          if conf_open then conf = conf + 1 end
-        elseif not v then
-          stop = true
-          break
-        elseif string.byte(v, 1) == 117 then
-          if tonumber(string.sub(v, 2)) <= now then stop = true break end
-          conf_open = false
-        else
-          local b = tonumber(v)
-          local rank = 2
-          if bit.band(b, 1) == 1 then rank = 0 elseif bit.band(b, 2) == 2 then rank = 1 end
-          if rank > worst then worst = rank end
-          if conf_open then conf = conf + 1 end
-        end
-        pos = pos + 1
-      end
+      local ended
+      pos, conf, worst, conf_open, ended = walk_chunk(vals, hi - pos, pos, conf, worst, conf_open)
+      stop = stop or ended
       chunk = math.min(chunk * 4, 4096)
     end
     if pos > 0 then
@@ -174,6 +183,22 @@ return out
 
 
 _RANK_TIER = (Tier.DEVICE, Tier.HOST, Tier.STORE)
+
+
+def match_from_replies(replies: Sequence[Sequence[Any]]) -> PrefixMatch:
+    """PrefixMatch from the match scripts' answers, each [instance, blocks, worst tier rank,
+    confirmed blocks]* (one answer from a single node, one per shard from a cluster)."""
+    blocks: dict[str, int] = {}
+    tiers: dict[str, Tier] = {}
+    confirmed: dict[str, int] = {}
+    for raw in replies:
+        for i in range(0, len(raw), 4):
+            name = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
+            blocks[name] = int(raw[i + 1])
+            tiers[name] = _RANK_TIER[int(raw[i + 2])]
+            if int(raw[i + 3]):
+                confirmed[name] = int(raw[i + 3])
+    return PrefixMatch(blocks=blocks, tiers=tiers, confirmed_blocks=confirmed)
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
@@ -246,16 +271,7 @@ class RedisIndex:
         if not keys:
             return PrefixMatch()
         raw = await self._match(keys=[self._k_instances], args=[self.prefix, pack_keys(keys)])
-        blocks: dict[str, int] = {}
-        tiers: dict[str, Tier] = {}
-        confirmed: dict[str, int] = {}
-        for i in range(0, len(raw), 4):
-            name = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])
-            blocks[name] = int(raw[i + 1])
-            tiers[name] = _RANK_TIER[int(raw[i + 2])]
-            if int(raw[i + 3]):
-                confirmed[name] = int(raw[i + 3])
-        return PrefixMatch(blocks=blocks, tiers=tiers, confirmed_blocks=confirmed)
+        return match_from_replies([raw])
 
     async def stats(self) -> IndexStats:
         async with self._redis.pipeline(transaction=False) as pipe:

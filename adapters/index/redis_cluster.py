@@ -55,14 +55,13 @@ from redis.exceptions import NoScriptError
 
 from adapters.index import redis_cluster_scripts as lua
 from adapters.index.base import TIER_BITS, IndexLimits, IndexStats, PrefixMatch
-from adapters.index.redis import pack_keys
+from adapters.index.redis import match_from_replies, pack_keys
 from conductor.core.types import Tier
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARDS = 16
 COUNT_REFRESH_S = 1.0  # how stale this client's view of other shards' instance counts may get
-_RANK_TIER = (Tier.DEVICE, Tier.HOST, Tier.STORE)
 _HEXPIRE_VERSION = (7, 4)
 
 
@@ -183,17 +182,7 @@ class RedisClusterIndex:
             return PrefixMatch()
         blob = pack_keys(keys)
         replies = await self._eval_each(self._read, "match", [([f"{t}instances"], [t, blob]) for t in self._tags])
-        blocks: dict[str, int] = {}
-        tiers: dict[str, Tier] = {}
-        confirmed: dict[str, int] = {}
-        for raw in replies:
-            for i in range(0, len(raw), 4):
-                name = _text(raw[i])
-                blocks[name] = int(raw[i + 1])
-                tiers[name] = _RANK_TIER[int(raw[i + 2])]
-                if int(raw[i + 3]):
-                    confirmed[name] = int(raw[i + 3])
-        return PrefixMatch(blocks=blocks, tiers=tiers, confirmed_blocks=confirmed)
+        return match_from_replies(replies)
 
     async def stats(self) -> IndexStats:
         replies = await self._eval_each(self._write, "stats",

@@ -14,7 +14,7 @@ Values and the look-up's walk over them are RedisIndex's; the look-up adds probe
 
 from __future__ import annotations
 
-from adapters.index.redis import _NOW_MS
+from adapters.index.redis import _NOW_MS, WALK_CHUNK
 
 # KEYS[1] instances, KEYS[2] clock, KEYS[3] evictions, KEYS[4] T i:<inst>, KEYS[5] T l:<inst>.
 # ARGV: instance, tier bit, confirmed, unconfirmed ttl ms, key ttl ms, max_blocks, instances in other
@@ -133,7 +133,7 @@ return deleted + redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3])
 # ends every run at or before it, and the HMGET walk stops at any earlier hole or expired guess, so
 # the answer is exact, yet a run of r blocks costs about r fields plus a few probes (never a
 # whole 4x-overshooting chunk). Field strings are cut from the blob only as far as some run reaches.
-MATCH = _NOW_MS + """
+MATCH = _NOW_MS + WALK_CHUNK + """
 local tag, blob = ARGV[1], ARGV[2]
 local n = #blob / 8
 local memo = {}
@@ -169,33 +169,9 @@ for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       end
       if hi > pos then
         local vals = redis.call('HMGET', hk, unpack(slice(pos + 1, hi)))
-        local count = hi - pos
-        -- fast path, in C: a chunk of confirmed device-only blocks concatenates to "111...1"
-        local ok, joined = pcall(table.concat, vals)
-        if ok and conf_open and joined == string.rep('1', count) then
-          pos = hi
-          conf = conf + count
-          count = 0
-        end
-        for j = 1, count do
-          local v = vals[j]
-          if v == '1' then
-            if conf_open then conf = conf + 1 end
-          elseif not v then
-            stop = true
-            break
-          elseif string.byte(v, 1) == 117 then
-            if tonumber(string.sub(v, 2)) <= now then stop = true break end
-            conf_open = false
-          else
-            local b = tonumber(v)
-            local rank = 2
-            if bit.band(b, 1) == 1 then rank = 0 elseif bit.band(b, 2) == 2 then rank = 1 end
-            if rank > worst then worst = rank end
-            if conf_open then conf = conf + 1 end
-          end
-          pos = pos + 1
-        end
+        local ended
+        pos, conf, worst, conf_open, ended = walk_chunk(vals, hi - pos, pos, conf, worst, conf_open)
+        stop = stop or ended
       end
       chunk = math.min(chunk * 4, 4096)
     end
