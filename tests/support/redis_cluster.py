@@ -168,9 +168,10 @@ def _start_node(port: int, directory: Path, node_timeout_ms: int) -> subprocess.
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _wait_ping(port: int, timeout_s: float) -> None:
+def wait_ping(port: int, timeout_s: float, *, socket_timeout_s: float = 0.5, poll_s: float = 0.05) -> None:
+    """Until the redis-server on `port` answers PING; its last error once `timeout_s` has passed."""
     deadline = time.monotonic() + timeout_s
-    client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+    client = redis.Redis(port=port, socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s)
     try:
         while True:
             try:
@@ -179,7 +180,7 @@ def _wait_ping(port: int, timeout_s: float) -> None:
             except redis.RedisError:
                 if time.monotonic() > deadline:
                     raise
-            time.sleep(0.05)
+            time.sleep(poll_s)
     finally:
         client.close()
 
@@ -196,7 +197,7 @@ def start_redis_cluster(nodes: int = 6, replicas: int = 1, *, node_timeout_ms: i
         for port in cluster.ports:
             cluster.procs[port] = _start_node(port, cluster.directory, node_timeout_ms)
         for port in cluster.ports:
-            _wait_ping(port, timeout_s)
+            wait_ping(port, timeout_s)
         cli = shutil.which("redis-cli")
         assert cli is not None
         create = subprocess.run(

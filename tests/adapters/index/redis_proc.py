@@ -10,12 +10,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import redis
+
+from tests.support.redis_cluster import wait_ping
 
 
 def free_port() -> int:
@@ -39,19 +39,7 @@ class RedisProcess:
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.2)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.RedisError:
-                    if time.monotonic() > deadline:
-                        raise
-                time.sleep(0.02)
-        finally:
-            client.close()
+        wait_ping(self.port, timeout_s, socket_timeout_s=0.2, poll_s=0.02)
 
     @property
     def pid(self) -> int:
