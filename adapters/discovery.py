@@ -18,13 +18,13 @@ in-memory one, for callers that already know the addresses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from adapters.tasks import cancel_and_wait
 from conductor.core.types import Role
 
 log = logging.getLogger("conductor.discovery")
@@ -154,11 +154,8 @@ class DnsDiscovery:
             self._task = asyncio.create_task(self._run(), name="dns-discovery")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def refresh(self) -> None:
         for source in self.sources:

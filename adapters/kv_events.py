@@ -26,7 +26,6 @@ concrete address given, so we must bind there. The replay ROUTER always binds, s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -37,6 +36,8 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 import zmq.asyncio
+
+from adapters.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +267,8 @@ class EventSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.source.instance}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None

@@ -14,8 +14,9 @@ that cancellation into a 504 with `Entry.expired`, as `asyncio.timeout` turns it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
+
+from adapters.tasks import cancel_and_wait
 
 
 class Entry:
@@ -45,11 +46,8 @@ class Deadlines:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="conductor-deadlines")
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
 
     def enter(self, task: asyncio.Task[Any], now: float) -> Entry:
         entry = Entry(task, now + self.timeout_s)

@@ -16,10 +16,11 @@ thousand allocations. `interval_s` None or 0 turns it off.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
+
+from adapters.tasks import cancel_and_wait
 
 log = logging.getLogger("conductor.gc")
 
@@ -38,11 +39,8 @@ class GcFreezer:
             self._task = asyncio.create_task(self._run(), name="gc-freeze")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def freeze_now(self) -> None:
         started = time.perf_counter()

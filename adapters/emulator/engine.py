@@ -45,6 +45,7 @@ from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, ev
 from adapters.emulator.metrics import EngineMetrics, RequestTimes
 from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
 from adapters.emulator.profile import Profile
+from adapters.tasks import cancel_and_wait
 from conductor.core.vllm_hash import VllmBlockHasher
 
 # Awaited by a remote-KV decode leg before its transfer starts; None means "no remote KV, prefill here".
@@ -131,10 +132,7 @@ class Engine:
 
     async def stop(self) -> None:
         for task in [self._task, *self._remote.values()]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(task)
         self._task = None
 
     # -- requests ----------------------------------------------------------------------------

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -27,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from adapters.emulator.prefix_cache import CacheChanges
+from adapters.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,7 @@ class KvEventPublisher:
             await self._replay.send_multipart((client_id, b"", END_SEQ, b""))
 
     async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+        await cancel_and_wait(self._replay_task)
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
