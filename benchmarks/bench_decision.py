@@ -36,36 +36,62 @@ PROMPT = 8192
 BLOCK = 16
 
 
-def make_case(rng: random.Random, i: int) -> tuple[RequestView, ClusterSnapshot]:
-    instances = []
-    for p in range(16):
-        queue = tuple(
-            QueuedPrefill(rng.randint(512, 16384), rng.choice((0, 0, rng.randint(0, 8192))), rng.uniform(0, 0.3))
-            for _ in range(rng.randint(0, 8))
-        )
-        instances.append(InstanceView(f"prefill-{p}", Role.PREFILL, prefill_queue=queue, kv_usage=rng.random()))
-    for d in range(16):
-        decodes = tuple(ActiveDecode(rng.randint(1024, 32768), rng.randint(1, 1024)) for _ in range(rng.randint(32, 128)))
-        instances.append(InstanceView(f"decode-{d}", Role.DECODE, decodes=decodes, kv_capacity_tokens=4_000_000, kv_usage=None))
-    holders = rng.sample(range(16), 6)
+def prefill_view(rng: random.Random, p: int) -> InstanceView:
+    """Prefill instance p with 0-8 prefills queued (512-16K tokens, some with cached prefixes)."""
+    queue = tuple(
+        QueuedPrefill(rng.randint(512, 16384), rng.choice((0, 0, rng.randint(0, 8192))), rng.uniform(0, 0.3))
+        for _ in range(rng.randint(0, 8))
+    )
+    return InstanceView(f"prefill-{p}", Role.PREFILL, prefill_queue=queue, kv_usage=rng.random())
+
+
+def decode_view(rng: random.Random, d: int) -> InstanceView:
+    """Decode instance d with 32-128 streams of 1K-32K tokens of context."""
+    decodes = tuple(ActiveDecode(rng.randint(1024, 32768), rng.randint(1, 1024)) for _ in range(rng.randint(32, 128)))
+    return InstanceView(f"decode-{d}", Role.DECODE, decodes=decodes, kv_capacity_tokens=4_000_000, kv_usage=None)
+
+
+def request(rng: random.Random, i: int, n_prefill: int, prompt: int) -> RequestView:
+    """A `prompt`-token request whose prefixes of several lengths sit on 6 prefill instances (device
+    and host tiers) and in the store."""
+    holders = rng.sample(range(n_prefill), min(6, n_prefill))
     cached = {
-        f"prefill-{h}": CachedPrefix(BLOCK * rng.randint(1, PROMPT // BLOCK), rng.choice((Tier.DEVICE, Tier.HOST)))
+        f"prefill-{h}": CachedPrefix(BLOCK * rng.randint(1, prompt // BLOCK), rng.choice((Tier.DEVICE, Tier.HOST)))
         for h in holders
     }
-    keys = tuple(rng.getrandbits(64) for _ in range(PROMPT // BLOCK))
-    request = RequestView(
+    keys = tuple(rng.getrandbits(64) for _ in range(prompt // BLOCK))
+    return RequestView(
         request_id=f"r{i}",
         seq=i,
         model="m",
-        prompt_tokens=PROMPT,
+        prompt_tokens=prompt,
         max_tokens=256,
         block_size=BLOCK,
         block_keys=keys,
         cached=cached,
-        store_cached_tokens=BLOCK * rng.randint(0, PROMPT // BLOCK),
+        store_cached_tokens=BLOCK * rng.randint(0, prompt // BLOCK),
         slo=Slo(ttft_s=30.0, tbt_s=1.0),  # loose: measure the full path, not early exits
     )
-    return request, ClusterSnapshot(now=1000.0 + i, instances=tuple(instances))
+
+
+def make_case(rng: random.Random, i: int) -> tuple[RequestView, ClusterSnapshot]:
+    instances = [prefill_view(rng, p) for p in range(16)] + [decode_view(rng, d) for d in range(16)]
+    return request(rng, i, 16, PROMPT), ClusterSnapshot(now=1000.0 + i, instances=tuple(instances))
+
+
+def scaled_cases(n_instances: int, n: int, seed: int = 3, prompt: int = 32768) -> list[tuple[RequestView, ClusterSnapshot]]:
+    """The same load on n_instances/2 prefill + n_instances/2 decode (benchmarks/bench_scale.py).
+    A few snapshots are shared by the requests: building 80 streams on each of 512 decode
+    instances per decision would cost more than deciding."""
+    rng = random.Random(seed)
+    n_p = max(1, n_instances // 2)
+    n_d = max(1, n_instances - n_p)
+    snapshots = [
+        ClusterSnapshot(now=1000.0 + k, instances=tuple(
+            [prefill_view(rng, p) for p in range(n_p)] + [decode_view(rng, d) for d in range(n_d)]))
+        for k in range(8)
+    ]
+    return [(request(rng, i, n_p, prompt), snapshots[i % len(snapshots)]) for i in range(n)]
 
 
 def measure(

@@ -39,8 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import measure
-from common import PrivateRedis, decision_cases, event_payloads, percentile, redis_used_memory
+from bench_decision import measure, scaled_cases
+from common import PrivateRedis, event_payloads, percentile, redis_used_memory
 from scale_indexer import BLOCK, HOLDERS, PROMPT, indexer_lookups
 
 from adapters.index.base import IndexLimits, KVIndex
@@ -148,7 +148,7 @@ def decision_latencies(counts: list[int], budget: int) -> dict[str, dict[int, di
     out: dict[str, dict[int, dict[str, float]]] = {"kvcache_aware": {}, "round_robin": {}}
     for count in counts:
         n = max(100, min(2000, budget // count))
-        cases = decision_cases(count, n + 200)  # measure() warms up on the first 200
+        cases = scaled_cases(count, n + 200)  # measure() warms up on the first 200
         runs: list[tuple[str, dict[str, object]]] = [("kvcache_aware", {"online": False}), ("round_robin", {})]
         for name, options in runs:
             wall, cpu = measure(name, options, cases)

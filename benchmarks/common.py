@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from conductor.core.types import ClusterSnapshot, RequestView
+    pass
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -159,47 +159,6 @@ def event_payloads(n_instances: int, batches: int, *, block: int = 16, blocks_pe
             payloads.append(encode([1.7e9 + step * 0.05, events, 0]))
         out[f"prefill-{i}"] = payloads
     return out, total
-
-
-def decision_cases(n_instances: int, n: int, seed: int = 3, prompt: int = 32768,
-                   block: int = 16) -> list[tuple[RequestView, ClusterSnapshot]]:
-    """bench_decision's load, on n_instances/2 prefill + n_instances/2 decode, 32K-token prompts.
-    A few snapshots are shared by the requests: building 80 streams on each of 512 decode
-    instances per decision would cost more than deciding."""
-    from conductor.core.types import (
-        ActiveDecode,
-        CachedPrefix,
-        ClusterSnapshot,
-        InstanceView,
-        QueuedPrefill,
-        RequestView,
-        Role,
-        Slo,
-        Tier,
-    )
-
-    rng = random.Random(seed)
-    n_p = max(1, n_instances // 2)
-    n_d = max(1, n_instances - n_p)
-    snapshots = []
-    for k in range(8):
-        views = [InstanceView(f"prefill-{p}", Role.PREFILL, kv_usage=rng.random(), prefill_queue=tuple(
-            QueuedPrefill(rng.randint(512, 16384), rng.choice((0, 0, rng.randint(0, 8192))), rng.uniform(0, 0.3))
-            for _ in range(rng.randint(0, 8)))) for p in range(n_p)]
-        views += [InstanceView(f"decode-{d}", Role.DECODE, kv_capacity_tokens=4_000_000, kv_usage=None, decodes=tuple(
-            ActiveDecode(rng.randint(1024, 32768), rng.randint(1, 1024)) for _ in range(rng.randint(32, 128))))
-            for d in range(n_d)]
-        snapshots.append(ClusterSnapshot(now=1000.0 + k, instances=tuple(views)))
-    cases = []
-    for i in range(n):
-        cached = {f"prefill-{h}": CachedPrefix(block * rng.randint(1, prompt // block), rng.choice((Tier.DEVICE, Tier.HOST)))
-                  for h in rng.sample(range(n_p), min(6, n_p))}
-        request = RequestView(
-            request_id=f"r{i}", seq=i, model="m", prompt_tokens=prompt, max_tokens=256, block_size=block,
-            block_keys=tuple(rng.getrandbits(64) for _ in range(prompt // block)), cached=cached,
-            store_cached_tokens=block * rng.randint(0, prompt // block), slo=Slo(ttft_s=30.0, tbt_s=1.0))
-        cases.append((request, snapshots[i % len(snapshots)]))
-    return cases
 
 
 def redis_used_memory(url: str) -> int:
