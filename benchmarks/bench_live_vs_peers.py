@@ -50,18 +50,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import aiohttp
 
 from conductor.demo_cluster import ChildGroup, free_ports
 from traces.formats import TraceRequest, load_trace, resolve_trace
-from traces.live import LiveOutcome, LiveResult, summarize
-from traces.live_client import stream_completion
+from traces.live import LiveResult, replay_live
 from traces.sim.results import render_table
 from traces.synth import PromptSynthesizer
 
 MODEL = "Qwen/Qwen3-8B"
-# token id b -> printable ASCII 32 + b % 95: one byte per token, and equal blocks stay equal
-_TO_TEXT = bytes(32 + b % 95 for b in range(256))
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,39 +210,7 @@ def gateway_kv_figures(url: str) -> str:
     return " ".join(f"{n.removeprefix('conductor_kv_')}={sample_value(text, n)}" for n in names)
 
 
-async def replay_text(url: str, prompts: Sequence[tuple[float, int, str, int]], speedup: float,
-                      args: argparse.Namespace, label: str, n_workers: int) -> LiveResult:
-    """traces/live.py's schedule, with text prompts: (arrival_s, line, text, max_tokens) each."""
-    connector = aiohttp.TCPConnector(limit=args.concurrency)
-    timeout = aiohttp.ClientTimeout(total=300.0, sock_connect=10.0)
-    loop = asyncio.get_running_loop()
-    gate = asyncio.Semaphore(args.concurrency)
-    async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout) as session:
-        start = loop.time()
-        first = prompts[0][0]
-
-        async def one(line: int, text: str, max_tokens: int, due: float) -> LiveOutcome:
-            async with gate:
-                sent = loop.time()
-                body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "stream": True,
-                        "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
-                http = await stream_completion(session, body)
-            return LiveOutcome(line, due - start, sent - due, len(text), max_tokens, http)
-
-        tasks = []
-        for arrival, line, text, max_tokens in prompts:
-            due = start + (arrival - first) / speedup
-            delay = due - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(line, text, max_tokens, due)))
-        outcomes = list(await asyncio.gather(*tasks))
-    wall = max((o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes), default=0.0)
-    return summarize(outcomes, label=label, n_prefill=n_workers, n_decode=0, slo_ttft_s=args.slo_ttft,
-                     slo_tbt_s=args.slo_tbt, wall_s=wall)
-
-
-def run_one(spec: RouterSpec, prompts: Sequence[tuple[float, int, str, int]], speedup: float,
+def run_one(spec: RouterSpec, requests: Sequence[TraceRequest], synth: PromptSynthesizer, speedup: float,
             args: argparse.Namespace, log_root: Path) -> Measured:
     """A fresh cluster, the router, one replay; everything stopped afterwards."""
     log_dir = Path(tempfile.mkdtemp(prefix=spec.name.replace(" ", "-") + "-", dir=log_root))
@@ -260,7 +224,11 @@ def run_one(spec: RouterSpec, prompts: Sequence[tuple[float, int, str, int]], sp
         # the prefix cache that counts is where prompts are computed: mixed or prefill workers
         urls = _urls(workers, "mixed") or _urls(workers, "prefill")
         before = worker_prefix_counters(urls)
-        result = asyncio.run(replay_text(url, prompts, speedup, args, spec.name, args.workers))
+        # text prompts: the peers' cache-aware policies match prompts as text (module docstring)
+        result = asyncio.run(replay_live(
+            url, requests, time_scale=speedup, concurrency_limit=args.concurrency, slo_ttft_s=args.slo_ttft,
+            slo_tbt_s=args.slo_tbt, synthesizer=synth, model=MODEL, label=spec.name, request_timeout_s=300.0,
+            text_prompts=True))
         after = worker_prefix_counters(urls)
         if spec.kind == "conductor":
             print("   ", gateway_kv_figures(url), file=sys.stderr)
@@ -356,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     specs = [s for s in ROUTERS if s.name in wanted and s.name not in missing]
     loaded = load_trace(resolve_trace(args.trace), limit=args.skip + args.requests).requests[args.skip:]
     synth = PromptSynthesizer(args.length_scale, seed=0)
-    prompts = [_text_prompt(r, synth) for r in sorted(loaded, key=lambda r: r.arrival_s)]
-    print(f"{len(prompts)} requests of {args.trace} (after {args.skip}), {sum(len(p[2]) for p in prompts)} prompt tokens, "
+    requests = sorted(loaded, key=lambda r: r.arrival_s)
+    tokens = sum(len(synth.synthesize(r).prompt) for r in requests)
+    print(f"{len(requests)} requests of {args.trace} (after {args.skip}), {tokens} prompt tokens, "
           f"{args.workers} {args.shape} workers (time scale {args.time_scale:g}), SLO TTFT {args.slo_ttft:g}s "
           f"TBT {args.slo_tbt:g}s", file=sys.stderr)
     out: dict[str, Any] = {"settings": vars(args), "rates": {}}
@@ -368,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.repeat):
                 for spec in specs if rep % 2 == 0 else specs[::-1]:
                     started = time.monotonic()
-                    m = run_one(spec, prompts, rate, args, Path(tmp))
+                    m = run_one(spec, requests, synth, rate, args, Path(tmp))
                     cells.setdefault(spec.name, []).append(m)
                     r = m.result.run
                     print(f"  {rate:g}x {spec.name:<20} goodput {r.goodput_rps:.2f}/s met {r.slo_attainment:.0%} "
@@ -383,11 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2, default=str) + "\n", encoding="utf-8")
     return 0
-
-
-def _text_prompt(request: TraceRequest, synth: PromptSynthesizer) -> tuple[float, int, str, int]:
-    item = synth.synthesize(request)
-    return request.arrival_s, item.line, bytes(item.prompt).translate(_TO_TEXT).decode("ascii"), item.max_tokens
 
 
 if __name__ == "__main__":

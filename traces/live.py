@@ -193,6 +193,17 @@ def summarize(
     return LiveResult(run, tuple(outcomes), dict(errors))
 
 
+# token id b -> printable ASCII 32 + b % 95: one character per token, and equal blocks stay equal
+_TO_TEXT = bytes(32 + b % 95 for b in range(256))
+
+
+def text_prompt(prompt: Sequence[int]) -> str:
+    """A synthesized prompt (token ids below 256) as text of the same length and the same sharing:
+    for routers whose cache-aware policies match prompts as text (vllm-router, sglang-router), and
+    workers whose tokenizer is byte-level (the emulator)."""
+    return bytes(prompt).translate(_TO_TEXT).decode("ascii")
+
+
 async def replay_live(
     url: str,
     requests: Sequence[TraceRequest] | Sequence[SynthRequest],
@@ -207,11 +218,13 @@ async def replay_live(
     api_key: str | None = None,
     label: str = "live",
     request_timeout_s: float = 600.0,
+    text_prompts: bool = False,
 ) -> LiveResult:
     """Replay `requests` against the gateway at `url`; arrivals are divided by `time_scale` (a
     speed-up: 10 replays ten times faster). TraceRequests are synthesized with `synthesizer`
     (default: full length); SynthRequests are sent as they are. `concurrency_limit` caps requests
-    in flight (and connections); one waiting for a slot counts as late (`lag_s`), not slow."""
+    in flight (and connections); one waiting for a slot counts as late (`lag_s`), not slow.
+    `text_prompts`: send each prompt as text (`text_prompt`) instead of token ids."""
     if time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
     if concurrency_limit < 1:
@@ -230,7 +243,8 @@ async def replay_live(
         healthy = ready.get("healthy", {}) if isinstance(ready, Mapping) else {}
         metrics_before = await scrape_metrics(session)
         before = cached_counts(metrics_before)
-        outcomes = await _run_schedule(session, items, synth, model, time_scale, concurrency_limit, progress)
+        outcomes = await _run_schedule(session, items, synth, model, time_scale, concurrency_limit, progress,
+                                       text_prompts)
         metrics_after = await scrape_metrics(session)
     after = cached_counts(metrics_after)
     wall = max((o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes), default=0.0)
@@ -273,7 +287,7 @@ async def _first_model(session: aiohttp.ClientSession) -> str:
 
 async def _run_schedule(
     session: aiohttp.ClientSession, items: Sequence[TraceRequest | SynthRequest], synth: PromptSynthesizer,
-    model: str, time_scale: float, limit: int, progress: ProgressSink | None,
+    model: str, time_scale: float, limit: int, progress: ProgressSink | None, text_prompts: bool = False,
 ) -> list[LiveOutcome]:
     loop = asyncio.get_running_loop()
     gate = asyncio.Semaphore(limit)
@@ -291,7 +305,8 @@ async def _run_schedule(
             item = source if isinstance(source, SynthRequest) else synth.synthesize(source)
             sent = loop.time()
             counts["sent"] += 1
-            body = {"model": model, "prompt": list(item.prompt), "max_tokens": item.max_tokens, "stream": True,
+            prompt = text_prompt(item.prompt) if text_prompts else list(item.prompt)
+            body = {"model": model, "prompt": prompt, "max_tokens": item.max_tokens, "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
             http = await stream_completion(session, body)
         counts["done"] += 1

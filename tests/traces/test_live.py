@@ -19,7 +19,7 @@ from conductor.settings import load_settings
 from tests.support.emulator import Emulator, free_port, start_emulator
 from tests.support.servers import ServerThread, serve
 from traces.formats import TraceRequest
-from traces.live import LiveResult, TextProgress, replay_live
+from traces.live import LiveResult, TextProgress, replay_live, text_prompt
 from traces.replay_cli import replay_main
 from traces.synth import PromptSynthesizer, common_prefix, scaled_block_tokens
 
@@ -161,6 +161,17 @@ def test_repeated_prefix_shows_cached_tokens_in_client_usage() -> None:
     assert cached[0] == 0
     assert cached[1] == cached[2] == 256  # the two shared 128-token blocks, 16 KV blocks of 16
     assert result.run.extra["client_cached_share"] > 0
+
+
+def test_text_prompts_keep_lengths_and_sharing() -> None:
+    # sent straight to a worker (not Conductor) as text: one character per token, so the worker's
+    # byte tokenizer counts the same tokens and caches the same shared prefix
+    with start_emulator("mixed", time_scale=0.05, model=MODEL) as m:
+        result = _replay(m.url, _conversation(3), time_scale=1.0, text_prompts=True)
+    outcomes = sorted(result.outcomes, key=lambda o: o.line)
+    assert [o.http.prompt_tokens for o in outcomes] == [o.prompt_tokens for o in outcomes] == [4 * 128 - 25] * 3
+    assert [o.http.cached_tokens for o in outcomes] == [0, 256, 256]
+    assert text_prompt([0, 1, 94, 95, 255]) == " !~ " + chr(32 + 255 % 95)
 
 
 def test_rejections_are_counted_by_reason(pd_workers: tuple[Emulator, Emulator]) -> None:
