@@ -283,6 +283,7 @@ async def test_catch_up_at_start_applies_what_the_worker_buffered(ctx: zmq.async
         assert sub.stats.gaps == 0 or sub.stats.replayed > 3  # in order, or repaired from the replay
         # a batch that queued on the socket during the catch-up is a duplicate, not a restart
         last = sub.stats.last_seq
+        assert last is not None
         sub._replayed_upto = last
         await sub.handle(last - 1, _batch([]))
         assert sub.stats.resyncs == 0 and sub.stats.last_seq == last
