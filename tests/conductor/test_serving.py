@@ -109,7 +109,9 @@ def test_two_workers_share_the_port_and_see_each_others_streams() -> None:
 
         threading.Thread(target=stream, daemon=True).start()
         assert wait_for(lambda: len(decodes[0].requests) == 1, timeout=30)
-        threading.Event().wait(0.3)  # pacing only: the siblings' tables are republished every 5 ms
+        # pacing only (the siblings' tables are republished every 5 ms): generous, as a loaded box may
+        # leave a worker's loop unscheduled for a while
+        threading.Event().wait(2.0)
         # short requests on new connections, so the kernel hands them to both workers: the worker
         # that did not dispatch the stream sees decode-0 busy only through the shared memory (alone,
         # it would break the tie towards decode-0 again)
