@@ -1,7 +1,7 @@
 """Gateway overhead, side by side: Conductor (one process and `--workers 2`), vllm-router and
 sglang-router in front of the same stand-in workers, with wrk as the load.
 
-    python benchmarks/bench_gateway.py [--quick] [--seconds 4] [--repeat 2]
+    python benchmarks/bench_gateway.py [--quick] [--seconds 4] [--repeat 2] [--against REV]
 
 Cells: mixed (two workers) and P/D (one prefill, one decode: NIXL for Conductor and vllm-router,
 SGLang's bootstrap fields for sglang-router), non-stream (8 tokens) and 32-token streams, at
@@ -9,7 +9,10 @@ concurrency 1, 16 and 64; each router's CPU per request (from /proc, the process
 and its added p50/p99 over the workers hit directly; then the throughput ceiling (non-stream, mixed,
 concurrency 256) with round_robin and kvcache_aware. Every cell runs every router back to back, in
 alternating order, `--repeat` times (the median is kept): this box is shared and noisy, so read the
-ratios of one run, not the absolute figures.
+ratios of one run, not the absolute figures. `--against REV` adds Conductor as it was at a git
+revision (its tree exported with `git archive`, run with the same Python) to every cell, and prints
+this checkout's CPU per request over that revision's: the regression check the request-path issue
+asks for.
 
 The peers live in their own virtual environments (found at these paths, or pass --vllm-router /
 --sglang-router; a missing one is reported and skipped):
@@ -126,8 +129,17 @@ def start_workers(procs: Processes) -> dict[str, str]:
 
 
 def start_routers(procs: Processes, w: dict[str, str], pd: bool, policy: str,
-                  vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...]) -> list[Router]:
+                  vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...],
+                  against: tuple[str, Path] | None = None) -> list[Router]:
     routers = []
+    if against is not None:  # the same command line, the package imported from the exported tree
+        rev, tree = against
+        port = free_port()
+        inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
+        p = procs.start([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy,
+                         "--model", "tiny", "--log-level", "warning", *inst], quiet=True, pythonpath=tree)
+        wait_http(f"http://127.0.0.1:{port}/ready")
+        routers.append(Router(f"conductor@{rev}", f"http://127.0.0.1:{port}/v1/completions", _pids(p)))
     for n in workers:
         port, admin = free_port(), free_port_run(n)
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
@@ -187,6 +199,7 @@ def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
     base = cell["direct"]
     lines = []
     peers = [n for n in cell if n not in ("direct",) and not n.startswith("conductor")]
+    old = next((n for n in cell if n.startswith("conductor@")), None)
     for name, load in cell.items():
         added50 = (load.p50_us - base.p50_us) / 1e3 if name != "direct" else None
         added99 = (load.p99_us - base.p99_us) / 1e3 if name != "direct" else None
@@ -195,8 +208,11 @@ def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
                      f"{fmt(added99, '+.2f'):>9} {load.errors:>5}")
     best_cpu = min((cell[p].cpu_us_per_request or 1e18 for p in peers), default=None)
     best_p99 = min((cell[p].p99_us for p in peers), default=None)
-    for name in (n for n in cell if n.startswith("conductor")):
+    for name in (n for n in cell if n.startswith("conductor") and n != old):
         c = cell[name]
+        o = cell[old].cpu_us_per_request if old else None
+        if o and c.cpu_us_per_request:
+            lines.append(f"{'':<24} {name} / {old}: CPU per request {c.cpu_us_per_request / o:.2f}x")
         if best_cpu and best_p99 and c.cpu_us_per_request:
             # p99 compared as measured, through the same workers: the direct baseline's own tail (the
             # stand-ins' pauses) is too noisy to subtract
@@ -216,6 +232,8 @@ def main() -> int:
     ap.add_argument("--modes", default="mixed,pd")
     ap.add_argument("--workers", default="1,2", help="Conductor process counts to measure")
     ap.add_argument("--quick", action="store_true", help="2 s runs, once, concurrency 1 and 64")
+    ap.add_argument("--against", metavar="REV", help="also run Conductor as of this git revision")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip the throughput ceiling")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         print("wrk is not installed: apt-get install wrk", file=sys.stderr)
@@ -234,11 +252,18 @@ def main() -> int:
              f"{'+p50 ms':>9} {'+p99 ms':>9} {'errs':>5}"]
     with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
         lua = scripts(Path(tmp))
+        against = None
+        if args.against:
+            tree = Path(tmp) / "against"
+            tree.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.against], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+            against = (args.against[:10], tree)
         w = start_workers(procs)
         for mode in args.modes.split(","):
             pd = mode == "pd"
             with Processes() as rprocs:
-                routers = start_routers(rprocs, w, pd, "round_robin", vllm_router, sglang_router, workers)
+                routers = start_routers(rprocs, w, pd, "round_robin", vllm_router, sglang_router, workers, against)
                 direct = [w["prefill"] + "/v1/completions", w["decode"] + "/v1/completions"] if pd else \
                     [w["mixed-a"] + "/v1/completions"]
                 for stream in ("non-stream", "stream32"):
@@ -248,7 +273,8 @@ def main() -> int:
                         shown = report_cell(title, cell)
                         lines += shown
                         print("\n".join(shown), flush=True)
-        lines += ceiling(w, lua["non-stream"], args, vllm_router, sglang_router, workers)
+        if not args.no_ceiling:
+            lines += ceiling(w, lua["non-stream"], args, vllm_router, sglang_router, workers)
     print("\n" + "\n".join(lines))
     return 0
 

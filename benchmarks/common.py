@@ -54,9 +54,11 @@ class Processes:
     def python(self, *args: str, quiet: bool = False) -> subprocess.Popen[bytes]:
         return self.start([sys.executable, *args], quiet=quiet)
 
-    def start(self, argv: list[str], quiet: bool = False) -> subprocess.Popen[bytes]:
+    def start(self, argv: list[str], quiet: bool = False, pythonpath: Path | None = None) -> subprocess.Popen[bytes]:
+        """Start a child; `pythonpath` replaces this checkout on its import path (another revision)."""
         out = subprocess.DEVNULL if quiet else None
-        proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=out)
+        env = self.env if pythonpath is None else {**self.env, "PYTHONPATH": str(pythonpath)}
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
         self.procs.append(proc)
         return proc
 

@@ -1,9 +1,13 @@
 """The gateway's Prometheus metrics, on a registry the app owns (never the global one, so two
-gateways in one process, as in tests, keep their own counts)."""
+gateways in one process, as in tests, keep their own counts). Counters and histograms are updated
+on the request path, on the event loop's thread: they are conductor.loop_metrics' lock-free kind;
+gauges are set by the background probes and stay prometheus_client's."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
+
+from conductor.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
@@ -13,20 +17,20 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "conductor_requests", "Requests answered, by route and HTTP status", ["route", "status"], registry=r
         )
-        self.rejections = Counter(
+        self.rejections = LoopCounter(
             "conductor_rejections", "Requests refused before forwarding, by reason", ["reason"], registry=r
         )
-        self.decisions = Counter(
+        self.decisions = LoopCounter(
             "conductor_decisions", "Routing decisions, by policy and chosen instances",
             ["policy", "prefill", "decode"], registry=r,
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = LoopCounter(
             "conductor_upstream_errors", "Failed upstream legs, by instance and kind", ["instance", "kind"], registry=r
         )
-        self.readback = Counter(
+        self.readback = LoopCounter(
             "conductor_pd_readback", "Decode readbacks (NIXL bidirectional KV transfer): handles recorded from decode "
             "answers, unusable ones, pulls handed to a prefill, handles another request took first, and pulls that failed "
             "(the prefill then computed the prefix itself)",
@@ -34,27 +38,27 @@ class GatewayMetrics:
         )
         for event in ("recorded", "unusable", "pulled", "lost", "failed"):
             self.readback.labels(event)
-        self.cancelled = Counter(
+        self.cancelled = LoopCounter(
             "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "conductor_ttft_seconds", "Time to first token at the gateway (streams)", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.predicted_ttft = Histogram(
+        self.predicted_ttft = LoopHistogram(
             "conductor_predicted_ttft_seconds", "TTFT the policy predicted for admitted requests",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.prefill_leg = Histogram(
+        self.prefill_leg = LoopHistogram(
             "conductor_prefill_leg_seconds", "Prefill leg duration (queue + prefill) by instance", ["instance"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.tbt = Histogram(
+        self.tbt = LoopHistogram(
             "conductor_tbt_seconds", "Mean time between tokens of each stream", buckets=_TBT_BUCKETS, registry=r
         )
-        self.e2e = Histogram(
+        self.e2e = LoopHistogram(
             "conductor_request_seconds", "Arrival to last byte", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.decision_time = Histogram(
+        self.decision_time = LoopHistogram(
             "conductor_decision_seconds", "Time to analyse a prompt and decide",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05), registry=r,
         )
@@ -81,19 +85,19 @@ class GatewayMetrics:
             "conductor_prediction_samples", "Observations in a predictor's error window",
             ["component", "instance"], registry=r,
         )
-        self.failovers = Counter(
+        self.failovers = LoopCounter(
             "conductor_failovers", "Requests decided again on another instance after a leg failed before any byte "
             "reached the client, by the instance that failed and why", ["instance", "reason"], registry=r,
         )
-        self.ejections = Counter(
+        self.ejections = LoopCounter(
             "conductor_instance_ejections", "Times an instance was ejected as an outlier (consecutive failures)",
             ["instance"], registry=r,
         )
-        self.late_prefill_failures = Counter(
+        self.late_prefill_failures = LoopCounter(
             "conductor_late_prefill_failures", "Concurrent prefill legs that failed or were cut after their decode "
             "had already answered the client in full", ["instance"], registry=r,
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = LoopCounter(
             "conductor_prompt_tokens", "Prompt tokens routed, by whether the worker reported them cached",
             ["source"], registry=r,
         )
