@@ -177,7 +177,8 @@ def start_routers(procs: Processes, w: dict[str, str], pd: bool, policy: str,
 def measure_cell(routers: list[Router], direct: list[str], script: Path, conc: int, seconds: float,
                  repeat: int) -> dict[str, Load]:
     """Each router and the direct baseline, `repeat` rounds in alternating order; the median run of each
-    (by p50) is kept. P/D's direct baseline is the two legs measured one after the other, added."""
+    is kept: by CPU per request for a router (the figure the ratios compare), by p50 for the direct
+    baseline. P/D's direct baseline is the two legs measured one after the other, added."""
     runs: dict[str, list[Load]] = {}
     for r in range(repeat):
         order = routers if r % 2 == 0 else routers[::-1]
@@ -188,7 +189,8 @@ def measure_cell(routers: list[Router], direct: list[str], script: Path, conc: i
         for router in order:
             wrk(router.url, script, conc, 1, None)  # warm its pools
             runs.setdefault(router.name, []).append(wrk(router.url, script, conc, seconds, router.pids()))
-    return {name: sorted(loads, key=lambda x: x.p50_us)[len(loads) // 2] for name, loads in runs.items()}
+    return {name: sorted(loads, key=lambda x: x.p50_us if x.cpu_s is None else x.cpu_s / max(x.requests, 1))[
+        len(loads) // 2] for name, loads in runs.items()}
 
 
 def fmt(x: float | None, spec: str = ".0f") -> str:

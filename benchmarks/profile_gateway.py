@@ -29,7 +29,7 @@ from common import Processes, free_port, wait_http
 # (stage, path fragments): the first stage whose fragment appears in a frame's file wins, frames
 # taken from the leaf outwards; order matters only within one frame
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("metrics (prometheus_client)", ("prometheus_client/", "conductor/metrics.py")),
+    ("metrics (prometheus_client)", ("prometheus_client/", "conductor/metrics.py", "conductor/loop_metrics.py")),
     ("logging", ("/logging/", "conductor/logs.py")),
     ("tokenize + block keys", ("adapters/tokenizers.py", "conductor/core/block_keys.py",
                                "conductor/core/tokenization.py", "conductor/core/vllm_hash.py")),
