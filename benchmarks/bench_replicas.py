@@ -58,7 +58,7 @@ def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup, redis
               "kv": {"index": "redis", "redis_url": redis_url, "redis_prefix": f"bench:replicas:{run}:kv:"}}
     spec = ClusterSpec(n_prefill=args.prefill, n_decode=args.decode, pd_protocol="nixl", policy=args.policy,
                        model=DEFAULT_MODEL, time_scale=1.0, noise=0.05, slo_ttft_s=args.slo_ttft,
-                       slo_tbt_s=args.slo_tbt, gateway_extra=shared)
+                       slo_tbt_s=args.slo_tbt, gateway_extra=shared, policy_options=json.loads(args.policy_options))
     cluster = start_cluster(spec, group)
     urls = [cluster.gateway_url]
     base = yaml.safe_load(cluster.config_path.read_text(encoding="utf-8"))
@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--slo-tbt", type=float, default=0.04)
     ap.add_argument("--sync-interval", type=float, default=0.1, help="load_sync_interval_s of every replica")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy-options", default="{}", help='JSON, e.g. \'{"ttft_bound_shift_s": 0.2}\'')
     ap.add_argument("--json", dest="json_out", default=None, metavar="FILE")
     args = ap.parse_args()
     synth = PromptSynthesizer(args.length_scale, seed=args.seed)

@@ -122,6 +122,7 @@ class KvCacheAwarePolicy(BasePolicy):
         predictors: Predictors | None = None,
         ttft_quantile: float | None = 0.95,
         tbt_quantile: float | None = 0.9,
+        ttft_bound_shift_s: float = 0.0,
         probe_after: int | None = 100,
         listed_candidates: int | None = 8,
     ) -> None:
@@ -133,7 +134,9 @@ class KvCacheAwarePolicy(BasePolicy):
         compares this calibrated upper quantile of the predicted TTFT with the SLO (None: the
         point prediction, as the paper does); see predictors.quantile. `tbt_quantile`: likewise for
         the TBT admission judges, calibrated on that judged figure, so a mode that judges the
-        decode load worse (early: the load now) gets a wider bound. `refit_queue_fraction`:
+        decode load worse (early: the load now) gets a wider bound. `ttft_bound_shift_s`: the TTFT
+        bound's ratio window is shifted by this much (predictors.quantile; ignored when
+        `predictors` is given, whose own OnlineConfig says). `refit_queue_fraction`:
         legs whose predicted queue is at most this fraction are also recorded as "prefill" errors.
         `probe_after`: after this many rejections in a row, admit the next request anyway. Admission
         learns only from admitted requests: predictions that run too high would otherwise reject
@@ -151,7 +154,8 @@ class KvCacheAwarePolicy(BasePolicy):
         self.refit_queue_fraction = refit_queue_fraction
         self.forecast_joins = forecast_joins
         if predictors is None:
-            cfg = OnlineConfig(enabled=online, window=window, refit_every=refit_every)
+            cfg = OnlineConfig(enabled=online, window=window, refit_every=refit_every,
+                               ttft_bound_shift_s=ttft_bound_shift_s)
             fitted = Predictors.from_file(predictor_params, cfg) if predictor_params else None
             predictors = fitted or Predictors.from_bundled_profile(cfg)
         self.predictors = predictors

@@ -55,6 +55,9 @@ class OnlineConfig:
     error_window: int = 256  # records per (component, instance) in the error tracker
     error_max_keys: int = 1024
     ratio_window: int = 256  # actual/predicted ratios kept per quantity for calibrated bounds
+    # the TTFT bound's window is shifted by this many seconds (predictors.quantile): 0 takes every
+    # error as proportional to the prediction
+    ttft_bound_shift_s: float = 0.0
 
 
 class _Samples:
@@ -108,7 +111,7 @@ class Predictors:
         e0, _, e2 = FIRST_TOKEN_PRIOR.coef
         self.decode_leg_model = LinearModel((e0 + lat, per_byte, e2), FIRST_TOKEN_PRIOR.p90_ratio)
         self.errors = ErrorTracker(online.error_window, online.error_max_keys)
-        self.ratios = RatioWindows(online.ratio_window)
+        self.ratios = RatioWindows(online.ratio_window, shifts={"ttft": online.ttft_bound_shift_s})
         # bumped whenever the ratio windows are cleared: a prediction made before (its request still
         # in flight) must not add its old model's ratio to the new windows
         self.generation = 0
@@ -216,7 +219,7 @@ class Predictors:
 
     def bound(self, quantity: str, predicted: float, q: float) -> float:
         """Calibrated q upper bound of a prediction of `quantity` (see predictors.quantile)."""
-        return predicted * self.ratios.quantile(quantity, q, self._params.prefill.p90_ratio)
+        return self.ratios.bound(quantity, predicted, q, self._params.prefill.p90_ratio)
 
     # ---- learning -------------------------------------------------------------------------
 

@@ -16,6 +16,16 @@ Ratios describe the model that made the predictions. When a refit moves a model 
 the bound falls back to the fit's own p90 ratio until `min_samples` ratios of the new model exist,
 rather than calibrating a model with another model's errors (2x off after a time-scale change).
 
+A window may be *shifted*: it keeps (actual + shift) / (predicted + shift) and its bound of a new
+prediction p is (p + shift) * quantile - shift. Shift 0 is the plain ratio: every error is taken to
+scale with the prediction. An error that adds a fixed delay whatever the prediction -- one prefill
+queued ahead that the decision did not see, as when several gateway replicas dispatch in the same
+few milliseconds -- shows as a large ratio on small predictions, and a plain ratio carries it as a
+multiple onto long ones (a 0.1 s prediction that took 0.4 s makes a 2 s prediction's bound 8 s).
+With a shift, an error is taken as additive for predictions well below the shift and as
+proportional well above it: a shift of the order of the TTFT SLO makes the bounds admission
+compares with the SLO (predictions below it) close to prediction + the delays seen.
+
 Memory is bounded: `window` ratios per key, at most `max_keys` keys (component names, a handful).
 """
 
@@ -24,14 +34,18 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 
 
 class RatioWindow:
     """Recent actual/predicted ratios of one quantity, and their empirical quantiles."""
 
-    def __init__(self, window: int = 256, min_samples: int = 20) -> None:
+    def __init__(self, window: int = 256, min_samples: int = 20, shift: float = 0.0) -> None:
         if window < 1:
             raise ValueError("window must be positive")
+        if not (shift >= 0 and math.isfinite(shift)):
+            raise ValueError("shift must be a finite number >= 0")
+        self.shift = shift
         self._ratios: deque[float] = deque(maxlen=window)
         # the same ratios kept sorted as they come and go (a quantile is asked for on every
         # decision and a ratio added on every observation: re-sorting each time dominated)
@@ -43,7 +57,7 @@ class RatioWindow:
             ratios, s = self._ratios, self._sorted
             if len(ratios) == ratios.maxlen:
                 del s[bisect_left(s, ratios[0])]  # the oldest leaves the window with this append
-            ratio = actual / predicted
+            ratio = (actual + self.shift) / (predicted + self.shift)
             ratios.append(ratio)
             insort(s, ratio)
 
@@ -61,12 +75,22 @@ class RatioWindow:
         hi = min(lo + 1, n - 1)
         return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
+    def bound(self, predicted: float, q: float, default_ratio: float) -> float:
+        """The q upper bound of `predicted`: (predicted + shift) * q-quantile - shift, never below
+        0; `predicted * default_ratio` while too few ratios are held."""
+        if len(self._ratios) < self.min_samples:
+            return predicted * default_ratio
+        return max(0.0, (predicted + self.shift) * self.quantile(q, 1.0) - self.shift)
+
 
 class RatioWindows:
-    """RatioWindow per named quantity ("ttft", "queue_and_prefill", "tbt_at_decision")."""
+    """RatioWindow per named quantity ("ttft", "queue_and_prefill", "tbt_at_decision"); `shifts`
+    names the quantities whose windows are shifted, and by how much (seconds)."""
 
-    def __init__(self, window: int = 256, min_samples: int = 20, max_keys: int = 16) -> None:
+    def __init__(self, window: int = 256, min_samples: int = 20, max_keys: int = 16,
+                 shifts: Mapping[str, float] | None = None) -> None:
         self._window = window
+        self._shifts = dict(shifts or {})
         self._min = min_samples
         self._max_keys = max(1, max_keys)
         self._by_key: OrderedDict[str, RatioWindow] = OrderedDict()
@@ -74,7 +98,7 @@ class RatioWindows:
     def add(self, key: str, predicted: float, actual: float) -> None:
         win = self._by_key.get(key)
         if win is None:
-            win = self._by_key[key] = RatioWindow(self._window, self._min)
+            win = self._by_key[key] = RatioWindow(self._window, self._min, self._shifts.get(key, 0.0))
             while len(self._by_key) > self._max_keys:
                 self._by_key.popitem(last=False)
         win.add(predicted, actual)
@@ -82,6 +106,11 @@ class RatioWindows:
     def quantile(self, key: str, q: float, default: float) -> float:
         win = self._by_key.get(key)
         return default if win is None else win.quantile(q, default)
+
+    def bound(self, key: str, predicted: float, q: float, default_ratio: float) -> float:
+        """The q upper bound of a prediction of `key` (RatioWindow.bound)."""
+        win = self._by_key.get(key)
+        return predicted * default_ratio if win is None else win.bound(predicted, q, default_ratio)
 
     def clear(self) -> None:
         """Forget every ratio: they measured a model that has since been replaced."""

@@ -135,3 +135,26 @@ def test_baselines_admit_everything_unless_asked(params: PredictorParams) -> Non
 def test_bad_admission_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="admission must be one of"):
         KvCacheAwarePolicy(admission="sometimes")
+
+
+def test_a_shifted_ttft_bound_keeps_a_fixed_delay_additive(params: PredictorParams) -> None:
+    """Recent short requests each ran 0.3 s late (a prefill queued ahead unseen). With the plain
+    ratio a request predicted well under its SLO is refused (its bound: 4x the prediction); with
+    `ttft_bound_shift_s` of the order of the SLO its bound is near prediction + delay: admitted."""
+    cluster = snapshot(prefill("p0", queued=3), decode("d0"))
+    probe = policy(params, ttft_quantile=None).decide(request(), cluster)
+    p = probe.predicted_ttft_s
+    assert p is not None
+    slo = Slo(ttft_s=p + 0.6)
+    plain = policy(params)
+    shifted = KvCacheAwarePolicy(admission="predicted", online=False, ttft_bound_shift_s=slo.ttft_s)
+    for pol in (plain, shifted):
+        for _ in range(40):
+            pol.predictors.ratios.add("ttft", 0.1, 0.4)
+    assert plain.decide(request(slo=slo), cluster).rejection is not None
+    d = shifted.decide(request(slo=slo), cluster)
+    assert d.rejection is None and d.prefill == "p0"
+    c = slo.ttft_s
+    bound = shifted.predictors.bound("ttft", p, 0.95)
+    assert bound == pytest.approx((p + c) * (0.4 + c) / (0.1 + c) - c)
+    assert p + 0.3 < bound < p + 0.6
