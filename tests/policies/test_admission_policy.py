@@ -145,16 +145,16 @@ def test_a_shifted_ttft_bound_keeps_a_fixed_delay_additive(params: PredictorPara
     probe = policy(params, ttft_quantile=None).decide(request(), cluster)
     p = probe.predicted_ttft_s
     assert p is not None
-    slo = Slo(ttft_s=p + 0.6)
+    c = p + 0.6  # the SLO, and the shift
+    slo = Slo(ttft_s=c)
     plain = policy(params)
-    shifted = KvCacheAwarePolicy(admission="predicted", online=False, ttft_bound_shift_s=slo.ttft_s)
+    shifted = KvCacheAwarePolicy(admission="predicted", online=False, ttft_bound_shift_s=c)
     for pol in (plain, shifted):
         for _ in range(40):
             pol.predictors.ratios.add("ttft", 0.1, 0.4)
     assert plain.decide(request(slo=slo), cluster).rejection is not None
     d = shifted.decide(request(slo=slo), cluster)
     assert d.rejection is None and d.prefill == "p0"
-    c = slo.ttft_s
     bound = shifted.predictors.bound("ttft", p, 0.95)
     assert bound == pytest.approx((p + c) * (0.4 + c) / (0.1 + c) - c)
     assert p + 0.3 < bound < p + 0.6
