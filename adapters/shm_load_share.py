@@ -27,12 +27,12 @@ import logging
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing import shared_memory
 
 import msgspec
 
-from adapters.load_share import LoadTable, RemoteLoad, merge_tables
+from adapters.load_share import LoadTable, PrefillEnds, RemoteLoad, merge_tables
 
 log = logging.getLogger("conductor.shm_load_share")
 
@@ -98,6 +98,7 @@ class SharedMemoryLoadShare:
         self._merged: RemoteLoad = {}
         self._merged_from: tuple[int, ...] = ()
         self._merged_at = 0.0
+        self._ends = PrefillEnds()
         self.oversized = 0  # publishes that did not fit the slot (the previous table stayed)
 
     async def start(self, local: Callable[[], LoadTable]) -> None:
@@ -127,10 +128,17 @@ class SharedMemoryLoadShare:
             await asyncio.sleep(self.interval_s)
             try:
                 self.publish()
+                # the siblings' tables read on the beat too, not only when deciding: an end is
+                # noticed within a beat of happening (PrefillEnds), however rare the decisions
+                self.remote()
             except Exception:  # a bug here must not stop the sharing for good
                 log.exception("publishing this worker's load failed")
 
-    def dispatched(self) -> None:
+    async def refresh(self, max_age_s: float) -> None:
+        # remote() reads the siblings' slots as they are now (each republished every interval_s)
+        return None
+
+    def changed(self) -> None:
         # the shared memory is republished every interval_s (5 ms) anyway; an immediate publish per
         # dispatch would cost a table encode per request for little (siblings see it within 5 ms)
         return None
@@ -203,4 +211,8 @@ class SharedMemoryLoadShare:
         if key != self._merged_from or now - self._merged_at > self.interval_s:
             self._merged = merge_tables(tables, now)
             self._merged_from, self._merged_at = key, now
+            self._ends.update(tables, time.monotonic())
         return self._merged
+
+    def prefill_ends(self) -> Mapping[str, float]:
+        return self._ends.ended_at

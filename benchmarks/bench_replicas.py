@@ -48,6 +48,7 @@ from traces.synth import PromptSynthesizer, SynthRequest
 
 _WAITING = re.compile(rb"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
 _PROMPT_TOKENS = re.compile(rb"^vllm:prompt_tokens_total(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
+_REJECTIONS = re.compile(rb'^conductor_rejections_total\{reason="([^"]+)"\} ([0-9.eE+-]+)', re.M)
 
 
 def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup, redis_url: str) -> tuple[list[str], list[str]]:
@@ -116,6 +117,16 @@ async def prompt_tokens(session: aiohttp.ClientSession, urls: Sequence[str]) -> 
     return out
 
 
+async def rejection_reasons(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, int]:
+    """The gateways' SLO rejections by reason, summed over replicas."""
+    out: dict[str, int] = {}
+    for url in urls:
+        async with session.get(url + "/metrics") as resp:
+            for reason, n in _REJECTIONS.findall(await resp.read()):
+                out[reason.decode()] = out.get(reason.decode(), 0) + int(float(n))
+    return out
+
+
 async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], requests: Sequence[SynthRequest],
                         args: argparse.Namespace, label: str) -> tuple[LiveResult, dict[str, Any]]:
     """Send request i to urls[i % len(urls)] at its (sped-up) arrival; the outcomes and the queue figures."""
@@ -147,6 +158,7 @@ async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], reques
         outcomes = list(await asyncio.gather(*tasks))
         sampling.cancel()
         tokens_after = await prompt_tokens(probe, prefill_urls)
+        reasons = await rejection_reasons(probe, urls)
     finally:
         for s in sessions:
             await s.close()
@@ -159,6 +171,7 @@ async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], reques
     mean = sum(computed) / len(computed) if computed else 0.0
     queues["prompt_tokens_per_instance"] = computed
     queues["prompt_tokens_max_over_mean"] = max(computed) / mean if mean else 0.0
+    queues["rejections_by_reason"] = reasons
     return result, queues
 
 
@@ -193,6 +206,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{name:<30}{fmt.format(one[name]):>16}{fmt.format(three[name]):>16}")
     print(f"{'peak waiting per prefill':<30}{[int(x) for x in one['peak_waiting']]!s:>16}"
           f"{[int(x) for x in three['peak_waiting']]!s:>16}")
+    print(f"{'rejections by reason':<30}{one['rejections_by_reason']!s:>16}{three['rejections_by_reason']!s:>16}")
     ratio = three["goodput_rps"] / one["goodput_rps"] if one["goodput_rps"] else 0.0
     verdict = "PASS" if ratio >= 0.95 else "MISS"
     print(f"\ngoodput three / one: {ratio:.3f}  {verdict} (goal: within 5% of one gateway)")

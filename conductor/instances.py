@@ -64,6 +64,7 @@ class InstanceState:
     # hand out, so a snapshot costs a tuple() of them, not an object per in-flight request
     prefills: dict[str, QueuedPrefill] = field(default_factory=dict)
     started: dict[str, float] = field(default_factory=dict)  # request id -> dispatch, or when it became the head
+    last_prefill_end: float = float("-inf")  # time.monotonic() when one of this gateway's prefills here ended
     decodes: dict[str, ActiveDecode] = field(default_factory=dict)  # request id -> stream running here
     origin: Origin = "static"
     draining: bool = False  # out of rotation; removed once what runs here has ended
@@ -84,7 +85,9 @@ class InstanceState:
         """Requests of this gateway on the instance (a mixed one counts once)."""
         return len(self.prefills.keys() | self.decodes.keys())
 
-    def view(self, now: float, remote: RemoteEntry | None = None, excluded: bool = False) -> InstanceView:
+    def view(self, now: float, remote: RemoteEntry | None = None, excluded: bool = False,
+             remote_end: float | None = None) -> InstanceView:
+        """`remote`: other replicas' work here; `remote_end`: when one of theirs last ended here."""
         queue = tuple(self.prefills.values())
         if queue:  # only the head of an FCFS queue has run; its elapsed time is the one that matters
             head_id = next(iter(self.prefills))
@@ -98,6 +101,12 @@ class InstanceState:
             else:
                 queue = queue + remote_queue
             decodes = decodes + remote_decodes
+            # whoever's it is, the head has run at most since the last prefill here ended (see
+            # adapters.load_share.PrefillEnds): each replica only knows its own ends
+            last_end = max(self.last_prefill_end, remote_end if remote_end is not None else float("-inf"))
+            if queue and now - last_end < queue[0].elapsed_s:
+                head = queue[0]
+                queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, max(0.0, now - last_end)), *queue[1:])
         return InstanceView(
             id=self.name,
             role=self.spec.role,
@@ -301,9 +310,10 @@ class InstanceRegistry:
         (shown unhealthy, so a failover decides among the others)."""
         now = time.monotonic()
         remote = self.load_share.remote()
+        ends = self.load_share.prefill_ends() if remote else {}
         # a draining instance is no candidate at all (not even a "down" one a policy might count)
         return ClusterSnapshot(now=now, instances=tuple(
-            s.view(now, remote.get(n), n in exclude) for n, s in self.states.items() if not s.draining))
+            s.view(now, remote.get(n), n in exclude, ends.get(n)) for n, s in self.states.items() if not s.draining))
 
     def _state(self, name: str) -> InstanceState | None:
         """A member's bookkeeping, or a removed one's while its requests still run."""
@@ -316,7 +326,7 @@ class InstanceRegistry:
         state = self.states[name]  # only a member is routed to
         state.prefills[request_id] = QueuedPrefill(new_tokens, cached_tokens, 0.0)
         state.started[request_id] = time.monotonic()
-        self.load_share.dispatched()
+        self.load_share.changed()
 
     def end_prefill(self, name: str, request_id: str) -> None:
         state = self._state(name)
@@ -325,6 +335,8 @@ class InstanceRegistry:
         was_head = next(iter(state.prefills), None) == request_id
         if state.prefills.pop(request_id, None) is not None:
             del state.started[request_id]
+            state.last_prefill_end = time.monotonic()
+            self.load_share.changed()
             if was_head and state.prefills:
                 # FCFS: the next one starts running now, so its elapsed time (the only one a queue
                 # estimate subtracts) counts from here; from its dispatch it would include its wait
@@ -358,5 +370,5 @@ class InstanceRegistry:
 
     def end_decode(self, name: str, request_id: str) -> None:
         state = self._state(name)
-        if state is not None:
-            state.decodes.pop(request_id, None)
+        if state is not None and state.decodes.pop(request_id, None) is not None:
+            self.load_share.changed()

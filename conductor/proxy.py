@@ -158,6 +158,8 @@ class CompletionsEndpoint:
             stream = bool(body.get("stream", False))
             if gw.inflight >= gw.settings.max_inflight_requests:
                 raise Overloaded(f"the gateway already has {gw.inflight} requests in flight")
+            if gw.settings.load_sync_max_age_s is not None:  # other replicas' load, at most this old
+                await gw.registry.load_share.refresh(gw.settings.load_sync_max_age_s)
             routed = gw.decide(request_id, body["model"], max_tokens, stream, slo, analysis)
             out = self._outgoing(routed, body, request_id, client_id, stream)
             status = await self._forward(routed, out, slo, max_tokens, analysis, send, state, arrived, task)

@@ -189,6 +189,10 @@ class Settings(_Model):
     redis_url: str = "redis://127.0.0.1:6379/0"
     replica_id: str | None = None  # defaults to host name and process id
     load_sync_interval_s: float = 0.1
+    # a decision first fetches the other replicas' load when the last exchange is older than this
+    # (one Redis round trip, shared by the requests arriving meanwhile); None: decide on the view
+    # the last beat or dispatch brought, up to load_sync_interval_s old
+    load_sync_max_age_s: float | None = Field(0.005, ge=0)
     # each exchange with Redis gives up after load_share_timeout_s; after load_share_breaker_failures
     # in a row none is tried for load_share_breaker_open_s, and replicas route on their own load
     load_share_timeout_s: float = Field(0.2, gt=0)

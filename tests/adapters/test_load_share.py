@@ -15,7 +15,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from adapters.breaker import BreakerState, CircuitBreaker
-from adapters.load_share import LoadTable, RedisLoadShare
+from adapters.load_share import LoadTable, PrefillEnds, RedisLoadShare
 from tests.adapters.index.redis_proc import RedisProcess, redis_process
 
 
@@ -149,11 +149,11 @@ async def test_a_dispatch_is_shared_at_once_not_at_the_next_beat() -> None:
         await b.start(dict)
         try:
             mine["p0"] = ([(1000, 0, time.time())], [])
-            a.dispatched()
-            b.dispatched()  # b's own exchange reads what a published
+            a.changed()
+            b.changed()  # b's own exchange reads what a published
 
             async def b_sees() -> bool:
-                b.dispatched()
+                b.changed()
                 await asyncio.sleep(0.01)
                 return "p0" in b.remote()
 
@@ -163,3 +163,41 @@ async def test_a_dispatch_is_shared_at_once_not_at_the_next_beat() -> None:
         finally:
             await a.close()
             await b.close()
+
+
+async def test_refresh_fetches_what_another_replica_published_since() -> None:
+    """A decision asks for a view at most a few ms old: one exchange, shared by every caller
+    waiting at that moment, and none when the view is fresh enough."""
+    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
+    mine: LoadTable = {}
+    with redis_process() as server:
+        a = RedisLoadShare(server.url, "a", interval_s=60.0, prefix=prefix, timeout_s=0.5)
+        b = RedisLoadShare(server.url, "b", interval_s=60.0, prefix=prefix, timeout_s=0.5)
+        await a.start(lambda: mine)
+        await b.start(dict)
+        try:
+            mine["p0"] = ([(1000, 0, time.time())], [])
+            await a.sync()  # a published its dispatch; b's view (from its start) predates it
+            assert "p0" not in b.remote()
+            attempts = b.breaker.stats.attempts
+            await asyncio.gather(*(b.refresh(0.0) for _ in range(5)))
+            assert "p0" in b.remote()
+            assert b.breaker.stats.attempts == attempts + 1  # five callers, one exchange
+            await b.refresh(60.0)
+            assert b.breaker.stats.attempts == attempts + 1  # fresh enough: none
+        finally:
+            await a.close()
+            await b.close()
+
+
+def test_prefill_ends_notices_an_entry_leaving_the_tables() -> None:
+    ends = PrefillEnds()
+    t1, t2 = (1000, 0, 100.0), (500, 16, 100.5)
+    ends.update([{"p0": ([t1], [])}, {"p0": ([t2], []), "p1": ([], [(10, 5, True)])}], now_mono=1.0)
+    assert ends.ended_at == {}
+    ends.update([{"p0": ([t2], [])}], now_mono=2.0)  # t1 ended between the reads
+    assert ends.ended_at == {"p0": 2.0}
+    ends.update([], now_mono=3.0)  # t2 too, and its replica's table is gone
+    assert ends.ended_at == {"p0": 3.0}
+    ends.update([], now_mono=3.0 + PrefillEnds.KEEP_S + 1)
+    assert ends.ended_at == {}  # old ends bound nothing and are forgotten
