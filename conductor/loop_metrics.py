@@ -60,7 +60,7 @@ class HistogramChild:
         self.sum += amount
 
 
-class _LoopMetric(Collector):
+class LoopMetric(Collector):
     """What the counter and the histogram share: a name, help, label names, children by label tuple."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
@@ -85,6 +85,16 @@ class _LoopMetric(Collector):
     def _new_child(self) -> CounterChild | HistogramChild:
         raise NotImplementedError
 
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        """Drop every child whose labels include these (an instance that left: its series go);
+        ValueError when this metric has no such label name, as prometheus_client does."""
+        unknown = set(labels) - set(self.labelnames)
+        if unknown:
+            raise ValueError(f"{self.name} has no label {sorted(unknown)}")
+        at = [(self.labelnames.index(k), v) for k, v in labels.items()]
+        for values in [v for v in self._children if all(v[i] == want for i, want in at)]:
+            del self._children[values]
+
     def _items(self) -> list[tuple[tuple[str, ...], CounterChild | HistogramChild]]:
         return list(self._children.items())  # a copy: the loop may add a child while a thread reads
 
@@ -92,7 +102,7 @@ class _LoopMetric(Collector):
         return self.collect()
 
 
-class LoopCounter(_LoopMetric):
+class LoopCounter(LoopMetric):
     """A Counter for one thread. `labels(*values)` returns the child to `inc()`; without label
     names the counter itself counts."""
 
@@ -122,7 +132,7 @@ class LoopCounter(_LoopMetric):
         return [family]
 
 
-class LoopHistogram(_LoopMetric):
+class LoopHistogram(LoopMetric):
     """A Histogram for one thread, with fixed finite bucket bounds (+Inf is implied)."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,

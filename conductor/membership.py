@@ -37,6 +37,7 @@ from conductor.core.errors import BadRequest, ConductorError, Unauthorized
 from conductor.core.types import Role
 from conductor.instances import InstanceState, Origin
 from conductor.kv_awareness import KVAwareAnalyzer, KVEventsEndpoint
+from conductor.loop_metrics import LoopMetric
 from conductor.settings import InstanceSpec
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class Membership:
 
     def _drop_series(self, name: str) -> None:
         for metric in vars(self.gateway.metrics).values():
-            if not isinstance(metric, MetricWrapperBase):
+            if not isinstance(metric, MetricWrapperBase | LoopMetric):
                 continue
             for label in _SERIES_LABELS:
                 try:

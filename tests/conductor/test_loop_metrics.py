@@ -90,3 +90,25 @@ def test_gateway_metrics_keep_their_names() -> None:
     assert sample("conductor_request_seconds_bucket", {"le": "0.25"}) == 1.0
     assert sample("conductor_request_seconds_bucket", {"le": "0.1"}) == 0.0
     assert sample("conductor_prefill_leg_seconds_sum", {"instance": "prefill-0"}) == pytest.approx(0.04)
+
+
+def test_remove_by_labels_drops_the_series_prometheus_client_drops() -> None:
+    """An instance that leaves takes its series with it (conductor.membership)."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    a = LoopCounter("t_err", "errors", ["instance", "kind"], registry=ours)
+    b = Counter("t_err", "errors", ["instance", "kind"], registry=theirs)
+    ha = LoopHistogram("t_leg", "legs", ["instance"], buckets=BUCKETS, registry=ours)
+    hb = Histogram("t_leg", "legs", ["instance"], buckets=BUCKETS, registry=theirs)
+    for inst in ("p0", "p1"):
+        for kind in ("status", "transport"):
+            a.labels(inst, kind).inc()
+            b.labels(inst, kind).inc()
+        ha.labels(inst).observe(0.02)
+        hb.labels(inst).observe(0.02)
+    for m in (a, b, ha, hb):
+        m.remove_by_labels({"instance": "p0"})
+    assert exposition(ours) == exposition(theirs)
+    assert not any('instance="p0"' in line for line in exposition(ours))
+    assert any('instance="p1"' in line for line in exposition(ours))
+    with pytest.raises(ValueError):
+        a.remove_by_labels({"model": "x"})
