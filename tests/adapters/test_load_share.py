@@ -8,9 +8,10 @@ state with a generous deadline).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -117,6 +118,23 @@ async def test_close_with_redis_hung_does_not_wait_for_it() -> None:
         server.resume()
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(mine: LoadTable) -> AsyncIterator[tuple[RedisLoadShare, RedisLoadShare]]:
+    """Replica a publishing `mine`, replica b nothing, beats a minute apart: only a dispatch, an
+    end or a refresh can carry a change between them."""
+    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
+    with redis_process() as server:
+        a = RedisLoadShare(server.url, "a", interval_s=60.0, prefix=prefix, timeout_s=0.5)
+        b = RedisLoadShare(server.url, "b", interval_s=60.0, prefix=prefix, timeout_s=0.5)
+        await a.start(lambda: mine)
+        await b.start(dict)
+        try:
+            yield a, b
+        finally:
+            await a.close()
+            await b.close()
+
+
 async def test_remote_prefills_age_between_exchanges() -> None:
     # what is left of another replica's running prefill shrinks as time passes, not only at the
     # next exchange: a frozen elapsed_s overstated the head's remaining time by up to an interval
@@ -140,54 +158,36 @@ async def test_remote_prefills_age_between_exchanges() -> None:
 async def test_a_dispatch_is_shared_at_once_not_at_the_next_beat() -> None:
     # replicas deciding a burst were blind to each other until the beat; a dispatch now wakes the
     # exchange (beats here are a minute apart: only the dispatch can have carried it)
-    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
     mine: LoadTable = {}
-    with redis_process() as server:
-        a = RedisLoadShare(server.url, "a", interval_s=60.0, prefix=prefix, timeout_s=0.5)
-        b = RedisLoadShare(server.url, "b", interval_s=60.0, prefix=prefix, timeout_s=0.5)
-        await a.start(lambda: mine)
-        await b.start(dict)
-        try:
-            mine["p0"] = ([(1000, 0, time.time())], [])
-            a.changed()
-            b.changed()  # b's own exchange reads what a published
+    async with two_replicas(mine) as (a, b):
+        mine["p0"] = ([(1000, 0, time.time())], [])
+        a.changed()
+        b.changed()  # b's own exchange reads what a published
 
-            async def b_sees() -> bool:
-                b.changed()
-                await asyncio.sleep(0.01)
-                return "p0" in b.remote()
+        async def b_sees() -> bool:
+            b.changed()
+            await asyncio.sleep(0.01)
+            return "p0" in b.remote()
 
-            deadline = time.monotonic() + 10
-            while not await b_sees():
-                assert time.monotonic() < deadline, "a's dispatch never reached b"
-        finally:
-            await a.close()
-            await b.close()
+        deadline = time.monotonic() + 10
+        while not await b_sees():
+            assert time.monotonic() < deadline, "a's dispatch never reached b"
 
 
 async def test_refresh_fetches_what_another_replica_published_since() -> None:
     """A decision asks for a view at most a few ms old: one exchange, shared by every caller
     waiting at that moment, and none when the view is fresh enough."""
-    prefix = f"test:load:{uuid.uuid4().hex[:8]}:"
     mine: LoadTable = {}
-    with redis_process() as server:
-        a = RedisLoadShare(server.url, "a", interval_s=60.0, prefix=prefix, timeout_s=0.5)
-        b = RedisLoadShare(server.url, "b", interval_s=60.0, prefix=prefix, timeout_s=0.5)
-        await a.start(lambda: mine)
-        await b.start(dict)
-        try:
-            mine["p0"] = ([(1000, 0, time.time())], [])
-            await a.sync()  # a published its dispatch; b's view (from its start) predates it
-            assert "p0" not in b.remote()
-            attempts = b.breaker.stats.attempts
-            await asyncio.gather(*(b.refresh(0.0) for _ in range(5)))
-            assert "p0" in b.remote()
-            assert b.breaker.stats.attempts == attempts + 1  # five callers, one exchange
-            await b.refresh(60.0)
-            assert b.breaker.stats.attempts == attempts + 1  # fresh enough: none
-        finally:
-            await a.close()
-            await b.close()
+    async with two_replicas(mine) as (a, b):
+        mine["p0"] = ([(1000, 0, time.time())], [])
+        await a.sync()  # a published its dispatch; b's view (from its start) predates it
+        assert "p0" not in b.remote()
+        attempts = b.breaker.stats.attempts
+        await asyncio.gather(*(b.refresh(0.0) for _ in range(5)))
+        assert "p0" in b.remote()
+        assert b.breaker.stats.attempts == attempts + 1  # five callers, one exchange
+        await b.refresh(60.0)
+        assert b.breaker.stats.attempts == attempts + 1  # fresh enough: none
 
 
 def test_prefill_ends_notices_an_entry_leaving_the_tables() -> None:
