@@ -89,9 +89,11 @@ class PrefillEnds:
     A replica publishes when its own queue head started: at its dispatch, or when its own previous
     prefill ended. Another replica's prefill ahead of it in the instance's FCFS queue may have held
     it back since, which its owner cannot see; merged, its head looked as if running since its
-    dispatch, and the queue estimate took that whole wait off the remaining work (TTFT under-
-    predicted by 25-40% with three replicas). A policy can bound the head's running time by the
-    last end seen on the instance, local or remote: this is the remote half. An entry that leaves
+    dispatch, and the queue estimate took that whole wait off the remaining work. (Three replicas
+    still under-predict TTFT with this bound in place -- 25-41% mean error against 8% for one
+    gateway, docs/deploy.md -- so this is one source of that error, not all of it.) A policy can
+    bound the head's running time by the last end seen on the instance, local or remote: this is
+    the remote half. An entry that leaves
     the tables between two reads ended in between; the later read's time is taken (a few ms late at
     most, which only errs towards predicting a little more work left).
     """

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -60,19 +61,24 @@ class HistogramChild:
         self.sum += amount
 
 
-class LoopMetric(Collector):
-    """What the counter and the histogram share: a name, help, label names, children by label tuple."""
+C = TypeVar("C", CounterChild, HistogramChild)
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
-                 registry: CollectorRegistry | None) -> None:
+
+class LoopMetric(Collector, Generic[C]):
+    """What the counter and the histogram share: a name, help, label names, children by label
+    tuple; without label names the metric's own child counts (`_own`)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], CounterChild | HistogramChild] = {}
-        if registry is not None:
+        self._children: dict[tuple[str, ...], C] = {}
+        self._own: C | None = self._child(()) if not self.labelnames else None
+        if registry is not None:  # last: registering collects once, to check the names
             registry.register(self)
 
-    def _child(self, values: tuple[str, ...]) -> CounterChild | HistogramChild:
+    def _child(self, values: tuple[str, ...]) -> C:
         """The child of these label values (made strings, as prometheus_client does), made on first use."""
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
@@ -82,8 +88,16 @@ class LoopMetric(Collector):
             child = self._children[key] = self._new_child()
         return child
 
-    def _new_child(self) -> CounterChild | HistogramChild:
+    def _new_child(self) -> C:
         raise NotImplementedError
+
+    def labels(self, *values: str) -> C:
+        return self._children.get(values) or self._child(values)
+
+    def _unlabelled(self) -> C:
+        if self._own is None:
+            raise ValueError(f"{self.name} has labels: use labels(...) first")
+        return self._own
 
     def remove_by_labels(self, labels: dict[str, str]) -> None:
         """Drop every child whose labels include these (an instance that left: its series go);
@@ -95,44 +109,31 @@ class LoopMetric(Collector):
         for values in [v for v in self._children if all(v[i] == want for i, want in at)]:
             del self._children[values]
 
-    def _items(self) -> list[tuple[tuple[str, ...], CounterChild | HistogramChild]]:
+    def _items(self) -> list[tuple[tuple[str, ...], C]]:
         return list(self._children.items())  # a copy: the loop may add a child while a thread reads
 
     def describe(self) -> Iterable[Metric]:
         return self.collect()
 
 
-class LoopCounter(LoopMetric):
+class LoopCounter(LoopMetric[CounterChild]):
     """A Counter for one thread. `labels(*values)` returns the child to `inc()`; without label
     names the counter itself counts."""
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
-                 registry: CollectorRegistry | None = None) -> None:
-        super().__init__(name, documentation, labelnames, registry)
-        self._own = self._child(()) if not self.labelnames else None
 
     def _new_child(self) -> CounterChild:
         return CounterChild()
 
-    def labels(self, *values: str) -> CounterChild:
-        child = self._children.get(values) or self._child(values)
-        assert isinstance(child, CounterChild)
-        return child
-
     def inc(self, amount: float = 1.0) -> None:
-        if self._own is None:
-            raise ValueError(f"{self.name} has labels: use labels(...).inc()")
-        self._own.inc(amount)  # type: ignore[union-attr]
+        self._unlabelled().inc(amount)
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self._items():
-            assert isinstance(child, CounterChild)
             family.add_metric(list(values), child.value, created=child.created)
         return [family]
 
 
-class LoopHistogram(LoopMetric):
+class LoopHistogram(LoopMetric[HistogramChild]):
     """A Histogram for one thread, with fixed finite bucket bounds (+Inf is implied)."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
@@ -140,28 +141,19 @@ class LoopHistogram(LoopMetric):
         bounds = tuple(float(b) for b in buckets if b != float("inf"))
         if not bounds or list(bounds) != sorted(set(bounds)):
             raise ValueError("buckets must be increasing")
-        self._bounds = bounds
+        self._bounds = bounds  # before the base makes the first child
         self._labels = (*(floatToGoString(b) for b in bounds), "+Inf")
         super().__init__(name, documentation, labelnames, registry)
-        self._own = self._child(()) if not self.labelnames else None
 
     def _new_child(self) -> HistogramChild:
         return HistogramChild(self._bounds)
 
-    def labels(self, *values: str) -> HistogramChild:
-        child = self._children.get(values) or self._child(values)
-        assert isinstance(child, HistogramChild)
-        return child
-
     def observe(self, amount: float) -> None:
-        if self._own is None:
-            raise ValueError(f"{self.name} has labels: use labels(...).observe()")
-        self._own.observe(amount)  # type: ignore[union-attr]
+        self._unlabelled().observe(amount)
 
     def collect(self) -> Iterable[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self._items():
-            assert isinstance(child, HistogramChild)
             counts, total, cumulative = list(child.counts), child.sum, 0
             buckets = []
             for label, count in zip(self._labels, counts, strict=True):
