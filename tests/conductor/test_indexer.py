@@ -47,7 +47,17 @@ class VllmPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(f"tcp://127.0.0.1:{self.port}")
+        # Both sockets bind here, on the caller's thread, so a port taken meanwhile raises ZMQError to
+        # the caller (which picks others) instead of killing the replay thread and leaving a socket
+        # open that makes term() wait for ever. The thread only uses the bound ROUTER afterwards.
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        try:
+            self._pub.bind(f"tcp://127.0.0.1:{self.port}")
+            self._router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        except zmq.ZMQError:
+            self._ctx.destroy(linger=0)
+            raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=1000)
         self._lock = threading.Lock()
         self._seq = 0
@@ -73,9 +83,7 @@ class VllmPublisher:
         return seq
 
     def _serve_replay(self) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        router = self._router
         while not self._stop.is_set():
             if not router.poll(50):
                 continue
@@ -90,8 +98,7 @@ class VllmPublisher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        self._pub.close(0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
 
 @contextmanager
@@ -208,11 +215,14 @@ def test_media_and_data_parallel_ranks_are_counted_apart() -> None:
     tokens = list(range(1, 4 * BS + 1))
     while True:  # rank r publishes on port + r (vLLM's rule): two free ports in a row
         port, replay = free_port(), free_port()
+        pubs = []
         try:
-            pubs = [VllmPublisher(port + r, replay + r, rank=r) for r in range(2)]
+            for r in range(2):
+                pubs.append(VllmPublisher(port + r, replay + r, rank=r))
             break
-        except zmq.ZMQError:
-            continue
+        except zmq.ZMQError:  # taken by someone else: free what was bound and pick again
+            for pub in pubs:
+                pub.close()
     events = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay}", "data_parallel_size": 2}
     settings = indexer_settings([{"url": "http://127.0.0.1:9"}], kv={"kv_events": {"mixed-0": events}})
     try:
