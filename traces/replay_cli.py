@@ -5,7 +5,7 @@
     conductor replay recorded.jsonl --live http://127.0.0.1:8000 --speedup 2
 
 TRACE is a path (.jsonl or .jsonl.gz, Mooncake or recorded format) or a bundled name
-("conversation", "synthetic", "conversation-head400"). Simulation and live replay print the same
+("conversation", "synthetic", "conversation-head400", "tool-agent"). Simulation and live replay print the same
 summary table. Live replay lives in `traces.live` (`run_live(args)`, options from `add_live_args`).
 """
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="conductor replay", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
-    parser.add_argument("trace", help="trace file or bundled name (conversation, synthetic, conversation-head400)")
+    parser.add_argument("trace", help="trace file or bundled name (conversation, synthetic, conversation-head400, tool-agent)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--simulate", action="store_true", help="discrete-event simulation (the default)")
     mode.add_argument("--live", metavar="URL", help="replay against a running gateway (traces.live)")

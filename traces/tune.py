@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="conductor tune-pd", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
-    parser.add_argument("trace", help="trace file or bundled name (conversation, synthetic, conversation-head400)")
+    parser.add_argument("trace", help="trace file or bundled name (conversation, synthetic, conversation-head400, tool-agent)")
     parser.add_argument("--nodes", type=int, required=True, help="total nodes to split into prefill and decode")
     parser.add_argument("--policy", default="round_robin", help="policy spec, name:key=value:...")
     parser.add_argument("--plot", default="tune-pd.png", help="PNG to write ('' for none)")
