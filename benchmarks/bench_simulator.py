@@ -1,7 +1,7 @@
 """Simulator benchmarks: speed targets and the paper's figures, side by side with ratios.
 
     python benchmarks/bench_simulator.py            # everything (a few minutes on 2 cores)
-    python benchmarks/bench_simulator.py speed fig5 # some sections: speed, sweep, fig5, fig15, table3, fair
+    python benchmarks/bench_simulator.py speed fig5 # some sections: speed, sweep, fig5, fig15, table3, fair, ratios
 
 Settings: the conversation / synthetic traces bundled in traces/data; `--paper` truth model (the
 bundled Qwen3-8B/H800 profile with prefill cost x7 and 320 KB of KV per token, emulating the
@@ -157,9 +157,50 @@ def bench_fair() -> None:
               f"{r.ttft_prediction.mean_rel:13.1%}")
 
 
+# Speed-ups where the best baseline (fitted predictors, predicted admission) met 80-90% and 60-70%
+# of both SLOs in the --paper setting, found with runs of every baseline on 2026-12-01; the table
+# prints the share it met this time, so a drifted calibration shows.
+RATIO_LOADS: dict[str, tuple[float, float]] = {
+    "conversation": (2.5, 3.5),
+    "synthetic": (2.5, 3.5),
+    "tool-agent": (4.0, 5.0),
+}
+RATIO_BASELINES = ("random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "llmd")
+RATIO_GOAL = 1.15  # kvcache_aware / best baseline, on at least two of the three workloads; never below 1.0
+
+
+def bench_ratios() -> None:
+    print("== kvcache_aware against the best baseline, equal fitted predictors and predicted admission,")
+    print("   at the loads where the best baseline meets 80-90% and 60-70% of both SLOs; 8P+8D --paper, peer pulls")
+    print("   'Algorithm 1' is kvcache_aware as the paper states it: lowest predicted TTFT, blind to prefixes in")
+    print("   flight (ttft_slack none, inflight_prefixes false)")
+    head = (f"{'workload':>13}  {'speed-up':>8}  {'best baseline':>18}  {'its SLO met':>11}  {'goodput':>7}  "
+            f"{'kvcache_aware':>13}  {'ratio':>5}  {'Algorithm 1':>11}  {'ratio':>5}")
+    print(head)
+    wins: dict[str, list[float]] = {}
+    for trace, loads in RATIO_LOADS.items():
+        for speedup in loads:
+            config = config_from_args(_args("--paper", "--speedup", str(speedup)), 8, 8)
+            specs = [PolicySpec(n, {"fit_predictors": True}, n) for n in RATIO_BASELINES]
+            specs += [PolicySpec("kvcache_aware"),
+                      PolicySpec("kvcache_aware", {"ttft_slack": None, "inflight_prefixes": False}, "algorithm1")]
+            results = run_jobs([SimJob(spec, config, trace) for spec in specs])
+            best = max(results[:len(RATIO_BASELINES)], key=lambda r: r.goodput_rps)
+            ours, alg1 = results[len(RATIO_BASELINES)], results[len(RATIO_BASELINES) + 1]
+            ratio = ours.goodput_rps / best.goodput_rps
+            wins.setdefault(trace, []).append(ratio)
+            print(f"{trace:>13}  {speedup:>7.1f}x  {best.policy:>18}  {best.slo_attainment:>10.0%}  "
+                  f"{best.goodput_rps:7.2f}  {ours.goodput_rps:13.2f}  {ratio:5.2f}  {alg1.goodput_rps:11.2f}  "
+                  f"{alg1.goodput_rps / best.goodput_rps:5.2f}")
+    reached = [t for t, rs in wins.items() if min(rs) >= RATIO_GOAL]
+    floor = min(r for rs in wins.values() for r in rs)
+    print(f"goal: >= {RATIO_GOAL}x at both loads on at least two workloads, never below 1.0x: "
+          f"{len(reached)} of {len(wins)} workloads reach it ({', '.join(reached) or 'none'}), lowest ratio {floor:.2f}x")
+
+
 SECTIONS: dict[str, Callable[[], None]] = {
     "speed": bench_speed, "sweep": bench_sweep, "fig5": bench_fig5, "fig15": bench_fig15, "table3": bench_table3,
-    "fair": bench_fair,
+    "fair": bench_fair, "ratios": bench_ratios,
 }
 
 

@@ -225,6 +225,13 @@ class PoolPrefillEstimates:
             )
             self.ttfts[i] = est.ttft_s
 
+    def works(self) -> list[float]:
+        """Each instance's own prefill compute (`PrefillEstimate.prefill_s`): what placing the
+        request there takes from the pool's capacity, pulls and its cached prefix excluded."""
+        plan = self._plan[1]
+        full = self._full
+        return [full[i].prefill_s if i in full else plan for i in range(len(self.prefills))]
+
     def estimate(self, i: int) -> PrefillEstimate:
         full = self._full.get(i)
         if full is not None:

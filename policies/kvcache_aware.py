@@ -36,9 +36,19 @@ compares that with what happened, records the errors, and feeds the predictors' 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
-from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView, Role
+from conductor.core.types import (
+    CachedPrefix,
+    CandidateScore,
+    ClusterSnapshot,
+    Decision,
+    Observation,
+    RequestView,
+    Role,
+)
 from policies.admission import AdmissionMode, admit, parse_mode
 from policies.base import NO_INSTANCE, BasePolicy, listed_indices, no_instance
 from policies.estimate import (
@@ -52,6 +62,7 @@ from policies.estimate import (
     prefill_pool,
     remote_sources,
 )
+from policies.inflight import InflightPrefixes
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK, prefill_features
@@ -125,6 +136,9 @@ class KvCacheAwarePolicy(BasePolicy):
         ttft_bound_shift_s: float = 0.0,
         probe_after: int | None = 100,
         listed_candidates: int | None = 8,
+        ttft_slack: float | None = 0.5,
+        inflight_prefixes: bool = True,
+        max_inflight_keys: int = 1_000_000,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
@@ -145,7 +159,16 @@ class KvCacheAwarePolicy(BasePolicy):
         decision log, traces): the best this many by score, the chosen one always among them, in
         pool order; `Decision.unlisted_candidates` counts the rest (None: list every one). Every
         instance is still weighed; building and logging a score for each of hundreds would cost
-        more than deciding."""
+        more than deciding.
+        `ttft_slack` (0 < s <= 1; None: off, Algorithm 1's lowest TTFT): among the instances whose
+        predicted prefill leg fits in s times the request's TTFT SLO, the one that computes least
+        (its cached prefix and a pull cover the most), the lowest TTFT among equals; the lowest
+        TTFT when none fits or the request has no TTFT SLO. Affinity is broken only where the SLO
+        needs it: placing every request where it is fastest spends compute on prefixes another
+        instance holds, capacity the queue behind it will lack under load.
+        `inflight_prefixes`: count a prefix this policy dispatched to an instance, and that the
+        index does not show yet, as cached there (policies/inflight.py; at most
+        `max_inflight_keys` block keys remembered)."""
         self.admission = parse_mode(admission)
         self.pull_links = pull_links(allow_pull)
         self.allow_pull = bool(self.pull_links)
@@ -166,6 +189,10 @@ class KvCacheAwarePolicy(BasePolicy):
         if listed_candidates is not None and listed_candidates < 1:
             raise ValueError(f"listed_candidates must be at least 1 or None, not {listed_candidates!r}")
         self.listed_candidates = listed_candidates
+        if ttft_slack is not None and not 0.0 < ttft_slack <= 1.0:
+            raise ValueError(f"ttft_slack must be in (0, 1] or None, not {ttft_slack!r}")
+        self.ttft_slack = ttft_slack
+        self.inflight = InflightPrefixes(max_inflight_keys) if inflight_prefixes else None
 
     # ---- deciding -------------------------------------------------------------------------
 
@@ -196,13 +223,15 @@ class KvCacheAwarePolicy(BasePolicy):
                                                        or request.pull_sources):
             sources = [s for s in remote_sources(request) if s[2] in self.pull_links]
         # every instance is weighed (the same predictions, bit for bit, as estimating each in full);
-        # full estimates are built only for the few a decision lists (see listed_indices)
-        weighed = PoolPrefillEstimates(pred, request, prefills, sources, allow_pull=bool(sources),
-                                       disaggregated=disaggregated)
+        # full estimates are built only for the few a decision lists (see listed_indices). A prefix
+        # in flight counts as its instance's own, not as a source: nothing can pull it yet
+        weighed = PoolPrefillEstimates(pred, self._with_inflight(request), prefills, sources,
+                                       allow_pull=bool(sources), disaggregated=disaggregated)
         ttfts, keep = weighed.ttfts, self.listed_candidates
         predicted = self.admission is AdmissionMode.PREDICTED
+        rank = self._placement_rank(request, weighed)
         if disaggregated:
-            best_i = min(range(len(ttfts)), key=ttfts.__getitem__)  # the first of equals, as min() of estimates
+            best_i = min(range(len(ttfts)), key=rank)  # the first of equals, as min() of estimates
             # the decode instance is chosen by its load now, dispatched-but-prefilling streams
             # included; choosing by the forecast instead herds requests onto instances whose
             # streams are about to finish, and their freed capacity is soon taken anyway
@@ -214,9 +243,9 @@ class KvCacheAwarePolicy(BasePolicy):
             d_ests = list(d_listed.values())
         else:
             # mixed: the request decodes where it prefilled, so weigh both on the same worker: the
-            # lowest TTFT among workers whose predicted TBT meets the SLO (the lowest of all if none
-            # does); in TTFT order (stable: equals in pool order, as min() takes them) the first that fits
-            order = sorted(range(len(ttfts)), key=ttfts.__getitem__)
+            # lowest TTFT (or, with ttft_slack, the least compute) among workers whose predicted TBT
+            # meets the SLO (the first in order if none does)
+            order = sorted(range(len(ttfts)), key=rank)  # stable: equals in pool order, as min() takes them
             mixed: dict[int, DecodeEstimate] = {}
 
             def on_worker(i: int) -> DecodeEstimate:
@@ -287,6 +316,33 @@ class KvCacheAwarePolicy(BasePolicy):
             unlisted_candidates=unlisted,
         )
 
+    def _with_inflight(self, request: RequestView) -> RequestView:
+        """`request` with the longest prefix in flight counted as cached on its instance."""
+        found = None if self.inflight is None else self.inflight.longest(request.block_keys)
+        if found is None:
+            return request
+        instance, blocks = found
+        tokens = min(blocks * request.block_size, request.prompt_tokens)
+        own = request.cached.get(instance)
+        if own is not None and own.tokens >= tokens:
+            return request
+        return replace(request, cached={**request.cached, instance: CachedPrefix(tokens)})
+
+    def _placement_rank(self, request: RequestView, weighed: PoolPrefillEstimates) -> Callable[[int], Any]:
+        """The sort key of prefill candidates, best lowest: the predicted TTFT or, with
+        `ttft_slack`, those within the slack first and by least compute among them."""
+        ttfts = weighed.ttfts
+        slo = request.slo.ttft_s
+        if self.ttft_slack is None or slo is None:
+            return ttfts.__getitem__
+        limit = self.ttft_slack * slo
+        works = weighed.works()
+
+        def rank(i: int) -> tuple[int, float, float]:
+            return (0, works[i], ttfts[i]) if ttfts[i] <= limit else (1, 0.0, ttfts[i])
+
+        return rank
+
     # ---- remembering ----------------------------------------------------------------------
 
     def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
@@ -303,6 +359,8 @@ class KvCacheAwarePolicy(BasePolicy):
                 self._rejected_in_a_row += 1
             return
         self._rejected_in_a_row = 0
+        if decision.prefill is not None and self.inflight is not None:
+            self.inflight.add(request.request_id, request.block_keys, decision.prefill)
         if decision.prefill is None or decision.predicted_ttft_s is None:
             return
         chosen = _chosen_candidates(decision)
@@ -347,6 +405,8 @@ class KvCacheAwarePolicy(BasePolicy):
 
     def observe(self, observation: Observation) -> None:
         obs = observation
+        if self.inflight is not None:
+            self.inflight.forget(obs.request_id)  # the index reports what the worker holds by now
         p = self._pending.pop(obs.request_id, None)
         if p is None or not obs.ok:
             return

@@ -1,0 +1,159 @@
+"""Prefixes in flight: the table's bounds and bisection, and kvcache_aware placing a request that
+shares a prefix just dispatched (the index cannot show it yet) behind it, where it will be cached."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conductor.core.types import ClusterSnapshot, InstanceView, Observation, QueuedPrefill, RequestView, Role, Slo
+from policies.inflight import InflightPrefixes
+from policies.kvcache_aware import KvCacheAwarePolicy
+
+
+def chain(*keys: int) -> tuple[int, ...]:
+    return tuple(keys)
+
+
+def test_longest_is_the_deepest_key_of_the_chain_present_and_names_its_instance() -> None:
+    t = InflightPrefixes()
+    t.add("a", chain(1, 2, 3, 4), "p0")
+    t.add("b", chain(1, 2, 9), "p1")  # shares two blocks, newer: those now point to p1
+    assert t.longest(chain(1, 2, 3, 4, 5)) == ("p0", 4)
+    assert t.longest(chain(1, 2, 9, 7)) == ("p1", 3)
+    assert t.longest(chain(1, 2)) == ("p1", 2)
+    assert t.longest(chain(8, 2, 3)) is None
+    assert t.longest(()) is None
+
+
+def test_forgetting_keeps_what_a_newer_dispatch_shares() -> None:
+    t = InflightPrefixes()
+    t.add("a", chain(1, 2, 3), "p0")
+    t.add("b", chain(1, 2), "p1")
+    t.forget("a")
+    assert t.longest(chain(1, 2, 3)) == ("p1", 2)
+    t.forget("b")
+    assert t.longest(chain(1, 2, 3)) is None and len(t) == 0
+    t.forget("never-added")  # harmless
+
+
+def test_the_bound_forgets_oldest_first_and_a_chain_past_it_is_not_filed() -> None:
+    t = InflightPrefixes(max_keys=6)
+    t.add("a", chain(1, 2, 3), "p0")
+    t.add("b", chain(10, 11, 12), "p1")
+    t.add("c", chain(20, 21), "p2")  # 8 keys: "a" goes
+    assert t.longest(chain(1, 2, 3)) is None
+    assert t.longest(chain(10, 11, 12)) == ("p1", 3) and t.longest(chain(20, 21)) == ("p2", 2)
+    t.add("d", tuple(range(100, 107)), "p3")  # 7 keys: more than the bound, not filed at all
+    assert t.longest(tuple(range(100, 107))) is None
+    with pytest.raises(ValueError):
+        InflightPrefixes(max_keys=0)
+
+
+def test_bisection_agrees_with_a_linear_scan_under_random_churn() -> None:
+    rng = random.Random(7)
+    t = InflightPrefixes(max_keys=200)
+    live: dict[str, tuple[tuple[int, ...], str]] = {}
+    order: list[str] = []
+    for step in range(3000):
+        # chains of a small tree: prompts share prefixes as real ones do
+        depth = rng.randint(1, 12)
+        keys = tuple(rng.randint(0, 2) * 100 + i for i in range(depth))
+        keys = tuple(hash(keys[: i + 1]) for i in range(depth))
+        if rng.random() < 0.3 and order:
+            rid = order.pop(rng.randrange(len(order)))
+            t.forget(rid)
+            live.pop(rid, None)
+        rid = f"r{step}"
+        t.add(rid, keys, f"p{step % 4}")
+        live[rid] = (keys, f"p{step % 4}")
+        order.append(rid)
+        while sum(len(k) for k, _ in live.values()) > 200:  # the table's own eviction, mirrored
+            oldest = next(iter(live))
+            live.pop(oldest)
+            order.remove(oldest)
+        probe = (*keys[:rng.randint(1, depth)], 123456789)
+        present = {k for ks, _ in live.values() for k in ks}
+        expect = 0
+        while expect < len(probe) and probe[expect] in present:
+            expect += 1
+        found = t.longest(probe)
+        assert (found[1] if found else 0) == expect
+
+
+BS = 16
+
+
+def pool(queued: dict[str, int]) -> ClusterSnapshot:
+    """Two prefills and a decode; `queued`: prefill id -> new tokens already waiting there."""
+    prefills = tuple(
+        InstanceView(id=name, role=Role.PREFILL,
+                     prefill_queue=(QueuedPrefill(new_tokens=queued[name], cached_tokens=0, elapsed_s=0.0),)
+                     if queued[name] else ())
+        for name in ("p0", "p1"))
+    return ClusterSnapshot(now=0.0, instances=(*prefills, InstanceView(id="d0", role=Role.DECODE)))
+
+
+def request(rid: str, seq: int, blocks: int, **kw: object) -> RequestView:
+    return RequestView(request_id=rid, seq=seq, model="m", prompt_tokens=blocks * BS + 8, max_tokens=16,
+                       block_size=BS, block_keys=tuple(range(1, blocks + 1)), slo=Slo(ttft_s=30.0, tbt_s=1.0),
+                       **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("inflight", [True, False])
+def test_a_request_sharing_a_dispatched_prefix_follows_it_when_its_slack_allows(inflight: bool) -> None:
+    policy = KvCacheAwarePolicy(admission="none", allow_pull=False, online=False, ttft_slack=0.5,
+                                inflight_prefixes=inflight)
+    first = request("a", 1, 400)  # 6,408 tokens, nothing cached anywhere
+    cluster = pool({"p0": 0, "p1": 0})
+    d1 = policy.decide(first, cluster)
+    policy.on_decided(first, cluster, d1)
+    holder = d1.prefill
+    assert holder is not None
+    other = "p1" if holder == "p0" else "p0"
+    # the first is now queued on its instance; the index shows nothing cached yet
+    busy = pool({holder: first.prompt_tokens, other: 0})
+    second = request("b", 2, 420)  # the same 400 blocks and 20 more
+    d2 = policy.decide(second, busy)
+    chosen = next(c for c in d2.candidates if c.instance_id == d2.prefill)
+    if inflight:
+        assert d2.prefill == holder and chosen.detail["cached_tokens"] == 400 * BS
+    else:  # blind: the idle instance looks faster and recomputes the whole prefix
+        assert d2.prefill == other and chosen.detail["cached_tokens"] == 0
+    policy.on_decided(second, busy, d2)
+    if inflight:
+        for rid, req in (("a", first), ("b", second)):
+            policy.observe(Observation(request_id=rid, prefill=holder, decode="d0", prompt_tokens=req.prompt_tokens,
+                                       cached_tokens=None, predicted_cached_tokens=0, queue_and_prefill_s=None,
+                                       ttft_s=None))
+        assert policy.inflight is not None and len(policy.inflight) == 0  # observed: the index knows now
+
+
+def test_ttft_slack_takes_the_least_compute_within_the_slack_and_the_fastest_past_it() -> None:
+    from conductor.core.types import CachedPrefix
+
+    cluster = ClusterSnapshot(now=0.0, instances=(
+        InstanceView(id="p0", role=Role.PREFILL,
+                     prefill_queue=(QueuedPrefill(new_tokens=12000, cached_tokens=0, elapsed_s=0.0),)),
+        InstanceView(id="p1", role=Role.PREFILL),
+        InstanceView(id="d0", role=Role.DECODE)))
+
+    def decide(slack: float | None, slo: float | None) -> tuple[str | None, dict[str, float]]:
+        policy = KvCacheAwarePolicy(admission="none", allow_pull=False, online=False, ttft_slack=slack)
+        req = RequestView(request_id="r", seq=1, model="m", prompt_tokens=6000, max_tokens=16, block_size=BS,
+                          cached={"p0": CachedPrefix(5600)}, slo=Slo(ttft_s=slo, tbt_s=1.0))
+        d = policy.decide(req, cluster)
+        return d.prefill, {c.instance_id: c.predicted_ttft_s for c in d.candidates if c.predicted_ttft_s is not None}
+
+    fastest, ttfts = decide(None, 30.0)
+    # the holder of the prefix is behind a long queue: the idle instance is faster
+    assert fastest == "p1" and ttfts["p0"] > ttfts["p1"]
+    # both within half the SLO: the holder, which computes 400 tokens instead of 6,000
+    assert decide(0.5, 2.1 * ttfts["p0"])[0] == "p0"
+    # the holder past the slack, the idle one within it: the idle one
+    assert decide(0.5, 2 * (ttfts["p0"] + ttfts["p1"]) / 2)[0] == "p1"
+    # no TTFT SLO on the request: the slack has nothing to measure against, the fastest wins
+    assert decide(0.5, None)[0] == "p1"
+    with pytest.raises(ValueError):
+        KvCacheAwarePolicy(online=False, ttft_slack=1.5)
