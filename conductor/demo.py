@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shutil
 import signal
 import sys
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=DEFAULT_TRACE, help="bundled trace name or path")
     p.add_argument("--prefill", type=int, default=2, help="prefill emulators")
     p.add_argument("--decode", type=int, default=2, help="decode emulators")
-    p.add_argument("--policy", default="kvcache_aware", help="scheduling policy (registered name)")
+    p.add_argument("--policy", default="kvcache_aware",
+                   help="scheduling policy: a registered name, options after colons "
+                        "(kvcache_aware:ttft_slack=null:inflight_prefixes=false)")
     p.add_argument("--compare", default=None, metavar="POLICY[,POLICY]",
                    help="then replay the same requests through these policies too, each on a fresh cluster "
                         "of the same shape, and print the runs side by side")
@@ -170,6 +173,14 @@ def demo_main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="conductor-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     policies = [args.policy, *(p.strip() for p in (args.compare or "").split(",") if p.strip())]
+    from traces.sim.runner import PolicySpec
+
+    try:
+        for policy in policies:
+            PolicySpec.parse(policy)
+    except ValueError as exc:  # before any process starts
+        print(f"conductor demo: {exc}", file=sys.stderr)
+        return 2
     groups: list[ChildGroup] = []
     results: list[LiveResult] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -178,7 +189,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     try:
         for policy in policies:
             # each policy on a cluster of its own, started cold: no run inherits another's caches
-            run_dir = log_dir if len(policies) == 1 else log_dir / policy
+            run_dir = log_dir if len(policies) == 1 else log_dir / re.sub(r"[^\w.-]+", "_", policy)
             run_dir.mkdir(parents=True, exist_ok=True)
             group = ChildGroup(run_dir)
             groups.append(group)
@@ -214,13 +225,15 @@ def _run(args: argparse.Namespace, policy: str, requests: Sequence[TraceRequest]
          log_dir: Path, started: float) -> LiveResult:
     """Start a cluster routed by `policy`, replay the requests through it, return what happened."""
     from traces.live import TextProgress, replay_live
+    from traces.sim.runner import PolicySpec
     from traces.synth import PromptSynthesizer
 
-    options: dict[str, object] = {}
-    if policy == "kvcache_aware" and args.time_scale != 1.0:
+    chosen = PolicySpec.parse(policy)  # "name" or "name:option=value:...", as the replay CLI takes them
+    options: dict[str, object] = dict(chosen.options)
+    if chosen.name == "kvcache_aware" and args.time_scale != 1.0 and "predictor_params" not in options:
         options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
     spec = ClusterSpec(
-        n_prefill=args.prefill, n_decode=args.decode, pd_protocol=args.pd_protocol, policy=policy,
+        n_prefill=args.prefill, n_decode=args.decode, pd_protocol=args.pd_protocol, policy=chosen.name,
         model=args.model, time_scale=args.time_scale, noise=args.noise, slo_ttft_s=args.slo_ttft,
         slo_tbt_s=args.slo_tbt, policy_options=options, kv_index=not args.no_kv_index,
     )
