@@ -131,6 +131,19 @@ def test_failed_start_says_where_the_logs_are(tmp_path: Path) -> None:
     assert all(_gone(pid) for pid in _pids(stderr).values())
 
 
+def test_policy_options_reach_the_gateway_and_a_malformed_spec_starts_nothing(tmp_path: Path) -> None:
+    # an option the policy refuses stops the gateway's start-up: so the option got there
+    proc = _demo("--requests", "5", "--policy", "kvcache_aware:listed_candidates=0", "--keep-logs", str(tmp_path),
+                 *FAST)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "listed_candidates" in (tmp_path / "gateway.log").read_text()
+    assert all(_gone(pid) for pid in _pids(stderr).values())
+    proc = _demo("--requests", "5", "--compare", "round_robin,kvcache_aware:ttft_slack", *FAST)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "'ttft_slack'" in stderr and "key=value" in stderr
+    assert not _pids(stderr)  # refused before any process started
+
+
 def test_time_scale_scales_the_policy_predictions_with_the_emulators(tmp_path: Path) -> None:
     from conductor.demo import _scaled_params
     from predictors.params import PredictorParams
