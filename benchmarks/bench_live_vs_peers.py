@@ -68,10 +68,14 @@ class RouterSpec:
     kind: str  # conductor | vllm | sglang
     policy: str
     admission: str = "predicted"  # Conductor kvcache_aware only
+    options: tuple[tuple[str, Any], ...] = ()  # further policy options (Conductor)
 
+
+ALGORITHM1 = (("ttft_slack", None), ("inflight_prefixes", False))  # the lowest TTFT, blind to prefixes in flight
 
 ROUTERS = (
     RouterSpec("conductor kv+adm", "conductor", "kvcache_aware", "predicted"),
+    RouterSpec("conductor alg1+adm", "conductor", "kvcache_aware", "predicted", ALGORITHM1),
     RouterSpec("conductor kv", "conductor", "kvcache_aware", "none"),
     RouterSpec("conductor rr", "conductor", "round_robin"),
     RouterSpec("vllm-router rr", "vllm", "round_robin"),
@@ -147,6 +151,7 @@ def start_router(group: ChildGroup, spec: RouterSpec, workers: dict[str, list[di
     options: dict[str, Any] = {}
     if spec.policy == "kvcache_aware":
         options["admission"] = spec.admission
+        options.update(spec.options)
         if args.time_scale != 1.0:  # predictions true to the scaled workers
             options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
     settings = {

@@ -160,12 +160,13 @@ class KvCacheAwarePolicy(BasePolicy):
         pool order; `Decision.unlisted_candidates` counts the rest (None: list every one). Every
         instance is still weighed; building and logging a score for each of hundreds would cost
         more than deciding.
-        `ttft_slack` (0 < s <= 1; None: off, Algorithm 1's lowest TTFT): among the instances whose
-        predicted prefill leg fits in s times the request's TTFT SLO, the one that computes least
-        (its cached prefix and a pull cover the most), the lowest TTFT among equals; the lowest
-        TTFT when none fits or the request has no TTFT SLO. Affinity is broken only where the SLO
-        needs it: placing every request where it is fastest spends compute on prefixes another
-        instance holds, capacity the queue behind it will lack under load.
+        `ttft_slack` (0 < s <= 1; None: off, Algorithm 1's lowest TTFT; prefill pools only, see
+        _placement_rank): among the instances whose predicted prefill leg fits in s times the
+        request's TTFT SLO, the one that computes least (its cached prefix and a pull cover the
+        most), the lowest TTFT among equals; the lowest TTFT when none fits or the request has no
+        TTFT SLO. Affinity is broken only where the SLO needs it: placing every request where it
+        is fastest spends compute on prefixes another instance holds, capacity the queue behind it
+        will lack under load.
         `inflight_prefixes`: count a prefix this policy dispatched to an instance, and that the
         index does not show yet, as cached there (policies/inflight.py; at most
         `max_inflight_keys` block keys remembered)."""
@@ -229,7 +230,7 @@ class KvCacheAwarePolicy(BasePolicy):
                                        allow_pull=bool(sources), disaggregated=disaggregated)
         ttfts, keep = weighed.ttfts, self.listed_candidates
         predicted = self.admission is AdmissionMode.PREDICTED
-        rank = self._placement_rank(request, weighed)
+        rank = self._placement_rank(request, weighed, disaggregated)
         if disaggregated:
             best_i = min(range(len(ttfts)), key=rank)  # the first of equals, as min() of estimates
             # the decode instance is chosen by its load now, dispatched-but-prefilling streams
@@ -243,8 +244,7 @@ class KvCacheAwarePolicy(BasePolicy):
             d_ests = list(d_listed.values())
         else:
             # mixed: the request decodes where it prefilled, so weigh both on the same worker: the
-            # lowest TTFT (or, with ttft_slack, the least compute) among workers whose predicted TBT
-            # meets the SLO (the first in order if none does)
+            # lowest TTFT among workers whose predicted TBT meets the SLO (the first if none does)
             order = sorted(range(len(ttfts)), key=rank)  # stable: equals in pool order, as min() takes them
             mixed: dict[int, DecodeEstimate] = {}
 
@@ -328,12 +328,17 @@ class KvCacheAwarePolicy(BasePolicy):
             return request
         return replace(request, cached={**request.cached, instance: CachedPrefix(tokens)})
 
-    def _placement_rank(self, request: RequestView, weighed: PoolPrefillEstimates) -> Callable[[int], Any]:
+    def _placement_rank(self, request: RequestView, weighed: PoolPrefillEstimates,
+                        disaggregated: bool) -> Callable[[int], Any]:
         """The sort key of prefill candidates, best lowest: the predicted TTFT or, with
-        `ttft_slack`, those within the slack first and by least compute among them."""
+        `ttft_slack` on a prefill pool, those within the slack first and by least compute among
+        them. Not on mixed workers: there the prefills queued on a worker slow every stream it
+        decodes, which its TBT prediction does not see, and piling them on the prefix's holder
+        cost the TBT SLO (live, 4 mixed emulated workers, tool-agent trace at 4x: 24% of
+        requests met both SLOs against 100%)."""
         ttfts = weighed.ttfts
         slo = request.slo.ttft_s
-        if self.ttft_slack is None or slo is None:
+        if self.ttft_slack is None or slo is None or not disaggregated:
             return ttfts.__getitem__
         limit = self.ttft_slack * slo
         works = weighed.works()

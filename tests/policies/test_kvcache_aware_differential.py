@@ -92,7 +92,8 @@ class ReferencePolicy(KvCacheAwarePolicy):
             sources = [s for s in remote_sources(request) if s[2] in self.pull_links]
         ests = [reference_estimate_prefill(pred, request, p, sources, bool(sources), disaggregated) for p in prefills]
         predicted = self.admission is AdmissionMode.PREDICTED
-        slack_s = None if self.ttft_slack is None or request.slo.ttft_s is None else self.ttft_slack * request.slo.ttft_s
+        slack_s = (None if self.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
+                   else self.ttft_slack * request.slo.ttft_s)  # mixed workers: the lowest TTFT always
 
         def rank(e: PrefillEstimate) -> tuple[int, float, float]:
             # within the slack the least compute first (lowest TTFT among equals), then the rest by TTFT
