@@ -138,7 +138,7 @@ class KvCacheAwarePolicy(BasePolicy):
         listed_candidates: int | None = 8,
         ttft_slack: float | None = 0.5,
         inflight_prefixes: bool = True,
-        max_inflight_keys: int = 1_000_000,
+        max_inflight_keys: int = 200_000,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
