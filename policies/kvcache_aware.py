@@ -136,7 +136,7 @@ class KvCacheAwarePolicy(BasePolicy):
         ttft_bound_shift_s: float = 0.0,
         probe_after: int | None = 100,
         listed_candidates: int | None = 8,
-        ttft_slack: float | None = 0.5,
+        ttft_slack: float | None = 1.0,
         inflight_prefixes: bool = True,
         max_inflight_keys: int = 200_000,
     ) -> None:
