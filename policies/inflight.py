@@ -9,10 +9,13 @@ when its turn comes. So a policy remembers its own dispatches here and counts a 
 on an instance as that instance's own: it can be reused there (the queue ahead finishes first),
 never pulled from there yet.
 
-Bounded: at most `max_keys` block keys; the oldest dispatches are forgotten first. A dispatch is
-also forgotten when its request is observed: by then the index reports what the worker holds.
-The default 200,000 keys (3.2M prompt tokens in flight at 16-token blocks) take about 20 MB:
-10.6 MB of table under tracemalloc, plus the prompts' key tuples it keeps alive.
+Not every block key is filed: one every `stride_tokens` tokens of the prompt (every 16th key at
+the gateway's 16-token blocks, every key at the traces' 512-token ones) and the prompt's last, so a
+32K-token prompt costs 128 dictionary entries, not 2,048; a prefix is then credited to the last
+filed key it reaches, at most `stride_tokens` short. Bounded: at most `max_keys` filed keys, the
+oldest dispatches forgotten first; a dispatch is also forgotten when its request is observed, by
+when the index reports what the worker holds. The default 200,000 keys take about 20 MB (10.6 MB
+of table under tracemalloc, plus the prompts' key tuples it keeps alive).
 """
 
 from __future__ import annotations
@@ -23,33 +26,43 @@ from collections import OrderedDict
 class InflightPrefixes:
     """Chained block keys of dispatched prompts -> the prefill instance computing them.
 
-    Every dispatch files its whole key chain and a key maps to its newest dispatch, while
-    forgetting goes oldest first. A key whose dispatch is forgotten is therefore one no newer
-    dispatch shares, so the keys present for any prompt always form a prefix of its chain and the
-    longest one is found by bisection."""
+    Every dispatch files the keys at its chain's stride positions (and its last), a key maps to
+    its newest dispatch, and forgetting goes oldest first. A key whose dispatch is forgotten is
+    therefore one no newer dispatch shares, so the stride positions present for any prompt always
+    form a prefix of its chain: the deepest is found by bisection, then the few positions before
+    the next stride point are looked at for a dispatch's last key."""
 
-    __slots__ = ("_by_key", "_dispatches", "_keys", "_next", "max_keys")
+    __slots__ = ("_by_key", "_dispatches", "_keys", "_next", "max_keys", "stride_tokens")
 
-    def __init__(self, max_keys: int = 200_000) -> None:
+    def __init__(self, max_keys: int = 200_000, stride_tokens: int = 256) -> None:
         if max_keys < 1:
             raise ValueError(f"max_keys must be at least 1, not {max_keys!r}")
+        if stride_tokens < 1:
+            raise ValueError(f"stride_tokens must be at least 1, not {stride_tokens!r}")
         self.max_keys = max_keys
+        self.stride_tokens = stride_tokens
         self._by_key: dict[int, tuple[int, str]] = {}  # key -> (dispatch number, instance id)
-        self._dispatches: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()  # request -> (number, keys)
+        self._dispatches: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()  # request -> (number, keys filed)
         self._keys = 0  # keys filed by the dispatches remembered
         self._next = 0
 
     def __len__(self) -> int:
         return len(self._dispatches)
 
-    def add(self, request_id: str, block_keys: tuple[int, ...], instance_id: str) -> None:
+    def _stride(self, block_size: int) -> int:
+        return max(1, self.stride_tokens // max(1, block_size))
+
+    def add(self, request_id: str, block_keys: tuple[int, ...], instance_id: str, block_size: int = 16) -> None:
         """`request_id` was sent to `instance_id`, which will compute (or reuse) `block_keys`."""
+        self.forget(request_id)
         if not block_keys:
             return
-        self.forget(request_id)
-        if len(block_keys) > self.max_keys:  # a tail alone would break the prefix property
+        stride = self._stride(block_size)
+        keys = block_keys[stride - 1::stride]
+        if len(block_keys) % stride:
+            keys += (block_keys[-1],)
+        if len(keys) > self.max_keys:  # a tail alone would break the prefix property
             return
-        keys = block_keys
         self._next += 1
         number = self._next
         self._dispatches[request_id] = (number, keys)
@@ -59,8 +72,7 @@ class InflightPrefixes:
         for key in keys:
             by_key[key] = entry
         while self._keys > self.max_keys:
-            oldest = next(iter(self._dispatches))
-            self.forget(oldest)
+            self.forget(next(iter(self._dispatches)))
 
     def forget(self, request_id: str) -> None:
         """The dispatch is done with (observed, failed): its keys go unless a newer one shares them."""
@@ -75,16 +87,22 @@ class InflightPrefixes:
             if entry is not None and entry[0] == number:
                 del by_key[key]
 
-    def longest(self, block_keys: tuple[int, ...]) -> tuple[str, int] | None:
+    def longest(self, block_keys: tuple[int, ...], block_size: int = 16) -> tuple[str, int] | None:
         """(instance, leading blocks) of the longest in-flight prefix of `block_keys`, or None."""
         by_key = self._by_key
-        if not block_keys or block_keys[0] not in by_key:
+        if not by_key or not block_keys:
             return None
-        lo, hi = 1, len(block_keys)  # keys[:lo] are present; find the largest such lo
+        stride = self._stride(block_size)
+        lo, hi = 0, len(block_keys) // stride  # stride points 1..lo are present; find the largest lo
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if block_keys[mid - 1] in by_key:
+            if block_keys[mid * stride - 1] in by_key:
                 lo = mid
             else:
                 hi = mid - 1
-        return by_key[block_keys[lo - 1]][1], lo
+        # a dispatch whose prompt ends between this stride point and the next filed its last key there
+        for blocks in range(min(len(block_keys), (lo + 1) * stride - 1), lo * stride, -1):
+            entry = by_key.get(block_keys[blocks - 1])
+            if entry is not None:
+                return entry[1], blocks
+        return None if lo == 0 else (by_key[block_keys[lo * stride - 1]][1], lo * stride)

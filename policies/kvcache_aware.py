@@ -318,7 +318,7 @@ class KvCacheAwarePolicy(BasePolicy):
 
     def _with_inflight(self, request: RequestView) -> RequestView:
         """`request` with the longest prefix in flight counted as cached on its instance."""
-        found = None if self.inflight is None else self.inflight.longest(request.block_keys)
+        found = None if self.inflight is None else self.inflight.longest(request.block_keys, request.block_size)
         if found is None:
             return request
         instance, blocks = found
@@ -365,7 +365,7 @@ class KvCacheAwarePolicy(BasePolicy):
             return
         self._rejected_in_a_row = 0
         if decision.prefill is not None and self.inflight is not None:
-            self.inflight.add(request.request_id, request.block_keys, decision.prefill)
+            self.inflight.add(request.request_id, request.block_keys, decision.prefill, request.block_size)
         if decision.prefill is None or decision.predicted_ttft_s is None:
             return
         chosen = _chosen_candidates(decision)

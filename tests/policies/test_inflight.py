@@ -16,70 +16,90 @@ def chain(*keys: int) -> tuple[int, ...]:
     return tuple(keys)
 
 
+ONE = 256  # a block size at which every key is filed (stride 256 tokens = one block)
+
+
 def test_longest_is_the_deepest_key_of_the_chain_present_and_names_its_instance() -> None:
     t = InflightPrefixes()
-    t.add("a", chain(1, 2, 3, 4), "p0")
-    t.add("b", chain(1, 2, 9), "p1")  # shares two blocks, newer: those now point to p1
-    assert t.longest(chain(1, 2, 3, 4, 5)) == ("p0", 4)
-    assert t.longest(chain(1, 2, 9, 7)) == ("p1", 3)
-    assert t.longest(chain(1, 2)) == ("p1", 2)
-    assert t.longest(chain(8, 2, 3)) is None
-    assert t.longest(()) is None
+    t.add("a", chain(1, 2, 3, 4), "p0", ONE)
+    t.add("b", chain(1, 2, 9), "p1", ONE)  # shares two blocks, newer: those now point to p1
+    assert t.longest(chain(1, 2, 3, 4, 5), ONE) == ("p0", 4)
+    assert t.longest(chain(1, 2, 9, 7), ONE) == ("p1", 3)
+    assert t.longest(chain(1, 2), ONE) == ("p1", 2)
+    assert t.longest(chain(8, 12, 13), ONE) is None
+    assert t.longest((), ONE) is None
 
 
 def test_forgetting_keeps_what_a_newer_dispatch_shares() -> None:
     t = InflightPrefixes()
-    t.add("a", chain(1, 2, 3), "p0")
-    t.add("b", chain(1, 2), "p1")
+    t.add("a", chain(1, 2, 3), "p0", ONE)
+    t.add("b", chain(1, 2), "p1", ONE)
     t.forget("a")
-    assert t.longest(chain(1, 2, 3)) == ("p1", 2)
+    assert t.longest(chain(1, 2, 3), ONE) == ("p1", 2)
     t.forget("b")
-    assert t.longest(chain(1, 2, 3)) is None and len(t) == 0
+    assert t.longest(chain(1, 2, 3), ONE) is None and len(t) == 0
     t.forget("never-added")  # harmless
 
 
 def test_the_bound_forgets_oldest_first_and_a_chain_past_it_is_not_filed() -> None:
     t = InflightPrefixes(max_keys=6)
-    t.add("a", chain(1, 2, 3), "p0")
-    t.add("b", chain(10, 11, 12), "p1")
-    t.add("c", chain(20, 21), "p2")  # 8 keys: "a" goes
-    assert t.longest(chain(1, 2, 3)) is None
-    assert t.longest(chain(10, 11, 12)) == ("p1", 3) and t.longest(chain(20, 21)) == ("p2", 2)
-    t.add("d", tuple(range(100, 107)), "p3")  # 7 keys: more than the bound, not filed at all
-    assert t.longest(tuple(range(100, 107))) is None
+    t.add("a", chain(1, 2, 3), "p0", ONE)
+    t.add("b", chain(10, 11, 12), "p1", ONE)
+    t.add("c", chain(20, 21), "p2", ONE)  # 8 keys: "a" goes
+    assert t.longest(chain(1, 2, 3), ONE) is None
+    assert t.longest(chain(10, 11, 12), ONE) == ("p1", 3) and t.longest(chain(20, 21), ONE) == ("p2", 2)
+    t.add("d", tuple(range(100, 107)), "p3", ONE)  # 7 keys: more than the bound, not filed at all
+    assert t.longest(tuple(range(100, 107)), ONE) is None
     with pytest.raises(ValueError):
         InflightPrefixes(max_keys=0)
 
 
-def test_bisection_agrees_with_a_linear_scan_under_random_churn() -> None:
+@pytest.mark.parametrize("block_size", [ONE, 64, 16])  # every key filed, every 4th, every 16th
+def test_bisection_credits_the_prefix_a_linear_scan_finds_less_at_most_a_stride(block_size: int) -> None:
     rng = random.Random(7)
     t = InflightPrefixes(max_keys=200)
-    live: dict[str, tuple[tuple[int, ...], str]] = {}
+    stride = max(1, 256 // block_size)
+    live: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # request -> (chain, keys filed)
     order: list[str] = []
     for step in range(3000):
         # chains of a small tree: prompts share prefixes as real ones do
-        depth = rng.randint(1, 12)
-        keys = tuple(rng.randint(0, 2) * 100 + i for i in range(depth))
-        keys = tuple(hash(keys[: i + 1]) for i in range(depth))
+        depth = rng.randint(1, 40)
+        raw = tuple(rng.randint(0, 2) * 100 + i for i in range(depth))
+        keys = tuple(hash(raw[: i + 1]) for i in range(depth))
         if rng.random() < 0.3 and order:
             rid = order.pop(rng.randrange(len(order)))
             t.forget(rid)
             live.pop(rid, None)
         rid = f"r{step}"
-        t.add(rid, keys, f"p{step % 4}")
-        live[rid] = (keys, f"p{step % 4}")
+        t.add(rid, keys, f"p{step % 4}", block_size)
+        filed = keys[stride - 1::stride] + ((keys[-1],) if depth % stride else ())
+        live[rid] = (keys, filed)
         order.append(rid)
-        while sum(len(k) for k, _ in live.values()) > 200:  # the table's own eviction, mirrored
+        while sum(len(f) for _, f in live.values()) > 200:  # the table's own eviction, mirrored
             oldest = next(iter(live))
             live.pop(oldest)
             order.remove(oldest)
-        probe = (*keys[:rng.randint(1, depth)], 123456789)
+        probe = (*keys[: rng.randint(1, depth)], 123456789)
         present = {k for ks, _ in live.values() for k in ks}
-        expect = 0
-        while expect < len(probe) and probe[expect] in present:
-            expect += 1
-        found = t.longest(probe)
-        assert (found[1] if found else 0) == expect
+        shared = 0  # the longest prefix of the probe some remembered dispatch is computing
+        while shared < len(probe) and probe[shared] in present:
+            shared += 1
+        found = t.longest(probe, block_size)
+        blocks = found[1] if found else 0
+        assert shared - stride < blocks <= shared, (step, shared, blocks)
+        if found:  # and the instance named is one computing that much of it
+            owners = {f"p{int(r[1:]) % 4}" for r, (ks, _) in live.items() if ks[:blocks] == probe[:blocks]}
+            assert found[0] in owners
+
+
+def test_a_long_prompt_files_a_key_every_stride_and_its_last() -> None:
+    t = InflightPrefixes()
+    keys = tuple(range(1000, 1000 + 2050))  # 32,800 tokens at 16 per block
+    t.add("long", keys, "p0", 16)
+    assert t._keys == 2050 // 16 + 1  # 128 stride points and the last key
+    assert t.longest(keys, 16) == ("p0", 2050)
+    assert t.longest((*keys[:2010], 7), 16) == ("p0", 2000)  # the stride point below 2,010 blocks
+    assert t.longest(keys[:15], 16) is None  # shorter than one stride and not a filed last key
 
 
 BS = 16
