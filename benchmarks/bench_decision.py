@@ -2,7 +2,9 @@
 
 One command: `python benchmarks/bench_decision.py [--n 5000] [--seed 0]`. Prints wall and thread-CPU
 p50/p99 per policy in microseconds, and each policy's CPU p50 as a ratio to round robin's. Conductor's goal for
-`kvcache_aware` is p99 <= 1 ms.
+`kvcache_aware` is p99 <= 1 ms. `--grid` instead prints, for every policy, the thread-CPU p50/p99 of a
+decision as the gateway takes it (`decide` and `on_decided`, where a policy remembers) at 4 to 1,024
+instances (half prefill, half decode) and 1K to 128K-token prompts.
 
 The workload: 8192 prompt tokens with their 512 block keys; the cache index reports prefixes of
 several lengths on 6 prefill instances (device and host tiers) and in the store; every prefill
@@ -115,6 +117,40 @@ def measure(
     return sorted(wall), sorted(cpu)
 
 
+GRID_INSTANCES = (4, 16, 64, 256, 1024)
+GRID_PROMPTS = (1024, 8192, 32768, 131072)
+GRID_POLICIES = ("round_robin", "random", "least_loaded", "sglang_cache_aware", "dynamo_kv", "llmd", "kvcache_aware")
+
+
+def decision_cpu(name: str, cases: list[tuple[RequestView, ClusterSnapshot]]) -> list[float]:
+    """Thread-CPU microseconds of decide + on_decided per case, sorted (after 20 warm-up cases)."""
+    policy = load_policy(name, {"online": False} if name == "kvcache_aware" else {})
+    for req, snap in cases[:20]:
+        policy.on_decided(req, snap, policy.decide(req, snap))
+    gc.collect()
+    cpu = []
+    for req, snap in cases[20:]:
+        c0 = time.thread_time_ns()
+        policy.on_decided(req, snap, policy.decide(req, snap))
+        cpu.append((time.thread_time_ns() - c0) / 1e3)
+    return sorted(cpu)
+
+
+def grid(n: int) -> None:
+    print(f"decision (decide + on_decided) thread-CPU p50 / p99 in us, {n} decisions per cell;"
+          " instances half prefill, half decode")
+    cells = {(i, p): scaled_cases(i, n + 20, seed=i + p, prompt=p) for i in GRID_INSTANCES for p in GRID_PROMPTS}
+    head = f"{'instances':>10}" + "".join(f"{f'{p // 1024}K-token prompt':>20}" for p in GRID_PROMPTS)
+    for name in GRID_POLICIES:
+        print(f"\n{name}\n{head}")
+        for i in GRID_INSTANCES:
+            row = []
+            for p in GRID_PROMPTS:
+                cpu = decision_cpu(name, cells[i, p])
+                row.append(f"{statistics.median(cpu):.0f} / {pct(cpu, 0.99):.0f}")
+            print(f"{i:>10}" + "".join(f"{r:>20}" for r in row))
+
+
 def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -123,7 +159,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=5000, help="decisions per policy")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grid", action="store_true", help="decision CPU by instances and prompt length, every policy")
     args = ap.parse_args()
+    if args.grid:
+        grid(min(args.n, 300))
+        return
     rng = random.Random(args.seed)
     cases = [make_case(rng, i) for i in range(args.n)]
     runs: list[tuple[str, str, dict[str, object]]] = [
