@@ -1,13 +1,19 @@
-"""Simulated vs live goodput for one configuration (issue 6): the same trace slice, the same policy
-and the same timing model, once through the trace simulator and once through a real gateway in
-front of emulated vLLM workers. Prints both goodputs and their ratio (target: within 10%).
+"""Simulated vs live goodput (issue 6): the same trace slice, the same policies and the same timing
+model, once through the trace simulator and once through a real gateway in front of emulated vLLM
+workers. Prints both goodputs and their ratio for each policy (target: within 10%), and with
+several policies the ratio of each to the first, simulated and live side by side.
 
-    python benchmarks/bench_sim_vs_live.py [--limit 300] [--speedup 4] [--length-scale 0.25] \
-        [--slo-ttft 0.5] [--slo-tbt 0.025] [--noise 0.05] [--seed 0]
+    python benchmarks/bench_sim_vs_live.py [--trace conversation] [--policies kvcache_aware,round_robin] \
+        [--limit 300] [--speedup 4] [--length-scale 0.25] [--slo-ttft 0.5] [--slo-tbt 0.025] [--noise 0.05]
+
+Policies are specs as `conductor replay --compare` takes them (`kvcache_aware:ttft_slack=null`);
+kvcache_aware runs with predicted admission unless the spec says otherwise. The simulator allows
+no prefix pulls (`pull: none`): the live NIXL cluster's only pull is a decode's readback of a
+non-streamed answer, and the replay streams.
 
 Configuration: 2 prefill + 2 decode emulators (nixl P/D, time scale 1, lognormal noise) behind
-`conductor serve --policy kvcache_aware` with KV-cache awareness (the demo cluster of
-conductor.demo_cluster); the first `--limit` requests of the bundled conversation trace, lengths
+`conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
+conductor.demo_cluster); the first `--limit` requests of the bundled trace, lengths
 scaled by `--length-scale` (traces.synth: shared hash ids -> shared token prefixes) and arrivals
 `--speedup` times faster. The simulator replays the same scaled requests (same block structure) on
 2P+2D with `traces.sim.truth.truth_from_emulator`: the emulators' own profile, so both sides time
@@ -38,6 +44,7 @@ from traces.live import replay_live
 from traces.sim.config import SimConfig
 from traces.sim.engine import simulate
 from traces.sim.results import RunResult
+from traces.sim.runner import PolicySpec, parse_specs
 from traces.sim.truth import truth_from_emulator
 from traces.synth import PromptSynthesizer
 
@@ -51,26 +58,37 @@ def scaled_requests(requests: list[TraceRequest], synth: PromptSynthesizer) -> l
                                 block_tokens=synth.block_tokens(r)) for r in requests]
 
 
-def run_sim(args: argparse.Namespace, requests: list[TraceRequest], options: dict[str, object]) -> RunResult:
+def policy_options(spec: PolicySpec) -> dict[str, object]:
+    """The spec's options; kvcache_aware with predicted admission and no pulls unless it says."""
+    options = dict(spec.options)
+    if spec.name == "kvcache_aware":
+        options.setdefault("admission", "predicted")
+        options.setdefault("allow_pull", False)
+    return options
+
+
+def run_sim(args: argparse.Namespace, requests: list[TraceRequest], spec: PolicySpec) -> RunResult:
     config = SimConfig(
         n_prefill=N_PREFILL, n_decode=N_DECODE, truth=truth_from_emulator(load_profile()),
         slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt), speedup=args.speedup, noise=args.noise, seed=args.seed,
-        model=MODEL,
+        model=MODEL, pull="none",
     )
-    return simulate(load_policy("kvcache_aware", options), requests, config)
+    return simulate(load_policy(spec.name, policy_options(spec)), requests, config)
 
 
 def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: PromptSynthesizer,
-             options: dict[str, object]) -> RunResult:
-    spec = ClusterSpec(
-        n_prefill=N_PREFILL, n_decode=N_DECODE, pd_protocol="nixl", policy="kvcache_aware", model=MODEL,
+             spec: PolicySpec) -> RunResult:
+    options = policy_options(spec)
+    options.pop("allow_pull", None)  # the gateway derives what it can pull from its protocol
+    cluster_spec = ClusterSpec(
+        n_prefill=N_PREFILL, n_decode=N_DECODE, pd_protocol="nixl", policy=spec.name, model=MODEL,
         time_scale=1.0, noise=args.noise, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
         policy_options=options,
     )
     with tempfile.TemporaryDirectory(prefix="sim-vs-live-") as tmp:
         group = ChildGroup(Path(tmp))
         try:
-            cluster = start_cluster(spec, group)
+            cluster = start_cluster(cluster_spec, group)
             wait_ready(cluster, group)
             result = asyncio.run(replay_live(
                 cluster.gateway_url, requests, time_scale=args.speedup, slo_ttft_s=args.slo_ttft,
@@ -83,12 +101,15 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
 
 def _row(name: str, r: RunResult) -> str:
     return (f"{name:>5}  {r.requests:>8}  {r.completed:>9}  {r.rejected:>8}  {r.slo_met:>7}  {r.goodput_rps:>9.3f}  "
-            f"{r.ttft.p50:>8.3f}  {r.ttft.p99:>8.3f}  {r.tbt.mean * 1e3:>8.2f}")
+            f"{r.ttft.p50:>8.3f}  {r.ttft.p99:>8.3f}  {r.tbt.mean * 1e3:>8.2f}  "
+            f"{r.prefix_hit_local + r.prefix_hit_remote:>6.0%}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--limit", type=int, default=300, help="first N requests of the conversation trace")
+    ap.add_argument("--trace", default="conversation", help="bundled trace name or path")
+    ap.add_argument("--policies", default="kvcache_aware", help="comma-separated policy specs")
+    ap.add_argument("--limit", type=int, default=300, help="first N requests of the trace")
     ap.add_argument("--speedup", type=float, default=4.0, help="arrivals this many times faster")
     ap.add_argument("--length-scale", type=float, default=0.25, help="prompt and output lengths x this")
     ap.add_argument("--slo-ttft", type=float, default=0.5)
@@ -96,28 +117,41 @@ def main() -> int:
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma, emulators and simulator")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    try:
+        specs = parse_specs(args.policies)
+    except ValueError as exc:
+        ap.error(str(exc))
 
-    raw = list(load_trace(resolve_trace("conversation"), limit=args.limit).requests)
+    raw = list(load_trace(resolve_trace(args.trace), limit=args.limit).requests)
     synth = PromptSynthesizer(args.length_scale, seed=args.seed)
     requests = scaled_requests(raw, synth)
-    options: dict[str, object] = {"admission": "predicted"}
     span = (raw[-1].arrival_s - raw[0].arrival_s) / args.speedup
-    print(f"{len(raw)} requests of the conversation trace, lengths x{args.length_scale:g}, {args.speedup:g}x faster "
+    print(f"{len(raw)} requests of {args.trace}, lengths x{args.length_scale:g}, {args.speedup:g}x faster "
           f"({span:.0f} s of arrivals); {N_PREFILL}P+{N_DECODE}D, SLO TTFT {args.slo_ttft} s / TBT {args.slo_tbt} s, "
           f"noise {args.noise}", file=sys.stderr)
-    t0 = time.perf_counter()
-    sim = run_sim(args, requests, options)
-    t_sim = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    live = run_live(args, raw, synth, options)
-    t_live = time.perf_counter() - t0
-    print(f"\n{'':>5}  {'requests':>8}  {'completed':>9}  {'rejected':>8}  {'SLO met':>7}  {'goodput/s':>9}  "
-          f"{'TTFT p50':>8}  {'TTFT p99':>8}  {'TBT ms':>8}")
-    print(_row("sim", sim))
-    print(_row("live", live))
-    ratio = sim.goodput_rps / live.goodput_rps if live.goodput_rps > 0 else float("inf")
-    print(f"\ngoodput sim / live = {ratio:.3f} (target 0.90-1.10); rejections sim {dict(sim.rejections)}, "
-          f"live {dict(live.rejections)}; wall: sim {t_sim:.1f} s, live {t_live:.1f} s")
+    pairs = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        sim = run_sim(args, requests, spec)
+        t_sim = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        live = run_live(args, raw, synth, spec)
+        t_live = time.perf_counter() - t0
+        pairs.append((spec, sim, live))
+        print(f"\n{spec.label or spec.name}\n{'':>5}  {'requests':>8}  {'completed':>9}  {'rejected':>8}  "
+              f"{'SLO met':>7}  {'goodput/s':>9}  {'TTFT p50':>8}  {'TTFT p99':>8}  {'TBT ms':>8}  {'hit':>6}")
+        print(_row("sim", sim))
+        print(_row("live", live))
+        ratio = sim.goodput_rps / live.goodput_rps if live.goodput_rps > 0 else float("inf")
+        print(f"goodput sim / live = {ratio:.3f} (target 0.90-1.10); rejections sim {dict(sim.rejections)}, "
+              f"live {dict(live.rejections)}; wall: sim {t_sim:.1f} s, live {t_live:.1f} s")
+    if len(pairs) > 1:
+        first_sim, first_live = pairs[0][1].goodput_rps, pairs[0][2].goodput_rps
+        print(f"\ngoodput / {pairs[0][0].label or pairs[0][0].name}:")
+        for spec, sim, live in pairs[1:]:
+            s_ratio = first_sim / sim.goodput_rps if sim.goodput_rps else float("inf")
+            l_ratio = first_live / live.goodput_rps if live.goodput_rps else float("inf")
+            print(f"  against {spec.label or spec.name}: sim {s_ratio:.3f}, live {l_ratio:.3f}")
     return 0
 
 

@@ -91,12 +91,13 @@ def test_the_next_turn_pulls_the_last_turns_kv_from_the_decode(pair: Pair) -> No
     # "fail") and the gateway computes the prefix on the same prefill instead. That fallback must give
     # the right answer too; a real pull must happen in one of three conversations.
     for attempt in range(3):
-        failed_before = readbacks(gw, "failed")
+        # counted from here: a failed attempt's second turn also left a handle (its answer was not streamed)
+        failed_before, recorded_before, pulled_before = (readbacks(gw, e) for e in ("failed", "recorded", "pulled"))
         turn1 = words(2101 + 10 * attempt, 300)  # 301 tokens with BOS: 9 full blocks
         first, obs1 = gw.post("/v1/completions", {**GEN, "prompt": turn1})
         assert "kv_transfer_params" not in first or first["kv_transfer_params"] is None, \
             "the decode's readback params (worker addresses) reached the client"
-        assert readbacks(gw, "recorded") == attempt + 1
+        assert readbacks(gw, "recorded") == recorded_before + 1
         forget_on_prefill(pair, turn1)
 
         turn2 = turn1 + " " + words(2102 + 10 * attempt, 60)  # 361 tokens, starting with all of turn 1's prompt
@@ -118,7 +119,7 @@ def test_the_next_turn_pulls_the_last_turns_kv_from_the_decode(pair: Pair) -> No
             assert after["local_compute"] - before["local_compute"] == 361 - pulled
             # predicted = what the worker reported: the pull is a cache hit the index promised and got
             assert obs2.cached_tokens == obs2.predicted_cached_tokens == pulled
-            assert readbacks(gw, "pulled") == attempt + 1
+            assert readbacks(gw, "pulled") == pulled_before + 1
             assert obs1.decode == obs2.decode == "decode-0"
         forget_on_prefill(pair, turn2)
         direct = pair.prefill.post("/v1/completions", {**GEN, "prompt": turn2})
