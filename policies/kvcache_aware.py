@@ -36,12 +36,9 @@ compares that with what happened, records the errors, and feeds the predictors' 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 from conductor.core.types import (
-    CachedPrefix,
     CandidateScore,
     ClusterSnapshot,
     Decision,
@@ -62,7 +59,7 @@ from policies.estimate import (
     prefill_pool,
     remote_sources,
 )
-from policies.inflight import InflightPrefixes
+from policies.inflight import InflightPrefixes, placement_rank, with_inflight
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK, prefill_features
@@ -161,7 +158,7 @@ class KvCacheAwarePolicy(BasePolicy):
         instance is still weighed; building and logging a score for each of hundreds would cost
         more than deciding.
         `ttft_slack` (0 < s <= 1; None: off, Algorithm 1's lowest TTFT; prefill pools only, see
-        _placement_rank): among the instances whose predicted prefill leg fits in s times the
+        policies.inflight.placement_rank): among the instances whose predicted prefill leg fits in s times the
         request's TTFT SLO, the one that computes least (its cached prefix and a pull cover the
         most), the lowest TTFT among equals; the lowest TTFT when none fits or the request has no
         TTFT SLO. Affinity is broken only where the SLO needs it: placing every request where it
@@ -226,11 +223,11 @@ class KvCacheAwarePolicy(BasePolicy):
         # every instance is weighed (the same predictions, bit for bit, as estimating each in full);
         # full estimates are built only for the few a decision lists (see listed_indices). A prefix
         # in flight counts as its instance's own, not as a source: nothing can pull it yet
-        weighed = PoolPrefillEstimates(pred, self._with_inflight(request), prefills, sources,
+        weighed = PoolPrefillEstimates(pred, with_inflight(self.inflight, request), prefills, sources,
                                        allow_pull=bool(sources), disaggregated=disaggregated)
         ttfts, keep = weighed.ttfts, self.listed_candidates
         predicted = self.admission is AdmissionMode.PREDICTED
-        rank = self._placement_rank(request, weighed, disaggregated)
+        rank = placement_rank(self.ttft_slack, request, weighed, disaggregated)
         if disaggregated:
             best_i = min(range(len(ttfts)), key=rank)  # the first of equals, as min() of estimates
             # the decode instance is chosen by its load now, dispatched-but-prefilling streams
@@ -315,38 +312,6 @@ class KvCacheAwarePolicy(BasePolicy):
             candidates=candidates,
             unlisted_candidates=unlisted,
         )
-
-    def _with_inflight(self, request: RequestView) -> RequestView:
-        """`request` with the longest prefix in flight counted as cached on its instance."""
-        found = None if self.inflight is None else self.inflight.longest(request.block_keys, request.block_size)
-        if found is None:
-            return request
-        instance, blocks = found
-        tokens = min(blocks * request.block_size, request.prompt_tokens)
-        own = request.cached.get(instance)
-        if own is not None and own.tokens >= tokens:
-            return request
-        return replace(request, cached={**request.cached, instance: CachedPrefix(tokens)})
-
-    def _placement_rank(self, request: RequestView, weighed: PoolPrefillEstimates,
-                        disaggregated: bool) -> Callable[[int], Any]:
-        """The sort key of prefill candidates, best lowest: the predicted TTFT or, with
-        `ttft_slack` on a prefill pool, those within the slack first and by least compute among
-        them. Not on mixed workers: there the prefills queued on a worker slow every stream it
-        decodes, which its TBT prediction does not see, and piling them on the prefix's holder
-        cost the TBT SLO (live, 4 mixed emulated workers, tool-agent trace at 4x: 24% of
-        requests met both SLOs against 100%)."""
-        ttfts = weighed.ttfts
-        slo = request.slo.ttft_s
-        if self.ttft_slack is None or slo is None or not disaggregated:
-            return ttfts.__getitem__
-        limit = self.ttft_slack * slo
-        works = weighed.works()
-
-        def rank(i: int) -> tuple[int, float, float]:
-            return (0, works[i], ttfts[i]) if ttfts[i] <= limit else (1, 0.0, ttfts[i])
-
-        return rank
 
     # ---- remembering ----------------------------------------------------------------------
 
