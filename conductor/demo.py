@@ -50,6 +50,7 @@ from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_
 if TYPE_CHECKING:
     from traces.formats import TraceRequest
     from traces.live import LiveResult
+    from traces.sim.runner import PolicySpec
 
 T = TypeVar("T")
 DEFAULT_TRACE = "conversation-head400"
@@ -170,17 +171,15 @@ def demo_main(argv: list[str] | None = None) -> int:
     if not requests:
         print(f"conductor demo: trace {args.trace} has no usable requests", file=sys.stderr)
         return 2
-    log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="conductor-demo-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    policies = [args.policy, *(p.strip() for p in (args.compare or "").split(",") if p.strip())]
     from traces.sim.runner import PolicySpec
 
-    try:
-        for policy in policies:
-            PolicySpec.parse(policy)
-    except ValueError as exc:  # before any process starts
+    try:  # "name" or "name:option=value:...", as the replay CLI takes them; refused before anything starts
+        policies = [PolicySpec.parse(p) for p in (args.policy, *(args.compare or "").split(",")) if p.strip()]
+    except ValueError as exc:
         print(f"conductor demo: {exc}", file=sys.stderr)
         return 2
+    log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="conductor-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     groups: list[ChildGroup] = []
     results: list[LiveResult] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -189,7 +188,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     try:
         for policy in policies:
             # each policy on a cluster of its own, started cold: no run inherits another's caches
-            run_dir = log_dir if len(policies) == 1 else log_dir / re.sub(r"[^\w.-]+", "_", policy)
+            run_dir = log_dir if len(policies) == 1 else log_dir / re.sub(r"[^\w.-]+", "_", policy.label)
             run_dir.mkdir(parents=True, exist_ok=True)
             group = ChildGroup(run_dir)
             groups.append(group)
@@ -221,14 +220,13 @@ def demo_main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _run(args: argparse.Namespace, policy: str, requests: Sequence[TraceRequest], group: ChildGroup,
+def _run(args: argparse.Namespace, chosen: PolicySpec, requests: Sequence[TraceRequest], group: ChildGroup,
          log_dir: Path, started: float) -> LiveResult:
-    """Start a cluster routed by `policy`, replay the requests through it, return what happened."""
+    """Start a cluster routed by `chosen`, replay the requests through it, return what happened."""
     from traces.live import TextProgress, replay_live
-    from traces.sim.runner import PolicySpec
     from traces.synth import PromptSynthesizer
 
-    chosen = PolicySpec.parse(policy)  # "name" or "name:option=value:...", as the replay CLI takes them
+    policy = chosen.label  # the spec as given: the run's name in the output
     options: dict[str, object] = dict(chosen.options)
     if chosen.name == "kvcache_aware" and args.time_scale != 1.0 and "predictor_params" not in options:
         options["predictor_params"] = _scaled_params(args.time_scale, log_dir)

@@ -38,14 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from conductor.core.types import (
-    CandidateScore,
-    ClusterSnapshot,
-    Decision,
-    Observation,
-    RequestView,
-    Role,
-)
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView, Role
 from policies.admission import AdmissionMode, admit, parse_mode
 from policies.base import NO_INSTANCE, BasePolicy, listed_indices, no_instance
 from policies.estimate import (
