@@ -155,6 +155,12 @@ def prefix_plan(
     return best_transfer, best_prefill, prefix, pulled, source
 
 
+def _local_prefix(request: RequestView, inst: InstanceView, n: int) -> int:
+    own = request.cached.get(inst.id)
+    # a prefix in this instance's device or host memory is local; a "store" entry is not
+    return min(own.tokens, n - 1) if own is not None and own.tier is not Tier.STORE else 0
+
+
 def estimate_prefill(
     pred: Predictors,
     request: RequestView,
@@ -165,11 +171,8 @@ def estimate_prefill(
     disaggregated: bool = True,
 ) -> PrefillEstimate:
     n = max(1, request.prompt_tokens)
-    own = request.cached.get(inst.id)
-    # a prefix in this instance's device or host memory is local; a "store" entry is not
-    local = min(own.tokens, n - 1) if own is not None and own.tier is not Tier.STORE else 0
     best_transfer, best_prefill, prefix, pulled, source = prefix_plan(
-        pred, n, local, sources if allow_pull else (), inst.id
+        pred, n, _local_prefix(request, inst, n), sources if allow_pull else (), inst.id
     )
     queue = pred.queue_s(inst.prefill_queue)
     handoff = pred.transfer_s(n) if disaggregated else 0.0
@@ -187,17 +190,19 @@ def estimate_prefill(
 
 
 class PoolPrefillEstimates:
-    """estimate_prefill for every instance of a pool, built in full only where it can differ.
+    """estimate_prefill for every instance of a pool, made no more often than it can differ.
 
     An instance that neither holds a prefix of the request (in `request.cached`) nor is a pull
     source gets the same prefix plan as every other such instance (local prefix 0, the same
     sources): its predicted TTFT differs from theirs only by its own queue. So the plan is made
-    once and each of those instances costs one queue estimate, not a PrefillEstimate and a walk over
-    the sources. `ttfts[i]` is bit for bit estimate_prefill(...).ttft_s of `prefills[i]` (the same
-    float operations in the same order) and `estimate(i)` an equal PrefillEstimate.
+    once and each of those instances costs one queue estimate, not a walk over the sources. The
+    others get their own plan. A PrefillEstimate is built only for the instances a decision lists
+    (`estimate(i)`): most are weighed and dropped. `ttfts[i]` is bit for bit
+    estimate_prefill(...).ttft_s of `prefills[i]` (the same float operations in the same order) and
+    `estimate(i)` an equal PrefillEstimate.
     """
 
-    __slots__ = ("_full", "_handoff", "_plan", "_queues", "prefills", "ttfts")
+    __slots__ = ("_handoff", "_plan", "_plans", "_queues", "prefills", "ttfts")
 
     def __init__(
         self,
@@ -211,32 +216,29 @@ class PoolPrefillEstimates:
     ) -> None:
         n = max(1, request.prompt_tokens)
         self.prefills = prefills
-        self._plan = transfer, prefill, _, _, _ = prefix_plan(pred, n, 0, sources if allow_pull else (), None)
+        usable = sources if allow_pull else ()
+        self._plan = transfer, prefill, _, _, _ = prefix_plan(pred, n, 0, usable, None)
         self._handoff = handoff = pred.transfer_s(n) if disaggregated else 0.0
-        # an instance named like a source (the store's "store" included) skips that source: in full
+        # an instance named like a source (the store's "store" included) skips that source: its own plan
         singular = request.cached.keys() | ({s[1] for s in sources} if allow_pull else set())
         queue_s = pred.queue_s
         self._queues = queues = [queue_s(inst.prefill_queue) for inst in prefills]
         self.ttfts = [transfer + queue + prefill + handoff for queue in queues]  # estimate_prefill's sum, in its order
-        self._full: dict[int, PrefillEstimate] = {}
-        for i in [i for i, inst in enumerate(prefills) if inst.id in singular]:
-            self._full[i] = est = estimate_prefill(
-                pred, request, prefills[i], sources, allow_pull=allow_pull, disaggregated=disaggregated
-            )
-            self.ttfts[i] = est.ttft_s
+        self._plans: dict[int, tuple[float, float, int, int, str | None]] = {}
+        for i, inst in enumerate(prefills):
+            if inst.id in singular:
+                self._plans[i] = plan = prefix_plan(pred, n, _local_prefix(request, inst, n), usable, inst.id)
+                self.ttfts[i] = plan[0] + queues[i] + plan[1] + handoff
 
     def works(self) -> list[float]:
         """Each instance's own prefill compute (`PrefillEstimate.prefill_s`): what placing the
         request there takes from the pool's capacity, pulls and its cached prefix excluded."""
-        plan = self._plan[1]
-        full = self._full
-        return [full[i].prefill_s if i in full else plan for i in range(len(self.prefills))]
+        shared = self._plan[1]
+        plans = self._plans
+        return [plans[i][1] if i in plans else shared for i in range(len(self.prefills))]
 
     def estimate(self, i: int) -> PrefillEstimate:
-        full = self._full.get(i)
-        if full is not None:
-            return full
-        transfer, prefill, prefix, pulled, source = self._plan
+        transfer, prefill, prefix, pulled, source = self._plans.get(i) or self._plan
         return PrefillEstimate(
             instance=self.prefills[i],
             ttft_s=self.ttfts[i],

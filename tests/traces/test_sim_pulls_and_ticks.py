@@ -189,3 +189,16 @@ def test_the_pull_setting_reaches_kvcache_aware() -> None:
 def test_sim_config_rejects_an_unknown_pull_mode() -> None:
     with pytest.raises(ValueError, match="pull must be one of"):
         cfg(pull="rdma")
+
+
+def test_the_simulator_lists_only_the_chosen_candidates_unless_told() -> None:
+    """Nothing in a simulation logs a decision's candidates, so build_policy asks kvcache_aware for
+    the chosen ones only; a spec's own `listed_candidates` wins, and the decisions are the same."""
+    trace = tool_agent_trace()
+    c = cfg(p=4, d=2, truth=fit_truth(prefill_scale=7.0))
+    quick = build_policy(PolicySpec("kvcache_aware", {"admission": "none"}), c)
+    listed = build_policy(PolicySpec("kvcache_aware", {"admission": "none", "listed_candidates": 8}), c)
+    assert isinstance(quick, KvCacheAwarePolicy) and isinstance(listed, KvCacheAwarePolicy)
+    assert (quick.listed_candidates, listed.listed_candidates) == (1, 8)
+    a, b = simulate(quick, trace, c), simulate(listed, trace, c)
+    assert (a.goodput_rps, a.ttft, a.prefix_hit_remote) == (b.goodput_rps, b.ttft, b.prefix_hit_remote)
