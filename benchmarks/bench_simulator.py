@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from traces.formats import reusable_prefix_share
 from traces.sim.options import add_cluster_args, config_from_args, describe
 from traces.sim.results import RunResult
 from traces.sim.runner import PolicySpec, SimJob, default_workers, load_requests, run_job, run_jobs
@@ -169,16 +170,23 @@ RATIO_BASELINES = ("random", "round_robin", "least_loaded", "sglang_cache_aware"
 RATIO_GOAL = 1.15  # kvcache_aware / best baseline, on at least two of the three workloads; never below 1.0
 
 
+def _hit(r: RunResult) -> float:
+    return r.prefix_hit_local + r.prefix_hit_remote + r.prefix_hit_store
+
+
 def bench_ratios() -> None:
     print("== kvcache_aware against the best baseline, equal fitted predictors and predicted admission,")
     print("   at the loads where the best baseline meets 80-90% and 60-70% of both SLOs; 8P+8D --paper, peer pulls")
     print("   'Algorithm 1' is kvcache_aware as the paper states it: lowest predicted TTFT, blind to prefixes in")
     print("   flight (ttft_slack none, inflight_prefixes false)")
+    print("   hit: prefix-cache hit rate of the served prompts (local + pulled), best baseline / kvcache_aware;")
+    print("   reusable: the trace's own bound on any policy's hit rate (traces.formats.reusable_prefix_share)")
     head = (f"{'workload':>13}  {'speed-up':>8}  {'best baseline':>18}  {'its SLO met':>11}  {'goodput':>7}  "
-            f"{'kvcache_aware':>13}  {'ratio':>5}  {'Algorithm 1':>11}  {'ratio':>5}")
+            f"{'kvcache_aware':>13}  {'ratio':>5}  {'Algorithm 1':>11}  {'ratio':>5}  {'hit':>9}  {'reusable':>8}")
     print(head)
     wins: dict[str, list[float]] = {}
     for trace, loads in RATIO_LOADS.items():
+        reusable = reusable_prefix_share(load_requests(trace))
         for speedup in loads:
             config = config_from_args(_args("--paper", "--speedup", str(speedup)), 8, 8)
             specs = [PolicySpec(n, {"fit_predictors": True}, n) for n in RATIO_BASELINES]
@@ -191,7 +199,7 @@ def bench_ratios() -> None:
             wins.setdefault(trace, []).append(ratio)
             print(f"{trace:>13}  {speedup:>7.1f}x  {best.policy:>18}  {best.slo_attainment:>10.0%}  "
                   f"{best.goodput_rps:7.2f}  {ours.goodput_rps:13.2f}  {ratio:5.2f}  {alg1.goodput_rps:11.2f}  "
-                  f"{alg1.goodput_rps / best.goodput_rps:5.2f}")
+                  f"{alg1.goodput_rps / best.goodput_rps:5.2f}  {_hit(best):.0%} / {_hit(ours):.0%}  {reusable:8.0%}")
     reached = [t for t, rs in wins.items() if min(rs) >= RATIO_GOAL]
     floor = min(r for rs in wins.values() for r in rs)
     print(f"goal: >= {RATIO_GOAL}x at both loads on at least two workloads, never below 1.0x: "

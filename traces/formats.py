@@ -18,7 +18,7 @@ import gzip
 import io
 import json
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
@@ -270,3 +270,21 @@ class TraceRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def reusable_prefix_share(requests: Sequence[TraceRequest]) -> float:
+    """Share of all prompt tokens that lie in a prefix some earlier request (by arrival) had: the
+    prefix-cache hit rate of a cluster with unbounded caches that every request could pull from.
+    No placement can reuse more, so it bounds what cache-aware scheduling can save on a trace."""
+    seen: set[int] = set()
+    reused = total = 0
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        n = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            n += 1
+        reused += min(n * r.block_tokens, r.input_length)
+        total += r.input_length
+        seen.update(r.hash_ids)
+    return reused / total if total else 0.0

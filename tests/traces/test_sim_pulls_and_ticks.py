@@ -128,6 +128,50 @@ def test_a_pull_takes_its_transfer_time_before_the_prefill() -> None:
     assert pol.observed["r1"].queue_and_prefill_s == pytest.approx(t.transfer_s(1024) + t.prefill_s(476, 1024))
 
 
+def test_pulls_from_one_holder_queue_on_its_outbound_link() -> None:
+    """prefill-1 and prefill-2 pull the same 2-block prefix from prefill-0 at the same moment: one
+    sender, so the second pull starts when the first ends (the receivers' links are both free)."""
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        if r.seq == 0:
+            return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
+        return Decision(r.request_id, "s", prefill=f"prefill-{r.seq}", decode=f"decode-{r.seq}",
+                        pull_from="prefill-0", pull_tokens=1024)
+
+    c = cfg(p=3, d=3)
+    pol = Recording(route)
+    simulate(pol, [req(0.0, 1024, 2, (1, 2)), req(5.0, 1500, 2, (1, 2, 3)), req(5.0, 1500, 2, (1, 2, 4))], c)
+    t = c.truth
+    pull, prefill = t.transfer_s(1024), t.prefill_s(476, 1024)
+    first, second = pol.observed["r1"].queue_and_prefill_s, pol.observed["r2"].queue_and_prefill_s
+    assert first == pytest.approx(pull + prefill)
+    assert second == pytest.approx(2 * pull + prefill)
+
+
+def test_a_handoff_waits_for_its_prefills_outbound_link() -> None:
+    """A pull from prefill-0 that is still on the wire when prefill-0 finishes its own prefill
+    delays that prefill's P -> D handoff, and so its first token, by what is left of the pull."""
+    big = tuple(range(1, 121))  # 60K tokens: a pull long enough to outlast a short prefill
+
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        if r.seq in (0, 2):
+            return Decision(r.request_id, "s", prefill="prefill-0", decode=f"decode-{r.seq // 2}")
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-1", pull_from="prefill-0",
+                        pull_tokens=60_000)
+
+    c = cfg(p=2, d=2)
+    t = c.truth
+    pol = Recording(route)
+    trace = [req(0.0, 61_440, 2, big), req(100.0, 61_500, 2, (*big, 500)), req(100.0, 200, 2, (900,))]
+    simulate(pol, trace, c)
+    pull_end = 100.0 + t.transfer_s(60_000)
+    short = pol.observed["r2"]
+    assert short.queue_and_prefill_s is not None and short.ttft_s is not None
+    assert 100.0 + short.queue_and_prefill_s < pull_end  # the setting: its prefill ends mid-pull
+    handoff_start = pull_end
+    first_token = handoff_start + t.transfer_s(200) + t.decode.tbt_s(1, 200)
+    assert 100.0 + short.ttft_s == pytest.approx(first_token)
+
+
 def tool_agent_trace(sessions: int = 24, turns: int = 5) -> list[TraceRequest]:
     """Agent sessions over a shared 4-block system prompt, each turn extending its own history by
     2 blocks: any instance holds the system prompt, only some hold a session's history."""

@@ -12,10 +12,12 @@ from traces.formats import (
     MOONCAKE_BLOCK_TOKENS,
     RecordedOutcome,
     TraceRecorder,
+    TraceRequest,
     bundled_trace,
     load_recorded,
     load_trace,
     resolve_trace,
+    reusable_prefix_share,
 )
 
 
@@ -86,3 +88,17 @@ def test_recorder_round_trip(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="closed"):
         rec.record(arrival_s=1, input_length=1, output_length=1, block_keys=(), block_size=16,
                    outcome=RecordedOutcome("ok"))
+
+
+def test_reusable_prefix_share_counts_prefixes_seen_earlier_only() -> None:
+    def r(t: float, n: int, ids: tuple[int, ...]) -> TraceRequest:
+        return TraceRequest(arrival_s=t, input_length=n, output_length=1, hash_ids=ids, line=1)
+
+    trace = [
+        r(2.0, 1500, (1, 2, 9)),  # blocks 1, 2 seen before (by arrival), then a miss: 1024 reused
+        r(0.0, 1024, (1, 2)),  # first: nothing reused
+        r(3.0, 1200, (7, 1, 2)),  # block 7 is new, so its prefix is: 0 reused (1, 2 are not a prefix)
+        r(4.0, 300, (1,)),  # a prompt shorter than its one block: its 300 tokens
+    ]
+    assert reusable_prefix_share(trace) == pytest.approx((1024 + 300) / (1024 + 1500 + 1200 + 300))
+    assert reusable_prefix_share([]) == 0.0

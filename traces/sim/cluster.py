@@ -122,7 +122,8 @@ class Job:
 class PrefillInstance:
     """FCFS prefill queue with a local prefix cache; one prefill runs at a time."""
 
-    __slots__ = ("busy_s", "cache", "id", "link_free", "queue", "running", "version", "view", "view_at", "view_version")
+    __slots__ = ("busy_s", "cache", "id", "link_free", "out_free", "queue", "running", "version", "view", "view_at",
+                 "view_version")
 
     def __init__(self, instance_id: str, cache_tokens: int, block_tokens: int) -> None:
         self.id = instance_id
@@ -131,6 +132,7 @@ class PrefillInstance:
         self.running = False
         self.busy_s = 0.0
         self.link_free = 0.0  # inbound KV link (pulled prefixes) is busy until then
+        self.out_free = 0.0  # outbound KV link (P -> D handoffs, pulls from here) is busy until then
         self.version = 0  # bumps whenever the queue changes
         self.view: InstanceView | None = None  # the last view built for policies, reused while fresh
         self.view_at = -1.0

@@ -12,11 +12,16 @@ Modelling choices (documented, deliberate):
   (`pull_tokens`: tokens pulled beyond its own prefix), and only over a mechanism the cluster has
   (`SimConfig.pull`: peer-to-peer, store, both or none; a pull over a missing one is refused and
   counted in `extra["refused_pulls"]`).
-* Pulled prefixes travel over the destination's inbound link while the job waits in the queue; the
-  prefill starts when it is at the head and the pull is done.
-* After prefill, the whole prompt's KV goes to the decode instance over its inbound link; the first
-  token comes one decode step after the request joins the decode batch. Waiting for decode KV space
-  therefore shows up in TTFT.
+* Every instance has one inbound and one outbound KV link, each carrying one transfer at a time
+  (a NIC's bandwidth shared by concurrent transfers finishes them no sooner in total). A peer pull
+  holds the holder's outbound link and the destination's inbound link; the pooled store is striped
+  over many nodes and has no single sender. So pulls of a hot prefix from one holder queue behind
+  each other, and behind the holder's own P -> D handoffs.
+* Pulled prefixes travel while the job waits in the queue; the prefill starts when it is at the
+  head and the pull is done.
+* After prefill, the whole prompt's KV goes to the decode instance over the prefill's outbound and
+  the decode's inbound link; the first token comes one decode step after the request joins the
+  decode batch. Waiting for decode KV space therefore shows up in TTFT.
 * Every finished prefill writes its blocks to the store (when configured) and its local cache.
 """
 
@@ -200,8 +205,13 @@ class Simulator:
         if prefix <= local_tokens:
             return
         job.pull_src, job.pull_prefix = src, prefix
-        start = max(self.now, p.link_free)
-        job.ready_at = p.link_free = start + self.truth.transfer_s(prefix - local_tokens)
+        if src == STORE_SOURCE:
+            start = max(self.now, p.link_free)
+            job.ready_at = p.link_free = start + self.truth.transfer_s(prefix - local_tokens)
+        else:  # the holder's outbound link too: pulls of one hot prefix queue behind each other
+            holder = self.prefills[self.p_index[src]]
+            start = max(self.now, p.link_free, holder.out_free)
+            job.ready_at = p.link_free = holder.out_free = start + self.truth.transfer_s(prefix - local_tokens)
 
     # -- prefill ----------------------------------------------------------------------------
     def _try_start(self, p_idx: int) -> None:
@@ -238,8 +248,8 @@ class Simulator:
         p.cache.touch(job.req.hash_ids)
         self.store.touch(job.req.hash_ids)
         d = self.decodes[job.decode]
-        start = max(self.now, d.link_free)
-        d.link_free = start + self.truth.transfer_s(job.req.input_length)
+        start = max(self.now, d.link_free, p.out_free)
+        d.link_free = p.out_free = start + self.truth.transfer_s(job.req.input_length)
         self._push(d.link_free, _DECODE_ARRIVE, job.decode, job)
         self._try_start(p_idx)
 
