@@ -24,6 +24,12 @@ time (a 429 or an error counts as not met); the prefix-cache hit rate is the wor
 Runs alternate their router order per repeat; with `--repeat N` a cell shows the median and the
 min..max of the goodput. The box is shared: read the ratios measured in one run, not the figures.
 
+`--load aiperf` sends the same slice with NVIDIA's aiperf instead of the project's client (a load
+generator none of the routers wrote; benchmarks/aiperf_load.py says how, and what it is given): the
+same summary and table. It needs its own virtualenv too (`--aiperf` names its executable):
+
+    python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf
+
 The peers live in their own virtual environments (as in benchmarks/bench_gateway.py):
 
     python3 -m venv /tmp/vr-venv && /tmp/vr-venv/bin/pip install vllm-router
@@ -51,6 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+from benchmarks.aiperf_load import DEFAULT_AIPERF, replay_aiperf
 from conductor.demo_cluster import ChildGroup, free_ports
 from traces.formats import TraceRequest, load_trace, resolve_trace
 from traces.live import LiveResult, replay_live
@@ -229,11 +236,15 @@ def run_one(spec: RouterSpec, requests: Sequence[TraceRequest], synth: PromptSyn
         # the prefix cache that counts is where prompts are computed: mixed or prefill workers
         urls = _urls(workers, "mixed") or _urls(workers, "prefill")
         before = worker_prefix_counters(urls)
-        # text prompts: the peers' cache-aware policies match prompts as text (module docstring)
-        result = asyncio.run(replay_live(
-            url, requests, time_scale=speedup, concurrency_limit=args.concurrency, slo_ttft_s=args.slo_ttft,
-            slo_tbt_s=args.slo_tbt, synthesizer=synth, model=MODEL, label=spec.name, request_timeout_s=300.0,
-            text_prompts=True))
+        if args.load == "aiperf":  # aiperf synthesizes its own text from the hash ids (aiperf_load.py)
+            result = replay_aiperf(url, requests, time_scale=speedup, synthesizer=synth, model=MODEL,
+                                   slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, work_dir=log_dir / "aiperf",
+                                   aiperf=args.aiperf, label=spec.name, request_timeout_s=300.0)
+        else:  # text prompts: the peers' cache-aware policies match prompts as text (module docstring)
+            result = asyncio.run(replay_live(
+                url, requests, time_scale=speedup, concurrency_limit=args.concurrency, slo_ttft_s=args.slo_ttft,
+                slo_tbt_s=args.slo_tbt, synthesizer=synth, model=MODEL, label=spec.name, request_timeout_s=300.0,
+                text_prompts=True))
         after = worker_prefix_counters(urls)
         if spec.kind == "conductor":
             print("   ", gateway_kv_figures(url), file=sys.stderr)
@@ -313,14 +324,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft", type=float, default=1.5, help="TTFT SLO, seconds (0.5 s times --time-scale)")
     ap.add_argument("--slo-tbt", type=float, default=0.12, help="TBT SLO, seconds (40 ms times --time-scale)")
     ap.add_argument("--noise", type=float, default=0.05, help="workers' timing noise (lognormal sigma)")
-    ap.add_argument("--concurrency", type=int, default=256, help="most requests in flight at the client")
+    ap.add_argument("--concurrency", type=int, default=256, help="most requests in flight at the client (--load client only)")
     ap.add_argument("--routers", default=",".join(s.name for s in ROUTERS), help="comma-separated column names")
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router") or "/tmp/vr-venv/bin/vllm-router")
     ap.add_argument("--sglang-router", default="/tmp/sr-venv/bin/python",
                     help="the Python of the virtualenv sglang-router is installed in")
+    ap.add_argument("--load", choices=("client", "aiperf"), default="client",
+                    help="load generator: the project's client (traces/live.py) or NVIDIA's aiperf")
+    ap.add_argument("--aiperf", default=DEFAULT_AIPERF, help="the aiperf executable (--load aiperf)")
     ap.add_argument("--json", dest="json_out", default=None, help="write every run's summary here")
     ap.add_argument("--quick", action="store_true", help="120 requests at one speed-up (4x unless --rates), once (< 2 minutes)")
     args = ap.parse_args(argv)
+    if args.load == "aiperf" and not Path(args.aiperf).exists():
+        ap.error(f"--load aiperf: {args.aiperf} not found (see the module docstring to install it)")
     if args.quick:
         args.requests, args.repeat = 120, 1
         args.rates = "4" if args.rates == ap.get_default("rates") else args.rates.split(",")[0]
@@ -333,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(synth.synthesize(r).prompt) for r in requests)
     print(f"{len(requests)} requests of {args.trace} (after {args.skip}), {tokens} prompt tokens, "
           f"{args.workers} {args.shape} workers (time scale {args.time_scale:g}), SLO TTFT {args.slo_ttft:g}s "
-          f"TBT {args.slo_tbt:g}s", file=sys.stderr)
+          f"TBT {args.slo_tbt:g}s, load by {args.load}", file=sys.stderr)
     out: dict[str, Any] = {"settings": vars(args), "rates": {}}
     tables = []
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
