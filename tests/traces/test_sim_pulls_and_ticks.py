@@ -172,6 +172,27 @@ def test_a_handoff_waits_for_its_prefills_outbound_link() -> None:
     assert 100.0 + short.ttft_s == pytest.approx(first_token)
 
 
+@pytest.mark.parametrize("handoff", ["whole", "layerwise"])
+def test_a_layerwise_handoff_leaves_only_the_last_layer_after_the_prefill(handoff: str) -> None:
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
+
+    c = cfg(kv_handoff=handoff, kv_layers=4)
+    t = c.truth
+    pol = Recording(route)
+    n = 20_000
+    simulate(pol, [req(0.0, n, 2, tuple(range(1, 41)))], c)
+    o = pol.observed["r0"]
+    prefill = t.prefill_s(n, 0)
+    assert o.queue_and_prefill_s == pytest.approx(prefill)
+    if handoff == "whole":
+        arrive = prefill + t.transfer_s(n)
+    else:  # streamed from the prefill's start; the last of 4 layers follows it
+        arrive = max(prefill + t.transfer_s(n // 4), t.transfer_s(n))
+        assert arrive < prefill + t.transfer_s(n) - 0.5 * t.transfer_s(n)  # the setting: most of it overlapped
+    assert o.ttft_s == pytest.approx(arrive + t.decode.tbt_s(1, n))
+
+
 def tool_agent_trace(sessions: int = 24, turns: int = 5) -> list[TraceRequest]:
     """Agent sessions over a shared 4-block system prompt, each turn extending its own history by
     2 blocks: any instance holds the system prompt, only some hold a session's history."""
@@ -246,3 +267,10 @@ def test_the_simulator_lists_only_the_chosen_candidates_unless_told() -> None:
     assert (quick.listed_candidates, listed.listed_candidates) == (1, 8)
     a, b = simulate(quick, trace, c), simulate(listed, trace, c)
     assert (a.goodput_rps, a.ttft, a.prefix_hit_remote) == (b.goodput_rps, b.ttft, b.prefix_hit_remote)
+
+
+@pytest.mark.parametrize(("change", "message"), [({"kv_handoff": "pipelined"}, "kv_handoff must be one of"),
+                                                 ({"kv_layers": 0}, "kv_layers must be")])
+def test_sim_config_rejects_an_unknown_handoff(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cfg(**change)  # type: ignore[arg-type]

@@ -61,12 +61,15 @@ class Job:
         "est_cached",
         "est_new",
         "finish",
+        "finish_step",
         "first_token",
+        "generated",
         "join",
         "local_tokens",
         "pred_tbt",
         "pred_ttft",
         "predicted_cached",
+        "preemptions",
         "prefill",
         "prefill_done",
         "prefill_start",
@@ -107,6 +110,9 @@ class Job:
         self.first_token = 0.0
         self.finish = 0.0
         self.start_step = 0.0
+        self.finish_step = 0.0  # the decode step its last token comes at (its heap entry's key)
+        self.generated = 0.0  # tokens decoded before its last preemption (decode_kv "preempt")
+        self.preemptions = 0
         self.batch_at_join = 0
         self.resident_at_join = 0
 
@@ -139,10 +145,24 @@ class PrefillInstance:
         self.view_version = -1
 
 
+KV_WATERMARK = 0.01  # vLLM's default: a sequence is admitted only while this share of KV blocks stays free
+
+
 class DecodeInstance:
     """Continuous batching, modelled as a fluid: between joins and finishes every running sequence
-    gains one token per step and the step time is constant, so only joins and finishes are events
-    (not every token). Sequences waiting for KV space queue FIFO."""
+    gains one token per step and the step time is constant, so only joins, finishes and (with
+    `preempt`) the moments the KV cache fills are events, not every token. Sequences waiting for
+    KV space queue FIFO.
+
+    KV space, two ways (SimConfig.decode_kv):
+    * reserve (`preempt` False): a sequence joins only when its prompt and all its output fit in
+      what the running ones reserved; nothing is ever preempted. Needs the output length up front,
+      which a real engine does not have.
+    * preempt (vLLM): a sequence joins when its context fits in the free KV now; when the running
+      sequences' growth fills the cache, the one that joined last is preempted -- its KV dropped,
+      back to the head of the queue -- and when it rejoins its whole context is recomputed on this
+      instance, a prefill every running sequence waits for (vLLM's recompute preemption).
+    """
 
     __slots__ = (
         "active",
@@ -151,6 +171,8 @@ class DecodeInstance:
         "heap",
         "id",
         "link_free",
+        "preempt",
+        "preemptions",
         "reserved",
         "steps",
         "sum_prompt",
@@ -166,17 +188,19 @@ class DecodeInstance:
         "waiting",
     )
 
-    def __init__(self, instance_id: str, truth: DecodeTruth) -> None:
+    def __init__(self, instance_id: str, truth: DecodeTruth, preempt: bool = False) -> None:
         self.id = instance_id
         self.truth = truth
+        self.preempt = preempt
+        self.preemptions = 0
         self.steps = 0.0  # decode steps done since the start (fractional between events)
-        self.t_last = 0.0
+        self.t_last = 0.0  # steps are counted up to here; later than now while a recompute stalls the batch
         self.tbt = truth.base_s
-        self.active: dict[int, Job] = {}
-        self.heap: list[tuple[float, int]] = []  # (step at which the job finishes, job seq)
+        self.active: dict[int, Job] = {}  # in join order: the last is the one preempted first
+        self.heap: list[tuple[float, int]] = []  # (step at which the job finishes, job seq); stale entries skipped
         self.sum_prompt = 0
         self.sum_start = 0.0
-        self.reserved = 0  # KV tokens reserved by running sequences (prompt + all output)
+        self.reserved = 0  # KV tokens reserved by running sequences (prompt + all output; reserve mode)
         self.waiting: deque[Job] = deque()
         self.version = 0  # bumps whenever its view changes (routing, join, finish)
         # generation of the one pending tick event: bumped each time a tick is scheduled, so a tick
@@ -190,38 +214,68 @@ class DecodeInstance:
         self.view_version = -1
 
     def advance(self, now: float) -> None:
-        if self.active and now > self.t_last:
-            self.busy_s += now - self.t_last
-            self.steps += (now - self.t_last) / self.tbt
-        self.t_last = now
+        if now > self.t_last:
+            if self.active:
+                self.busy_s += now - self.t_last
+                self.steps += (now - self.t_last) / self.tbt
+            self.t_last = now
+
+    def _resident(self) -> float:
+        return self.sum_prompt + len(self.active) * self.steps - self.sum_start
 
     def resident_kv(self) -> int:
-        n = len(self.active)
-        return int(self.sum_prompt + n * self.steps - self.sum_start)
+        return int(self._resident())
+
+    def usage(self) -> float:
+        """Share of the KV capacity in use (reserve mode: reserved)."""
+        used = self._resident() if self.preempt else self.reserved
+        return min(1.0, used / max(1, self.truth.kv_capacity_tokens))
 
     def fits(self, job: Job) -> bool:
         if not self.active:
             return True  # an empty instance takes anything: a lone over-long request must not deadlock
-        return len(self.active) < self.truth.max_batch and self.reserved + job.kv_need <= self.truth.kv_capacity_tokens
+        if len(self.active) >= self.truth.max_batch:
+            return False
+        if self.preempt:  # its context and the next step's tokens, below vLLM's 1% watermark: a join
+            # never fills the cache at once, so every join is followed by some progress
+            cap = self.truth.kv_capacity_tokens
+            need = job.req.input_length + job.generated + len(self.active) + 1
+            return self._resident() + need <= cap - cap * KV_WATERMARK
+        return self.reserved + job.kv_need <= self.truth.kv_capacity_tokens
 
     def join(self, job: Job, now: float) -> None:
+        """Add `job` to the batch (after a preemption: with the tokens it had generated)."""
         self.active[job.seq] = job
-        job.start_step = self.steps
-        job.join = now
-        heapq.heappush(self.heap, (self.steps + job.output_tokens, job.seq))
+        job.start_step = self.steps - job.generated
+        job.finish_step = job.start_step + job.output_tokens
+        if not job.generated:
+            job.join = now
+        heapq.heappush(self.heap, (job.finish_step, job.seq))
         self.sum_prompt += job.req.input_length
-        self.sum_start += self.steps
+        self.sum_start += job.start_step
         self.reserved += job.kv_need
         self.version += 1
+
+    def stall(self, now: float, seconds: float) -> None:
+        """The batch makes no progress for `seconds` from now (a rejoin's recompute)."""
+        self.advance(now)
+        self.busy_s += seconds
+        self.t_last = max(self.t_last, now) + seconds
+
+    def _leave(self, job: Job) -> None:
+        self.sum_prompt -= job.req.input_length
+        self.sum_start -= job.start_step
+        self.reserved -= job.kv_need
 
     def pop_finished(self) -> list[Job]:
         done = []
         while self.heap and self.heap[0][0] <= self.steps + 1e-6:
-            _, seq = heapq.heappop(self.heap)
-            job = self.active.pop(seq)
-            self.sum_prompt -= job.req.input_length
-            self.sum_start -= job.start_step
-            self.reserved -= job.kv_need
+            step, seq = heapq.heappop(self.heap)
+            job = self.active.get(seq)
+            if job is None or job.finish_step != step:
+                continue  # preempted: its entry went stale (a rejoin pushed a new one)
+            del self.active[seq]
+            self._leave(job)
             done.append(job)
         if done:
             self.version += 1
@@ -229,9 +283,33 @@ class DecodeInstance:
             self.sum_start = 0.0
         return done
 
+    def preempt_overflow(self) -> list[Job]:
+        """With `preempt`: while the running sequences' next step does not fit in the KV cache,
+        preempt the one that joined last (never the last one left); they go back to `waiting`'s head."""
+        out: list[Job] = []
+        cap = self.truth.kv_capacity_tokens
+        while self.preempt and len(self.active) > 1 and self._resident() + len(self.active) > cap - 1e-3:
+            _, job = self.active.popitem()
+            job.generated = self.steps - job.start_step
+            job.preemptions += 1
+            self._leave(job)
+            out.append(job)
+        if out:
+            self.preemptions += len(out)
+            self.version += 1
+            self.waiting.extendleft(out)  # the one that joined first ends up at the head, as in vLLM's FCFS queue
+        return out
+
     def retime(self, noise: float) -> float | None:
-        """New step time for the current batch; returns when the next sequence finishes."""
+        """New step time for the current batch; returns when the next sequence finishes or (with
+        `preempt`) when the KV cache fills, whichever comes first."""
         self.tbt = self.truth.tbt_s(len(self.active), self.resident_kv()) * noise
-        if not self.heap:
-            return None
-        return self.t_last + max(0.0, self.heap[0][0] - self.steps) * self.tbt
+        nxt = None
+        if self.heap:
+            nxt = self.t_last + max(0.0, self.heap[0][0] - self.steps) * self.tbt
+        n = len(self.active)
+        if self.preempt and n > 1:
+            room = self.truth.kv_capacity_tokens - self._resident() - n  # until the next step would not fit
+            full = self.t_last + max(0.0, room / n) * self.tbt
+            nxt = full if nxt is None else min(nxt, full)
+        return nxt

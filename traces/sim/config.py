@@ -12,6 +12,14 @@ from traces.sim.truth import TruthModel, fit_truth
 # "peer" pulls from another prefill instance's memory (Mooncake Transfer Engine / NIXL between
 # instances), "store" from the pooled Mooncake Store (needs store_capacity_tokens > 0), "both", "none".
 PULL_MODES: Final = ("none", "peer", "store", "both")
+# How a decode instance hands out KV space (traces/sim/cluster.py, DecodeInstance): "preempt" as
+# vLLM does (join when the context fits; preempt the last joined when the cache fills; recompute on
+# rejoin), "reserve" (join only when prompt and all output fit; never preempt).
+DECODE_KV_MODES: Final = ("preempt", "reserve")
+# How the prompt's KV goes from prefill to decode: "whole" after the prefill (vLLM's NIXL and
+# Mooncake connectors), "layerwise" streamed as each layer is computed (Mooncake's own engine).
+KV_HANDOFF_MODES: Final = ("whole", "layerwise")
+DEFAULT_KV_LAYERS: Final = 36  # Qwen3-8B, the bundled profile's model
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +49,9 @@ class SimConfig:
     # runner also hands it to policies that take an `allow_pull` option (kvcache_aware), so they
     # plan only pulls that can happen. "both": any pull a policy asks for, as before this option.
     pull: str = "both"
+    decode_kv: str = "preempt"  # DECODE_KV_MODES
+    kv_handoff: str = "whole"  # KV_HANDOFF_MODES
+    kv_layers: int = DEFAULT_KV_LAYERS  # layers the KV is streamed by (kv_handoff "layerwise"): Qwen3-8B 36, LLaMA3-70B 80
 
     def __post_init__(self) -> None:
         if self.n_prefill < 1 or self.n_decode < 1:
@@ -51,6 +62,12 @@ class SimConfig:
             raise ValueError("cache capacities must be >= 0")
         if self.pull not in PULL_MODES:
             raise ValueError(f"pull must be one of {', '.join(PULL_MODES)}, not {self.pull!r}")
+        if self.kv_handoff not in KV_HANDOFF_MODES:
+            raise ValueError(f"kv_handoff must be one of {', '.join(KV_HANDOFF_MODES)}, not {self.kv_handoff!r}")
+        if self.kv_layers < 1:
+            raise ValueError("kv_layers must be >= 1")
+        if self.decode_kv not in DECODE_KV_MODES:
+            raise ValueError(f"decode_kv must be one of {', '.join(DECODE_KV_MODES)}, not {self.decode_kv!r}")
 
     @property
     def pull_from_peer(self) -> bool:

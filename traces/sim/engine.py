@@ -20,8 +20,12 @@ Modelling choices (documented, deliberate):
 * Pulled prefixes travel while the job waits in the queue; the prefill starts when it is at the
   head and the pull is done.
 * After prefill, the whole prompt's KV goes to the decode instance over the prefill's outbound and
-  the decode's inbound link; the first token comes one decode step after the request joins the
-  decode batch. Waiting for decode KV space therefore shows up in TTFT.
+  the decode's inbound link (as vLLM's NIXL and Mooncake connectors send it); with
+  `kv_handoff="layerwise"` (Mooncake's own engine) it streams layer by layer from the prefill's
+  start and only the last layer's share follows the prefill. The first token comes one decode step
+  after the request joins the decode batch. Waiting for decode KV space therefore shows up in TTFT.
+* Decode KV space: `decode_kv` ("preempt", vLLM's recompute preemption, or "reserve"); see
+  traces/sim/cluster.py, DecodeInstance.
 * Every finished prefill writes its blocks to the store (when configured) and its local cache.
 """
 
@@ -65,7 +69,8 @@ class Simulator:
         self.truth = config.truth
         self.rng = random.Random(config.seed)
         self.prefills = [PrefillInstance(i, config.prefill_cache_tokens, 512) for i in config.prefill_ids()]
-        self.decodes = [DecodeInstance(i, config.truth.decode) for i in config.decode_ids()]
+        preempt = config.decode_kv == "preempt"
+        self.decodes = [DecodeInstance(i, config.truth.decode, preempt) for i in config.decode_ids()]
         self.p_index = {p.id: n for n, p in enumerate(self.prefills)}
         self.d_index = {d.id: n for n, d in enumerate(self.decodes)}
         self.store = BlockLRU(config.store_capacity_tokens, 512)
@@ -117,7 +122,7 @@ class Simulator:
                     streams.append(ActiveDecode(j.req.input_length, j.output_tokens, decoding=False))
             d.view = (InstanceView(
                 id=d.id, role=Role.DECODE, decodes=tuple(streams), kv_capacity_tokens=d.truth.kv_capacity_tokens,
-                kv_usage=min(1.0, d.reserved / max(1, d.truth.kv_capacity_tokens)), waiting_requests=len(d.waiting),
+                kv_usage=d.usage(), waiting_requests=len(d.waiting),
             ),)
             d.view_at, d.view_version = now, d.version
         view = d.view[0]
@@ -248,9 +253,16 @@ class Simulator:
         p.cache.touch(job.req.hash_ids)
         self.store.touch(job.req.hash_ids)
         d = self.decodes[job.decode]
-        start = max(self.now, d.link_free, p.out_free)
-        d.link_free = p.out_free = start + self.truth.transfer_s(job.req.input_length)
-        self._push(d.link_free, _DECODE_ARRIVE, job.decode, job)
+        n = job.req.input_length
+        if self.cfg.kv_handoff == "layerwise":  # each layer's KV leaves as the prefill computes it: the
+            # transfer ran from the prefill's start (behind what the links carried by now), and the
+            # last layer's share goes after the prefill ends
+            start = max(job.prefill_start, d.link_free, p.out_free)
+            arrive = max(self.now + self.truth.transfer_s(-(-n // self.cfg.kv_layers)), start + self.truth.transfer_s(n))
+        else:
+            arrive = max(self.now, d.link_free, p.out_free) + self.truth.transfer_s(n)
+        d.link_free = p.out_free = arrive
+        self._push(arrive, _DECODE_ARRIVE, job.decode, job)
         self._try_start(p_idx)
 
     # -- decode -----------------------------------------------------------------------------
@@ -280,15 +292,22 @@ class Simulator:
 
     def _admit_and_retime(self, d_idx: int) -> None:
         d = self.decodes[d_idx]
+        d.preempt_overflow()
         joined = []
         while d.waiting and d.fits(d.waiting[0]):
             job = d.waiting.popleft()
+            if job.preemptions:  # its KV was dropped: the whole context is recomputed here first
+                d.join(job, self.now)
+                context = job.req.input_length + int(job.generated)
+                d.stall(self.now, self.truth.prefill_s(context, 0) * self._noise())
+                continue
             d.join(job, self.now)
             job.batch_at_join, job.resident_at_join = len(d.active), d.resident_kv() + job.req.input_length
             joined.append(job)
         nxt = d.retime(self._noise())
+        start = max(self.now, d.t_last)  # after any recompute this admission started
         for job in joined:
-            job.first_token = self.now + d.tbt
+            job.first_token = start + d.tbt
         d.tick += 1  # whatever tick was pending is void: this one replaces it
         if nxt is not None:
             self._push(nxt, _DECODE_TICK, d_idx, d.tick)
@@ -394,7 +413,8 @@ class Simulator:
             utilisation=util, ttft_prediction=PredictionError.of(pred_ttft), tbt_prediction=PredictionError.of(pred_tbt),
             wall_s=wall_s,
             extra={"events": float(self._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in self.done),
-                   "wasted_prefills": float(self.wasted_prefill), "refused_pulls": float(self.refused_pulls)},
+                   "wasted_prefills": float(self.wasted_prefill), "refused_pulls": float(self.refused_pulls),
+                   "preemptions": float(sum(d.preemptions for d in self.decodes))},
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from conductor.core.types import Slo
-from traces.sim.config import PULL_MODES, SimConfig
+from traces.sim.config import DECODE_KV_MODES, DEFAULT_KV_LAYERS, KV_HANDOFF_MODES, PULL_MODES, SimConfig
 from traces.sim.runner import PolicySpec
 from traces.sim.truth import (
     DEFAULT_PROFILE,
@@ -16,6 +16,7 @@ from traces.sim.truth import (
 )
 
 _D = DecodeTruth()
+PAPER_KV_LAYERS = 80  # LLaMA3-70B
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,15 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    help="prefix pulls the cluster can do: from peer prefill instances, from the store "
                         "(needs --store-tokens), both, or none; policies with an allow_pull option are told")
     g.add_argument("--decode-kv-tokens", type=int, default=_D.kv_capacity_tokens, help="KV capacity per decode")
+    g.add_argument("--decode-kv", choices=DECODE_KV_MODES, default="preempt",
+                   help="decode KV space: preempt the last joined sequence when the cache fills and recompute "
+                        "it on rejoin (vLLM), or reserve prompt + all output at join and never preempt")
+    g.add_argument("--kv-handoff", choices=KV_HANDOFF_MODES, default="whole",
+                   help="P -> D KV transfer: whole after the prefill (vLLM's connectors) or layerwise, streamed "
+                        "as the prefill computes each layer (Mooncake's engine)")
+    g.add_argument("--kv-layers", type=int, default=None,
+                   help=f"layers the KV streams by with --kv-handoff layerwise (default {DEFAULT_KV_LAYERS}, Qwen3-8B; "
+                        f"{PAPER_KV_LAYERS} with --paper)")
     g.add_argument("--decode-max-batch", type=int, default=_D.max_batch, help="running sequences per decode")
     g.add_argument("--tbt-base-ms", type=float, default=_D.base_s * 1e3, help="decode step fixed cost")
     g.add_argument("--tbt-per-seq-ms", type=float, default=_D.per_seq_s * 1e3, help="decode step cost per sequence")
@@ -113,6 +123,9 @@ def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) ->
         seed=args.seed,
         observe=not args.no_observe,
         pull=args.pull,
+        decode_kv=args.decode_kv,
+        kv_handoff=args.kv_handoff,
+        kv_layers=args.kv_layers or (PAPER_KV_LAYERS if args.paper else DEFAULT_KV_LAYERS),
     )
 
 
