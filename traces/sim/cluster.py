@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 
-from conductor.core.types import InstanceView
+from conductor.core.types import ActiveDecode, InstanceView
 from traces.formats import TraceRequest
 from traces.sim.truth import DecodeTruth
 
@@ -65,7 +65,10 @@ class Job:
         "first_token",
         "generated",
         "join",
+        "kv_need",
         "local_tokens",
+        "output_tokens",
+        "pending_view",
         "pred_tbt",
         "pred_ttft",
         "predicted_cached",
@@ -88,6 +91,9 @@ class Job:
     def __init__(self, seq: int, req: TraceRequest, arrival: float) -> None:
         self.seq = seq
         self.req = req
+        self.output_tokens = max(1, req.output_length)  # a served request yields at least one token
+        self.kv_need = req.input_length + self.output_tokens  # KV it holds at its last token
+        self.pending_view: ActiveDecode | None = None  # how a decode view lists it before it decodes
         self.arrival = arrival
         self.prefill = -1
         self.decode = -1
@@ -116,13 +122,6 @@ class Job:
         self.batch_at_join = 0
         self.resident_at_join = 0
 
-    @property
-    def output_tokens(self) -> int:
-        return max(1, self.req.output_length)  # a served request yields at least one token
-
-    @property
-    def kv_need(self) -> int:
-        return self.req.input_length + self.output_tokens
 
 
 class PrefillInstance:

@@ -119,7 +119,9 @@ class Simulator:
                     gen = int(d.steps - j.start_step)
                     streams.append(ActiveDecode(j.req.input_length + gen, max(0, j.output_tokens - gen)))
                 elif self.cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
-                    streams.append(ActiveDecode(j.req.input_length, j.output_tokens, decoding=False))
+                    if j.pending_view is None:  # the same until it decodes: built once
+                        j.pending_view = ActiveDecode(j.req.input_length, j.output_tokens, decoding=False)
+                    streams.append(j.pending_view)
             d.view = (InstanceView(
                 id=d.id, role=Role.DECODE, decodes=tuple(streams), kv_capacity_tokens=d.truth.kv_capacity_tokens,
                 kv_usage=d.usage(), waiting_requests=len(d.waiting),
