@@ -123,7 +123,6 @@ class Job:
         self.resident_at_join = 0
 
 
-
 class PrefillInstance:
     """FCFS prefill queue with a local prefix cache; one prefill runs at a time."""
 
@@ -257,9 +256,9 @@ class DecodeInstance:
 
     def stall(self, now: float, seconds: float) -> None:
         """The batch makes no progress for `seconds` from now (a rejoin's recompute)."""
-        self.advance(now)
+        self.advance(now)  # t_last is now, or later while an earlier recompute still stalls the batch
         self.busy_s += seconds
-        self.t_last = max(self.t_last, now) + seconds
+        self.t_last += seconds
 
     def _leave(self, job: Job) -> None:
         self.sum_prompt -= job.req.input_length
