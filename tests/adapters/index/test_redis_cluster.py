@@ -214,19 +214,12 @@ async def test_gateway_routes_a_repeated_prefix_with_a_cluster_index(cluster: Re
 
 async def test_lookups_follow_a_master_failover() -> None:
     skip_unless_cluster_tools()
-    with redis_cluster() as nodes:  # its own cluster: the module's keeps all three masters
+    with redis_cluster(node_timeout_ms=2000) as nodes:  # its own cluster: the module's keeps all three masters
         idx = RedisClusterIndex(nodes.urls, prefix="test:failover:", timeout_s=2, write_timeout_s=2)
         try:
             keys = chain(500, 32)
             names = [f"gpu-{i}" for i in range(12)]
-            for n in names:
-                await idx.insert(n, keys, confirmed=True)
-            victim_name = names[0]
-            slot = redis.cluster.key_slot(f"{idx.tag(idx.shard_of(victim_name))}i:{victim_name}".encode())
-            victim = nodes.master_of_slot(slot)
-            _wait_replicated(nodes, victim)
-            nodes.kill(victim)
-
+            full = {n: 32 for n in names}
             seen: list[object] = []
 
             async def answers_in_full() -> bool:
@@ -236,9 +229,34 @@ async def test_lookups_follow_a_master_failover() -> None:
                     seen.append(exc)
                     raise
                 seen.append(found)
-                return found == {n: 32 for n in names}
+                return found == full
 
-            assert await eventually(answers_in_full, timeout_s=60), (seen[:3], seen[-3:], nodes.masters())
+            # Replication is asynchronous: if a loaded machine starves a master past the node timeout,
+            # its replica is promoted without the latest writes and they are gone (Redis's documented
+            # trade-off, not the index's). So write until every master's replica holds everything
+            # and the index answers in full; only then is the planned failover the test's subject.
+            for _ in range(3):
+                for n in names:
+                    await idx.insert(n, keys, confirmed=True)
+                for master in nodes.masters():
+                    _wait_replicated(nodes, master)
+                if await eventually(answers_in_full, timeout_s=10):
+                    break
+            else:
+                pytest.fail(f"writes lost before the failover: {seen[-3:]}\n{nodes.logs()}")
+            victim_name = names[0]
+            slot = redis.cluster.key_slot(f"{idx.tag(idx.shard_of(victim_name))}i:{victim_name}".encode())
+            victim = nodes.master_of_slot(slot)
+            nodes.kill(victim)
+            seen.clear()
+
+            def missing(answer: object) -> object:
+                if not isinstance(answer, dict):
+                    return answer
+                return {n: answer.get(n) for n in names if answer.get(n) != 32}
+
+            assert await eventually(answers_in_full, timeout_s=60), (
+                [missing(a) for a in seen[:3]], [missing(a) for a in seen[-3:]], nodes.masters(), nodes.logs())
             assert nodes.master_of_slot(slot) != victim  # a replica took the slot over
             # writes reach the promoted replica too (it never ran the scripts: NOSCRIPT, then EVAL)
             await idx.insert(victim_name, chain(501, 4), confirmed=True)
