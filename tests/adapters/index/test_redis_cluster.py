@@ -231,19 +231,20 @@ async def test_lookups_follow_a_master_failover() -> None:
                 seen.append(found)
                 return found == full
 
-            # Replication is asynchronous: if a loaded machine starves a master past the node timeout,
-            # its replica is promoted without the latest writes and they are gone (Redis's documented
-            # trade-off, not the index's). So write until every master's replica holds everything
-            # and the index answers in full; only then is the planned failover the test's subject.
+            # Replication is asynchronous, and an acknowledged offset is not proof of the data: here
+            # (Redis 7.0, diskless sync 5 s after the replica attached, writes inside that delay) a
+            # replica acknowledged its master's offset while holding another key set, and the
+            # promoted replica answered without the victim's instances (1 failure in ~10 runs). So
+            # write until every replica holds as many keys as its master and the index answers in
+            # full; only then is the planned failover the test's subject.
             for _ in range(3):
                 for n in names:
                     await idx.insert(n, keys, confirmed=True)
-                for master in nodes.masters():
-                    _wait_replicated(nodes, master)
-                if await eventually(answers_in_full, timeout_s=10):
+                if all([_replicated(nodes, master) for master in nodes.masters()]) and await eventually(
+                        answers_in_full, timeout_s=10):
                     break
             else:
-                pytest.fail(f"writes lost before the failover: {seen[-3:]}\n{nodes.logs()}")
+                pytest.fail(f"replicas never held their masters' data: {seen[-3:]}\n{nodes.logs()}")
             victim_name = names[0]
             slot = redis.cluster.key_slot(f"{idx.tag(idx.shard_of(victim_name))}i:{victim_name}".encode())
             victim = nodes.master_of_slot(slot)
@@ -265,16 +266,20 @@ async def test_lookups_follow_a_master_failover() -> None:
             await idx.close()
 
 
-def _wait_replicated(nodes: RedisClusterNodes, master: int, timeout_s: float = 30.0) -> None:
-    """Until the master's replica has acknowledged everything written so far (replication is async)."""
+def _replicated(nodes: RedisClusterNodes, master: int, timeout_s: float = 15.0) -> bool:
+    """Whether, within `timeout_s`, the master's replica acknowledged everything written so far and
+    holds as many keys as the master (the replica read with READONLY)."""
+    deadline = time.monotonic() + timeout_s
     with nodes.client(master) as c:
         target = int(c.info("replication")["master_repl_offset"])
-        deadline = time.monotonic() + timeout_s
         while True:
             info = c.info("replication")
-            acked = [int(v["offset"]) for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
-            if acked and max(acked) >= target:
-                return
+            replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            if replicas and max(int(v["offset"]) for v in replicas) >= target:
+                with nodes.client(int(replicas[0]["port"])) as r:
+                    r.execute_command("READONLY")
+                    if r.dbsize() == c.dbsize():
+                        return True
             if time.monotonic() > deadline:
-                raise TimeoutError(f"replica of {master} did not catch up: {info}")
+                return False
             time.sleep(0.05)
