@@ -189,6 +189,28 @@ def estimate_prefill(
     )
 
 
+def _plan_sources(sources: Sequence[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The entries of `sources` prefix_plan can use for any instance, in their order: per link
+    the first, and the first from another source than that (the one prefix_plan takes on the
+    first's own instance). prefix_plan only ever tries the first entry per link that is not the
+    instance's own, so its plan is the same from these as from all of `sources`, with a
+    fraction of the walk: every instance holding a prefix is a source and has its own plan."""
+    firsts: dict[str, str] = {}  # link -> source of its first entry
+    seconds: set[str] = set()  # links whose first entry from another source is kept too
+    out = []
+    for entry in sources:
+        _, src, link = entry
+        first = firsts.get(link)
+        if first is None:
+            firsts[link] = src
+        elif link in seconds or src == first:
+            continue
+        else:
+            seconds.add(link)
+        out.append(entry)
+    return out
+
+
 class PoolPrefillEstimates:
     """estimate_prefill for every instance of a pool, made no more often than it can differ.
 
@@ -202,7 +224,7 @@ class PoolPrefillEstimates:
     `estimate(i)` an equal PrefillEstimate.
     """
 
-    __slots__ = ("_handoff", "_plan", "_plans", "_queues", "prefills", "ttfts")
+    __slots__ = ("_built", "_handoff", "_plan", "_plans", "_queues", "prefills", "ttfts")
 
     def __init__(
         self,
@@ -216,7 +238,7 @@ class PoolPrefillEstimates:
     ) -> None:
         n = max(1, request.prompt_tokens)
         self.prefills = prefills
-        usable = sources if allow_pull else ()
+        usable = _plan_sources(sources) if allow_pull else ()
         self._plan = transfer, prefill, _, _, _ = prefix_plan(pred, n, 0, usable, None)
         self._handoff = handoff = pred.transfer_s(n) if disaggregated else 0.0
         # an instance named like a source (the store's "store" included) skips that source: its own plan
@@ -225,10 +247,24 @@ class PoolPrefillEstimates:
         self._queues = queues = [queue_s(inst.prefill_queue) for inst in prefills]
         self.ttfts = [transfer + queue + prefill + handoff for queue in queues]  # estimate_prefill's sum, in its order
         self._plans: dict[int, tuple[float, float, int, int, str | None]] = {}
+        self._built: dict[int, PrefillEstimate] = {}  # estimate(i) as built: a decision asks for the best twice
+        # a plan is a function of the local prefix and of the instance only where it is one of the
+        # sources prefix_plan would try: instances alike there (a prefix every one holds, say) share it
+        tried = {s[1] for s in usable}
+        plans: dict[tuple[int, str | None], tuple[float, float, int, int, str | None]] = {(0, None): self._plan}
         for i, inst in enumerate(prefills):
             if inst.id in singular:
-                self._plans[i] = plan = prefix_plan(pred, n, _local_prefix(request, inst, n), usable, inst.id)
+                key = (_local_prefix(request, inst, n), inst.id if inst.id in tried else None)
+                plan = plans.get(key)
+                if plan is None:
+                    plan = plans[key] = prefix_plan(pred, n, key[0], usable, key[1])
+                self._plans[i] = plan
                 self.ttfts[i] = plan[0] + queues[i] + plan[1] + handoff
+
+    @property
+    def handoff_s(self) -> float:
+        """The predicted P->D handoff of the request's KV, the same on every instance (0 mixed)."""
+        return self._handoff
 
     def works(self) -> list[float]:
         """Each instance's own prefill compute (`PrefillEstimate.prefill_s`): what placing the
@@ -238,8 +274,11 @@ class PoolPrefillEstimates:
         return [plans[i][1] if i in plans else shared for i in range(len(self.prefills))]
 
     def estimate(self, i: int) -> PrefillEstimate:
+        est = self._built.get(i)
+        if est is not None:
+            return est
         transfer, prefill, prefix, pulled, source = self._plans.get(i) or self._plan
-        return PrefillEstimate(
+        est = self._built[i] = PrefillEstimate(
             instance=self.prefills[i],
             ttft_s=self.ttfts[i],
             transfer_s=transfer,
@@ -250,6 +289,7 @@ class PoolPrefillEstimates:
             pulled_tokens=pulled,
             pull_from=source,
         )
+        return est
 
 
 def decode_loads_now(
@@ -311,12 +351,12 @@ def decode_state(
     """
     # map/attrgetter and comprehensions: this runs for every decode stream in the cluster on every
     # decision, and generator expressions cost about twice as much here
-    pending: tuple[ActiveDecode, ...] = ()
-    if all(map(_DECODING, decodes)):
-        running = decodes
-    else:
-        running = tuple(d for d in decodes if d.decoding)
-        pending = tuple(d for d in decodes if not d.decoding)
+    pending: Sequence[ActiveDecode] = ()
+    running: Sequence[ActiveDecode] = decodes
+    if not all(map(_DECODING, decodes)):  # one pass splits them (both keep the listed order)
+        running, pending = [], []
+        for d in decodes:
+            (running if d.decoding else pending).append(d)
     kv_running = sum(map(_CONTEXT, running))
     if at_s <= 0 or not running:
         if not include_pending:

@@ -139,23 +139,19 @@ def with_inflight(inflight: InflightPrefixes | None, request: RequestView) -> Re
     return replace(request, cached={**request.cached, instance: CachedPrefix(tokens)})
 
 
-def placement_rank(ttft_slack: float | None, request: RequestView, weighed: PoolPrefillEstimates,
-                   disaggregated: bool) -> Callable[[int], Any]:
-    """The sort key of prefill candidates, best lowest: the predicted TTFT or, with `ttft_slack`
-    on a prefill pool, those whose predicted leg fits `ttft_slack` x the TTFT SLO first, by least
+def placement_rank(limit_s: float | None, weighed: PoolPrefillEstimates) -> Callable[[int], Any]:
+    """The sort key of prefill candidates, best lowest: the predicted TTFT or, given `limit_s`,
+    those whose predicted prefill leg (pull, queue, prefill) is at most `limit_s` first, by least
     compute among them (a prefix in flight, which cannot be pulled yet, is what makes instances
-    differ there). Not on mixed workers: there the prefills queued on a worker slow every stream
-    it decodes, which its TBT prediction does not see, and piling them on the prefix's holder cost
-    the TBT SLO (live, 4 mixed emulated workers, tool-agent trace at 4x: 24% of requests met both
-    SLOs against 100%)."""
+    differ there), the lowest TTFT among equals; the rest after them by TTFT. The caller derives
+    the limit from the request's TTFT SLO (KvCacheAwarePolicy's `ttft_slack`)."""
     ttfts = weighed.ttfts
-    slo = request.slo.ttft_s
-    if ttft_slack is None or slo is None or not disaggregated:
+    if limit_s is None:
         return ttfts.__getitem__
-    limit = ttft_slack * slo
+    legs = [t - weighed.handoff_s for t in ttfts]
     works = weighed.works()
 
     def rank(i: int) -> tuple[int, float, float]:
-        return (0, works[i], ttfts[i]) if ttfts[i] <= limit else (1, 0.0, ttfts[i])
+        return (0, works[i], ttfts[i]) if legs[i] <= limit_s else (1, 0.0, ttfts[i])
 
     return rank

@@ -19,6 +19,8 @@ Prediction itself (`LinearModel.predict`) is plain float arithmetic: it runs on 
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,7 +95,39 @@ def _linear(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _LOSSES = {"linear": _linear, "soft_l1": _soft_l1, "huber": _huber}
 _NEWTON_MAX_ITER = 100
 _NEWTON_RTOL = 1e-10  # relative size of the last step that ends the iteration
-_SUBSETS: dict[int, list[np.ndarray]] = {}
+# k -> (support sets of the k coefficients in mask order, the proper ones only, each as an index
+# array; and per size, the rows of those sets and their index arrays stacked for one batched solve)
+_SUBSETS: dict[int, tuple[list[np.ndarray], dict[int, tuple[list[int], np.ndarray]]]] = {}
+
+
+def _subsets(k: int) -> tuple[list[np.ndarray], dict[int, tuple[list[int], np.ndarray]]]:
+    if k not in _SUBSETS:
+        # the full set is left out: its solution is the unconstrained one _nnls has just rejected
+        sets = [np.flatnonzero([(m >> i) & 1 for i in range(k)]) for m in range(1, (1 << k) - 1)]
+        by_size: dict[int, tuple[list[int], np.ndarray]] = {}
+        for size in sorted({len(s) for s in sets}):
+            rows = [j for j, s in enumerate(sets) if len(s) == size]
+            by_size[size] = (rows, np.array([sets[j] for j in rows]))
+        _SUBSETS[k] = (sets, by_size)
+    return _SUBSETS[k]
+
+
+def _subset_solutions(g: np.ndarray, h: np.ndarray) -> list[np.ndarray | None]:
+    """np.linalg.solve(G restricted to each proper support set, h restricted to it), in mask
+    order (None where singular). The sets of one size are solved as one stack: LAPACK solves each
+    matrix of a stack exactly as it would alone, and one call costs what a single solve does."""
+    sets, by_size = _subsets(len(h))
+    out: list[np.ndarray | None] = [None] * len(sets)
+    for rows, idx in by_size.values():
+        try:
+            subs = np.linalg.solve(g[idx[:, :, None], idx[:, None, :]], h[idx][:, :, None])
+            for j, sub in zip(rows, subs, strict=True):
+                out[j] = sub[:, 0]
+        except np.linalg.LinAlgError:  # one singular matrix fails the stack: solve them one by one
+            for j in rows:
+                with contextlib.suppress(np.linalg.LinAlgError):
+                    out[j] = np.linalg.solve(g[np.ix_(sets[j], sets[j])], h[sets[j]])
+    return out
 
 
 def _nnls(g: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -102,24 +136,30 @@ def _nnls(g: np.ndarray, h: np.ndarray) -> np.ndarray:
     k = len(h)
     try:
         p = np.linalg.solve(g, h)
-        if (p >= 0).all():
+        if p.min() >= 0:  # (p >= 0).all() in one call; False with a NaN too
             return p
     except np.linalg.LinAlgError:
         pass
-    if k not in _SUBSETS:
-        _SUBSETS[k] = [np.flatnonzero([(m >> i) & 1 for i in range(k)]) for m in range(1, 1 << k)]
+    sets = _subsets(k)[0]
     best, best_cost = np.zeros(k), 0.0  # p = 0 costs 0
-    for idx in _SUBSETS[k]:
+    for idx, sub in zip(sets, _subset_solutions(g, h), strict=True):
+        if sub is None or not sub.min() >= 0:
+            continue  # singular or infeasible: never the best, whatever it costs
         g_sub = g[np.ix_(idx, idx)]
-        try:
-            sub = np.linalg.solve(g_sub, h[idx])
-        except np.linalg.LinAlgError:
-            continue
         cost = float(0.5 * sub @ g_sub @ sub - h[idx] @ sub)
-        if (sub >= 0).all() and cost < best_cost:
+        if cost < best_cost:
             best, best_cost = np.zeros(k), cost
             best[idx] = sub
     return best
+
+
+def _absmax(v: np.ndarray) -> float:
+    """float(np.abs(v).max()) of a few coefficients, in Python floats (the same maximum, NaN
+    included): the two numpy calls cost more than the comparisons for k of 2 or 3."""
+    vals = v.tolist()
+    if any(x != x for x in vals):
+        return math.nan
+    return max(map(abs, vals))
 
 
 def _newton(a: np.ndarray, b: np.ndarray, p: np.ndarray, opts: FitOptions) -> np.ndarray:
@@ -135,15 +175,16 @@ def _newton(a: np.ndarray, b: np.ndarray, p: np.ndarray, opts: FitOptions) -> np
     r = a @ p - b
     rho, gw, cw = terms(r * r * inv_f2)
     cost = float(rho.sum())
+    p_max = _absmax(p)  # carried from one iteration's end to the next's start
     for _ in range(_NEWTON_MAX_ITER):
         hess = (cw @ outer).reshape(k, k)
         step = _nnls(hess, hess @ p - (gw * r) @ a) - p
-        size = float(np.abs(step).max())
-        if size <= _NEWTON_RTOL * max(float(np.abs(p).max()), 1e-300):
+        size = _absmax(step)
+        if size <= _NEWTON_RTOL * max(p_max, 1e-300):
             return p + step
         t = 1.0
         while True:  # backtrack until the cost does not rise (the step is a descent direction)
-            new = p + t * step
+            new = p + step if t == 1.0 else p + t * step  # 1.0 * step is step, bit for bit
             r_new = a @ new - b
             terms_new = terms(r_new * r_new * inv_f2)
             new_cost = float(terms_new[0].sum())
@@ -152,7 +193,8 @@ def _newton(a: np.ndarray, b: np.ndarray, p: np.ndarray, opts: FitOptions) -> np
             t *= 0.5
         p, r, cost = new, r_new, new_cost
         _, gw, cw = terms_new
-        if t * size <= _NEWTON_RTOL * max(float(np.abs(p).max()), 1e-300):
+        p_max = _absmax(p)
+        if t * size <= _NEWTON_RTOL * max(p_max, 1e-300):
             break
     return p
 
@@ -190,6 +232,34 @@ def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | 
     return np.asarray(sol.x / scale)
 
 
+def _median(v: np.ndarray) -> float:
+    """float(np.median(v)) of a finite 1-D array, from a partition around its middle (the
+    median's bookkeeping cost more than the partition): the same order statistics, and for an
+    even count their sum halved, as np.median's mean of the two computes it."""
+    n = len(v)
+    k = n // 2
+    if n % 2:
+        return float(np.partition(v, k)[k])
+    part = np.partition(v, (k - 1, k))
+    return (float(part[k - 1]) + float(part[k])) / 2
+
+
+def _quantile(v: np.ndarray, q: float) -> float:
+    """float(np.quantile(v, q)) of a finite 1-D array (its default "linear" method), from a
+    partition: the two order statistics around (n - 1) * q, interpolated as numpy's _lerp does
+    (from the nearer one, so the result is bit for bit numpy's)."""
+    n = len(v)
+    pos = (n - 1) * q
+    lo = math.floor(pos)
+    if lo >= n - 1:
+        return float(np.max(v))
+    part = np.partition(v, (lo, lo + 1))
+    a, b = float(part[lo]), float(part[lo + 1])
+    t = pos - lo
+    diff = b - a
+    return b - diff * (1 - t) if t >= 0.5 else a + diff * t
+
+
 def fit_linear(
     features: Sequence[Sequence[float]] | np.ndarray,
     actual: Sequence[float] | np.ndarray,
@@ -204,28 +274,35 @@ def fit_linear(
     if x.ndim != 2 or len(x) != len(y) or len(y) == 0:
         raise ValueError(f"need a 2-D feature matrix matching {len(y)} positive actuals")
     keep = np.isfinite(y) & (y > 0) & np.isfinite(x).all(axis=1)
-    x, y = x[keep], y[keep]
+    if not keep.all():  # a refit's window is nearly always clean: copy only when not
+        x, y = x[keep], y[keep]
     if len(y) == 0:
         raise ValueError("no finite positive samples to fit")
     pri = None if prior is None else np.asarray(prior, dtype=float)
     p0 = np.asarray(start if start is not None else (prior if prior is not None else np.ones(x.shape[1])), float)
     coef = _solve(x, y, p0, pri, options)
     # second pass: reject gross outliers by the MAD of log-ratios, then refit on the rest
-    inliers = np.ones(len(y), dtype=bool)
+    pred = None  # the first fit's predictions, kept while they are the final ones
+    x_in, y_in = x, y
     if len(y) >= 8 and options.mad_k > 0:
         pred = np.maximum(x @ coef, 1e-12)
         lr = np.log(y / pred)
-        med = float(np.median(lr))
-        mad = float(np.median(np.abs(lr - med))) * MAD_TO_SIGMA
+        med = _median(lr)
+        mad = _median(np.abs(lr - med)) * MAD_TO_SIGMA
         if mad > 0:
             inliers = np.abs(lr - med) <= options.mad_k * mad
-            if inliers.sum() >= x.shape[1] and not inliers.all():
-                coef = _solve(x[inliers], y[inliers], coef, pri, options)
-    pred = np.maximum(x[inliers] @ coef, 1e-12)
-    ratio = y[inliers] / pred
+            n_in = int(inliers.sum())
+            if n_in < len(y):
+                x_in, y_in = x[inliers], y[inliers]
+                pred = None
+                if n_in >= x.shape[1]:
+                    coef = _solve(x_in, y_in, coef, pri, options)
+    if pred is None:
+        pred = np.maximum(x_in @ coef, 1e-12)
+    ratio = y_in / pred
     return LinearModel(
         coef=tuple(float(c) for c in coef),
-        p90_ratio=float(np.quantile(ratio, 0.9)),
-        samples=int(inliers.sum()),
-        mape=float(np.mean(np.abs(pred - y[inliers]) / y[inliers])),
+        p90_ratio=_quantile(ratio, 0.9),
+        samples=len(y_in),
+        mape=float(np.mean(np.abs(pred - y_in) / y_in)),
     )

@@ -221,6 +221,10 @@ class Predictors:
         """Calibrated q upper bound of a prediction of `quantity` (see predictors.quantile)."""
         return self.ratios.bound(quantity, predicted, q, self._params.prefill.p90_ratio)
 
+    def largest_within(self, quantity: str, limit: float, q: float) -> float:
+        """The largest prediction of `quantity` whose calibrated q bound (`bound`) is at most `limit`."""
+        return self.ratios.largest_within(quantity, limit, q, self._params.prefill.p90_ratio)
+
     # ---- learning -------------------------------------------------------------------------
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float, instance: str = "") -> None:

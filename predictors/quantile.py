@@ -51,6 +51,9 @@ class RatioWindow:
         # decision and a ratio added on every observation: re-sorting each time dominated)
         self._sorted: list[float] = []
         self.min_samples = min_samples
+        # q -> quantile of the ratios held now (a decision asks for the same few q many times
+        # between two additions); emptied by every addition
+        self._quantiles: dict[float, float] = {}
 
     def add(self, predicted: float, actual: float) -> None:
         if predicted > 0 and actual > 0 and math.isfinite(predicted) and math.isfinite(actual):
@@ -60,6 +63,7 @@ class RatioWindow:
             ratio = (actual + self.shift) / (predicted + self.shift)
             ratios.append(ratio)
             insort(s, ratio)
+            self._quantiles.clear()
 
     def __len__(self) -> int:
         return len(self._ratios)
@@ -69,11 +73,14 @@ class RatioWindow:
         n = len(self._ratios)
         if n < self.min_samples:
             return default
-        s = self._sorted
-        pos = min(max(q, 0.0), 1.0) * (n - 1)
-        lo = int(pos)
-        hi = min(lo + 1, n - 1)
-        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+        value = self._quantiles.get(q)
+        if value is None:
+            s = self._sorted
+            pos = min(max(q, 0.0), 1.0) * (n - 1)
+            lo = int(pos)
+            hi = min(lo + 1, n - 1)
+            value = self._quantiles[q] = s[lo] + (s[hi] - s[lo]) * (pos - lo)
+        return value
 
     def bound(self, predicted: float, q: float, default_ratio: float) -> float:
         """The q upper bound of `predicted`: (predicted + shift) * q-quantile - shift, never below
@@ -81,6 +88,20 @@ class RatioWindow:
         if len(self._ratios) < self.min_samples:
             return predicted * default_ratio
         return max(0.0, (predicted + self.shift) * self.quantile(q, 1.0) - self.shift)
+
+    def largest_within(self, limit: float, q: float, default_ratio: float) -> float:
+        """The largest prediction whose `bound(prediction, q, default_ratio)` is at most `limit`
+        (bound's inverse; 0.0 when even a prediction of 0 is bounded above it, inf when every
+        one fits). A policy that wants the bound under a limit compares its point predictions
+        with this one number instead of bounding each."""
+        if limit < 0:
+            return 0.0
+        if len(self._ratios) < self.min_samples:
+            return limit / default_ratio if default_ratio > 0 else math.inf
+        ratio = self.quantile(q, 1.0)
+        if ratio <= 0:
+            return math.inf
+        return max(0.0, (limit + self.shift) / ratio - self.shift)
 
 
 class RatioWindows:
@@ -111,6 +132,13 @@ class RatioWindows:
         """The q upper bound of a prediction of `key` (RatioWindow.bound)."""
         win = self._by_key.get(key)
         return predicted * default_ratio if win is None else win.bound(predicted, q, default_ratio)
+
+    def largest_within(self, key: str, limit: float, q: float, default_ratio: float) -> float:
+        """The largest prediction of `key` bounded at most `limit` (RatioWindow.largest_within)."""
+        win = self._by_key.get(key)
+        if win is None:
+            return max(0.0, limit) / default_ratio if default_ratio > 0 else math.inf
+        return win.largest_within(limit, q, default_ratio)
 
     def clear(self) -> None:
         """Forget every ratio: they measured a model that has since been replaced."""

@@ -160,19 +160,34 @@ def test_ttft_slack_takes_the_least_compute_within_the_slack_and_the_fastest_pas
         InstanceView(id="d0", role=Role.DECODE)))
 
     def decide(slack: float | None, slo: float | None) -> tuple[str | None, dict[str, float]]:
+        """The chosen prefill and each candidate's bounded client TTFT, as the slack judges it."""
         policy = KvCacheAwarePolicy(admission="none", allow_pull=False, online=False, ttft_slack=slack)
         req = RequestView(request_id="r", seq=1, model="m", prompt_tokens=6000, max_tokens=16, block_size=BS,
                           cached={"p0": CachedPrefix(5600)}, slo=Slo(ttft_s=slo, tbt_s=1.0))
         d = policy.decide(req, cluster)
-        return d.prefill, {c.instance_id: c.predicted_ttft_s for c in d.candidates if c.predicted_ttft_s is not None}
+        pred = policy.predictors
+        tbt = next(c.predicted_tbt_s for c in d.candidates if c.instance_id == "d0")
+        assert tbt is not None
+        bounds = {}
+        for c in d.candidates:
+            if c.predicted_ttft_s is not None:
+                x = c.detail
+                client = x["transfer_s"] + x["queue_s"] + x["prefill_s"] + pred.first_token_s(x["handoff_s"], tbt)
+                bounds[c.instance_id] = pred.bound("ttft", client, 0.95)
+        return d.prefill, bounds
 
-    fastest, ttfts = decide(None, 30.0)
+    fastest, bounds = decide(None, 30.0)
     # the holder of the prefix is behind a long queue: the idle instance is faster
-    assert fastest == "p1" and ttfts["p0"] > ttfts["p1"]
-    # both within half the SLO: the holder, which computes 400 tokens instead of 6,000
-    assert decide(0.5, 2.1 * ttfts["p0"])[0] == "p0"
-    # the holder past the slack, the idle one within it: the idle one
-    assert decide(0.5, 2 * (ttfts["p0"] + ttfts["p1"]) / 2)[0] == "p1"
+    assert fastest == "p1" and bounds["p0"] > bounds["p1"]
+    # both bounds within half the SLO: the holder, which computes 400 tokens instead of 6,000
+    assert decide(0.5, 2.01 * bounds["p0"])[0] == "p0"
+    # the holder's bound past the slack, the idle one's within it: the idle one
+    assert decide(0.5, 2 * (bounds["p0"] + bounds["p1"]) / 2)[0] == "p1"
+    # the holder's point prediction of its client TTFT fits the slack, its calibrated bound does
+    # not: judged as admission judges it, the idle instance
+    point = bounds["p0"] / KvCacheAwarePolicy(online=False).predictors.params.prefill.p90_ratio
+    assert point < bounds["p0"] and bounds["p1"] < (point + bounds["p0"]) / 2
+    assert decide(0.5, 2 * (point + bounds["p0"]) / 2)[0] == "p1"
     # no TTFT SLO on the request: the slack has nothing to measure against, the fastest wins
     assert decide(0.5, None)[0] == "p1"
     with pytest.raises(ValueError):

@@ -5,7 +5,8 @@ shared prefix plan plus their own queue, reads each decode instance's load as a 
 scans mixed workers in TTFT order only until one meets the TBT SLO, and lists only the best few
 candidates. `ReferencePolicy` below is the algorithm as it was before those shortcuts (a full
 PrefillEstimate / DecodeEstimate per instance, min() over all of them, every candidate listed;
-with `ttft_slack`, min() by least compute among those within the slack):
+with `ttft_slack`, min() by least compute among those whose bounded client TTFT, computed per
+candidate, is within the slack):
 both run on thousands of seeded random clusters and must agree on everything a decision says.
 """
 
@@ -94,17 +95,26 @@ class ReferencePolicy(KvCacheAwarePolicy):
         predicted = self.admission is AdmissionMode.PREDICTED
         slack_s = (None if self.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
                    else self.ttft_slack * request.slo.ttft_s)  # mixed workers: the lowest TTFT always
+        chosen_decode: DecodeEstimate | None = None
+        if disaggregated:
+            d_ests = [estimate_decode(pred, request, d, 0.0) for d in decodes]
+            chosen_decode = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
+
+        def fits(e: PrefillEstimate) -> bool:
+            # the client TTFT with the chosen decode's TBT now, bounded as admission bounds it
+            assert slack_s is not None and chosen_decode is not None
+            client = e.transfer_s + e.queue_s + e.prefill_s + pred.first_token_s(e.handoff_s, chosen_decode.tbt_s)
+            bound = client if self.ttft_quantile is None else pred.bound("ttft", client, self.ttft_quantile)
+            return bound <= slack_s
 
         def rank(e: PrefillEstimate) -> tuple[int, float, float]:
             # within the slack the least compute first (lowest TTFT among equals), then the rest by TTFT
             if slack_s is None:
                 return (0, 0.0, e.ttft_s)
-            return (0, e.prefill_s, e.ttft_s) if e.ttft_s <= slack_s else (1, 0.0, e.ttft_s)
+            return (0, e.prefill_s, e.ttft_s) if fits(e) else (1, 0.0, e.ttft_s)
 
         if disaggregated:
             best = min(ests, key=rank)
-            d_ests = [estimate_decode(pred, request, d, 0.0) for d in decodes]
-            chosen_decode: DecodeEstimate | None = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
         else:
             d_ests = [estimate_decode(pred, request, e.instance, e.ttft_s if predicted else 0.0, None) for e in ests]
             slo = request.slo.tbt_s

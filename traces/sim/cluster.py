@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 
-from conductor.core.types import ActiveDecode, InstanceView
+from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill
 from traces.formats import TraceRequest
 from traces.sim.truth import DecodeTruth
 
@@ -41,13 +41,17 @@ class BlockLRU:
         if self.capacity_blocks <= 0:
             return
         blocks = self._blocks
+        move = blocks.move_to_end
         for h in hash_ids:
             if h in blocks:
-                blocks.move_to_end(h)
+                move(h)
             else:
                 blocks[h] = None
-        while len(blocks) > self.capacity_blocks:
-            blocks.popitem(last=False)
+        excess = len(blocks) - self.capacity_blocks
+        if excess > 0:  # a full cache evicts about as many blocks as a prompt brings in
+            pop = blocks.popitem
+            for _ in range(excess):
+                pop(False)
 
 
 class Job:
@@ -57,6 +61,7 @@ class Job:
         "arrival",
         "batch_at_join",
         "decode",
+        "decode_view",
         "dispatch",
         "est_cached",
         "est_new",
@@ -80,12 +85,14 @@ class Job:
         "pull_src",
         "pulled_remote",
         "pulled_store",
+        "queued_view",
         "ready_at",
         "req",
         "resident_at_join",
         "reused",
         "seq",
         "start_step",
+        "view_gen",
     )
 
     def __init__(self, seq: int, req: TraceRequest, arrival: float) -> None:
@@ -94,6 +101,9 @@ class Job:
         self.output_tokens = max(1, req.output_length)  # a served request yields at least one token
         self.kv_need = req.input_length + self.output_tokens  # KV it holds at its last token
         self.pending_view: ActiveDecode | None = None  # how a decode view lists it before it decodes
+        self.decode_view: ActiveDecode | None = None  # and while it decodes, as of `view_gen` tokens generated
+        self.view_gen = -1
+        self.queued_view: QueuedPrefill | None = None  # how a prefill view lists it behind the head
         self.arrival = arrival
         self.prefill = -1
         self.decode = -1

@@ -81,6 +81,7 @@ class Simulator:
         self.wasted_prefill = 0  # prefills done for requests then rejected at the decode stage
         self.refused_pulls = 0  # pulls a decision asked for over a mechanism this cluster lacks
         self.done: list[Job] = []
+        self._prefixes: dict[int, CachedPrefix] = {}  # tokens -> the one (frozen) CachedPrefix of that size
 
     # -- plumbing ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, target: int, payload: object = None) -> None:
@@ -97,15 +98,21 @@ class Simulator:
 
     def _request_view(self, job: Job) -> RequestView:
         req = job.req
+        hash_ids, block_tokens, prompt = req.hash_ids, req.block_tokens, req.input_length
+        prefixes = self._prefixes
         cached = {}
         for p in self.prefills:
-            n = p.cache.match(req.hash_ids)
+            n = p.cache.match(hash_ids)
             if n:
-                cached[p.id] = CachedPrefix(self._tokens(n, req))
-        store = self._tokens(self.store.match(req.hash_ids), req) if self.store.capacity_blocks else 0
+                tokens = min(n * block_tokens, prompt)  # _tokens, inline: 8 or more per arrival
+                prefix = prefixes.get(tokens)
+                if prefix is None:
+                    prefix = prefixes[tokens] = CachedPrefix(tokens)
+                cached[p.id] = prefix
+        store = self._tokens(self.store.match(hash_ids), req) if self.store.capacity_blocks else 0
         return RequestView(
-            request_id=f"r{job.seq}", seq=job.seq, model=self.cfg.model, prompt_tokens=req.input_length,
-            max_tokens=job.output_tokens, block_size=req.block_tokens, block_keys=req.hash_ids, cached=cached,
+            request_id=f"r{job.seq}", seq=job.seq, model=self.cfg.model, prompt_tokens=prompt,
+            max_tokens=job.output_tokens, block_size=block_tokens, block_keys=hash_ids, cached=cached,
             store_cached_tokens=store, slo=self.cfg.slo, stream=True,
         )
 
@@ -114,10 +121,15 @@ class Simulator:
         if d.view_version != d.version or now - d.view_at > self.cfg.snapshot_refresh_s or not d.view:
             d.advance(now)
             streams = []
+            active, steps = d.active, d.steps
             for j in d.assigned.values():
-                if j.seq in d.active:
-                    gen = int(d.steps - j.start_step)
-                    streams.append(ActiveDecode(j.req.input_length + gen, max(0, j.output_tokens - gen)))
+                if j.seq in active:
+                    gen = int(steps - j.start_step)
+                    entry = j.decode_view
+                    if entry is None or j.view_gen != gen:  # a stream's entry changes only as it generates
+                        j.view_gen = gen
+                        entry = j.decode_view = ActiveDecode(j.req.input_length + gen, max(0, j.output_tokens - gen))
+                    streams.append(entry)
                 elif self.cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
                     if j.pending_view is None:  # the same until it decodes: built once
                         j.pending_view = ActiveDecode(j.req.input_length, j.output_tokens, decoding=False)
@@ -136,14 +148,21 @@ class Simulator:
         # interval: building every queue for every arrival is quadratic under overload.
         now = self.now
         if p.view is None or p.view_version != p.version or now - p.view_at > self.cfg.snapshot_refresh_s:
+            # elapsed: the running head's time since it started (the only one the queue estimate
+            # subtracts); from dispatch it would include its own wait and hide its remainder. Every
+            # other entry is fixed from dispatch on: built once per job
+            queue = p.queue
+            entries = []
+            rest = iter(queue)
+            if p.running:
+                head = next(rest)
+                entries.append(QueuedPrefill(head.est_new, head.est_cached, now - head.prefill_start))
+            for j in rest:
+                if j.queued_view is None:
+                    j.queued_view = QueuedPrefill(j.est_new, j.est_cached, 0.0)
+                entries.append(j.queued_view)
             p.view = InstanceView(
-                id=p.id, role=Role.PREFILL,
-                # elapsed: the running head's time since it started (the only one the queue estimate
-                # subtracts); from dispatch it would include its own wait and hide its remainder
-                prefill_queue=tuple(
-                    QueuedPrefill(j.est_new, j.est_cached, now - j.prefill_start if k == 0 and p.running else 0.0)
-                    for k, j in enumerate(p.queue)
-                ),
+                id=p.id, role=Role.PREFILL, prefill_queue=tuple(entries),
                 waiting_requests=len(p.queue) - (1 if p.running else 0),
             )
             p.view_at, p.view_version = now, p.version
