@@ -38,6 +38,10 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
                                         "conductor/kv_agreement.py")),
     ("decision (policy, predictors)", ("policies/", "predictors/")),
     ("request parsing + validation", ("conductor/requests.py", "pydantic", "msgspec")),
+    # the server side first: "adapters/http1" below would take its frames too
+    ("HTTP server (adapters/http1_server, uvicorn, httptools)", (
+        "adapters/http1_server.py", "adapters/http1_exchange.py", "uvicorn/", "httptools", "starlette/", "fastapi/",
+        "conductor/app.py")),
     ("upstream client (HTTP/1.1, P/D legs)", ("adapters/http1", "adapters/upstream.py", "adapters/pd/")),
     ("relay + response streaming", ("conductor/relay.py", "conductor/batch_relay.py", "conductor/proxy.py",
                                     "conductor/http_errors.py")),
@@ -45,7 +49,6 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                "conductor/deadlines.py", "adapters/load_share.py",
                                                "adapters/shm_load_share.py", "conductor/readback.py",
                                                "conductor/tracing.py")),
-    ("ASGI server (uvicorn, httptools)", ("uvicorn/", "httptools", "starlette/", "fastapi/", "conductor/app.py")),
     ("event loop (asyncio, uvloop)", ("asyncio/", "uvloop")),
 )
 FRAME = re.compile(r"\((?P<file>[^():]+)(?::\d+)?\)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -65,14 +66,21 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
+def _client_left(task: asyncio.Task[Any], state: ClientState) -> None:
+    """The client went away: cancel the request's task (and with it every upstream leg) unless
+    its answer is complete or the request is past the point of caring."""
+    if state.watching and not state.response_done:
+        state.disconnected = True
+        task.cancel()
+
+
 async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: ClientState) -> None:
+    """The same for a server without the `conductor.on_disconnect` extension: a task that waits
+    in receive() for http.disconnect."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if state.response_done:
-                return
-            state.disconnected = True
-            task.cancel()
+            _client_left(task, state)
             return
 
 
@@ -102,13 +110,15 @@ class CompletionsEndpoint:
         state = ClientState()
         task = asyncio.current_task()
         assert task is not None
+        extensions = scope.get("extensions")
+        on_disconnect = extensions.get("conductor.on_disconnect") if extensions else None
         try:
             if tracing is None:
-                await self._serve(headers, request_id, client_id, receive, send, state, task)
+                await self._serve(headers, request_id, client_id, receive, send, state, task, on_disconnect)
             else:
                 with tracing.request(headers, self.path, request_id) as span:
                     span.set_attribute("conductor.client_request_id", client_id)
-                    await self._serve(headers, request_id, client_id, receive, send, state, task)
+                    await self._serve(headers, request_id, client_id, receive, send, state, task, on_disconnect)
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -121,7 +131,7 @@ class CompletionsEndpoint:
 
     async def _serve(
         self, headers: dict[str, str], request_id: str, client_id: str, receive: Receive, send: Send,
-        state: ClientState, task: asyncio.Task[Any],
+        state: ClientState, task: asyncio.Task[Any], on_disconnect: Callable[[Callable[[], None]], None] | None,
     ) -> None:
         gw = self.gateway
         loop = asyncio.get_running_loop()
@@ -141,7 +151,11 @@ class CompletionsEndpoint:
             else:
                 body = parse_request(raw, self.kind, vocab_size=vocab_size_of(gw.analyzer))  # type: ignore[arg-type]
             check_model(body["model"], gw.known_models())
-            watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
+            state.watching = True
+            if on_disconnect is not None:  # the gateway's own server tells; no task needed
+                on_disconnect(functools.partial(_client_left, task, state))
+            else:
+                watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
             slo = gw.slo_for(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TBT_HEADER))
             if self.kind in PASS_THROUGH_KINDS:  # no tokenizer path for these inputs: sized, not keyed
                 analysis = PromptAnalysis(prompt_tokens=estimate_input_tokens(body), exact=False)
@@ -170,6 +184,7 @@ class CompletionsEndpoint:
         except Exception as exc:  # noqa: BLE001 - never a traceback to the client; render() logs it
             status = await self._fail(exc, send, state, client_id)
         finally:
+            state.watching = False
             if watcher is not None:
                 watcher.cancel()
         elapsed = loop.time() - arrived

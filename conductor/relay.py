@@ -45,7 +45,7 @@ _USAGE_ONLY = b'"choices":[]'  # vLLM's final usage chunk (stream_options.includ
 class ClientState:
     """What the client has been sent; the disconnect watcher reads it."""
 
-    __slots__ = ("decode", "disconnected", "prefill", "response_done", "response_started")
+    __slots__ = ("decode", "disconnected", "prefill", "response_done", "response_started", "watching")
 
     def __init__(self) -> None:
         self.prefill: str | None = None  # where the (last) attempt went: for the access log
@@ -54,6 +54,7 @@ class ClientState:
         self.response_started = False
         # the client has the whole answer ([DONE] or the full body): a disconnect now is a normal end
         self.response_done = False
+        self.watching = False  # a client that leaves now cancels the request (proxy.py)
 
 
 @dataclass(slots=True)

@@ -57,11 +57,14 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
     """The public server's configuration, the same for one process and for each of N workers."""
     import uvicorn
 
+    from adapters.http1_server import HttpServerConnection
     from conductor.app import create_app
 
     return uvicorn.Config(
         create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=False, loop="auto", http="auto", lifespan="on",
+        # uvicorn runs the sockets, lifespan and shutdown; each connection is the gateway's own
+        # protocol (adapters/http1_server.py: one write per non-streamed answer, no watcher task)
+        access_log=False, loop="auto", http=HttpServerConnection, lifespan="on",
         # nothing reads the client's address, so uvicorn's X-Forwarded-For rewriting (a middleware
         # every request passes through) is left out
         proxy_headers=False,

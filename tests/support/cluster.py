@@ -36,8 +36,11 @@ def cluster(
     policy: Policy | None = None,
     standin: dict[str, Any] | None = None,
     tracing: Any = None,
+    gateway_http: str | None = None,
     **settings: Any,
 ) -> Iterator[Cluster]:
+    """`gateway_http`: a uvicorn protocol name ("httptools", "h11") to serve the gateway on instead
+    of its own (adapters/http1_server.py), for what must work under any ASGI server."""
     opts = standin or {}
     with ExitStack() as stack:
         c = Cluster(url="", gateway=None)  # type: ignore[arg-type]
@@ -69,7 +72,8 @@ def cluster(
         if mixed_specs:
             overrides["mixed"] = mixed_specs
         gateway = Gateway(load_settings(environ={}, overrides=overrides), policy=policy, tracing=tracing)
-        gw_server = stack.enter_context(serve(create_app(gateway)))
+        server_config = {} if gateway_http is None else {"http": gateway_http}
+        gw_server = stack.enter_context(serve(create_app(gateway), **server_config))
         c.url, c.gateway = gw_server.url, gateway
         c.servers["gateway"] = gw_server
         yield c

@@ -12,6 +12,9 @@ from typing import Any
 
 import uvicorn
 
+from adapters.http1_server import HttpServerConnection
+from conductor.app import FastPath
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,6 +47,8 @@ class ServerThread:
     def __init__(self, app: Any, port: int | None = None, **config: Any) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if "http" not in config and isinstance(app, FastPath):
+            config["http"] = HttpServerConnection  # the gateway serves on its own protocol, as in production
         self.config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False, lifespan="auto", **config
         )

@@ -1,0 +1,296 @@
+"""The gateway's HTTP/1.1 server connection: an asyncio.Protocol on httptools' request parser that
+runs an ASGI application, given to uvicorn as its `http` protocol class.
+
+uvicorn's Server keeps what it is good at (listening sockets, SO_REUSEPORT workers, the lifespan,
+signals, graceful shutdown: it only calls `connection_made`/`connection_lost` and `shutdown()` and
+watches `server_state.connections` and `.tasks`). This class replaces uvicorn's per-connection
+protocol, which on the gateway's hot path cost more than the routing itself (profiled:
+benchmarks/profile_gateway.py, docs/performance.md). What it does differently, and why:
+
+* The response head is written together with the first body piece: a non-streamed answer is one
+  `write` (one send system call) instead of two, and a stream's head rides with its first event.
+  A body that comes whole in its first message gets a Content-Length, not chunked framing.
+* Response headers are checked for CR/LF (response splitting) once over the joined head, not by
+  two regular expressions per header.
+* No asyncio.Event, flow-control object or dict copy per request: a request waits on one future,
+  created only when it has to wait.
+* `scope["extensions"]["conductor.on_disconnect"]` registers a callback for a client that goes
+  away before its answer is complete, so the gateway needs no task per request blocked in
+  `receive()` to find out (it still works that way under any other ASGI server).
+
+HTTP itself (request line, headers, chunked request bodies, keep-alive rules) is parsed by
+httptools (llhttp); nothing here parses bytes by hand. The per-request state and the ASGI
+`receive`/`send` pair live in adapters/http1_exchange.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.parse
+from collections import deque
+from typing import TYPE_CHECKING, Any, cast
+
+import httptools
+
+from adapters.http1_exchange import ServerExchange, simple_response
+
+if TYPE_CHECKING:
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+log = logging.getLogger("conductor.http")
+
+MAX_URL_BYTES = 16 * 1024  # longer targets: 414
+MAX_HEAD_BYTES = 64 * 1024  # all request header lines together; more: 431
+BODY_HIGH_WATER = 256 * 1024  # buffered request body before the socket stops being read
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing; the status is kept on the connection."""
+
+
+class HttpServerConnection(asyncio.Protocol):
+    """One client connection: parses requests, runs each as an ASGI task, one at a time
+    (pipelined requests wait their turn with the socket paused)."""
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if not config.loaded:
+            config.load()
+        self.app = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.server_state = server_state
+        self.app_state = app_state
+        self.keep_alive_s = float(config.timeout_keep_alive)
+        self.limit_concurrency = config.limit_concurrency
+        self.root_path = config.root_path
+        self.parser = httptools.HttpRequestParser(self)
+        try:  # answer the first of several pipelined requests even when the client closed after them
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # httptools < 0.6.3
+            pass
+        self.transport: asyncio.Transport | None = None
+        self.server: tuple[str, int] | None = None
+        self.client: tuple[str, int] | None = None
+        self.scheme = "http"
+        self.exchange: ServerExchange | None = None  # the request being answered
+        self.queued: deque[ServerExchange] = deque()  # pipelined requests behind it
+        self.write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self.read_paused = False
+        self._keep_alive_timer: asyncio.TimerHandle | None = None
+        # the request being parsed
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self._expect_continue = False
+        self._parsing: ServerExchange | None = None
+        self._refusal: tuple[int, str] | None = None  # why a callback stopped the parser
+        self._defaults: list[tuple[bytes, bytes]] | None = None  # uvicorn's Date/Server headers...
+        self._default_lines: list[bytes] = []  # ...as header lines (uvicorn renews the list every second)
+
+    # ---- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        self.server_state.connections.add(self)  # type: ignore[arg-type]
+        self.transport = transport
+        self.server = _address(transport.get_extra_info("sockname"))
+        self.client = _address(transport.get_extra_info("peername"))
+        if transport.get_extra_info("sslcontext") is not None:
+            self.scheme = "https"
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server_state.connections.discard(self)
+        self._cancel_keep_alive()
+        for exchange in (self.exchange, *self.queued):
+            if exchange is not None:
+                exchange.client_gone()
+        self.queued.clear()
+        self.resume_writing()
+        self.parser = None  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._cancel_keep_alive()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # no protocol upgrades here (no websockets): the request is answered as plain HTTP
+            # and the connection closed after it, since what follows is not HTTP
+            target = self._parsing or self.exchange
+            if target is not None:
+                target.keep_alive = False
+        except httptools.HttpParserError:
+            self._refuse(*(self._refusal or (400, "Invalid HTTP request received.")))
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes; a request still in flight sees the client gone
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    async def drain(self) -> None:
+        """Until the transport takes writes again (the client reads too slowly)."""
+        if self.write_paused:
+            if self._drained is None:
+                self._drained = self.loop.create_future()
+            await self._drained
+
+    # ---- uvicorn's Server calls this on SIGTERM --------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self.exchange is None or self.exchange.response_complete:
+            if self.transport is not None:
+                self.transport.close()
+        else:
+            self.exchange.keep_alive = False
+
+    # ---- httptools callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._head_bytes = 0
+        self._expect_continue = False
+        self._parsing = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_URL_BYTES:
+            self._refusal = (414, "Request-URI too long.")
+            raise _HeadTooLarge
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refusal = (431, "Request header fields too large.")
+            raise _HeadTooLarge
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        url = httptools.parse_url(self._url)
+        raw_path = url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        version = parser.get_http_version()
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": version,
+            "server": self.server, "client": self.client, "scheme": self.scheme,
+            "method": parser.get_method().decode("ascii"), "root_path": self.root_path,
+            "path": self.root_path + path, "raw_path": self.root_path.encode("ascii") + raw_path,
+            "query_string": url.query or b"", "headers": self._headers, "state": self.app_state.copy(),
+        }
+        exchange = ServerExchange(self, scope, keep_alive=version != "1.0" and parser.should_keep_alive(),
+                                  expect_continue=self._expect_continue)
+        scope["extensions"] = {"conductor.on_disconnect": exchange.on_disconnect}
+        self._parsing = exchange
+        if self.exchange is None:
+            self._start(exchange)
+        else:  # pipelined: answered after the one before it, the socket paused meanwhile
+            self.queued.append(exchange)
+            self.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self._parsing
+        if exchange is not None and exchange.take_body(body) > BODY_HIGH_WATER:
+            self.pause_reading()
+
+    def on_message_complete(self) -> None:
+        if self._parsing is not None:
+            self._parsing.body_complete()
+        self._parsing = None
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def _start(self, exchange: ServerExchange) -> None:
+        self.exchange = exchange
+        tasks = self.server_state.tasks
+        busy = self.limit_concurrency is not None and (
+            len(self.server_state.connections) >= self.limit_concurrency or len(tasks) >= self.limit_concurrency)
+        task = self.loop.create_task(exchange.run(simple_response(503, "Service Unavailable") if busy else self.app))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def response_complete(self, exchange: ServerExchange) -> None:
+        """`exchange` has written its whole answer: on to the next request, or wait for one."""
+        self.server_state.total_requests += 1
+        transport = self.transport
+        if exchange is not self.exchange or transport is None or transport.is_closing():
+            return
+        self.exchange = None
+        if not exchange.keep_alive:
+            transport.close()
+            return
+        if self.queued:
+            self._start(self.queued.popleft())
+            if not self.queued:
+                self.resume_reading()
+        else:
+            self.resume_reading()
+            self._keep_alive_timer = self.loop.call_later(self.keep_alive_s, self._idle_too_long)
+
+    def pause_reading(self) -> None:
+        if not self.read_paused and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused and self.transport is not None and not self.queued:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def default_header_lines(self) -> list[bytes]:
+        defaults = self.server_state.default_headers
+        if defaults is not self._defaults:
+            self._defaults = defaults
+            self._default_lines = [b"%s: %s\r\n" % (name, value) for name, value in defaults]
+        return self._default_lines
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """A request that cannot be parsed: answered (unless an answer is under way) and closed."""
+        log.warning("refused a request: %s", message)
+        if self.exchange is None and self.transport is not None:
+            body = message.encode("ascii")
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (
+                                     status, _REASONS.get(status, b""), len(body), body))
+        self.close()
+
+    def _idle_too_long(self) -> None:
+        self._keep_alive_timer = None
+        if self.exchange is None:
+            self.close()
+
+    def _cancel_keep_alive(self) -> None:
+        if self._keep_alive_timer is not None:
+            self._keep_alive_timer.cancel()
+            self._keep_alive_timer = None
+
+
+_REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+
+
+def _address(info: Any) -> tuple[str, int] | None:
+    if isinstance(info, tuple) and len(info) >= 2:
+        return str(info[0]), int(info[1])
+    return None
