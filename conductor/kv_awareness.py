@@ -35,8 +35,9 @@ from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
 from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
 from conductor.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
-from conductor.core.block_keys import BlockKeyScheme, VllmKeys, make_scheme
+from conductor.core.block_keys import BlockKeyScheme, VllmKeys, XxhashKeys, make_scheme
 from conductor.core.errors import BadRequest, ConductorError, ConfigError
+from conductor.core.prefix_memo import PrefixMemo
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Decision, Observation, Role
 from conductor.kv_agreement import FeedEvidence, HashAgreement, HashSetup
@@ -72,9 +73,11 @@ class KVAwareAnalyzer:
         zmq_context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 1.0,
         replay_on_start: bool = True,
+        prefix_memo: PrefixMemo | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheme = scheme
+        self.prefix_memo = prefix_memo  # the scheme's keys, each shared prefix hashed once
         self.index = index
         self.feeder = feeder
         self.agreement = agreement
@@ -191,7 +194,7 @@ class KVAwareAnalyzer:
         if ids is None:
             tokens, exact = estimate_prompt_tokens(kind, body)
             return PromptAnalysis(prompt_tokens=tokens, exact=exact)
-        keys = self.scheme.keys(ids)
+        keys = self.prefix_memo.keys(ids) if self.prefix_memo is not None else self.scheme.keys(ids)
         try:
             match = await self.index.match(keys)
         except Exception as exc:  # noqa: BLE001  # a shared index being down must not fail requests
@@ -340,6 +343,13 @@ def _index_memory(index: KVIndex) -> Callable[[], MemoryUse | None]:
     return memory if memory is not None else lambda: None
 
 
+def _prefix_memo(s: KVAwarenessSettings, scheme: BlockKeyScheme) -> PrefixMemo | None:
+    wanted = s.prefix_memo == "on" or (s.prefix_memo == "auto" and s.key_mode == "vllm")
+    if not wanted or not isinstance(scheme, XxhashKeys | VllmKeys):  # both can resume their chains
+        return None
+    return PrefixMemo(scheme, max_entries=s.prefix_memo_entries)
+
+
 def build_analyzer(
     options: Mapping[str, Any] | KVAwarenessSettings,
     instances: Sequence[InstanceInfo],
@@ -379,7 +389,8 @@ def build_analyzer(
     analyzer = KVAwareAnalyzer(tokenizer=_make_tokenizer(s, instances), scheme=scheme, index=index, feeder=feeder,
                                agreement=agreement, subscribers=subscribers, store=store, instances=instances,
                                forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
-                               zmq_context=ctx, replay_timeout_s=s.replay_timeout_s, replay_on_start=s.replay_on_start)
+                               zmq_context=ctx, replay_timeout_s=s.replay_timeout_s, replay_on_start=s.replay_on_start,
+                               prefix_memo=_prefix_memo(s, scheme))
     if s.index != "indexer":  # the feeds' evidence is the indexer's there, not ours
         agreement.set_evidence(analyzer.evidence)
     if registry is not None:

@@ -54,6 +54,11 @@ class KVAwarenessSettings(_Model):
     # so: start the workers with PYTHONHASHSEED and set it here too, or use key_mode xxhash, which
     # translates events). The gateway's own PYTHONHASHSEED is never used.
     vllm_hash_seed: str | None = None
+    # Block keys of shared prompt prefixes remembered (conductor/core/prefix_memo.py): "auto" = in
+    # vllm key mode, whose hashes cost 2-6 ms per 8K-token prompt (0.32-0.40x of that with a 75%
+    # shared prefix, benchmarks/bench_prefix_memo.py); the own xxhash keys are cheaper than the memo.
+    prefix_memo: Literal["auto", "on", "off"] = "auto"
+    prefix_memo_entries: Annotated[int, Field(gt=0)] = 32_768  # 256-token strides, ~330 bytes each (~11 MB)
     # "redis_cluster": a Redis Cluster (adapters/index/redis_cluster.py); redis_url then names its startup
     # node(s), comma-separated ("redis://10.0.0.1:7000,redis://10.0.0.2:7000"); the client finds the rest
     # "indexer": read a `conductor indexer` (conductor/indexer.py) over HTTP at indexer_url; it ingests the

@@ -48,6 +48,15 @@ class BlockKeyScheme(Protocol):
         ...
 
 
+class ResumableKeys(BlockKeyScheme, Protocol):
+    """A scheme whose chain can resume after any block (what `conductor.core.prefix_memo` needs)."""
+
+    def chain(self, state: object | None, token_ids: Sequence[int]) -> tuple[list[int], Sequence[object]]:
+        """Keys of the full blocks of `token_ids` chained after `state` (None: the prompt's start),
+        and the chain's state after each of those blocks, to resume from."""
+        ...
+
+
 def _as_u32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:
     """The whole prompt as little-endian uint32 bytes, converted once.
 
@@ -81,6 +90,11 @@ class XxhashKeys:
 
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
         return self.extend(None, token_ids)
+
+    def chain(self, state: object | None, token_ids: Sequence[int]) -> tuple[list[int], Sequence[object]]:
+        """`ResumableKeys.chain`: the state after a block is its key."""
+        keys = self.extend(state if isinstance(state, int) else None, token_ids)
+        return keys, keys
 
     def extend(self, parent: int | None, token_ids: Sequence[int] | np.ndarray) -> list[int]:
         buf = _as_u32_bytes(token_ids)
@@ -126,6 +140,12 @@ class VllmKeys:
             return self.keys(token_ids)
         # vLLM chains full digests, not their low 64 bits: a chain cannot resume from an event id.
         raise NotImplementedError("vLLM keys chain on full digests; recompute from the prompt start")
+
+    def chain(self, state: object | None, token_ids: Sequence[int]) -> tuple[list[int], Sequence[object]]:
+        """`ResumableKeys.chain`: the state after a block is its full digest (the chain's link)."""
+        digests = self._hasher.digests([int(t) for t in token_ids],
+                                       parent=state if isinstance(state, bytes) else None)
+        return [int.from_bytes(d, "big") & _MASK64 for d in digests], digests
 
     def digests(self, token_ids: Sequence[int]) -> list[bytes]:
         """Full digests (what vLLM's MooncakeStoreConnector puts in object names, as hex)."""

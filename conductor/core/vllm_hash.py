@@ -153,12 +153,14 @@ class VllmBlockHasher:
         self.none = none_hash(algo, self.seed)
         self._serialise, self._digest = _ALGOS[algo]
 
-    def digests(self, token_ids: Sequence[int], extra_keys: tuple | None = None) -> list[bytes]:
-        """Digests of the full blocks of `token_ids`, first block first (partial tail skipped)."""
+    def digests(self, token_ids: Sequence[int], extra_keys: tuple | None = None,
+                parent: bytes | None = None) -> list[bytes]:
+        """Digests of the full blocks of `token_ids`, first block first (partial tail skipped);
+        `parent`: the digest of the block before them (None: they start the prompt)."""
         size = self.block_size
         ids = tuple(token_ids)
         out: list[bytes] = []
-        parent = self.none
+        parent = parent or self.none
         serialise, digest = self._serialise, self._digest
         for start in range(0, len(ids) - size + 1, size):
             parent = digest(serialise((parent, ids[start : start + size], extra_keys)))

@@ -196,6 +196,11 @@ async def test_emulator_events_build_the_same_index_as_dispatches(emulator: Emul
             assert from_events.confirmed_blocks == {"m0": blocks}
             again = await analyzer.analyse("completions", {"prompt": prompt})
             assert again.cached == {"m0": CachedPrefix(blocks * 16)}
+            memo = analyzer.prefix_memo  # vllm mode remembers a prefix's hashes ("auto"); xxhash needs none
+            if mode == "vllm":  # the second look-up's first 256 tokens came from it, equal to the events'
+                assert memo is not None and memo.reused_blocks == 16
+            else:
+                assert memo is None
             r = await client.post(f"{emulator.url}/v1/completions",
                                   json={"prompt": list(first.forward_token_ids), "max_tokens": 1})
             usage = r.json()["usage"]
