@@ -19,9 +19,8 @@ Prediction itself (`LinearModel.predict`) is plain float arithmetic: it runs on 
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,83 +72,109 @@ class FitOptions:
     prior_weight: float = 0.0  # total weight of the prior pseudo-residuals (0: no prior)
 
 
-# scipy.optimize.least_squares' convex robust losses: for z = (r / f)^2, rho(z), rho'(z) (the gradient
-# weight) and the curvature weight of the Hessian in r, rho' + 2 z rho'' (for huber rho' itself, a
-# majorant, since its exact curvature vanishes beyond f). Non-convex losses go to least_squares.
-def _soft_l1(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    s = np.sqrt(1.0 + z)
+# scipy.optimize.least_squares' convex robust losses of z = (r / f)^2, in two parts: the cost
+# sum(rho(z)) up to a constant and a positive factor (all a line search compares), with what the
+# weights need of it; and the weights, rho'(z) (the gradient's) and the curvature weight of the
+# Hessian in r, rho' + 2 z rho'' (for huber rho' itself, a majorant, since its exact curvature
+# vanishes beyond f). Non-convex losses go to least_squares.
+def _soft_l1_cost(z: np.ndarray) -> tuple[float, np.ndarray]:
+    s = np.sqrt(1.0 + z)  # rho = 2 (s - 1): the sum of s orders the costs the same
+    return float(s.sum()), s
+
+
+def _soft_l1_weights(z: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inv = 1.0 / s
-    return 2.0 * (s - 1.0), inv, inv * inv * inv
+    return inv, inv * inv * inv
 
 
-def _huber(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _huber_cost(z: np.ndarray) -> tuple[float, np.ndarray]:
+    return float(np.where(z <= 1.0, z, 2.0 * np.sqrt(z) - 1.0).sum()), z
+
+
+def _huber_weights(z: np.ndarray, _: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w = 1.0 / np.sqrt(np.maximum(z, 1.0))
-    return np.where(z <= 1.0, z, 2.0 * np.sqrt(z) - 1.0), w, w
+    return w, w
 
 
-def _linear(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _linear_cost(z: np.ndarray) -> tuple[float, np.ndarray]:
+    return float(z.sum()), z
+
+
+def _linear_weights(z: np.ndarray, _: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ones = np.ones_like(z)
-    return z, ones, ones
+    return ones, ones
 
 
-_LOSSES = {"linear": _linear, "soft_l1": _soft_l1, "huber": _huber}
+_Cost = Callable[[np.ndarray], tuple[float, np.ndarray]]
+_Weights = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+_LOSSES: dict[str, tuple[_Cost, _Weights]] = {
+    "linear": (_linear_cost, _linear_weights),
+    "soft_l1": (_soft_l1_cost, _soft_l1_weights),
+    "huber": (_huber_cost, _huber_weights),
+}
 _NEWTON_MAX_ITER = 100
 _NEWTON_RTOL = 1e-10  # relative size of the last step that ends the iteration
-# k -> (support sets of the k coefficients in mask order, the proper ones only, each as an index
-# array; and per size, the rows of those sets and their index arrays stacked for one batched solve)
-_SUBSETS: dict[int, tuple[list[np.ndarray], dict[int, tuple[list[int], np.ndarray]]]] = {}
+_SUBSETS: dict[int, list[list[int]]] = {}  # k -> the proper, non-empty support sets of k coefficients
 
 
-def _subsets(k: int) -> tuple[list[np.ndarray], dict[int, tuple[list[int], np.ndarray]]]:
+def _subsets(k: int) -> list[list[int]]:
     if k not in _SUBSETS:
         # the full set is left out: its solution is the unconstrained one _nnls has just rejected
-        sets = [np.flatnonzero([(m >> i) & 1 for i in range(k)]) for m in range(1, (1 << k) - 1)]
-        by_size: dict[int, tuple[list[int], np.ndarray]] = {}
-        for size in sorted({len(s) for s in sets}):
-            rows = [j for j, s in enumerate(sets) if len(s) == size]
-            by_size[size] = (rows, np.array([sets[j] for j in rows]))
-        _SUBSETS[k] = (sets, by_size)
+        _SUBSETS[k] = [[i for i in range(k) if (m >> i) & 1] for m in range(1, (1 << k) - 1)]
     return _SUBSETS[k]
 
 
-def _subset_solutions(g: np.ndarray, h: np.ndarray) -> list[np.ndarray | None]:
-    """np.linalg.solve(G restricted to each proper support set, h restricted to it), in mask
-    order (None where singular). The sets of one size are solved as one stack: LAPACK solves each
-    matrix of a stack exactly as it would alone, and one call costs what a single solve does."""
-    sets, by_size = _subsets(len(h))
-    out: list[np.ndarray | None] = [None] * len(sets)
-    for rows, idx in by_size.values():
-        try:
-            subs = np.linalg.solve(g[idx[:, :, None], idx[:, None, :]], h[idx][:, :, None])
-            for j, sub in zip(rows, subs, strict=True):
-                out[j] = sub[:, 0]
-        except np.linalg.LinAlgError:  # one singular matrix fails the stack: solve them one by one
-            for j in rows:
-                with contextlib.suppress(np.linalg.LinAlgError):
-                    out[j] = np.linalg.solve(g[np.ix_(sets[j], sets[j])], h[sets[j]])
-    return out
+def _lin_solve(g: list[list[float]], h: list[float]) -> list[float] | None:
+    """G p = h for a few unknowns, in Python floats: Gaussian elimination with partial pivoting
+    (LAPACK's gesv does the same on these sizes; numpy's call costs ten times the arithmetic).
+    None when a pivot is exactly zero (where gesv reports a singular matrix)."""
+    k = len(h)
+    m = [[*g[i], h[i]] for i in range(k)]
+    for c in range(k):
+        piv = c
+        for r in range(c + 1, k):
+            if abs(m[r][c]) > abs(m[piv][c]):
+                piv = r
+        if m[piv][c] == 0.0:
+            return None
+        if piv != c:
+            m[c], m[piv] = m[piv], m[c]
+        row = m[c]
+        pv = row[c]
+        for r in range(c + 1, k):
+            other = m[r]
+            f = other[c] / pv
+            if f:
+                for j in range(c + 1, k + 1):
+                    other[j] -= f * row[j]
+    p = [0.0] * k
+    for c in range(k - 1, -1, -1):
+        row = m[c]
+        s = row[k]
+        for j in range(c + 1, k):
+            s -= row[j] * p[j]
+        p[c] = s / row[c]
+    return p
 
 
-def _nnls(g: np.ndarray, h: np.ndarray) -> np.ndarray:
+def _nnls(g: list[list[float]], h: list[float]) -> list[float]:
     """argmin_{p >= 0} p'Gp/2 - h'p (G positive definite, a few coefficients): the unconstrained
     solution when it is non-negative, else the best over every support set (exact for small k)."""
+    p = _lin_solve(g, h)
+    if p is not None and all(v >= 0 for v in p):  # False with a NaN too
+        return p
     k = len(h)
-    try:
-        p = np.linalg.solve(g, h)
-        if p.min() >= 0:  # (p >= 0).all() in one call; False with a NaN too
-            return p
-    except np.linalg.LinAlgError:
-        pass
-    sets = _subsets(k)[0]
-    best, best_cost = np.zeros(k), 0.0  # p = 0 costs 0
-    for idx, sub in zip(sets, _subset_solutions(g, h), strict=True):
-        if sub is None or not sub.min() >= 0:
+    best, best_cost = [0.0] * k, 0.0  # p = 0 costs 0
+    for idx in _subsets(k):
+        sub = _lin_solve([[g[i][j] for j in idx] for i in idx], [h[i] for i in idx])
+        if sub is None or not all(v >= 0 for v in sub):
             continue  # singular or infeasible: never the best, whatever it costs
-        g_sub = g[np.ix_(idx, idx)]
-        cost = float(0.5 * sub @ g_sub @ sub - h[idx] @ sub)
+        quad = sum(sub[u] * g[i][j] * sub[v] for u, i in enumerate(idx) for v, j in enumerate(idx))
+        cost = 0.5 * quad - sum(h[i] * s for i, s in zip(idx, sub, strict=True))
         if cost < best_cost:
-            best, best_cost = np.zeros(k), cost
-            best[idx] = sub
+            best, best_cost = [0.0] * k, cost
+            for i, s in zip(idx, sub, strict=True):
+                best[i] = s
     return best
 
 
@@ -167,35 +192,40 @@ def _newton(a: np.ndarray, b: np.ndarray, p: np.ndarray, opts: FitOptions) -> np
 
     The same minimum `least_squares(..., bounds=(0, inf), loss=...)` converges to (the losses here
     are convex), to within its tolerances (~1e-8), in a few k x k solves instead of trust-region
-    steps with a finite-difference Jacobian: refits run on every 32nd observation."""
-    terms = _LOSSES[opts.loss]
-    inv_f2 = 1.0 / (opts.f_scale * opts.f_scale)
-    k = a.shape[1]
-    outer = (a[:, :, None] * a[:, None, :]).reshape(len(a), k * k)  # Hessian = curvature @ outer
+    steps with a finite-difference Jacobian: refits run on every 32nd observation. The k x k
+    systems are solved in Python floats (_nnls), and the weights are computed only for a point
+    the line search accepts."""
+    cost_of, weights_of = _LOSSES[opts.loss]
+    inv_f = 1.0 / opts.f_scale
+    a = a * inv_f  # residuals in units of f: z = r * r
+    b = b * inv_f
+    at = np.ascontiguousarray(a.T)  # Hessian = (at * curvature) @ a
     r = a @ p - b
-    rho, gw, cw = terms(r * r * inv_f2)
-    cost = float(rho.sum())
+    z = r * r
+    cost, state = cost_of(z)
+    gw, cw = weights_of(z, state)
     p_max = _absmax(p)  # carried from one iteration's end to the next's start
     for _ in range(_NEWTON_MAX_ITER):
-        hess = (cw @ outer).reshape(k, k)
-        step = _nnls(hess, hess @ p - (gw * r) @ a) - p
+        hess = (at * cw) @ a
+        target = np.array(_nnls(hess.tolist(), (hess @ p - (gw * r) @ a).tolist()))
+        step = target - p
         size = _absmax(step)
         if size <= _NEWTON_RTOL * max(p_max, 1e-300):
-            return p + step
+            return target
         t = 1.0
         while True:  # backtrack until the cost does not rise (the step is a descent direction)
-            new = p + step if t == 1.0 else p + t * step  # 1.0 * step is step, bit for bit
+            new = target if t == 1.0 else p + t * step
             r_new = a @ new - b
-            terms_new = terms(r_new * r_new * inv_f2)
-            new_cost = float(terms_new[0].sum())
+            z = r_new * r_new
+            new_cost, state = cost_of(z)
             if new_cost <= cost or t < 1e-6:
                 break
             t *= 0.5
         p, r, cost = new, r_new, new_cost
-        _, gw, cw = terms_new
         p_max = _absmax(p)
         if t * size <= _NEWTON_RTOL * max(p_max, 1e-300):
             break
+        gw, cw = weights_of(z, state)
     return p
 
 
