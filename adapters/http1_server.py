@@ -62,7 +62,9 @@ class HttpServerConnection(asyncio.Protocol):
         self.loop = _loop or asyncio.get_event_loop()
         self.server_state = server_state
         self.app_state = app_state
-        self.keep_alive_s = float(config.timeout_keep_alive)
+        # how long a connection may sit idle, take to send a request head, or go silent mid-body
+        # (nginx's keepalive, client_header and client_body timeouts in one): uvicorn's keep-alive
+        self.idle_s = float(config.timeout_keep_alive)
         self.limit_concurrency = config.limit_concurrency
         self.root_path = config.root_path
         self.parser = httptools.HttpRequestParser(self)
@@ -79,7 +81,8 @@ class HttpServerConnection(asyncio.Protocol):
         self.write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self.read_paused = False
-        self._keep_alive_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._head_started = False  # bytes of a request head have arrived, the head is not complete
         # the request being parsed
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -100,10 +103,11 @@ class HttpServerConnection(asyncio.Protocol):
         self.client = _address(transport.get_extra_info("peername"))
         if transport.get_extra_info("sslcontext") is not None:
             self.scheme = "https"
+        self._arm_timer()  # a client that connects and sends nothing is not kept
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
-        self._cancel_keep_alive()
+        self._cancel_timer()
         for exchange in (self.exchange, *self.queued):
             if exchange is not None:
                 exchange.client_gone()
@@ -112,7 +116,10 @@ class HttpServerConnection(asyncio.Protocol):
         self.parser = None  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self._cancel_keep_alive()
+        # a head must be complete within idle_s of the connection's idle start (the timer keeps
+        # running: a client trickling a head byte by byte is cut); a body may not go silent longer
+        if self._parsing is not None:
+            self._cancel_timer()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -123,6 +130,9 @@ class HttpServerConnection(asyncio.Protocol):
                 target.keep_alive = False
         except httptools.HttpParserError:
             self._refuse(*(self._refusal or (400, "Invalid HTTP request received.")))
+            return
+        if self._parsing is not None and self._timer is None:
+            self._arm_timer()  # more body to come
 
     def eof_received(self) -> bool | None:
         return None  # the transport closes; a request still in flight sees the client gone
@@ -160,6 +170,7 @@ class HttpServerConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._expect_continue = False
         self._parsing = None
+        self._head_started = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -178,6 +189,8 @@ class HttpServerConnection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._cancel_timer()
+        self._head_started = False
         parser = self.parser
         url = httptools.parse_url(self._url)
         raw_path = url.path
@@ -210,6 +223,7 @@ class HttpServerConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._parsing is not None:
             self._parsing.body_complete()
+            self._cancel_timer()
         self._parsing = None
 
     # ---- requests --------------------------------------------------------------------------------
@@ -239,7 +253,7 @@ class HttpServerConnection(asyncio.Protocol):
                 self.resume_reading()
         else:
             self.resume_reading()
-            self._keep_alive_timer = self.loop.call_later(self.keep_alive_s, self._idle_too_long)
+            self._arm_timer()
 
     def pause_reading(self) -> None:
         if not self.read_paused and self.transport is not None:
@@ -276,18 +290,33 @@ class HttpServerConnection(asyncio.Protocol):
                                      status, _REASONS.get(status, b""), len(body), body))
         self.close()
 
-    def _idle_too_long(self) -> None:
-        self._keep_alive_timer = None
-        if self.exchange is None:
+    def _arm_timer(self) -> None:
+        self._cancel_timer()
+        self._timer = self.loop.call_later(self.idle_s, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.read_paused:  # the silence is ours (a pipelined request waits, or a full body buffer)
+            self._arm_timer()
+            return
+        if self._parsing is not None:  # a body went silent: the application sees the client gone
+            log.info("closed a connection whose request body stalled for %.0fs", self.idle_s)
             self.close()
+        elif self.exchange is None:
+            if self._head_started:
+                self._refuse(408, f"Request head not complete within {self.idle_s:g}s.")
+            else:
+                self.close()  # idle keep-alive connection
 
-    def _cancel_keep_alive(self) -> None:
-        if self._keep_alive_timer is not None:
-            self._keep_alive_timer.cancel()
-            self._keep_alive_timer = None
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
-_REASONS = {400: b"Bad Request", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
 
 
 def _address(info: Any) -> tuple[str, int] | None:

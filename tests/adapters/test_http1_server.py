@@ -269,3 +269,52 @@ def test_the_disconnect_callback_fires_only_for_an_unfinished_answer(served: Any
         sock.sendall(b"GET /watch HTTP/1.1\r\nHost: x\r\n\r\n")
         assert wait_for(lambda: "/watch:start" in app.order)
     assert wait_for(lambda: app.gone == ["/watch"])  # the finished one never fires
+
+
+@pytest.fixture
+def impatient() -> Iterator[tuple[App, ServerThread]]:
+    app = App()
+    server = ServerThread(app, http=HttpServerConnection, timeout_keep_alive=1).start()
+    try:
+        yield app, server
+    finally:
+        app.release.set()
+        server.stop()
+
+
+def test_a_silent_connection_is_closed(impatient: Any) -> None:
+    _, server = impatient
+    with connect(server) as sock:
+        sock.settimeout(10)
+        assert closed(sock)  # nothing sent: closed after the idle timeout, without an answer
+
+
+def test_a_head_trickled_past_the_timeout_gets_408(impatient: Any) -> None:
+    app, server = impatient
+    received = b""
+    with connect(server) as sock:
+        sock.settimeout(0.05)  # paces the client: a byte per 50 ms at least, 6 s for the head
+        for byte in b"GET /a HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 100 + b"\r\n\r\n":
+            try:
+                sock.sendall(bytes([byte]))
+                received += sock.recv(4096)
+            except TimeoutError:
+                continue  # no answer yet: each byte keeps the head coming, yet resets no deadline
+            except OSError:
+                break
+            if received:
+                break
+        if not received:
+            sock.settimeout(5)
+            received = sock.recv(4096)
+    assert received.startswith(b"HTTP/1.1 408 Request Timeout\r\n")  # within 1 s of connecting, not 6
+    assert app.bodies == []
+
+
+def test_a_stalled_body_ends_the_request_as_a_disconnect(impatient: Any) -> None:
+    app, server = impatient
+    with connect(server) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly part")
+        assert closed(sock)  # silence past the timeout mid-body: the connection is closed
+    assert app.bodies == [b"only part"]  # the app saw the body end with the client gone
