@@ -103,7 +103,19 @@ def decided(
     decode: str | None,
     candidates: tuple[CandidateScore, ...] = (),
     rejection: Rejection | None = None,
+    unlisted: int = 0,
 ) -> Decision:
     if rejection is not None:
-        return Decision(request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates)
-    return Decision(request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates)
+        return Decision(request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates,
+                        unlisted_candidates=unlisted)
+    return Decision(request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates,
+                    unlisted_candidates=unlisted)
+
+
+def check_listed(listed_candidates: int | None) -> int | None:
+    """A policy's `listed_candidates` option, checked: how many instances of each pool a decision
+    lists in `candidates` (the best this many by score and the chosen one, see listed_indices),
+    None for all of them (the default: the decision log shows every instance weighed)."""
+    if listed_candidates is not None and listed_candidates < 1:
+        raise ValueError(f"listed_candidates must be at least 1 or None, not {listed_candidates!r}")
+    return listed_candidates

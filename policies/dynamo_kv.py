@@ -25,7 +25,7 @@ import math
 
 from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView, Tier
 from policies.admission import BaselineAdmission
-from policies.base import BasePolicy, decided, missing_pool, pools, request_rng
+from policies.base import BasePolicy, check_listed, decided, listed_indices, missing_pool, pools, request_rng
 
 
 class DynamoKvPolicy(BasePolicy):
@@ -41,7 +41,11 @@ class DynamoKvPolicy(BasePolicy):
         seed: int | None = 0,
         admission: str = "none",
         predictor_params: str | None = None,
+        listed_candidates: int | None = None,
     ) -> None:
+        """`listed_candidates`: how many instances of each pool a decision lists in `candidates`
+        (policies.base.check_listed; None: every one)."""
+        self.listed_candidates = check_listed(listed_candidates)
         self.prefill_load_scale = prefill_load_scale
         self.overlap_score_credit = overlap_score_credit
         self.host_cache_hit_weight = host_cache_hit_weight
@@ -87,11 +91,18 @@ class DynamoKvPolicy(BasePolicy):
         missing = missing_pool(request, self.name, prefill, decode, disaggregated)
         if missing is not None:
             return missing
+        keep = self.listed_candidates
         p_costs = [self.prefill_cost(request, i) for i in prefill]
-        p = prefill[self.pick(p_costs, request, 0)].id
+        p_i = self.pick(p_costs, request, 0)
+        p = prefill[p_i].id
         d_costs = [self.decode_cost(request, i) for i in decode]
-        d = decode[self.pick(d_costs, request, 1)].id if disaggregated else None
-        candidates = tuple(CandidateScore(i.id, i.role, c) for i, c in zip(prefill, p_costs, strict=True)) + tuple(
-            CandidateScore(i.id, i.role, c) for i, c in zip(decode, d_costs, strict=True)
+        d, listed_d = None, []
+        if disaggregated:
+            d_i = self.pick(d_costs, request, 1)
+            d, listed_d = decode[d_i].id, listed_indices(d_costs, keep, d_i)
+        candidates = tuple(CandidateScore(prefill[k].id, prefill[k].role, p_costs[k])
+                           for k in listed_indices(p_costs, keep, p_i)) + tuple(
+            CandidateScore(decode[k].id, decode[k].role, d_costs[k]) for k in listed_d
         )
-        return decided(request, self.name, p, d, candidates, self._guard.check(request, cluster, p, d))
+        unlisted = len(prefill) + len(decode) - len(candidates)
+        return decided(request, self.name, p, d, candidates, self._guard.check(request, cluster, p, d), unlisted)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
 from policies.admission import BaselineAdmission
-from policies.base import BasePolicy, decided, local_prefix, missing_pool, pools, request_rng
+from policies.base import BasePolicy, check_listed, decided, listed_indices, local_prefix, missing_pool, pools, request_rng
 
 LLMD_BLOCK = 64  # tokens per block in llm-d's prefix index
 
@@ -50,7 +50,11 @@ class LlmdPolicy(BasePolicy):
         seed: int | None = 0,
         admission: str = "none",
         predictor_params: str | None = None,
+        listed_candidates: int | None = None,
     ) -> None:
+        """`listed_candidates`: how many instances of each pool a decision lists in `candidates`
+        (policies.base.check_listed; None: every one)."""
+        self.listed_candidates = check_listed(listed_candidates)
         self.weights = (queue_weight, kv_cache_weight, prefix_weight)
         self.seed = seed
         self._guard = BaselineAdmission(admission, predictor_params)
@@ -71,16 +75,17 @@ class LlmdPolicy(BasePolicy):
         self, request: RequestView, pool: Sequence[InstanceView], draw: int = 0
     ) -> tuple[InstanceView, list[CandidateScore]]:
         wq, wk, wp = self.weights
-        totals = []
-        cands = []
-        for inst, (q, k, p) in zip(pool, self.scores(request, pool), strict=True):
-            total = wq * q + wk * k + wp * p
-            totals.append(total)
-            # CandidateScore.score is lower-is-better: store the negated total
-            cands.append(CandidateScore(inst.id, inst.role, -total, detail={"queue": q, "kv_cache": k, "prefix": p}))
+        scores = self.scores(request, pool)
+        totals = [wq * q + wk * k + wp * p for q, k, p in scores]
         best = max(totals)
         ties = [i for i, t in enumerate(totals) if t == best]
-        return pool[ties[0] if len(ties) == 1 else request_rng(self.seed, request, draw).choice(ties)], cands
+        chosen = ties[0] if len(ties) == 1 else request_rng(self.seed, request, draw).choice(ties)
+        cands = []
+        for i in listed_indices([-t for t in totals], self.listed_candidates, chosen):
+            q, k, p = scores[i]
+            # CandidateScore.score is lower-is-better: store the negated total
+            cands.append(CandidateScore(pool[i].id, pool[i].role, -totals[i], detail={"queue": q, "kv_cache": k, "prefix": p}))
+        return pool[chosen], cands
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         prefill, decode, disaggregated = pools(cluster)
@@ -94,4 +99,6 @@ class LlmdPolicy(BasePolicy):
             d, d_cands = self.pick(request, decode, 1)
             d_id = d.id
         candidates = tuple(p_cands) + tuple(d_cands)
-        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id))
+        unlisted = len(prefill) + len(decode) - len(candidates)
+        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id),
+                       unlisted)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
 from policies.admission import BaselineAdmission
-from policies.base import BasePolicy, decided, local_prefix, missing_pool, pools
+from policies.base import BasePolicy, check_listed, decided, listed_indices, local_prefix, missing_pool, pools
 
 MAX_TRACKED = 4096  # instances whose tree size is kept; more means stale ids piling up
 
@@ -43,7 +43,11 @@ class SglangCacheAwarePolicy(BasePolicy):
         max_tree_size: int = 2**26,
         admission: str = "none",
         predictor_params: str | None = None,
+        listed_candidates: int | None = None,
     ) -> None:
+        """`listed_candidates`: how many prefill instances a decision lists in `candidates`
+        (policies.base.check_listed; None: every one)."""
+        self.listed_candidates = check_listed(listed_candidates)
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -74,19 +78,22 @@ class SglangCacheAwarePolicy(BasePolicy):
             return missing
         chosen, _rule = self.select(request, prefill)
         d = min(decode, key=lambda i: len(i.decodes)).id if disaggregated else None
+        loads = [float(_load(i)) for i in prefill]
+        chosen_i = next(k for k, i in enumerate(prefill) if i is chosen)
         candidates = tuple(
             CandidateScore(
-                i.id,
-                i.role,
-                float(_load(i)),
+                prefill[k].id,
+                prefill[k].role,
+                loads[k],
                 detail={
-                    "matched_tokens": float(local_prefix(request, i.id)),
-                    "tree_tokens": float(self._tree_size.get(i.id, 0)),
+                    "matched_tokens": float(local_prefix(request, prefill[k].id)),
+                    "tree_tokens": float(self._tree_size.get(prefill[k].id, 0)),
                 },
             )
-            for i in prefill
+            for k in listed_indices(loads, self.listed_candidates, chosen_i)
         )
-        return decided(request, self.name, chosen.id, d, candidates, self._guard.check(request, cluster, chosen.id, d))
+        return decided(request, self.name, chosen.id, d, candidates, self._guard.check(request, cluster, chosen.id, d),
+                       len(prefill) - len(candidates))
 
     def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
         """The one state it keeps: each worker's approximate radix-tree size (tokens routed there

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, InstanceView, RequestView
 from policies.admission import BaselineAdmission
-from policies.base import BasePolicy, decided, missing_pool, pools, request_rng
+from policies.base import BasePolicy, check_listed, decided, listed_indices, missing_pool, pools, request_rng
 
 
 class RandomPolicy(BasePolicy):
@@ -44,7 +44,11 @@ def decode_load(inst: InstanceView) -> tuple[int, int]:
 class LeastLoadedPolicy(BasePolicy):
     name = "least_loaded"
 
-    def __init__(self, admission: str = "none", predictor_params: str | None = None) -> None:
+    def __init__(self, admission: str = "none", predictor_params: str | None = None,
+                 listed_candidates: int | None = None) -> None:
+        """`listed_candidates`: how many instances of each pool a decision lists in `candidates`
+        (policies.base.check_listed; None: every one)."""
+        self.listed_candidates = check_listed(listed_candidates)
         self._guard = BaselineAdmission(admission, predictor_params)
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
@@ -52,10 +56,20 @@ class LeastLoadedPolicy(BasePolicy):
         missing = missing_pool(request, self.name, prefill, decode, disaggregated)
         if missing is not None:
             return missing
-        p = min(prefill, key=prefill_load)
-        d = min(decode, key=decode_load) if disaggregated else None
-        candidates = tuple(CandidateScore(i.id, i.role, float(i.queued_prefill_tokens)) for i in prefill) + tuple(
-            CandidateScore(i.id, i.role, float(len(i.decodes))) for i in decode
-        )
-        d_id = d.id if d is not None else None
-        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id))
+        keep = self.listed_candidates
+        p_loads = [prefill_load(i) for i in prefill]
+        p_i = min(range(len(prefill)), key=p_loads.__getitem__)  # the first of equals, as min(prefill, ...)
+        p = prefill[p_i]
+        p_scores = [float(load[0]) for load in p_loads]
+        candidates = tuple(CandidateScore(prefill[k].id, prefill[k].role, p_scores[k])
+                           for k in listed_indices(p_scores, keep, p_i))
+        d_id = None
+        if disaggregated:
+            d_i = min(range(len(decode)), key=lambda k: decode_load(decode[k]))
+            d_id = decode[d_i].id
+            d_scores = [float(len(i.decodes)) for i in decode]
+            candidates += tuple(CandidateScore(decode[k].id, decode[k].role, d_scores[k])
+                                for k in listed_indices(d_scores, keep, d_i))
+        unlisted = len(prefill) + len(decode) - len(candidates)
+        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id),
+                       unlisted)

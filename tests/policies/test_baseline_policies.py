@@ -134,3 +134,24 @@ def test_baselines_serve_mixed_workers_and_report_missing_pools(cls: type) -> No
     assert d.prefill in {"m0", "m1"} and d.decode is None and not d.rejected
     d = pol.decide(request(), snapshot(prefill("p0")))
     assert d.rejection is not None and d.rejection.reason == "no_instance" and "decode" in d.rejection.message
+
+
+@pytest.mark.parametrize("factory", [DynamoKvPolicy, LlmdPolicy, LeastLoadedPolicy, SglangCacheAwarePolicy])
+def test_listed_candidates_lists_the_best_and_the_chosen_and_decides_the_same(factory: type) -> None:
+    """`listed_candidates` changes only which scores a decision carries (the decision log's part):
+    the same placement, each listed score as the full list has it, the rest counted as unlisted."""
+    cluster = snapshot(
+        prefill("p0", queued=3), prefill("p1", queued=1, tokens=500), prefill("p2"), prefill("p3", queued=2),
+        decode("d0", streams=4), decode("d1", streams=1), decode("d2", streams=6),
+    )
+    for rid in ("a", "b", "c"):
+        req = request(cached={"p3": 4096, "p0": 1024}, rid=rid)
+        full = factory().decide(req, cluster)
+        short = factory(listed_candidates=1).decide(req, cluster)
+        assert (short.prefill, short.decode, short.rejection) == (full.prefill, full.decode, full.rejection)
+        assert full.unlisted_candidates == 0
+        assert all(c in full.candidates for c in short.candidates)
+        assert short.unlisted_candidates == len(full.candidates) - len(short.candidates) > 0
+        assert full.prefill in {c.instance_id for c in short.candidates}
+    with pytest.raises(ValueError, match="listed_candidates"):
+        factory(listed_candidates=0)

@@ -269,6 +269,19 @@ def test_the_simulator_lists_only_the_chosen_candidates_unless_told() -> None:
     assert (a.goodput_rps, a.ttft, a.prefix_hit_remote) == (b.goodput_rps, b.ttft, b.prefix_hit_remote)
 
 
+
+@pytest.mark.parametrize("name", ["dynamo_kv", "llmd", "least_loaded", "sglang_cache_aware"])
+def test_the_simulator_lists_only_the_chosen_candidates_of_the_baselines_too(name: str) -> None:
+    trace = tool_agent_trace()
+    c = cfg(p=4, d=2, truth=fit_truth(prefill_scale=7.0))
+    quick = build_policy(PolicySpec(name), c)
+    every = build_policy(PolicySpec(name, {"listed_candidates": None}), c)
+    assert (vars(quick)["listed_candidates"], vars(every)["listed_candidates"]) == (1, None)
+    a, b = simulate(quick, trace, c), simulate(every, trace, c)
+    assert (a.goodput_rps, a.completed, a.ttft, a.tbt, a.prefix_hit_local) == (
+        b.goodput_rps, b.completed, b.ttft, b.tbt, b.prefix_hit_local)
+
+
 @pytest.mark.parametrize(("change", "message"), [({"kv_handoff": "pipelined"}, "kv_handoff must be one of"),
                                                  ({"kv_layers": 0}, "kv_layers must be")])
 def test_sim_config_rejects_an_unknown_handoff(change: dict[str, object], message: str) -> None:

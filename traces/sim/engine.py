@@ -147,7 +147,11 @@ class Simulator:
         # Rebuilt when the queue changed or the cached elapsed times are older than the refresh
         # interval: building every queue for every arrival is quadratic under overload.
         now = self.now
-        if p.view is None or p.view_version != p.version or now - p.view_at > self.cfg.snapshot_refresh_s:
+        stale = now - p.view_at > self.cfg.snapshot_refresh_s
+        if stale and not p.running and p.view is not None and p.view_version == p.version:
+            p.view_at = now  # refreshed, to the same view: only a running head's entry moves with time
+            return p.view
+        if p.view is None or p.view_version != p.version or stale:
             # elapsed: the running head's time since it started (the only one the queue estimate
             # subtracts); from dispatch it would include its own wait and hide its remainder. Every
             # other entry is fixed from dispatch on: built once per job
