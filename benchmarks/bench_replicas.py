@@ -1,4 +1,5 @@
-"""One gateway vs three replicas in front of the same emulated cluster: `python benchmarks/bench_replicas.py`.
+"""One gateway vs three replicas in front of the same emulated cluster: `python benchmarks/bench_replicas.py`;
+one gateway process vs `--workers 2` on one port: `python benchmarks/bench_replicas.py --compare workers`.
 
 Each mode gets a fresh cluster (emulated 2 prefill + 2 decode workers, vLLM KV events on, the
 bundled Qwen3-8B/H800 timing, as `conductor demo` starts them) and replays the same slice of
@@ -8,7 +9,10 @@ Mooncake's conversation trace (the same synthesized prompts, token for token):
   in-flight load (`load_share: redis`) and the KV index (`kv.index: redis`) through a Redis of the
   benchmark's own, the client sending request i to replica i mod 3.
 Both modes run with the same settings (Redis load share and index), so the only difference is the
-replica count. Every run uses a fresh key prefix and fresh replica ids.
+replica count. Every run uses a fresh key prefix and fresh replica ids. With `--compare workers`
+the two modes are one gateway process and one gateway of two worker processes on one port
+(SO_REUSEPORT: the kernel spreads the client's connections), sharing in-flight load through shared
+memory, each with its own in-memory KV index fed by every worker's events; no Redis.
 
 Printed: goodput (requests meeting both SLOs per second) of each mode and their ratio (goal: three
 within 5% of one), and queue imbalance measured at the prefill workers (their
@@ -41,6 +45,7 @@ from common import PrivateRedis, free_port, wait_http
 
 from conductor.demo import DEFAULT_MODEL
 from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+from tests.support.servers import free_port_run
 from traces.formats import load_trace, resolve_trace
 from traces.live import LiveOutcome, LiveResult, summarize
 from traces.live_client import stream_completion
@@ -51,17 +56,29 @@ _PROMPT_TOKENS = re.compile(rb"^vllm:prompt_tokens_total(?:\{[^}]*\})? ([0-9.eE+
 _REJECTIONS = re.compile(rb'^conductor_rejections_total\{reason="([^"]+)"\} ([0-9.eE+-]+)', re.M)
 
 
-def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup, redis_url: str) -> tuple[list[str], list[str]]:
-    """Emulators and `replicas` gateways; (gateway URLs, prefill URLs), all ready."""
+def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup,
+               redis_url: str) -> tuple[list[str], list[str], list[str]]:
+    """Emulators and `replicas` gateways (or, comparing workers, one gateway of `replicas` worker
+    processes); (client URLs, prefill URLs, metrics URLs), all ready."""
     run = uuid.uuid4().hex[:8]
-    shared = {"load_share": "redis", "redis_url": redis_url, "replica_id": f"bench-{run}-0",
-              "load_sync_interval_s": args.sync_interval,
-              "kv": {"index": "redis", "redis_url": redis_url, "redis_prefix": f"bench:replicas:{run}:kv:"}}
+    if args.compare == "workers":
+        admin = free_port_run(replicas)  # worker i serves its /metrics on admin + i
+        shared: dict[str, Any] = {"workers": replicas, "admin_port": admin} if replicas > 1 else {}
+    else:
+        shared = {"load_share": "redis", "redis_url": redis_url, "replica_id": f"bench-{run}-0",
+                  "load_sync_interval_s": args.sync_interval,
+                  "kv": {"index": "redis", "redis_url": redis_url, "redis_prefix": f"bench:replicas:{run}:kv:"}}
     spec = ClusterSpec(n_prefill=args.prefill, n_decode=args.decode, pd_protocol="nixl", policy=args.policy,
                        model=DEFAULT_MODEL, time_scale=1.0, noise=0.05, slo_ttft_s=args.slo_ttft,
                        slo_tbt_s=args.slo_tbt, gateway_extra=shared, policy_options=json.loads(args.policy_options))
     cluster = start_cluster(spec, group)
     urls = [cluster.gateway_url]
+    if args.compare == "workers":
+        wait_ready(cluster, group)
+        if replicas == 1:
+            return urls, list(cluster.prefill_urls), urls
+        # the client opens several connections to the one port; the kernel spreads them
+        return urls * replicas, list(cluster.prefill_urls), [f"http://127.0.0.1:{admin + i}" for i in range(replicas)]
     base = yaml.safe_load(cluster.config_path.read_text(encoding="utf-8"))
     for r in range(1, replicas):
         port = free_port()
@@ -74,7 +91,7 @@ def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup, redis
     wait_ready(cluster, group)
     for url in urls[1:]:
         wait_http(url + "/ready", timeout=90)
-    return urls, list(cluster.prefill_urls)
+    return urls, list(cluster.prefill_urls), urls
 
 
 class QueueSampler:
@@ -128,7 +145,8 @@ async def rejection_reasons(session: aiohttp.ClientSession, urls: Sequence[str])
 
 
 async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], requests: Sequence[SynthRequest],
-                        args: argparse.Namespace, label: str) -> tuple[LiveResult, dict[str, Any]]:
+                        args: argparse.Namespace, label: str,
+                        metrics_urls: Sequence[str]) -> tuple[LiveResult, dict[str, Any]]:
     """Send request i to urls[i % len(urls)] at its (sped-up) arrival; the outcomes and the queue figures."""
     loop = asyncio.get_running_loop()
     timeout = aiohttp.ClientTimeout(total=600, sock_connect=10)
@@ -158,7 +176,7 @@ async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], reques
         outcomes = list(await asyncio.gather(*tasks))
         sampling.cancel()
         tokens_after = await prompt_tokens(probe, prefill_urls)
-        reasons = await rejection_reasons(probe, urls)
+        reasons = await rejection_reasons(probe, metrics_urls)
     finally:
         for s in sessions:
             await s.close()
@@ -177,13 +195,14 @@ async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], reques
 
 def run_mode(replicas: int, args: argparse.Namespace, requests: Sequence[SynthRequest], redis_url: str,
              log_root: Path) -> dict[str, Any]:
-    log_dir = log_root / f"{replicas}-replicas"
+    log_dir = log_root / f"{replicas}-{args.compare}"
     log_dir.mkdir(parents=True, exist_ok=True)
     group = ChildGroup(log_dir)
     try:
-        urls, prefill_urls = start_mode(replicas, args, group, redis_url)
-        print(f"{replicas} replica(s) ready at {', '.join(urls)}; replaying {len(requests)} requests", file=sys.stderr)
-        result, queues = asyncio.run(replay_spread(urls, prefill_urls, requests, args, f"{replicas} replica(s)"))
+        urls, prefill_urls, metrics_urls = start_mode(replicas, args, group, redis_url)
+        label = f"{replicas} {'worker process' if args.compare == 'workers' else 'replica'}(s)"
+        print(f"{label} ready at {', '.join(sorted(set(urls)))}; replaying {len(requests)} requests", file=sys.stderr)
+        result, queues = asyncio.run(replay_spread(urls, prefill_urls, requests, args, label, metrics_urls))
         dead = group.dead()
         if dead:
             raise RuntimeError(f"{dead[0].name} died:\n{dead[0].log_tail()}")
@@ -195,13 +214,14 @@ def run_mode(replicas: int, args: argparse.Namespace, requests: Sequence[SynthRe
             "ttft_p50_s": run.ttft.p50, "ttft_p99_s": run.ttft.p99, "tbt_p99_s": run.tbt.p99, **queues}
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], compare: str) -> None:
     one, three = rows
+    names = ("one process", "--workers 2") if compare == "workers" else ("one gateway", "three replicas")
     fields = [("requests", "{:d}"), ("completed", "{:d}"), ("rejected", "{:d}"), ("errors", "{:d}"),
               ("slo_met", "{:d}"), ("goodput_rps", "{:.3f}"), ("ttft_p50_s", "{:.3f}"), ("ttft_p99_s", "{:.3f}"),
               ("tbt_p99_s", "{:.4f}"), ("mean_spread", "{:.2f}"), ("overcommit_share", "{:.1%}"),
               ("prompt_tokens_max_over_mean", "{:.2f}")]
-    print(f"\n{'figure':<30}{'one gateway':>16}{'three replicas':>16}")
+    print(f"\n{'figure':<30}{names[0]:>16}{names[1]:>16}")
     for name, fmt in fields:
         print(f"{name:<30}{fmt.format(one[name]):>16}{fmt.format(three[name]):>16}")
     print(f"{'peak waiting per prefill':<30}{[int(x) for x in one['peak_waiting']]!s:>16}"
@@ -209,7 +229,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'rejections by reason':<30}{one['rejections_by_reason']!s:>16}{three['rejections_by_reason']!s:>16}")
     ratio = three["goodput_rps"] / one["goodput_rps"] if one["goodput_rps"] else 0.0
     verdict = "PASS" if ratio >= 0.95 else "MISS"
-    print(f"\ngoodput three / one: {ratio:.3f}  {verdict} (goal: within 5% of one gateway)")
+    print(f"\ngoodput {names[1]} / {names[0]}: {ratio:.3f}  {verdict} (goal: within 5% of one gateway)")
 
 
 def main() -> None:
@@ -227,14 +247,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy-options", default="{}", help='JSON, e.g. \'{"ttft_bound_shift_s": 0.2}\'')
     ap.add_argument("--json", dest="json_out", default=None, metavar="FILE")
+    ap.add_argument("--compare", choices=("replicas", "workers"), default="replicas",
+                    help="three Redis-sharing replicas, or one gateway of two worker processes, against one")
     args = ap.parse_args()
     synth = PromptSynthesizer(args.length_scale, seed=args.seed)
     trace = load_trace(resolve_trace(args.trace), limit=args.requests).requests
     requests = synth.synthesize_all(trace)
     started = time.monotonic()
     with PrivateRedis() as server, tempfile.TemporaryDirectory(prefix="bench-replicas-") as logs:
-        rows = [run_mode(n, args, requests, server.url, Path(logs)) for n in (1, 3)]
-    print_table(rows)
+        rows = [run_mode(n, args, requests, server.url, Path(logs)) for n in (1, 2 if args.compare == "workers" else 3)]
+    print_table(rows, args.compare)
     print(f"(both runs in {time.monotonic() - started:.0f}s)", file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"settings": vars(args), "runs": rows}, indent=2) + "\n",
