@@ -55,6 +55,7 @@ from traces.formats import TraceRequest
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
 from traces.sim.config import SimConfig
 from traces.sim.results import Dist, PredictionError, RunResult
+from traces.sim.views import active_decode, instance_view, queued_prefill
 
 _PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK = range(4)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
@@ -128,15 +129,14 @@ class Simulator:
                     entry = j.decode_view
                     if entry is None or j.view_gen != gen:  # a stream's entry changes only as it generates
                         j.view_gen = gen
-                        entry = j.decode_view = ActiveDecode(j.req.input_length + gen, max(0, j.output_tokens - gen))
+                        entry = j.decode_view = active_decode(j.req.input_length + gen, max(0, j.output_tokens - gen))
                     streams.append(entry)
                 elif self.cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
                     if j.pending_view is None:  # the same until it decodes: built once
                         j.pending_view = ActiveDecode(j.req.input_length, j.output_tokens, decoding=False)
                     streams.append(j.pending_view)
-            d.view = (InstanceView(
-                id=d.id, role=Role.DECODE, decodes=tuple(streams), kv_capacity_tokens=d.truth.kv_capacity_tokens,
-                kv_usage=d.usage(), waiting_requests=len(d.waiting),
+            d.view = (instance_view(  # InstanceView(...), built as fast as its slots take it (traces/sim/views.py)
+                d.id, Role.DECODE, (), tuple(streams), d.truth.kv_capacity_tokens, d.usage(), len(d.waiting),
             ),)
             d.view_at, d.view_version = now, d.version
         view = d.view[0]
@@ -160,14 +160,13 @@ class Simulator:
             rest = iter(queue)
             if p.running:
                 head = next(rest)
-                entries.append(QueuedPrefill(head.est_new, head.est_cached, now - head.prefill_start))
+                entries.append(queued_prefill(head.est_new, head.est_cached, now - head.prefill_start))
             for j in rest:
                 if j.queued_view is None:
                     j.queued_view = QueuedPrefill(j.est_new, j.est_cached, 0.0)
                 entries.append(j.queued_view)
-            p.view = InstanceView(
-                id=p.id, role=Role.PREFILL, prefill_queue=tuple(entries),
-                waiting_requests=len(p.queue) - (1 if p.running else 0),
+            p.view = instance_view(
+                p.id, Role.PREFILL, tuple(entries), (), None, None, len(p.queue) - (1 if p.running else 0),
             )
             p.view_at, p.view_version = now, p.version
         return p.view
