@@ -44,9 +44,12 @@ log = logging.getLogger("conductor.http")
 MAX_URL_BYTES = 16 * 1024  # longer targets: 414
 MAX_HEAD_BYTES = 64 * 1024  # all request header lines together; more: 431
 BODY_HIGH_WATER = 256 * 1024  # buffered request body before the socket stops being read
+# requests parsed ahead of the one being answered: one socket read can hold thousands of tiny
+# pipelined requests, each an exchange in memory; past this the connection is closed
+MAX_PIPELINED = 32
 
 
-class _HeadTooLarge(Exception):
+class _StopParsing(Exception):
     """Raised from a parser callback to stop parsing; the status is kept on the connection."""
 
 
@@ -176,13 +179,13 @@ class HttpServerConnection(asyncio.Protocol):
         self._url += url
         if len(self._url) > MAX_URL_BYTES:
             self._refusal = (414, "Request-URI too long.")
-            raise _HeadTooLarge
+            raise _StopParsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refusal = (431, "Request header fields too large.")
-            raise _HeadTooLarge
+            raise _StopParsing
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
@@ -212,6 +215,9 @@ class HttpServerConnection(asyncio.Protocol):
         if self.exchange is None:
             self._start(exchange)
         else:  # pipelined: answered after the one before it, the socket paused meanwhile
+            if len(self.queued) >= MAX_PIPELINED:
+                self._refusal = (503, f"More than {MAX_PIPELINED} pipelined requests.")
+                raise _StopParsing
             self.queued.append(exchange)
             self.pause_reading()
 
@@ -316,7 +322,8 @@ class HttpServerConnection(asyncio.Protocol):
             self._timer = None
 
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 414: b"URI Too Long", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
 
 
 def _address(info: Any) -> tuple[str, int] | None:

@@ -318,3 +318,28 @@ def test_a_stalled_body_ends_the_request_as_a_disconnect(impatient: Any) -> None
         sock.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly part")
         assert closed(sock)  # silence past the timeout mid-body: the connection is closed
     assert app.bodies == [b"only part"]  # the app saw the body end with the client gone
+
+
+def test_a_flood_of_pipelined_requests_closes_the_connection_and_the_server_stays(served: Any) -> None:
+    app, server = served
+    with connect(server) as sock:
+        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /q HTTP/1.1\r\nHost: x\r\n\r\n" * 200)
+        assert closed_or_cut(sock)  # 200 requests queued behind a slow one: over the limit of 32
+    app.release.set()
+    assert wait_for(lambda: "/slow:end" in app.order)
+    assert app.order.count("/q:start") == 0  # none of the flood was answered
+    with connect(server) as sock:  # the server itself is fine
+        sock.sendall(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(resp, _)] = responses(sock, 1)
+        assert resp.status_code == 200
+
+
+def closed_or_cut(sock: socket.socket) -> bool:
+    """The server closed the connection (whatever it had sent before)."""
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
