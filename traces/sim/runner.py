@@ -16,10 +16,11 @@ Two options are the simulator's, not the policy's:
   admission. Without it, a baseline's ``admission`` uses fixed (never refitted) predictors.
 
 And one is set for speed: ``listed_candidates`` is 1 for policies that take it and whose spec does
-not set it. A decision still weighs every instance (the differential test holds a listed decision
-to the list-everything one); it only builds the chosen instances' scores into `Decision.candidates`,
-the part a gateway logs. Nothing in a simulation logs them, and building eight of each per decision
-was a sixth of kvcache_aware's simulation time.
+not set it (kvcache_aware, dynamo_kv, llmd, least_loaded, sglang_cache_aware). A decision still
+weighs every instance (the differential test holds a listed decision to the list-everything one,
+tests/policies/test_baseline_policies.py the baselines'); it only builds the chosen instances'
+scores into `Decision.candidates`, the part a gateway logs. Nothing in a simulation logs them, and
+building eight of each per decision was a sixth of kvcache_aware's simulation time.
 """
 
 from __future__ import annotations
