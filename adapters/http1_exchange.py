@@ -44,7 +44,7 @@ class ServerExchange:
     """The state of one request and its answer. Owned by its connection; the application task
     touches it only through `receive`, `send` and the disconnect extension."""
 
-    __slots__ = ("_bodiless", "_chunked", "_gone_callbacks", "_head", "_head_lines", "_remaining", "_waiter", "_written",
+    __slots__ = ("_bodiless", "_chunked", "_gone_callbacks", "_head", "_remaining", "_waiter", "_written",
                  "body", "buffered", "conn", "disconnected", "expect_continue", "keep_alive", "more_body",
                  "request_done", "response_complete", "response_started", "scope")
 
@@ -64,7 +64,6 @@ class ServerExchange:
         self._waiter: asyncio.Future[None] | None = None
         self._gone_callbacks: list[Callable[[], object]] | None = None
         self._head: list[bytes] | None = None  # the response head, until the first body message
-        self._head_lines = 0
         self._remaining: int | None = None  # Content-Length still to send
         self._chunked = False
         self._bodiless = False
