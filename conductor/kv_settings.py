@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from adapters.index.feed import DEFAULT_MAP_BUDGET_BYTES
 from adapters.index.memory import DEFAULT_INDEX_BUDGET_BYTES
 from adapters.mooncake_store import MooncakeStoreSettings
+from conductor.core.prefix_memo import DEFAULT_MAX_ENTRIES
 from conductor.core.types import Role
 from conductor.core.vllm_hash import DEFAULT_NONE_HASH_SEED, seed_is_reproducible
 
@@ -58,7 +59,7 @@ class KVAwarenessSettings(_Model):
     # vllm key mode, whose hashes cost 2-6 ms per 8K-token prompt (0.32-0.40x of that with a 75%
     # shared prefix, benchmarks/bench_prefix_memo.py); the own xxhash keys are cheaper than the memo.
     prefix_memo: Literal["auto", "on", "off"] = "auto"
-    prefix_memo_entries: Annotated[int, Field(gt=0)] = 32_768  # 256-token strides, ~330 bytes each (~11 MB)
+    prefix_memo_entries: Annotated[int, Field(gt=0)] = DEFAULT_MAX_ENTRIES  # 256-token strides, ~330 bytes each
     # "redis_cluster": a Redis Cluster (adapters/index/redis_cluster.py); redis_url then names its startup
     # node(s), comma-separated ("redis://10.0.0.1:7000,redis://10.0.0.2:7000"); the client finds the rest
     # "indexer": read a `conductor indexer` (conductor/indexer.py) over HTTP at indexer_url; it ingests the

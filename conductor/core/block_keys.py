@@ -57,11 +57,12 @@ class ResumableKeys(BlockKeyScheme, Protocol):
         ...
 
 
-def _as_u32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:
+def as_u32_bytes(token_ids: Sequence[int] | np.ndarray) -> memoryview:
     """The whole prompt as little-endian uint32 bytes, converted once.
 
     array('I') reads a Python list about 3x faster than numpy does (0.55 vs 1.8 ms for 128K ids);
-    little-endian is pinned so that keys agree across hosts.
+    little-endian is pinned so that keys agree across hosts. An id outside uint32 raises
+    OverflowError (TypeError for a non-integer).
     """
     if isinstance(token_ids, np.ndarray):
         return memoryview(token_ids.astype("<u4", copy=False).tobytes())
@@ -97,7 +98,7 @@ class XxhashKeys:
         return keys, keys
 
     def extend(self, parent: int | None, token_ids: Sequence[int] | np.ndarray) -> list[int]:
-        buf = _as_u32_bytes(token_ids)
+        buf = as_u32_bytes(token_ids)
         step = self.block_size * 4
         end = len(buf) - len(buf) % step
         h = xxhash.xxh3_64_intdigest  # local names: this loop is the hot path of every request

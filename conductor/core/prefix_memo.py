@@ -1,7 +1,7 @@
 """Block keys of prompts that share a prefix, hashed once per prefix.
 
-Why: vLLM's block hashes (sha256 over a pickle or CBOR of each block, chained) cost 3.3-6.3 ms for
-an 8K-token prompt in Python (`python benchmarks/bench_prefix_memo.py`), 15-30x everything else
+Why: vLLM's block hashes (sha256 over a pickle or CBOR of each block, chained) cost 2.0-6.3 ms for
+an 8K-token prompt in Python (`python benchmarks/bench_prefix_memo.py`), 10-30x everything else
 the gateway spends on a request, and the prompts a KV-aware gateway exists for share long
 prefixes: system prompts, agent loops, conversation history. The chain makes a block's key depend
 on every token before it, so a prefix's keys are the same in every prompt that starts with it.
@@ -15,23 +15,23 @@ state after stride k; the strides it hashed are filed for the next prompt. A 128
 the whole prefix makes a wrong hit (two different prefixes with one digest) vanishingly unlikely;
 and a wrong key would cost a routing guess, never an answer: workers compute their own.
 
-Bounded: at most `max_entries` strides (about 400 bytes each at 16-token blocks and 256-token
+Bounded: at most `max_entries` strides (about 330 bytes each at 16-token blocks and 256-token
 strides), evicted least recently used; the strides a hit uses are refreshed, so a hot system
 prompt stays. Pure: no I/O, no event loop; one memo per scheme (its keys are that scheme's).
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Sequence
 
 import xxhash
 
-from conductor.core.block_keys import ResumableKeys
+from conductor.core.block_keys import ResumableKeys, as_u32_bytes
 
 DEFAULT_STRIDE_TOKENS = 256
-DEFAULT_MAX_ENTRIES = 16_384  # ~7 MB at 16-token blocks (measured in tests/core/test_prefix_memo.py)
+# ~11 MB at 16-token blocks (tests/conductor/core/test_prefix_memo.py holds an entry under 400 bytes)
+DEFAULT_MAX_ENTRIES = 32_768
 
 
 class PrefixMemo:
@@ -58,8 +58,13 @@ class PrefixMemo:
     def keys(self, token_ids: Sequence[int]) -> list[int]:
         size, stride = self.scheme.block_size, self.stride
         strides = len(token_ids) // stride
-        ids_bytes = _u32_bytes(token_ids) if strides else None
-        if ids_bytes is None:  # shorter than a stride, or ids that are no uint32: nothing to share
+        ids_bytes = None
+        if strides:
+            try:
+                ids_bytes = as_u32_bytes(token_ids)
+            except (OverflowError, TypeError):  # ids that are no uint32: the scheme judges them itself
+                pass
+        if ids_bytes is None:  # shorter than a stride, or no byte form to digest: nothing to share
             keys = self.scheme.chain(None, token_ids)[0]
             self.hashed_blocks += len(keys)
             return keys
@@ -95,17 +100,3 @@ class PrefixMemo:
         self.hashed_blocks += len(rest)
         keys.extend(rest)
         return keys
-
-
-def _u32_bytes(token_ids: Sequence[int]) -> memoryview | None:
-    """The ids as little-endian uint32 bytes, or None when some id does not fit (the memo is then
-    skipped; the scheme judges such ids itself)."""
-    try:
-        arr = array("I", token_ids)
-    except (OverflowError, TypeError):
-        return None
-    if arr.itemsize != 4:
-        return None
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return memoryview(arr.tobytes())
