@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_gateway import scripts, wrk
 from common import Processes, free_port, wait_http
 
+from tests.support.asgi import lifespan, whole_body
+
 PROTOCOLS = {"conductor": "adapters.http1_server:HttpServerConnection", "httptools": "httptools", "h11": "h11"}
 ANSWER = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"abcdefgh"}]}'
 EVENT = b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"a"}]}\n\n'
@@ -36,16 +38,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """The benchmark's application (served by `--serve`)."""
     if scope["type"] != "http":
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await whole_body(receive)
     task = asyncio.current_task()
     assert task is not None
     hook = (scope.get("extensions") or {}).get("conductor.on_disconnect")

@@ -14,6 +14,7 @@ import h11
 import pytest
 
 from adapters.http1_server import HttpServerConnection
+from tests.support.asgi import lifespan, whole_body
 from tests.support.servers import ServerThread
 from tests.support.waiting import wait_for
 
@@ -29,17 +30,9 @@ class App:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+            return await lifespan(receive, send)
         path = scope["path"]
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await whole_body(receive)
         self.bodies.append(body)
         self.order.append(path + ":start")
         start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}

@@ -7,6 +7,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from tests.support.asgi import lifespan, whole_body
+
 
 @dataclass(frozen=True)
 class ReceivedSpan:
@@ -25,23 +27,13 @@ class OtlpReceiver:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
+            return await lifespan(receive, send)
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
             ExportTraceServiceRequest,
             ExportTraceServiceResponse,
         )
 
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        request = ExportTraceServiceRequest.FromString(body)
+        request = ExportTraceServiceRequest.FromString(await whole_body(receive))
         with self._lock:
             for resource_spans in request.resource_spans:
                 service = next((a.value.string_value for a in resource_spans.resource.attributes

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.support.asgi import lifespan, whole_body
+
 Scope = dict[str, Any]
 
 
@@ -43,7 +45,7 @@ class StandIn:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            return await _lifespan(receive, send)
+            return await lifespan(receive, send)
         path = scope["path"]
         if scope["method"] == "GET":
             if path == "/health":
@@ -55,13 +57,7 @@ class StandIn:
             if path == "/v1/models":
                 return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
             return await _json(send, 404, {"error": "no"})
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        body = json.loads(raw)
+        body = json.loads(await whole_body(receive))
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         self.requests.append(Recorded(path, body, headers, time.monotonic(), scope["client"][1]))
         rid = headers.get("x-request-id", "")
@@ -149,16 +145,6 @@ class StandIn:
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
-async def _lifespan(receive: Any, send: Any) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
 async def _disconnected(receive: Any, task: Any) -> None:
     # Like vLLM: when the client's connection goes away, the request is aborted.
     while (await receive())["type"] != "http.disconnect":
@@ -182,7 +168,7 @@ class BootstrapStandIn:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            return await _lifespan(receive, send)
+            return await lifespan(receive, send)
         self.queries += 1
         if self.shape == "dp_rank":
             payload: Any = {"0": {"engine_id": self.engine_id, "worker_addr": {"0": {"0": "127.0.0.1:7000"}}}}
