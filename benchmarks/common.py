@@ -17,13 +17,12 @@ if TYPE_CHECKING:
     pass
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the repository's packages and test support
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.ports import free_port as free_port  # noqa: E402  (one port chooser for tests and benchmarks)
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:

@@ -41,7 +41,7 @@ class Dnsmasq:
     def __init__(self, directory: Path) -> None:
         self.hosts = directory / "hosts"
         self.hosts.write_text("")
-        self.port = _free_udp_port()
+        self.port = free_port(socket.SOCK_DGRAM)
         self.log = directory / "dnsmasq.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -75,12 +75,6 @@ class Dnsmasq:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
-
-
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

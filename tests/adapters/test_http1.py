@@ -25,6 +25,7 @@ import pytest
 from adapters.http1 import ConnectionFailed, InvalidRequest, Pool, PoolTimeout, ReadTimeout, authority, build_head
 from adapters.upstream import Timeouts, Upstream, UpstreamPoolExhausted
 from conductor.core.errors import UpstreamError, UpstreamTimeout
+from tests.support.ports import free_port
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
 
@@ -125,12 +126,6 @@ async def pools() -> AsyncIterator[list[Pool]]:
 async def keep_alive_ok(peer: Peer) -> None:
     while await peer.request() is not None:
         await peer.send(OK)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def new_pool(pools: list[Pool], port: int, host: str = "127.0.0.1", **kw: object) -> Pool:

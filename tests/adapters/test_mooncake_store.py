@@ -13,12 +13,7 @@ import pytest
 from adapters.mooncake_store import MooncakeStoreProbe, MooncakeStoreSettings
 from conductor.core.block_keys import VllmKeys
 from conductor.core.errors import ConfigError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +25,7 @@ def master() -> Iterator[tuple[str, str]]:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"mooncake.store does not import: {exc}")
-    rpc, metrics, http = _free_port(), _free_port(), _free_port()
+    rpc, metrics, http = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
          f"--metrics_port={metrics}", "--enable_http_metadata_server=true",

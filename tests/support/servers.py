@@ -1,9 +1,8 @@
-"""Real uvicorn servers on ephemeral loopback ports, each on its own thread and event loop."""
+"""Real uvicorn servers on free loopback ports (tests/support/ports.py), each on its own thread and event loop."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,33 +13,8 @@ import uvicorn
 
 from adapters.http1_server import HttpServerConnection
 from conductor.app import FastPath
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_run(n: int) -> int:
-    """The first of `n` consecutive ports that are all free now (e.g. the admin ports of N workers)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no run of {n} free ports found")
+from tests.support.ports import free_port as free_port
+from tests.support.ports import free_port_run as free_port_run
 
 
 class ServerThread:

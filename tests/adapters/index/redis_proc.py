@@ -8,20 +8,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
+from tests.support.ports import free_port
 from tests.support.redis_cluster import wait_ping
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisProcess:
