@@ -107,6 +107,9 @@ def _chosen_candidates(decision: Decision) -> tuple[CandidateScore, CandidateSco
     return prefill, decode
 
 
+_NO_BOUNDS = (0.0, 0.0, 0.0)  # _Pending.bounds when no errors are recorded
+
+
 class _NoRatios:
     """Where the ratios of predictions made by a replaced model go: nowhere."""
 
@@ -137,6 +140,7 @@ class KvCacheAwarePolicy(BasePolicy):
         ttft_slack: float | None = 1.0,
         inflight_prefixes: bool = True,
         max_inflight_keys: int = 200_000,
+        track_errors: bool = True,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
@@ -168,7 +172,10 @@ class KvCacheAwarePolicy(BasePolicy):
         will lack under load.
         `inflight_prefixes`: count a prefix this policy dispatched to an instance, and that the
         index does not show yet, as cached there (policies/inflight.py; at most
-        `max_inflight_keys` block keys remembered)."""
+        `max_inflight_keys` block keys remembered).
+        `track_errors`: keep the per-instance prediction error windows (`error_stats`, exported by
+        the gateway); they feed no decision, and a simulation, which never reads them, turns them
+        off (ignored when `predictors` is given, whose own OnlineConfig says)."""
         self.admission = parse_mode(admission)
         self.pull_links = pull_links(allow_pull)
         self.allow_pull = bool(self.pull_links)
@@ -178,7 +185,7 @@ class KvCacheAwarePolicy(BasePolicy):
         self.forecast_joins = forecast_joins
         if predictors is None:
             cfg = OnlineConfig(enabled=online, window=window, refit_every=refit_every,
-                               ttft_bound_shift_s=ttft_bound_shift_s)
+                               ttft_bound_shift_s=ttft_bound_shift_s, track_errors=track_errors)
             fitted = Predictors.from_file(predictor_params, cfg) if predictor_params else None
             predictors = fitted or Predictors.from_bundled_profile(cfg)
         self.predictors = predictors
@@ -386,11 +393,11 @@ class KvCacheAwarePolicy(BasePolicy):
             head_elapsed_s=head_elapsed,
             handoff_s=detail["handoff_s"],
             first_tbt_s=0.0 if tbt is None else tbt,
-            bounds=(
+            bounds=(  # only ever recorded with the errors: not computed when they are not kept
                 pred.bound("ttft", ttft, 0.9),
                 pred.bound("queue_and_prefill", leg, 0.9),
                 pred.bound("tbt_at_decision", tbt, 0.9) if tbt is not None else 0.0,
-            ),
+            ) if pred.tracks_errors else _NO_BOUNDS,
             judged_tbt_s=judged_tbt,
             generation=pred.generation,
         )
@@ -419,7 +426,8 @@ class KvCacheAwarePolicy(BasePolicy):
             own = prefill_features(obs.prompt_tokens - cached, cached)
             if p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
                 own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
-                pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
+                if pred.tracks_errors:
+                    pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
                 ratios.add("prefill", p.prefill_s, own_s)
             # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
             # (the head's remainder) plus its own, linear in the same coefficients

@@ -58,6 +58,9 @@ class OnlineConfig:
     # the TTFT bound's window is shifted by this many seconds (predictors.quantile): 0 takes every
     # error as proportional to the prediction
     ttft_bound_shift_s: float = 0.0
+    # keep the per-instance error windows (`error_stats`, the gateway's Prometheus export). They
+    # feed no prediction: a simulation, which never reads them, turns them off (traces/sim/runner.py)
+    track_errors: bool = True
 
 
 class _Samples:
@@ -231,8 +234,9 @@ class Predictors:
         """A prefill's own compute time (queueing and pulls already taken out by the caller)."""
         if seconds <= 0 or new_tokens <= 0:
             return
-        pred = self.prefill_s(new_tokens, cached_tokens)
-        self.errors.record("prefill", instance, pred, pred * self._params.prefill.p90_ratio, seconds)
+        if self._online.track_errors:
+            pred = self.prefill_s(new_tokens, cached_tokens)
+            self.errors.record("prefill", instance, pred, pred * self._params.prefill.p90_ratio, seconds)
         if self._add(self._prefill, prefill_features(new_tokens, cached_tokens), seconds):
             self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, _PREFILL_REF))
             self._cache_params()
@@ -281,9 +285,10 @@ class Predictors:
         if seconds <= 0 or batch <= 0:
             return
         pred = self.tbt_s(batch, resident_kv_tokens)
-        # the bound from the ratios seen so far (out of sample), not the fit's in-sample p90 ratio
-        hi = pred * self.ratios.quantile("tbt", 0.9, self._params.tbt.p90_ratio)
-        self.errors.record("tbt", instance, pred, hi, seconds)
+        if self._online.track_errors:
+            # the bound from the ratios seen so far (out of sample), not the fit's in-sample p90 ratio
+            hi = pred * self.ratios.quantile("tbt", 0.9, self._params.tbt.p90_ratio)
+            self.errors.record("tbt", instance, pred, hi, seconds)
         self.ratios.add("tbt", pred, seconds)
         if self._add(self._tbt, tbt_features(batch, resident_kv_tokens), seconds):
             self._params = replace(self._params, tbt=self._refit(self._tbt, self._params.tbt, tbt_features(32, 64_000)))
@@ -293,8 +298,9 @@ class Predictors:
         if seconds <= 0 or nbytes <= 0:
             return
         model = self._params.transfer_model(link)
-        pred = model.predict(transfer_features(nbytes))
-        self.errors.record(f"transfer_{link}", instance, pred, pred * model.p90_ratio, seconds)
+        if self._online.track_errors:
+            pred = model.predict(transfer_features(nbytes))
+            self.errors.record(f"transfer_{link}", instance, pred, pred * model.p90_ratio, seconds)
         win = self._transfer.get(link)
         if win is None:
             if len(self._transfer) >= 16:  # link classes are a handful; refuse to grow unbounded
@@ -306,8 +312,15 @@ class Predictors:
             self._params = replace(self._params, transfer=MappingProxyType(links))
             self._cache_params()
 
+    @property
+    def tracks_errors(self) -> bool:
+        """Whether errors are recorded (OnlineConfig.track_errors): a caller that only computes a
+        figure for `record_error` (a p90 bound) may skip it when not."""
+        return self._online.track_errors
+
     def record_error(self, component: str, instance: str, predicted: float, p90: float, actual: float) -> None:
-        self.errors.record(component, instance, predicted, p90, actual)
+        if self._online.track_errors:
+            self.errors.record(component, instance, predicted, p90, actual)
 
     def error_stats(self) -> tuple[ErrorStats, ...]:
         return self.errors.stats()

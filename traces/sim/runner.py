@@ -20,7 +20,10 @@ not set it (kvcache_aware, dynamo_kv, llmd, least_loaded, sglang_cache_aware). A
 weighs every instance (the differential test holds a listed decision to the list-everything one,
 tests/policies/test_baseline_policies.py the baselines'); it only builds the chosen instances'
 scores into `Decision.candidates`, the part a gateway logs. Nothing in a simulation logs them, and
-building eight of each per decision was a sixth of kvcache_aware's simulation time.
+building eight of each per decision was a sixth of kvcache_aware's simulation time. For the same
+reason ``track_errors`` is false for policies that take it (kvcache_aware): the per-instance error
+windows a gateway exports feed no decision and nothing in a simulation reads them (RunResult's
+prediction errors are the engine's own). A `FittedAdmission` judge gets both.
 """
 
 from __future__ import annotations
@@ -151,10 +154,14 @@ def build_policy(spec: PolicySpec, config: SimConfig) -> Policy:
         options["allow_pull"] = config.pull
     if "listed_candidates" not in options and _accepts(factory, "listed_candidates"):
         options["listed_candidates"] = SIM_LISTED_CANDIDATES
+    if "track_errors" not in options and _accepts(factory, "track_errors"):
+        options["track_errors"] = False
     if not fit or (isinstance(factory, type) and issubclass(factory, KvCacheAwarePolicy)):
         return load_policy(spec.name, options)  # kvcache_aware fits its own predictors anyway
     admission = str(options.pop("admission", "predicted"))
-    return FittedAdmission(load_policy(spec.name, options), KvCacheAwarePolicy(admission=admission, allow_pull=False))
+    judge = KvCacheAwarePolicy(admission=admission, allow_pull=False, listed_candidates=SIM_LISTED_CANDIDATES,
+                               track_errors=False)
+    return FittedAdmission(load_policy(spec.name, options), judge)
 
 
 def run_job(job: SimJob, requests: Sequence[TraceRequest] | None = None) -> RunResult:
