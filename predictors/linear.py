@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
+from predictors.small_solve import nnls
+
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
@@ -114,115 +116,56 @@ _LOSSES: dict[str, tuple[_Cost, _Weights]] = {
 }
 _NEWTON_MAX_ITER = 100
 _NEWTON_RTOL = 1e-10  # relative size of the last step that ends the iteration
-_SUBSETS: dict[int, list[list[int]]] = {}  # k -> the proper, non-empty support sets of k coefficients
 
 
-def _subsets(k: int) -> list[list[int]]:
-    if k not in _SUBSETS:
-        # the full set is left out: its solution is the unconstrained one _nnls has just rejected
-        _SUBSETS[k] = [[i for i in range(k) if (m >> i) & 1] for m in range(1, (1 << k) - 1)]
-    return _SUBSETS[k]
-
-
-def _lin_solve(g: list[list[float]], h: list[float]) -> list[float] | None:
-    """G p = h for a few unknowns, in Python floats: Gaussian elimination with partial pivoting
-    (LAPACK's gesv does the same on these sizes; numpy's call costs ten times the arithmetic).
-    None when a pivot is exactly zero (where gesv reports a singular matrix)."""
-    k = len(h)
-    m = [[*g[i], h[i]] for i in range(k)]
-    for c in range(k):
-        piv = c
-        for r in range(c + 1, k):
-            if abs(m[r][c]) > abs(m[piv][c]):
-                piv = r
-        if m[piv][c] == 0.0:
-            return None
-        if piv != c:
-            m[c], m[piv] = m[piv], m[c]
-        row = m[c]
-        pv = row[c]
-        for r in range(c + 1, k):
-            other = m[r]
-            f = other[c] / pv
-            if f:
-                for j in range(c + 1, k + 1):
-                    other[j] -= f * row[j]
-    p = [0.0] * k
-    for c in range(k - 1, -1, -1):
-        row = m[c]
-        s = row[k]
-        for j in range(c + 1, k):
-            s -= row[j] * p[j]
-        p[c] = s / row[c]
-    return p
-
-
-def _nnls(g: list[list[float]], h: list[float]) -> list[float]:
-    """argmin_{p >= 0} p'Gp/2 - h'p (G positive definite, a few coefficients): the unconstrained
-    solution when it is non-negative, else the best over every support set (exact for small k)."""
-    p = _lin_solve(g, h)
-    if p is not None and all(v >= 0 for v in p):  # False with a NaN too
-        return p
-    k = len(h)
-    best, best_cost = [0.0] * k, 0.0  # p = 0 costs 0
-    for idx in _subsets(k):
-        sub = _lin_solve([[g[i][j] for j in idx] for i in idx], [h[i] for i in idx])
-        if sub is None or not all(v >= 0 for v in sub):
-            continue  # singular or infeasible: never the best, whatever it costs
-        quad = sum(sub[u] * g[i][j] * sub[v] for u, i in enumerate(idx) for v, j in enumerate(idx))
-        cost = 0.5 * quad - sum(h[i] * s for i, s in zip(idx, sub, strict=True))
-        if cost < best_cost:
-            best, best_cost = [0.0] * k, cost
-            for i, s in zip(idx, sub, strict=True):
-                best[i] = s
-    return best
-
-
-def _absmax(v: np.ndarray) -> float:
-    """float(np.abs(v).max()) of a few coefficients, in Python floats (the same maximum, NaN
-    included): the two numpy calls cost more than the comparisons for k of 2 or 3."""
-    vals = v.tolist()
-    if any(x != x for x in vals):
-        return math.nan
+def _absmax(vals: list[float]) -> float:
+    """float(np.abs(v).max()) of a few coefficients given as floats (the same maximum, NaN
+    included): numpy's calls cost more than the comparisons for k of 2 or 3."""
+    for x in vals:
+        if x != x:
+            return math.nan
     return max(map(abs, vals))
 
 
 def _newton(a: np.ndarray, b: np.ndarray, p: np.ndarray, opts: FitOptions) -> np.ndarray:
-    """min sum(rho(((a @ p - b) / f)^2)) over p >= 0: projected Newton steps with backtracking.
+    """min sum(rho((a @ p - b)^2)) over p >= 0 (`a` and `b` in units of f_scale, C-contiguous):
+    projected Newton steps with backtracking.
 
     The same minimum `least_squares(..., bounds=(0, inf), loss=...)` converges to (the losses here
     are convex), to within its tolerances (~1e-8), in a few k x k solves instead of trust-region
     steps with a finite-difference Jacobian: refits run on every 32nd observation. The k x k
-    systems are solved in Python floats (_nnls), and the weights are computed only for a point
-    the line search accepts."""
+    systems are solved in Python floats (predictors.small_solve), the steps and their sizes too
+    (elementwise float64 arithmetic is the same in numpy and Python; only the products with `a`
+    stay numpy's), and the weights are computed only for a point the line search accepts."""
     cost_of, weights_of = _LOSSES[opts.loss]
-    inv_f = 1.0 / opts.f_scale
-    a = a * inv_f  # residuals in units of f: z = r * r
-    b = b * inv_f
     at = np.ascontiguousarray(a.T)  # Hessian = (at * curvature) @ a
     r = a @ p - b
     z = r * r
     cost, state = cost_of(z)
     gw, cw = weights_of(z, state)
-    p_max = _absmax(p)  # carried from one iteration's end to the next's start
+    p_list = p.tolist()
+    p_max = _absmax(p_list)  # carried from one iteration's end to the next's start
     for _ in range(_NEWTON_MAX_ITER):
         hess = (at * cw) @ a
-        target = np.array(_nnls(hess.tolist(), (hess @ p - (gw * r) @ a).tolist()))
-        step = target - p
+        target_list = nnls(hess.tolist(), (hess @ p - (gw * r) @ a).tolist())
+        target = np.array(target_list)
+        step = [t - q for t, q in zip(target_list, p_list, strict=True)]
         size = _absmax(step)
         if size <= _NEWTON_RTOL * max(p_max, 1e-300):
             return target
         t = 1.0
+        new, new_list = target, target_list
         while True:  # backtrack until the cost does not rise (the step is a descent direction)
-            new = target if t == 1.0 else p + t * step
             r_new = a @ new - b
             z = r_new * r_new
             new_cost, state = cost_of(z)
             if new_cost <= cost or t < 1e-6:
                 break
             t *= 0.5
-        p, r, cost = new, r_new, new_cost
-        p_max = _absmax(p)
+            new_list = [q + t * d for q, d in zip(p_list, step, strict=True)]  # p + t * step
+            new = np.array(new_list)
+        p, p_list, r, cost = new, new_list, r_new, new_cost
+        p_max = _absmax(p_list)
         if t * size <= _NEWTON_RTOL * max(p_max, 1e-300):
             break
         gw, cw = weights_of(z, state)
@@ -233,7 +176,6 @@ def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | 
     # scale columns so the solver sees coefficients of order one (c2 of a quadratic is ~1e-8)
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
-    xs = x / scale
     p_start = np.maximum(start * scale, 1e-12)
     if prior is not None and opts.prior_weight > 0:
         p_prior = prior * scale
@@ -245,12 +187,25 @@ def _solve(x: np.ndarray, y: np.ndarray, start: np.ndarray, prior: np.ndarray | 
         p_prior = None
 
     if opts.loss in _LOSSES:
-        # the residuals below as one linear system: relative errors (x p - y) / y, then the prior
-        a, b = xs / y[:, None], np.ones(len(y))
+        # the residuals as one linear system in units of f_scale: relative errors (x p - y) / y,
+        # then the prior's rows; written in place into one array (the values of
+        # vstack([x / scale / y, diag(w / denom)]) / f_scale, without the intermediate arrays)
+        n, k = x.shape
+        rows = n + (k if p_prior is not None else 0)
+        a, b = np.empty((rows, k)), np.empty(rows)
+        top = a[:n]
+        np.divide(x, scale, out=top)
+        np.divide(top, y[:, None], out=top)
+        b[:n] = 1.0
         if p_prior is not None:
-            a = np.vstack([a, np.diag(w / denom)])
-            b = np.concatenate([b, w * p_prior / denom])
+            a[n:] = np.diag(w / denom)
+            b[n:] = w * p_prior / denom
+        inv_f = 1.0 / opts.f_scale
+        np.multiply(a, inv_f, out=a)
+        np.multiply(b, inv_f, out=b)
         return np.asarray(_newton(a, b, p_start, opts) / scale)
+
+    xs = x / scale
 
     def residuals(p: np.ndarray) -> np.ndarray:
         r = (xs @ p - y) / y
@@ -303,8 +258,10 @@ def fit_linear(
     y = np.asarray(actual, dtype=float)
     if x.ndim != 2 or len(x) != len(y) or len(y) == 0:
         raise ValueError(f"need a 2-D feature matrix matching {len(y)} positive actuals")
-    keep = np.isfinite(y) & (y > 0) & np.isfinite(x).all(axis=1)
-    if not keep.all():  # a refit's window is nearly always clean: copy only when not
+    # a refit's window is nearly always clean: three reductions tell (a finite sum of positive y
+    # and of x has no inf or NaN in it), and the rows are filtered only when not
+    if not (math.isfinite(float(x.sum()) + float(y.sum())) and float(y.min(initial=math.inf)) > 0):
+        keep = np.isfinite(y) & (y > 0) & np.isfinite(x).all(axis=1)
         x, y = x[keep], y[keep]
     if len(y) == 0:
         raise ValueError("no finite positive samples to fit")
@@ -318,10 +275,11 @@ def fit_linear(
         pred = np.maximum(x @ coef, 1e-12)
         lr = np.log(y / pred)
         med = _median(lr)
-        mad = _median(np.abs(lr - med)) * MAD_TO_SIGMA
+        dev = np.abs(lr - med)
+        mad = _median(dev) * MAD_TO_SIGMA
         if mad > 0:
-            inliers = np.abs(lr - med) <= options.mad_k * mad
-            n_in = int(inliers.sum())
+            inliers = dev <= options.mad_k * mad
+            n_in = int(np.count_nonzero(inliers))
             if n_in < len(y):
                 x_in, y_in = x[inliers], y[inliers]
                 pred = None
@@ -331,7 +289,7 @@ def fit_linear(
         pred = np.maximum(x_in @ coef, 1e-12)
     ratio = y_in / pred
     return LinearModel(
-        coef=tuple(float(c) for c in coef),
+        coef=tuple(coef.tolist()),
         p90_ratio=_quantile(ratio, 0.9),
         samples=len(y_in),
         mape=float(np.mean(np.abs(pred - y_in) / y_in)),
