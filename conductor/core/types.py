@@ -125,7 +125,11 @@ class ClusterSnapshot:
     instances: tuple[InstanceView, ...]
 
     def by_role(self, *roles: Role, healthy_only: bool = True) -> tuple[InstanceView, ...]:
-        return tuple(i for i in self.instances if i.role in roles and (i.healthy or not healthy_only))
+        # list comprehensions: every policy calls this two or three times a decision, and a
+        # generator expression into tuple() costs about twice as much over a few dozen instances
+        if healthy_only:
+            return tuple([i for i in self.instances if i.role in roles and i.healthy])
+        return tuple([i for i in self.instances if i.role in roles])
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,6 @@ from conductor.core.types import (
     ClusterSnapshot,
     Decision,
     InstanceView,
-    Observation,
     Policy,
     QueuedPrefill,
     RequestView,
@@ -55,7 +54,14 @@ from traces.formats import TraceRequest
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
 from traces.sim.config import SimConfig
 from traces.sim.results import Dist, PredictionError, RunResult
-from traces.sim.views import active_decode, instance_view, queued_prefill
+from traces.sim.views import (
+    active_decode,
+    cluster_snapshot,
+    instance_view,
+    observation,
+    queued_prefill,
+    request_view,
+)
 
 _PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK = range(4)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
@@ -111,10 +117,9 @@ class Simulator:
                     prefix = prefixes[tokens] = CachedPrefix(tokens)
                 cached[p.id] = prefix
         store = self._tokens(self.store.match(hash_ids), req) if self.store.capacity_blocks else 0
-        return RequestView(
-            request_id=f"r{job.seq}", seq=job.seq, model=self.cfg.model, prompt_tokens=prompt,
-            max_tokens=job.output_tokens, block_size=block_tokens, block_keys=hash_ids, cached=cached,
-            store_cached_tokens=store, slo=self.cfg.slo, stream=True,
+        return request_view(  # RequestView(..., stream=True), built as its slots take it (traces/sim/views.py)
+            f"r{job.seq}", job.seq, self.cfg.model, prompt, job.output_tokens, block_tokens, hash_ids, cached,
+            store, self.cfg.slo,
         )
 
     def _decode_view(self, d: DecodeInstance) -> InstanceView:
@@ -172,10 +177,22 @@ class Simulator:
         return p.view
 
     def _snapshot(self) -> ClusterSnapshot:
+        # a view still fresh (same version, inside the refresh interval) is taken here without the
+        # call that would rebuild it: most of the sixteen are, at most arrivals
         now = self.now
-        views = [self._prefill_view(p) for p in self.prefills]
-        views += [self._decode_view(d) for d in self.decodes]
-        return ClusterSnapshot(now=now, instances=tuple(views))
+        refresh = self.cfg.snapshot_refresh_s
+        views = []
+        for p in self.prefills:
+            view = p.view
+            if view is None or p.view_version != p.version or now - p.view_at > refresh:
+                view = self._prefill_view(p)
+            views.append(view)
+        for d in self.decodes:
+            if d.view_version != d.version or now - d.view_at > refresh or not d.view:
+                views.append(self._decode_view(d))
+            else:
+                views.append(d.view[0])  # type: ignore[arg-type]  # an InstanceView (_decode_view)
+        return cluster_snapshot(now, tuple(views))
 
     # -- arrivals and decisions -------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
@@ -305,7 +322,7 @@ class Simulator:
                 self._admit_and_retime(d_idx)
                 self.wasted_prefill += 1
                 if self.cfg.observe:
-                    self.policy.observe(Observation(
+                    self.policy.observe(observation(
                         request_id=f"r{job.seq}", prefill=self.prefills[job.prefill].id, decode=d.id,
                         prompt_tokens=job.req.input_length, cached_tokens=job.reused,
                         predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=None, ttft_s=None, ok=False,
@@ -353,7 +370,7 @@ class Simulator:
             return
         out = job.output_tokens
         mean_tbt = (job.finish - job.first_token) / (out - 1) if out > 1 else 0.0
-        self.policy.observe(Observation(
+        self.policy.observe(observation(  # Observation(...), built as its slots take it (traces/sim/views.py)
             request_id=f"r{job.seq}", prefill=self.prefills[job.prefill].id, decode=self.decodes[job.decode].id,
             prompt_tokens=job.req.input_length, cached_tokens=job.reused,
             predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=job.prefill_done - job.dispatch,

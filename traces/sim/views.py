@@ -1,4 +1,4 @@
-"""Building the frozen view values the simulator hands to policies, at the rate it needs them.
+"""Building the frozen values the simulator hands to policies, at the rate it needs them.
 
 The engine rebuilds every decode instance's `InstanceView` (with its streams' `ActiveDecode`
 entries) and every running prefill's (with its head's `QueuedPrefill`) at nearly every arrival:
@@ -9,21 +9,40 @@ fields costs about twice what storing them does. These builders make the same ob
 the dataclass-built ones, field for field: tested in tests/traces/test_sim_views.py) by storing
 each slot through its descriptor.
 
+The request view, the snapshot and the observation of each request are built the same way (one
+of each per request; RequestView has twelve fields and Observation fourteen).
+
 They check, once at import, that the classes still have exactly the fields written here, so a
 field added to conductor/core/types.py fails loudly instead of being left unset.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 
-from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role
+from conductor.core.types import (
+    ActiveDecode,
+    CachedPrefix,
+    ClusterSnapshot,
+    InstanceView,
+    Observation,
+    QueuedPrefill,
+    RequestView,
+    Role,
+    Slo,
+)
 
 _VIEW_FIELDS = ("id", "role", "url", "healthy", "prefill_queue", "decodes", "kv_capacity_tokens", "kv_usage",
                 "waiting_requests")
 _DECODE_FIELDS = ("context_tokens", "remaining_tokens", "decoding")
 _QUEUED_FIELDS = ("new_tokens", "cached_tokens", "elapsed_s")
+_REQUEST_FIELDS = ("request_id", "seq", "model", "prompt_tokens", "max_tokens", "block_size", "block_keys", "cached",
+                   "store_cached_tokens", "slo", "stream", "pull_sources")
+_SNAPSHOT_FIELDS = ("now", "instances")
+_OBSERVATION_FIELDS = ("request_id", "prefill", "decode", "prompt_tokens", "cached_tokens", "predicted_cached_tokens",
+                       "queue_and_prefill_s", "ttft_s", "token_intervals_s", "output_tokens", "decode_batch",
+                       "decode_resident_kv_tokens", "ok", "reported_prompt_tokens")
 
 
 def _setters(cls: type, expected: tuple[str, ...]) -> list[Callable[[object, object], None]]:
@@ -39,6 +58,11 @@ _v_id, _v_role, _v_url, _v_healthy, _v_queue, _v_decodes, _v_kv_cap, _v_kv_usage
 )
 _d_context, _d_remaining, _d_decoding = _setters(ActiveDecode, _DECODE_FIELDS)
 _q_new, _q_cached, _q_elapsed = _setters(QueuedPrefill, _QUEUED_FIELDS)
+(_r_id, _r_seq, _r_model, _r_prompt, _r_max, _r_block, _r_keys, _r_cached, _r_store, _r_slo, _r_stream,
+ _r_pull) = _setters(RequestView, _REQUEST_FIELDS)
+_s_now, _s_instances = _setters(ClusterSnapshot, _SNAPSHOT_FIELDS)
+(_o_id, _o_prefill, _o_decode, _o_prompt, _o_cached, _o_predicted, _o_leg, _o_ttft, _o_intervals, _o_output,
+ _o_batch, _o_resident, _o_ok, _o_reported) = _setters(Observation, _OBSERVATION_FIELDS)
 
 
 def instance_view(
@@ -80,3 +104,58 @@ def queued_prefill(new_tokens: int, cached_tokens: int, elapsed_s: float) -> Que
     _q_cached(entry, cached_tokens)
     _q_elapsed(entry, elapsed_s)
     return entry
+
+
+def request_view(
+    request_id: str, seq: int, model: str, prompt_tokens: int, max_tokens: int, block_size: int,
+    block_keys: tuple[int, ...], cached: Mapping[str, CachedPrefix], store_cached_tokens: int, slo: Slo,
+) -> RequestView:
+    """RequestView(...) of a streamed request whose every cached instance is a pull source
+    (stream=True, pull_sources=None)."""
+    view: RequestView = _new(RequestView)
+    _r_id(view, request_id)
+    _r_seq(view, seq)
+    _r_model(view, model)
+    _r_prompt(view, prompt_tokens)
+    _r_max(view, max_tokens)
+    _r_block(view, block_size)
+    _r_keys(view, block_keys)
+    _r_cached(view, cached)
+    _r_store(view, store_cached_tokens)
+    _r_slo(view, slo)
+    _r_stream(view, True)
+    _r_pull(view, None)
+    return view
+
+
+def cluster_snapshot(now: float, instances: tuple[InstanceView, ...]) -> ClusterSnapshot:
+    """ClusterSnapshot(now, instances)."""
+    snap: ClusterSnapshot = _new(ClusterSnapshot)
+    _s_now(snap, now)
+    _s_instances(snap, instances)
+    return snap
+
+
+def observation(
+    request_id: str, prefill: str | None, decode: str | None, prompt_tokens: int, cached_tokens: int | None,
+    predicted_cached_tokens: int, queue_and_prefill_s: float | None, ttft_s: float | None,
+    token_intervals_s: tuple[float, ...] = (), output_tokens: int = 0, decode_batch: int = 0,
+    decode_resident_kv_tokens: int = 0, ok: bool = True,
+) -> Observation:
+    """Observation(...) without a reported prompt size (reported_prompt_tokens=None)."""
+    obs: Observation = _new(Observation)
+    _o_id(obs, request_id)
+    _o_prefill(obs, prefill)
+    _o_decode(obs, decode)
+    _o_prompt(obs, prompt_tokens)
+    _o_cached(obs, cached_tokens)
+    _o_predicted(obs, predicted_cached_tokens)
+    _o_leg(obs, queue_and_prefill_s)
+    _o_ttft(obs, ttft_s)
+    _o_intervals(obs, token_intervals_s)
+    _o_output(obs, output_tokens)
+    _o_batch(obs, decode_batch)
+    _o_resident(obs, decode_resident_kv_tokens)
+    _o_ok(obs, ok)
+    _o_reported(obs, None)
+    return obs
