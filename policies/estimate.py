@@ -30,7 +30,7 @@ import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
 from conductor.core.types import ActiveDecode, CandidateScore, ClusterSnapshot, InstanceView, RequestView, Role, Tier
@@ -40,6 +40,7 @@ from predictors.params import INSTANCE_LINK, STORE_LINK
 STORE_SOURCE = "store"  # Decision.pull_from value for the pooled store
 _CONTEXT = attrgetter("context_tokens")
 _DECODING = attrgetter("decoding")
+_TOKENS = itemgetter(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,7 @@ def remote_sources(request: RequestView) -> list[tuple[int, str, str]]:
         out += [(tokens, iid, INSTANCE_LINK) for iid, tokens in request.pull_sources.items() if tokens > 0]
     if request.store_cached_tokens > 0:
         out.append((request.store_cached_tokens, STORE_SOURCE, STORE_LINK))
-    out.sort(key=lambda s: -s[0])
+    out.sort(key=_TOKENS, reverse=True)  # stable in reverse too: equals keep their order, as by -tokens
     return out
 
 
@@ -252,14 +253,18 @@ class PoolPrefillEstimates:
         # sources prefix_plan would try: instances alike there (a prefix every one holds, say) share it
         tried = {s[1] for s in usable}
         plans: dict[tuple[int, str | None], tuple[float, float, int, int, str | None]] = {(0, None): self._plan}
+        cached, own_plans, ttfts, last = request.cached, self._plans, self.ttfts, n - 1
         for i, inst in enumerate(prefills):
-            if inst.id in singular:
-                key = (_local_prefix(request, inst, n), inst.id if inst.id in tried else None)
+            iid = inst.id
+            if iid in singular:
+                own = cached.get(iid)  # _local_prefix, inline: it runs for nearly every instance
+                local = 0 if own is None or own.tier is Tier.STORE else (own.tokens if own.tokens < last else last)
+                key = (local, iid if iid in tried else None)
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = prefix_plan(pred, n, key[0], usable, key[1])
-                self._plans[i] = plan
-                self.ttfts[i] = plan[0] + queues[i] + plan[1] + handoff
+                    plan = plans[key] = prefix_plan(pred, n, local, usable, key[1])
+                own_plans[i] = plan
+                ttfts[i] = plan[0] + queues[i] + plan[1] + handoff
 
     @property
     def handoff_s(self) -> float:

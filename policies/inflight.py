@@ -155,3 +155,36 @@ def placement_rank(limit_s: float | None, weighed: PoolPrefillEstimates) -> Call
         return (0, works[i], ttfts[i]) if legs[i] <= limit_s else (1, 0.0, ttfts[i])
 
     return rank
+
+
+def placement_best(limit_s: float | None, weighed: PoolPrefillEstimates) -> int:
+    """min(range(len(weighed.ttfts)), key=placement_rank(limit_s, weighed)): the first of the
+    best, found without a key tuple and a call per instance. Each comparison is the one the
+    rank tuples' would make (a tuple compares its items for equality first, by identity too)."""
+    ttfts = weighed.ttfts
+    best, best_t = 0, ttfts[0]
+    if limit_s is None:
+        for i in range(1, len(ttfts)):
+            t = ttfts[i]
+            if t < best_t:
+                best, best_t = i, t
+        return best
+    handoff = weighed.handoff_s
+    works = weighed.works()
+    best_fits, best_w = ttfts[0] - handoff <= limit_s, works[0]
+    for i in range(1, len(ttfts)):
+        t = ttfts[i]
+        fits = t - handoff <= limit_s
+        if fits != best_fits:
+            if fits:  # (0, ...) < (1, ...)
+                best, best_t, best_fits, best_w = i, t, fits, works[i]
+            continue
+        if fits:
+            w = works[i]
+            if not (w is best_w or w == best_w):
+                if w < best_w:
+                    best, best_t, best_w = i, t, w
+                continue
+        if not (t is best_t or t == best_t) and t < best_t:
+            best, best_t, best_w = i, t, works[i]
+    return best

@@ -52,7 +52,7 @@ from policies.estimate import (
     prefill_pool,
     remote_sources,
 )
-from policies.inflight import InflightPrefixes, placement_rank, with_inflight
+from policies.inflight import InflightPrefixes, placement_best, with_inflight
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK, prefill_features
@@ -247,8 +247,8 @@ class KvCacheAwarePolicy(BasePolicy):
                         for i in listed_indices(tbts, keep, chosen_d)}
             chosen_decode: DecodeEstimate | None = d_listed[chosen_d]
             d_ests = list(d_listed.values())
-            rank = placement_rank(self._slack_limit(request, weighed, tbts[chosen_d]), weighed)
-            best_i = min(range(len(ttfts)), key=rank)  # the first of equals, as min() of estimates
+            # the first of the best by placement_rank (policies.inflight), as min() of estimates
+            best_i = placement_best(self._slack_limit(request, weighed, tbts[chosen_d]), weighed)
         else:
             # mixed: the request decodes where it prefilled, so weigh both on the same worker: the
             # lowest TTFT among workers whose predicted TBT meets the SLO (the first if none does).
