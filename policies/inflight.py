@@ -80,8 +80,8 @@ class InflightPrefixes:
         self._instance[number] = instance_id
         self._keys += filed
         by_key = self._by_key
-        for key in block_keys[stride - 1::stride]:
-            by_key[key] = number
+        # every key when a block is a stride or more (the traces' 512-token blocks): one C-level update
+        by_key.update(dict.fromkeys(block_keys if stride == 1 else block_keys[stride - 1::stride], number))
         if len(block_keys) % stride:
             by_key[block_keys[-1]] = number
         while self._keys > self.max_keys:
@@ -96,8 +96,10 @@ class InflightPrefixes:
         del self._instance[number]
         self._keys -= self._filed(block_keys, stride)
         by_key = self._by_key
-        for key in (*block_keys[stride - 1::stride], block_keys[-1]):
-            if by_key.get(key) == number:
+        get = by_key.get
+        # stride 1 files every key, the last among them: no slice and no tuple to build
+        for key in block_keys if stride == 1 else (*block_keys[stride - 1::stride], block_keys[-1]):
+            if get(key) == number:
                 del by_key[key]
 
     @staticmethod

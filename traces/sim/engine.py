@@ -32,11 +32,10 @@ Modelling choices (documented, deliberate):
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from conductor.core.types import (
     ActiveDecode,
@@ -53,7 +52,8 @@ from policies.estimate import STORE_SOURCE
 from traces.formats import TraceRequest
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
 from traces.sim.config import SimConfig
-from traces.sim.results import Dist, PredictionError, RunResult
+from traces.sim.results import RunResult
+from traces.sim.summary import run_result
 from traces.sim.views import (
     active_decode,
     cluster_snapshot,
@@ -397,7 +397,7 @@ class Simulator:
             self._arrive(job)
         while events:
             self._dispatch_event()
-        return self._result(jobs, time.perf_counter() - wall0)
+        return run_result(self, jobs, time.perf_counter() - wall0)
 
     def _resize_caches(self, block_tokens: int) -> None:
         for p in self.prefills:
@@ -417,51 +417,6 @@ class Simulator:
         else:
             assert isinstance(payload, int)
             self._decode_tick(target, payload)
-
-    def _result(self, jobs: list[Job], wall_s: float) -> RunResult:
-        slo = self.cfg.slo
-        ttfts, tbts, met = [], [], 0
-        pred_ttft, pred_tbt = [], []
-        for j in self.done:
-            ttft = j.first_token - j.arrival
-            out = j.output_tokens
-            tbt = (j.finish - j.first_token) / (out - 1) if out > 1 else 0.0
-            ttfts.append(ttft)
-            if out > 1:
-                tbts.append(tbt)
-            if (slo.ttft_s is None or ttft <= slo.ttft_s) and (slo.tbt_s is None or tbt <= slo.tbt_s):
-                met += 1
-            if j.pred_ttft is not None:
-                pred_ttft.append((j.pred_ttft, ttft))
-            if j.pred_tbt is not None and out > 1:
-                pred_tbt.append((j.pred_tbt, tbt))
-        duration = max(1e-3, jobs[-1].arrival - jobs[0].arrival) if jobs else 1e-3
-        makespan = max((j.finish for j in self.done), default=0.0) - (jobs[0].arrival if jobs else 0.0)
-        prompt = sum(j.req.input_length for j in self.done) or 1
-        util = {p.id: p.busy_s / makespan if makespan > 0 else 0.0 for p in self.prefills}
-        util.update({d.id: d.busy_s / makespan if makespan > 0 else 0.0 for d in self.decodes})
-        rejected = sum(self.rejections.values())
-        return RunResult(
-            policy=getattr(self.policy, "name", type(self.policy).__name__), mode="simulate",
-            n_prefill=len(self.prefills), n_decode=len(self.decodes), requests=len(jobs), completed=len(self.done),
-            rejected=rejected, rejections=dict(self.rejections), ttft=Dist.of(ttfts), tbt=Dist.of(tbts),
-            slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s, slo_met=met,
-            slo_attainment=met / len(jobs) if jobs else 0.0, goodput_rps=met / duration, duration_s=duration,
-            makespan_s=makespan,
-            prefix_hit_local=sum(j.local_tokens for j in self.done) / prompt,
-            prefix_hit_remote=sum(j.pulled_remote for j in self.done) / prompt,
-            prefix_hit_store=sum(j.pulled_store for j in self.done) / prompt,
-            utilisation=util, ttft_prediction=PredictionError.of(pred_ttft), tbt_prediction=PredictionError.of(pred_tbt),
-            wall_s=wall_s,
-            extra={"events": float(self._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in self.done),
-                   "wasted_prefills": float(self.wasted_prefill), "refused_pulls": float(self.refused_pulls),
-                   "preemptions": float(sum(d.preemptions for d in self.decodes))},
-        )
-
-
-def _mean(values: Iterable[float]) -> float:
-    vals = list(values)
-    return math.fsum(vals) / len(vals) if vals else 0.0
 
 
 def simulate(policy: Policy, trace: Sequence[TraceRequest], config: SimConfig) -> RunResult:

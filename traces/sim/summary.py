@@ -1,0 +1,61 @@
+"""The RunResult of one simulation, summarised from the engine's finished jobs and counters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from traces.sim.cluster import Job
+from traces.sim.results import Dist, PredictionError, RunResult
+
+if TYPE_CHECKING:
+    from traces.sim.engine import Simulator
+
+
+def run_result(sim: Simulator, jobs: list[Job], wall_s: float) -> RunResult:
+    """What the run produced: latencies of the finished jobs, SLO attainment and goodput over the
+    trace's span, hit rates, utilisation, prediction errors and the engine's counters."""
+    slo = sim.cfg.slo
+    ttfts, tbts, met = [], [], 0
+    pred_ttft, pred_tbt = [], []
+    for j in sim.done:
+        ttft = j.first_token - j.arrival
+        out = j.output_tokens
+        tbt = (j.finish - j.first_token) / (out - 1) if out > 1 else 0.0
+        ttfts.append(ttft)
+        if out > 1:
+            tbts.append(tbt)
+        if (slo.ttft_s is None or ttft <= slo.ttft_s) and (slo.tbt_s is None or tbt <= slo.tbt_s):
+            met += 1
+        if j.pred_ttft is not None:
+            pred_ttft.append((j.pred_ttft, ttft))
+        if j.pred_tbt is not None and out > 1:
+            pred_tbt.append((j.pred_tbt, tbt))
+    duration = max(1e-3, jobs[-1].arrival - jobs[0].arrival) if jobs else 1e-3
+    makespan = max((j.finish for j in sim.done), default=0.0) - (jobs[0].arrival if jobs else 0.0)
+    prompt = sum(j.req.input_length for j in sim.done) or 1
+    util = {p.id: p.busy_s / makespan if makespan > 0 else 0.0 for p in sim.prefills}
+    util.update({d.id: d.busy_s / makespan if makespan > 0 else 0.0 for d in sim.decodes})
+    rejected = sum(sim.rejections.values())
+    return RunResult(
+        policy=getattr(sim.policy, "name", type(sim.policy).__name__), mode="simulate",
+        n_prefill=len(sim.prefills), n_decode=len(sim.decodes), requests=len(jobs), completed=len(sim.done),
+        rejected=rejected, rejections=dict(sim.rejections), ttft=Dist.of(ttfts), tbt=Dist.of(tbts),
+        slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s, slo_met=met,
+        slo_attainment=met / len(jobs) if jobs else 0.0, goodput_rps=met / duration, duration_s=duration,
+        makespan_s=makespan,
+        prefix_hit_local=sum(j.local_tokens for j in sim.done) / prompt,
+        prefix_hit_remote=sum(j.pulled_remote for j in sim.done) / prompt,
+        prefix_hit_store=sum(j.pulled_store for j in sim.done) / prompt,
+        utilisation=util, ttft_prediction=PredictionError.of(pred_ttft), tbt_prediction=PredictionError.of(pred_tbt),
+        wall_s=wall_s,
+        extra={"events": float(sim._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in sim.done),
+               "wasted_prefills": float(sim.wasted_prefill), "refused_pulls": float(sim.refused_pulls),
+               "preemptions": float(sum(d.preemptions for d in sim.decodes))},
+    )
+
+
+def _mean(values: Iterable[float]) -> float:
+    vals = list(values)
+    return math.fsum(vals) / len(vals) if vals else 0.0
