@@ -10,7 +10,6 @@ import pytest
 
 from tests.e2e_vllm.engines import (
     HASH_SEED,
-    TIMINGS,
     Engine,
     MixedEngines,
     find_vllm_python,
@@ -57,11 +56,3 @@ def mixed_engines(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator
         yield MixedEngines(engines, algo)
     finally:
         stop_all(engines.values())
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    # engine start-up times land in CI's log: the slow part of these tests, worth watching
-    if TIMINGS:
-        terminalreporter.write_sep("-", "real vLLM engines")
-        for line in TIMINGS:
-            terminalreporter.write_line(line)

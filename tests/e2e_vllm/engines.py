@@ -69,11 +69,13 @@ def _launch_environ() -> Mapping[str, str]:
 
     tests/conftest.py deletes every CONDUCTOR_* variable from os.environ so that no test reads a
     developer's gateway settings; CONDUCTOR_VLLM_PYTHON is not a gateway setting but a pointer to
-    the engines' interpreter, so it is read back from the process's initial environment (Linux)
-    when it is no longer in os.environ.
+    the engines' interpreter, so it is read back from where conftest keeps it (E2E_ + its name,
+    which pytest-xdist's workers inherit) or from the process's initial environment (Linux).
     """
     if ENV_VAR in os.environ:
         return os.environ
+    if (kept := os.environ.get("E2E_" + ENV_VAR)) is not None:
+        return {ENV_VAR: kept}
     try:
         raw = Path("/proc/self/environ").read_bytes()
     except OSError:
