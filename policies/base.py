@@ -85,8 +85,13 @@ def listed_indices(scores: Sequence[float], limit: int | None, chosen: int) -> l
     if limit is None or len(scores) <= limit:
         return list(range(len(scores)))
     if limit == 1:  # the simulator's setting: nsmallest(1, ...) is this min() with a heap's overhead
-        best = min(range(len(scores)), key=scores.__getitem__)
-        return [best] if best == chosen else sorted((best, chosen))
+        best, low = 0, scores[0]  # min(range(len(scores)), key=scores.__getitem__), the first of equals
+        for i in range(1, len(scores)):
+            if scores[i] < low:
+                best, low = i, scores[i]
+        if best == chosen:
+            return [best]
+        return [best, chosen] if best < chosen else [chosen, best]
     return sorted({*heapq.nsmallest(limit, range(len(scores)), key=scores.__getitem__), chosen})
 
 

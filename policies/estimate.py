@@ -305,10 +305,16 @@ def decode_loads_now(
     is the number of streams and the sum of their contexts (ints, so the sum is exact in any order)
     whether they are decoding yet or not: no need to split them as the forecast does."""
     prompt = request.prompt_tokens
-    batches = [float(len(d.decodes)) + 1 for d in decodes]
-    kvs = [float(sum(map(_CONTEXT, d.decodes))) + prompt for d in decodes]
-    tbt_s = pred.tbt_s
-    return [tbt_s(b, kv) for b, kv in zip(batches, kvs, strict=True)], batches, kvs
+    d0, d1, d2 = pred.params.tbt.coef  # pred.tbt_s(batch, kv) inline: its operations, once per decode instance
+    tbts, batches, kvs = [], [], []
+    for d in decodes:
+        streams = d.decodes
+        batch = float(len(streams)) + 1
+        kv = float(sum(map(_CONTEXT, streams))) + prompt
+        tbts.append(d0 + d1 * batch + d2 * kv)
+        batches.append(batch)
+        kvs.append(kv)
+    return tbts, batches, kvs
 
 
 class JoinForecast:

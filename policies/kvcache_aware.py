@@ -110,6 +110,20 @@ def _chosen_candidates(decision: Decision) -> tuple[CandidateScore, CandidateSco
 _NO_BOUNDS = (0.0, 0.0, 0.0)  # _Pending.bounds when no errors are recorded
 
 
+def _lowest_load(tbts: list[float], batches: list[float]) -> int:
+    """min(zip(tbts, batches, range(n)))[2]: the lowest (tbt, batch), the first of equals, by the
+    comparisons those tuples make (items equal by identity or ==, then <), without building them."""
+    best, best_t, best_b = 0, tbts[0], batches[0]
+    for i in range(1, len(tbts)):
+        t, b = tbts[i], batches[i]
+        if not (t is best_t or t == best_t):
+            if t < best_t:
+                best, best_t, best_b = i, t, b
+        elif not (b is best_b or b == best_b) and b < best_b:
+            best, best_t, best_b = i, t, b
+    return best
+
+
 class _NoRatios:
     """Where the ratios of predictions made by a replaced model go: nowhere."""
 
@@ -242,7 +256,7 @@ class KvCacheAwarePolicy(BasePolicy):
             # streams are about to finish, and their freed capacity is soon taken anyway. It does
             # not depend on the prefill chosen, so it comes first: the slack needs its TBT
             tbts, batches, kvs = decode_loads_now(pred, request, decodes)
-            chosen_d = min(zip(tbts, batches, range(len(tbts)), strict=True))[2]  # by (tbt, batch), the first of equals
+            chosen_d = _lowest_load(tbts, batches)
             d_listed = {i: DecodeEstimate(decodes[i], tbts[i], batches[i], kvs[i], 0.0)
                         for i in listed_indices(tbts, keep, chosen_d)}
             chosen_decode: DecodeEstimate | None = d_listed[chosen_d]

@@ -27,3 +27,19 @@ def test_placement_best_is_the_min_of_the_ranks() -> None:
         weighed = cast(PoolPrefillEstimates, _Weighed(ttfts, works, rng.choice((0.0, 0.25))))
         for limit in (None, rng.uniform(0, 3), 1.0, 0.75):
             assert placement_best(limit, weighed) == min(range(n), key=placement_rank(limit, weighed))
+
+
+def test_lowest_load_and_one_listed_are_the_min_they_replace() -> None:
+    from policies.base import listed_indices
+    from policies.kvcache_aware import _lowest_load
+
+    rng = random.Random(13)
+    for _ in range(20_000):
+        n = rng.randint(1, 9)
+        shared = rng.choice((0.5, 1.0))
+        tbts = [rng.choice((0.02, 0.03, shared, rng.uniform(0, 0.05))) for _ in range(n)]
+        batches = [rng.choice((1.0, 2.0, shared)) for _ in range(n)]
+        assert _lowest_load(tbts, batches) == min(zip(tbts, batches, range(n), strict=True))[2]
+        chosen = rng.randrange(n)
+        best = min(range(n), key=tbts.__getitem__)
+        assert listed_indices(tbts, 1, chosen) == ([best] if best == chosen else sorted((best, chosen)))

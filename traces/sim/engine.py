@@ -111,7 +111,9 @@ class Simulator:
         for p in self.prefills:
             n = p.cache.match(hash_ids)
             if n:
-                tokens = min(n * block_tokens, prompt)  # _tokens, inline: 8 or more per arrival
+                tokens = n * block_tokens
+                if tokens > prompt:  # min(tokens, prompt): _tokens, inline (8 or more per arrival)
+                    tokens = prompt
                 prefix = prefixes.get(tokens)
                 if prefix is None:
                     prefix = prefixes[tokens] = CachedPrefix(tokens)
