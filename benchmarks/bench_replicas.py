@@ -64,6 +64,8 @@ def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup,
     if args.compare == "workers":
         admin = free_port_run(replicas)  # worker i serves its /metrics on admin + i
         shared: dict[str, Any] = {"workers": replicas, "admin_port": admin} if replicas > 1 else {}
+        if replicas > 1:
+            shared["share_lessons"] = args.share_lessons == "on"
     else:
         shared = {"load_share": "redis", "redis_url": redis_url, "replica_id": f"bench-{run}-0",
                   "load_sync_interval_s": args.sync_interval,
@@ -247,6 +249,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy-options", default="{}", help='JSON, e.g. \'{"ttft_bound_shift_s": 0.2}\'')
     ap.add_argument("--json", dest="json_out", default=None, metavar="FILE")
+    ap.add_argument("--share-lessons", choices=("on", "off"), default="on",
+                    help="--compare workers: whether the workers learn from each other's outcomes")
     ap.add_argument("--compare", choices=("replicas", "workers"), default="replicas",
                     help="three Redis-sharing replicas, or one gateway of two worker processes, against one")
     args = ap.parse_args()

@@ -13,6 +13,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from adapters.lesson_share import LessonShare, NoLessonShare
 from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
@@ -25,12 +26,13 @@ from conductor.gc_freeze import GcFreezer
 from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.membership import Membership
-from conductor.metrics import GatewayMetrics
+from conductor.metrics import GatewayMetrics, LessonMetrics
 from conductor.readback import Offer, ReadbackTable, pull_sources
 from conductor.settings import Settings
 from conductor.tracing import Tracing, decision_attributes
 from policies.base import NO_INSTANCE
 from policies.registry import load_policy
+from predictors.online import Predictors
 
 log = logging.getLogger("conductor.gateway")
 decision_log = logging.getLogger("conductor.decisions")
@@ -59,9 +61,12 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         tracing: Tracing | None = None,
         load_share: LoadShare | None = None,
+        lesson_share: LessonShare | None = None,
     ) -> None:
         """load_share: how this process sees other gateway processes' in-flight work (a worker of
-        `conductor serve --workers N` gets its shared memory slot); None: what `settings.load_share` says."""
+        `conductor serve --workers N` gets its shared memory slot); None: what `settings.load_share` says.
+        lesson_share: how what the policy's predictors learn reaches the other processes and theirs
+        reach this one (adapters/lesson_share.py; a worker of `--workers N` gets its socket)."""
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
         self.tracing = tracing or Tracing.from_settings(
@@ -77,6 +82,15 @@ class Gateway:
                 self.metrics.upstream_errors.labels(name, kind)
             self.metrics.ejections.labels(name)
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
+        self.lessons = lesson_share or NoLessonShare()
+        # a policy that learns online (kvcache_aware's `predictors`) shares what it learns with the
+        # sibling processes and learns what they do; a policy without predictors has nothing to share
+        predictors = getattr(self.policy, "predictors", None)
+        self._learner = predictors if isinstance(predictors, Predictors) else None
+        self._lesson_outbox = None
+        if self._learner is not None and not isinstance(self.lessons, NoLessonShare):
+            self._lesson_outbox = self._learner.record_lessons()
+        self.metrics.registry.register(LessonMetrics(self.lessons))
         self.analyzer = analyzer or _analyzer(settings, self.metrics)
         protocol_name = settings.pd_protocol if settings.disaggregated else "mixed"
         self.protocol: PDProtocol = make_protocol(
@@ -104,6 +118,8 @@ class Gateway:
         await self.analyzer.start()
         self.membership.watch()
         self.gc_freezer.start()
+        if self._learner is not None:
+            self.lessons.start(self._learner.learn)
         log.info(
             "gateway ready: %d prefill, %d decode, %d mixed; protocol %s; policy %s",
             len(self.settings.prefill), len(self.settings.decode), len(self.settings.mixed),
@@ -114,6 +130,7 @@ class Gateway:
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans still batched
         await self.gc_freezer.close()
+        self.lessons.close()
         await self.membership.close()
         await self.analyzer.close()
         await self.deadlines.close()
@@ -211,6 +228,9 @@ class Gateway:
             self.policy.observe(observation)
         except Exception:  # a policy's learning bug must not fail the request that taught it
             log.exception("policy %s failed to observe %s", self.policy.name, observation.request_id)
+        if self._lesson_outbox:  # what the observation taught, for the sibling processes
+            self.lessons.publish(self._lesson_outbox)
+            self._lesson_outbox.clear()
         try:
             self.analyzer.on_result(routed.analysis, routed.decision, observation)
         except Exception:

@@ -5,7 +5,12 @@ gauges are set by the background probes and stay prometheus_client's."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from conductor.loop_metrics import LoopCounter, LoopHistogram
 
@@ -101,3 +106,25 @@ class GatewayMetrics:
             "conductor_prompt_tokens", "Prompt tokens routed, by whether the worker reported them cached",
             ["source"], registry=r,
         )
+
+
+class _Counted(Protocol):
+    counts: Counter[str]
+
+
+class LessonMetrics:
+    """conductor_worker_lessons_total{event}: predictor lessons this process sent to its sibling
+    worker processes, received and learned from them, dropped (a sibling not there or not keeping
+    up) and refused (malformed), read from the lesson share's counts when scraped."""
+
+    EVENTS = ("sent", "received", "dropped", "refused")
+
+    def __init__(self, share: _Counted) -> None:
+        self._share = share
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("conductor_worker_lessons", "Predictor lessons shared between the "
+                                     "gateway's worker processes, by event", labels=["event"])
+        for event in self.EVENTS:
+            family.add_metric([event], self._share.counts[event])
+        yield family

@@ -13,6 +13,11 @@ into its slot every few milliseconds and reads its siblings' on each decision
 KV index is each worker's own when `kv.index` is memory (every worker subscribes to every KV event
 feed, so they agree up to the dispatch guesses of the last few milliseconds), or one shared Redis
 index. With `load_share: redis` (replicas on several hosts) each worker is a replica of its own there.
+What the policy's predictors learn is shared too: each worker sends the samples and ratios it
+learns from its own requests' outcomes to its siblings, which learn them as their own
+(predictors/lessons.py, adapters/lesson_share.py: Unix datagram sockets in a directory of mode
+0700 the supervisor makes), so every worker fits its models and calibrates its admission bounds
+on every outcome, not on 1/N of them.
 
 Metrics stay per process: worker i serves /metrics, /health and /ready on `admin_port + i`, so a
 scrape never mixes counters of different processes (which would make rate() nonsense). For that
@@ -29,8 +34,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -135,8 +142,10 @@ def worker_settings(settings: Settings, slot: int) -> Settings:
     return settings.model_copy(update=update)
 
 
-def run_worker(settings: Settings, slot: int, workers: int, segment: str) -> None:
-    """A worker process: the whole gateway on the shared port, its load shared through `segment`."""
+def run_worker(settings: Settings, slot: int, workers: int, segment: str, lessons_dir: str) -> None:
+    """A worker process: the whole gateway on the shared port, its load shared through `segment`,
+    what its predictors learn shared through its socket in `lessons_dir` (adapters/lesson_share.py)."""
+    from adapters.lesson_share import UnixLessonShare
     from adapters.shm_load_share import SharedMemoryLoadShare
     from conductor.app import run
     from conductor.gateway import Gateway
@@ -145,7 +154,8 @@ def run_worker(settings: Settings, slot: int, workers: int, segment: str) -> Non
     settings = worker_settings(settings, slot)
     configure_logging(settings.log_level, settings.log_format, settings.access_log)
     share = SharedMemoryLoadShare(segment, slot, workers) if settings.load_share == "none" else None
-    gateway = Gateway(settings, load_share=share)
+    lessons = UnixLessonShare(lessons_dir, slot, workers) if settings.share_lessons else None
+    gateway = Gateway(settings, load_share=share, lesson_share=lessons)
     sock = listening_socket(settings.host, settings.port)
     log.info("worker %d of %d (pid %d) on %s:%d, admin port %s", slot, workers, os.getpid(),
              settings.host, settings.port, settings.admin_port)
@@ -163,9 +173,10 @@ class Supervisor:
         self._started_at = [0.0] * self.n
         self._deaths: deque[float] = deque()
         self._stopping = False
+        self._lessons_dir = ""  # the workers' lesson sockets (mode 0700), made in run()
 
     def _start(self, slot: int, segment: str) -> None:
-        proc = self._ctx.Process(target=run_worker, args=(self.settings, slot, self.n, segment),
+        proc = self._ctx.Process(target=run_worker, args=(self.settings, slot, self.n, segment, self._lessons_dir),
                                  name=f"conductor-worker-{slot}")
         proc.start()
         self._procs[slot], self._started_at[slot] = proc, time.monotonic()
@@ -179,6 +190,7 @@ class Supervisor:
         check_port_free(self.settings.host, self.settings.port)
         shm = create_segment(self.n)
         assert shm.buf is not None
+        self._lessons_dir = tempfile.mkdtemp(prefix="conductor-lessons-")  # mode 0700: this user only
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         code = 0
         try:
@@ -208,6 +220,7 @@ class Supervisor:
                 signal.signal(sig, handler)
             shm.close()
             shm.unlink()
+            shutil.rmtree(self._lessons_dir, ignore_errors=True)
         return code
 
     def _after_death(self, slot: int, exitcode: int | None, started: bool) -> int:

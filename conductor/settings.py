@@ -113,6 +113,9 @@ class Settings(_Model):
     # gateway processes on `port` (SO_REUSEPORT), scheduling as one through shared memory
     # (conductor/serving.py); worker i serves its admin routes on admin_port + i, so > 1 needs admin_port
     workers: int = Field(default=1, ge=1, le=256)
+    # with workers > 1: each worker's policy predictors also learn from its siblings' outcomes
+    # (predictors/lessons.py, adapters/lesson_share.py); off: each learns from its own requests only
+    share_lessons: bool = True
     # logs: "text" lines or one JSON object a line; an access log line per request (no prompt text)
     log_format: Literal["text", "json"] = "text"
     access_log: bool = False

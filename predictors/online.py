@@ -12,6 +12,7 @@ tracked per instance, so a slow instance shows up in the error stats rather than
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -20,6 +21,7 @@ import numpy as np
 
 from conductor.core.types import InstanceView, QueuedPrefill
 from predictors.errors import ErrorStats, ErrorTracker
+from predictors.lessons import Lesson, checked
 from predictors.linear import FitOptions, LinearModel, fit_linear
 from predictors.params import (
     INSTANCE_LINK,
@@ -119,6 +121,9 @@ class Predictors:
         # in flight) must not add its old model's ratio to the new windows
         self.generation = 0
         self.refits = 0
+        # what this process learned, kept for sibling processes (record_lessons); None: not kept
+        self._lessons: deque[Lesson] | None = None
+        self._errors_on = online.track_errors  # off while learning a sibling's lesson
         self._cache_params()
 
     @classmethod
@@ -234,7 +239,9 @@ class Predictors:
         """A prefill's own compute time (queueing and pulls already taken out by the caller)."""
         if seconds <= 0 or new_tokens <= 0:
             return
-        if self._online.track_errors:
+        if self._lessons is not None:
+            self._lessons.append(("prefill", new_tokens, cached_tokens, seconds))
+        if self._errors_on:
             pred = self.prefill_s(new_tokens, cached_tokens)
             self.errors.record("prefill", instance, pred, pred * self._params.prefill.p90_ratio, seconds)
         if self._add(self._prefill, prefill_features(new_tokens, cached_tokens), seconds):
@@ -246,6 +253,8 @@ class Predictors:
         `queue_features`): `seconds` = observed leg + head elapsed - predicted prefix pull."""
         if seconds <= 0 or features[0] <= 0:
             return
+        if self._lessons is not None:
+            self._lessons.append(("leg", *(float(f) for f in features[:3]), seconds))
         if self._add(self._prefill, tuple(float(f) for f in features), seconds):
             self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, _PREFILL_REF))
             self._cache_params()
@@ -263,6 +272,8 @@ class Predictors:
         token model's constant."""
         if seconds <= 0 or handoff_tokens <= 0:
             return
+        if self._lessons is not None:
+            self._lessons.append(("decode_leg", handoff_tokens, tbt_s, seconds))
         nbytes = handoff_tokens * self._params.kv_bytes_per_token
         if not self._add(self._first, (1.0, nbytes, tbt_s), seconds):
             return
@@ -284,8 +295,10 @@ class Predictors:
         """Mean time between tokens of a stream that ran with about this batch and resident KV."""
         if seconds <= 0 or batch <= 0:
             return
+        if self._lessons is not None:
+            self._lessons.append(("tbt", batch, resident_kv_tokens, seconds))
         pred = self.tbt_s(batch, resident_kv_tokens)
-        if self._online.track_errors:
+        if self._errors_on:
             # the bound from the ratios seen so far (out of sample), not the fit's in-sample p90 ratio
             hi = pred * self.ratios.quantile("tbt", 0.9, self._params.tbt.p90_ratio)
             self.errors.record("tbt", instance, pred, hi, seconds)
@@ -297,8 +310,10 @@ class Predictors:
     def observe_transfer(self, link: str, nbytes: float, seconds: float, instance: str = "") -> None:
         if seconds <= 0 or nbytes <= 0:
             return
+        if self._lessons is not None:
+            self._lessons.append(("transfer", link, float(nbytes), seconds))
         model = self._params.transfer_model(link)
-        if self._online.track_errors:
+        if self._errors_on:
             pred = model.predict(transfer_features(nbytes))
             self.errors.record(f"transfer_{link}", instance, pred, pred * model.p90_ratio, seconds)
         win = self._transfer.get(link)
@@ -319,7 +334,7 @@ class Predictors:
         return self._online.track_errors
 
     def record_error(self, component: str, instance: str, predicted: float, p90: float, actual: float) -> None:
-        if self._online.track_errors:
+        if self._errors_on:
             self.errors.record(component, instance, predicted, p90, actual)
 
     def error_stats(self) -> tuple[ErrorStats, ...]:
@@ -329,6 +344,37 @@ class Predictors:
         """Start the error windows afresh (e.g. after a warm-up); models and bounds are kept."""
         o = self._online
         self.errors = ErrorTracker(o.error_window, o.error_max_keys)
+
+    # ---- lessons: learning from sibling processes (predictors/lessons.py) -------------------
+
+    def record_lessons(self, maxlen: int = 4096) -> deque[Lesson]:
+        """Keep, from now on, every sample this process's models learn, as lessons for its
+        siblings, in the deque returned (the oldest dropped past `maxlen`: a sibling that falls
+        behind misses lessons, nothing grows). Take them out as they come."""
+        self._lessons = deque(maxlen=maxlen)
+        return self._lessons
+
+    def learn(self, raw: object) -> None:
+        """Learn a sibling's lesson as if this process had made the observation: the same windows
+        and refits, no error records (those are each process's own diagnostics), and nothing kept
+        as a lesson of its own (no echo back). ValueError, and nothing learned, if it is malformed."""
+        kind, *args = checked(raw)
+        lessons, self._lessons = self._lessons, None
+        self._errors_on = False
+        try:
+            if kind == "prefill":
+                self.observe_prefill(int(args[0]), int(args[1]), float(args[2]))
+            elif kind == "leg":
+                self.observe_leg((float(args[0]), float(args[1]), float(args[2])), float(args[3]))
+            elif kind == "decode_leg":
+                self.observe_decode_leg(int(args[0]), float(args[1]), float(args[2]))
+            elif kind == "tbt":
+                self.observe_tbt(int(args[0]), int(args[1]), float(args[2]))
+            else:  # "transfer"
+                self.observe_transfer(str(args[0]), float(args[1]), float(args[2]))
+        finally:
+            self._lessons = lessons
+            self._errors_on = self._online.track_errors
 
     def _add(self, win: _Samples, features: tuple[float, ...], actual: float) -> bool:
         """Append a sample; True when it is time to refit."""

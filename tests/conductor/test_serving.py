@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -21,9 +22,9 @@ from tests.support.standin import StandIn
 from tests.support.waiting import wait_for
 
 
-def _command(port: int, admin: int | None, workers: int, *instances: str) -> list[str]:
+def _command(port: int, admin: int | None, workers: int, *instances: str, policy: str = "least_loaded") -> list[str]:
     cmd = [sys.executable, "-m", "conductor", "serve", "--workers", str(workers), "--port", str(port),
-           "--model", "tiny", "--policy", "least_loaded", "--log-level", "warning", *instances]
+           "--model", "tiny", "--policy", policy, "--log-level", "warning", *instances]
     return cmd + (["--admin-port", str(admin)] if admin is not None else [])
 
 
@@ -124,8 +125,53 @@ def test_two_workers_share_the_port_and_see_each_others_streams() -> None:
         assert sum(_served(a) for a in admins) == 16
 
 
+def _lessons(admin_url: str) -> dict[str, float]:
+    text = httpx.get(admin_url + "/metrics", timeout=5).text
+    prefix = 'conductor_worker_lessons_total{event="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_two_workers_learn_from_each_others_outcomes() -> None:
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve(StandIn(role="prefill"))).url
+        d_url = stack.enter_context(serve(StandIn(role="decode"))).url
+        port, admin = free_port(), free_port_run(2)
+        while admin <= port <= admin + 1:
+            admin = free_port_run(2)
+        proc = stack.enter_context(supervisor(_command(port, admin, 2, "--prefill", p_url, "--decode", d_url,
+                                                       policy="kvcache_aware")))
+        admins = [f"http://127.0.0.1:{admin + i}" for i in range(2)]
+        assert wait_for(lambda: all(_ready(a) for a in admins), timeout=60), _output(proc)
+        for i in range(40):  # new connections: the kernel hands them to both workers
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": f"prompt {i} " * 20, "max_tokens": 2})
+            assert r.status_code == 200
+        assert all(_served(a) > 0 for a in admins)
+
+        # every lesson one worker learned from its own outcomes, the other learned too
+        def all_learned() -> bool:
+            w0, w1 = (_lessons(a) for a in admins)
+            return w0["received"] == w1["sent"] and w1["received"] == w0["sent"]
+
+        assert wait_for(all_learned, timeout=30)
+        counts = [_lessons(a) for a in admins]
+        assert all(c["sent"] > 0 for c in counts)  # each dispatched some, and learned from them
+        assert all(c["refused"] == 0 and c["dropped"] == 0 for c in counts)
+
+
+def _mapped_segments(pid: int) -> set[str]:
+    """The shared memory segments (multiprocessing.shared_memory's psm_*) a process has mapped."""
+    return {line.rsplit("/", 1)[1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if "/dev/shm/psm_" in line}
+
+
+def _lesson_dirs() -> set[str]:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("conductor-lessons-")}
+
+
 def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment() -> None:
-    before = set(os.listdir("/dev/shm"))
+    lesson_dirs = _lesson_dirs()  # only supervisors make these, and those tests are all in this file
     with ExitStack() as stack:
         mixed_url = stack.enter_context(serve(StandIn())).url
         port, admin = free_port(), free_port_run(2)
@@ -145,10 +191,14 @@ def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment
                        json={"model": "tiny", "prompt": "z", "max_tokens": 1})
         assert r.status_code == 200
         survivors = _worker_pids(proc.pid)
+        # this supervisor's own segment (others' tests may make segments of their own meanwhile)
+        segments = set().union(*(_mapped_segments(pid) for pid in survivors))
+        assert len(segments) == 1 and len(_lesson_dirs() - lesson_dirs) == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert all(not Path(f"/proc/{pid}").exists() for pid in survivors)
-    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("psm_")}
+    assert not segments & set(os.listdir("/dev/shm"))
+    assert not _lesson_dirs() - lesson_dirs
 
 
 def test_more_than_one_worker_needs_an_admin_port() -> None:

@@ -1,0 +1,70 @@
+"""Lessons: what one process's predictors learned, in a form another process's can learn from.
+
+`conductor serve --workers N` runs N gateway processes on one port, each with its own policy and
+its own `Predictors`. Their in-flight load is shared (adapters/shm_load_share.py), but what each
+*learns* is not: each refits its models on the outcomes of the requests it dispatched itself, 1/N
+of them, and calibrates its admission bounds on 1/N of the actual/predicted ratios. Over a short run
+its bounds are then wider and admission turns more requests away: with two processes, 0.90x the
+goodput of one (benchmarks/bench_replicas.py --compare workers, docs/performance.md).
+
+A lesson is one sample a model learned from: the features the model is fitted on and the measured
+seconds. `Predictors.record_lessons` makes a process keep what its models learn from its own
+observations; a sibling hands each one to its own `Predictors.learn`, which learns it as if it had
+observed it, so every process fits its models on every outcome.
+
+What is not a lesson: the actual/predicted ratios behind the calibrated bounds (predictors.quantile)
+and the per-instance error windows. A ratio measures the model that made the prediction, and a
+process clears its ratio windows when a refit moves its model (a new `generation`): a sibling's
+ratios come from the sibling's model, refitted at other moments, and would refill the cleared
+windows with errors of a model this process no longer uses, the very mix the generations keep out.
+Each process calibrates its bounds on its own requests' outcomes; the error windows are diagnostics
+each process exports for itself. (Measured before leaving ratios out: `bench_replicas.py --compare
+workers`, two runs each, goodput of --workers 2 over one process 0.879 / 0.825 sharing ratios too,
+0.855 / 0.906 sharing nothing: within the runs' spread.)
+
+A lesson arrives from another process, so `checked` validates it entirely before it is learned:
+its kind, arity and field types, finite numbers within bounds, short names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+Lesson = tuple[str | int | float, ...]
+
+# kind -> the type of each field after the kind (int fields take ints, float fields ints or floats)
+FIELDS: Final[dict[str, tuple[type, ...]]] = {
+    "prefill": (int, int, float),  # new tokens, cached tokens, seconds of the prefill's own compute
+    "leg": (float, float, float, float),  # prefill features of a queue plus its request, seconds
+    "decode_leg": (int, float, float),  # handoff tokens, TBT predicted, seconds of the decode leg
+    "tbt": (int, int, float),  # batch, resident KV tokens, mean seconds between tokens
+    "transfer": (str, float, float),  # link class, bytes, seconds
+}
+MAX_NAME = 64  # link classes are short identifiers
+MAX_VALUE = 1e15  # tokens, bytes and seconds alike stay far below this
+
+
+def checked(raw: object) -> Lesson:
+    """`raw` as a lesson, or ValueError saying what is wrong with it."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ValueError("a lesson is a non-empty list")
+    kind = raw[0]
+    types = FIELDS.get(kind) if isinstance(kind, str) else None
+    if types is None:
+        raise ValueError(f"unknown lesson kind {str(kind)[:32]!r}")
+    if len(raw) != len(types) + 1:
+        raise ValueError(f"a {kind} lesson has {len(types)} fields, not {len(raw) - 1}")
+    out: list[str | int | float] = [kind]
+    for value, want in zip(raw[1:], types, strict=True):
+        if want is str:
+            if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME or not value.isprintable():
+                raise ValueError(f"{kind}: a name must be 1-{MAX_NAME} printable characters")
+            out.append(value)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (want is int and not isinstance(value, int)):
+            raise ValueError(f"{kind}: expected {want.__name__}, got {type(value).__name__}")
+        if not math.isfinite(value) or abs(value) > MAX_VALUE:
+            raise ValueError(f"{kind}: {value!r} is not a finite number within {MAX_VALUE:g}")
+        out.append(float(value) if want is float else value)
+    return tuple(out)
