@@ -49,3 +49,21 @@ def test_the_runner_turns_error_tracking_off() -> None:
     assert fitted.judge.listed_candidates == 1
     kept = build_policy(PolicySpec.parse("kvcache_aware:track_errors=true"), config)
     assert isinstance(kept, KvCacheAwarePolicy) and kept.predictors.tracks_errors
+
+
+def test_a_run_leaves_the_collector_as_it_found_it() -> None:
+    import gc
+
+    config = _config()
+    reqs = load_trace(resolve_trace(HEAD)).requests[:50]
+    assert gc.get_freeze_count() == 0
+    first = simulate(KvCacheAwarePolicy(listed_candidates=1), reqs, config)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()  # frozen for the run only
+    gc.freeze()  # someone else's: a run neither adds to it nor undoes it
+    try:
+        frozen = gc.get_freeze_count()
+        again = simulate(KvCacheAwarePolicy(listed_candidates=1), reqs, config)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert _fields(first) == _fields(again)
