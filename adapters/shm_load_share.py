@@ -100,6 +100,7 @@ class SharedMemoryLoadShare:
         self._merged_at = 0.0
         self._ends = PrefillEnds()
         self.oversized = 0  # publishes that did not fit the slot (the previous table stayed)
+        self._soon: asyncio.Handle | None = None  # a publish asked for by changed(), not yet run
 
     async def start(self, local: Callable[[], LoadTable]) -> None:
         self._shm = attach(self.segment)
@@ -112,6 +113,9 @@ class SharedMemoryLoadShare:
         self._task = asyncio.create_task(self._loop(), name="shm-load-share")
 
     async def close(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait({self._task})
@@ -139,9 +143,20 @@ class SharedMemoryLoadShare:
         return None
 
     def changed(self) -> None:
-        # the shared memory is republished every interval_s (5 ms) anyway; an immediate publish per
-        # dispatch would cost a table encode per request for little (siblings see it within 5 ms)
-        return None
+        # published once the current loop iteration's callbacks have run, not at the next beat: a
+        # burst reaches both workers at once, and for up to a beat (longer when the loop lags
+        # behind its timers on a busy box) a sibling would see the instance just chosen as idle
+        # and choose it too (over-commit, docs/performance.md). The changes of one iteration --
+        # under load, many dispatches -- share one publish, so the encode is not paid per request
+        if self._soon is None and self._shm is not None:
+            self._soon = asyncio.get_running_loop().call_soon(self._publish_soon)
+
+    def _publish_soon(self) -> None:
+        self._soon = None
+        try:
+            self.publish()
+        except Exception:
+            log.exception("publishing this worker's load failed")
 
     def publish(self) -> None:
         """Write this process's table into its slot (the heartbeat alone when the table is unchanged)."""

@@ -100,3 +100,36 @@ async def test_a_table_too_big_for_the_slot_keeps_the_last_one_and_is_counted(se
 async def _until(condition: Callable[[], bool]) -> bool:
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(None, lambda: wait_for(condition, timeout=30))
+
+
+async def test_a_change_is_published_before_the_next_beat(segment: SharedMemory) -> None:
+    """A dispatch's changed() publishes once the loop's current callbacks ran: with a beat that
+    never comes in the test, the sibling sees the new work anyway, and one publish serves all the
+    changes of one iteration."""
+    table: LoadTable = {}
+    mine = SharedMemoryLoadShare(segment.name, 0, 2, slot_bytes=SLOT_BYTES, interval_s=3600)
+    sibling = SharedMemoryLoadShare(segment.name, 1, 2, slot_bytes=SLOT_BYTES, interval_s=3600)
+    await mine.start(lambda: table)
+    await sibling.start(dict)
+    publishes = 0
+    real = mine.publish
+
+    def counted() -> None:
+        nonlocal publishes
+        publishes += 1
+        real()
+
+    mine.publish = counted  # type: ignore[method-assign]
+    try:
+        assert sibling.remote() == {}
+        table["prefill-0"] = ([(2048, 0, 1.0e9)], [])
+        mine.changed()
+        table["prefill-0"][0].append((1024, 0, 1.0e9 + 1))
+        mine.changed()  # the same iteration: no second publish
+        assert sibling.remote() == {}  # not yet: after this iteration's callbacks
+        await asyncio.sleep(0)
+        queue, _ = sibling.remote()["prefill-0"]
+        assert [p.new_tokens for p in queue] == [2048, 1024] and publishes == 1
+    finally:
+        await mine.close()
+        await sibling.close()
