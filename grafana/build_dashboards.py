@@ -287,6 +287,11 @@ def _gateway_rows() -> tuple[Row, ...]:
                        "from {{instance}} ({{reason}})"),
             ), "reqps", width=8, description="Requests decided again on another instance after a leg failed before "
                 "any byte reached the client, by the instance that failed and why."),
+            Panel("Lessons between worker processes", (
+                Target(f"sum by (event) ({rate('conductor_worker_lessons_total')})", "{{event}}"),
+            ), "ops", width=8, description="`--workers N`: predictor samples each worker sent to its siblings "
+                "(sent), learned from them (received), lost to a sibling not there or not keeping up (dropped), "
+                "or refused as malformed (refused). Zero with one process or a policy without online predictors."),
             Panel("Outlier ejections", (
                 Target(f"sum by (instance) ({rate('conductor_instance_ejections_total')})", "ejected {{instance}}"),
             ), "ops", width=8, description="Instances taken out of rotation per second after consecutive 5xx "
