@@ -132,14 +132,18 @@ def start_routers(procs: Processes, w: dict[str, str], pd: bool, policy: str,
                   vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...],
                   against: tuple[str, Path] | None = None) -> list[Router]:
     routers = []
-    if against is not None:  # the same command line, the package imported from the exported tree
-        rev, tree = against
-        port = free_port()
+    if against is not None:  # the same command line, the package imported from the exported tree,
+        rev, tree = against  # with the first of `workers` processes (compare like with like)
+        port, n = free_port(), workers[0]
+        admin = free_port_run(n)
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
+        extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
         p = procs.start([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy,
-                         "--model", "tiny", "--log-level", "warning", *inst], quiet=True, pythonpath=tree)
-        wait_http(f"http://127.0.0.1:{port}/ready")
-        routers.append(Router(f"conductor@{rev}", f"http://127.0.0.1:{port}/v1/completions", _pids(p)))
+                         "--model", "tiny", "--log-level", "warning", *inst, *extra], quiet=True, pythonpath=tree)
+        for url in ([f"http://127.0.0.1:{admin + i}" for i in range(n)] if n > 1 else [f"http://127.0.0.1:{port}"]):
+            wait_http(url + "/ready")
+        routers.append(Router(f"conductor@{rev}" + (f"-w{n}" if n > 1 else ""), f"http://127.0.0.1:{port}/v1/completions",
+                              _pids(p)))
     for n in workers:
         port, admin = free_port(), free_port_run(n)
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
@@ -234,7 +238,8 @@ def main() -> int:
     ap.add_argument("--modes", default="mixed,pd")
     ap.add_argument("--workers", default="1,2", help="Conductor process counts to measure")
     ap.add_argument("--quick", action="store_true", help="2 s runs, once, concurrency 1 and 64")
-    ap.add_argument("--against", metavar="REV", help="also run Conductor as of this git revision")
+    ap.add_argument("--against", metavar="REV",
+                    help="also run Conductor as of this git revision (with the first --workers count)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the throughput ceiling")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
