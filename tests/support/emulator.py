@@ -76,7 +76,9 @@ def start_emulator(
     kv_events_replay: bool = False,
     bootstrap: bool | None = None,
     engine_id: str | None = None,
-    startup_timeout: float = 30.0,
+    # a bound, not a speed check: under `-n 2` an emulator may start while the other worker's vLLM
+    # engines start on both cores (a CI run saw one not healthy after 30 s, its log still empty)
+    startup_timeout: float = 120.0,
     env: dict[str, str] | None = None,
     **opts: Any,
 ) -> Iterator[Emulator]:

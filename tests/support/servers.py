@@ -35,7 +35,7 @@ class ServerThread:
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.server.serve())
 
-    def start(self, timeout: float = 15.0) -> ServerThread:
+    def start(self, timeout: float = 60.0) -> ServerThread:  # a bound for a busy box, not a speed check
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
