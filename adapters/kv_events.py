@@ -313,6 +313,13 @@ class EventSubscriber:
                 return  # queued while the catch-up replayed it
             self._replayed_upto = None
         last = self._last
+        if last is None and self._batches == 0 and seq > 0 and self._catch_up \
+                and self.source.replay_endpoint is not None:
+            # The first batch since start-up, but not the publisher's first: the SUB socket was
+            # still joining (ZMQ's slow joiner) when the ones before went out, after the catch-up
+            # found the buffer empty. They are lost on the wire but still in the replay buffer.
+            self._gaps += 1
+            await self._apply_run(await self._replay(0), seq)
         if last is not None:
             if seq == last:
                 return  # a duplicate (e.g. overlap between a replay and the live feed)

@@ -7,9 +7,11 @@ several policies the ratio of each to the first, simulated and live side by side
         [--limit 300] [--speedup 4] [--length-scale 0.25] [--slo-ttft 0.5] [--slo-tbt 0.025] [--noise 0.05]
 
 Policies are specs as `conductor replay --compare` takes them (`kvcache_aware:ttft_slack=null`);
-kvcache_aware runs with predicted admission unless the spec says otherwise. The simulator allows
-no prefix pulls (`pull: none`): the live NIXL cluster's only pull is a decode's readback of a
-non-streamed answer, and the replay streams.
+kvcache_aware runs with predicted admission unless the spec says otherwise. By default neither
+side pulls prefixes (`pull: none`, `pd_peer_pull: off`; a decode's readback needs non-streamed
+answers and the replay streams). With `--peer-pull` both do prefill-to-prefill pulls staged with
+priority on the holder: live over the emulators' NIXL (conductor/peer_pull.py), simulated with
+`--pull staged`.
 
 Configuration: 2 prefill + 2 decode emulators (nixl P/D, time scale 1, lognormal noise) behind
 `conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
@@ -35,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from adapters.emulator.profile import load_profile
 from conductor.core.types import Slo
 from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
@@ -58,12 +62,13 @@ def scaled_requests(requests: list[TraceRequest], synth: PromptSynthesizer) -> l
                                 block_tokens=synth.block_tokens(r)) for r in requests]
 
 
-def policy_options(spec: PolicySpec) -> dict[str, object]:
-    """The spec's options; kvcache_aware with predicted admission and no pulls unless it says."""
+def policy_options(spec: PolicySpec, peer_pull: bool = False) -> dict[str, object]:
+    """The spec's options; kvcache_aware with predicted admission and no pulls unless it says
+    (peer pulls only with --peer-pull)."""
     options = dict(spec.options)
     if spec.name == "kvcache_aware":
         options.setdefault("admission", "predicted")
-        options.setdefault("allow_pull", False)
+        options.setdefault("allow_pull", "peer" if peer_pull else False)
     return options
 
 
@@ -71,19 +76,27 @@ def run_sim(args: argparse.Namespace, requests: list[TraceRequest], spec: Policy
     config = SimConfig(
         n_prefill=N_PREFILL, n_decode=N_DECODE, truth=truth_from_emulator(load_profile()),
         slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt), speedup=args.speedup, noise=args.noise, seed=args.seed,
-        model=MODEL, pull="none",
+        model=MODEL, pull="staged" if args.peer_pull else "none",
     )
-    return simulate(load_policy(spec.name, policy_options(spec)), requests, config)
+    return simulate(load_policy(spec.name, policy_options(spec, args.peer_pull)), requests, config)
 
 
 def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: PromptSynthesizer,
              spec: PolicySpec) -> RunResult:
-    options = policy_options(spec)
+    options = policy_options(spec, args.peer_pull)
     options.pop("allow_pull", None)  # the gateway derives what it can pull from its protocol
+    # --peer-pull: every emulator bidirectional, prefills on priority scheduling, the gateway stages
+    # prefill-to-prefill pulls (conductor/peer_pull.py); without it, pulls off on both sides
+    extra = {"pd_peer_pull": "on", "pd_peer_pull_priority": -1, "pd_readback": "off",
+             "kv": {"forward_token_ids": True}} if args.peer_pull else {"pd_peer_pull": "off"}
     cluster_spec = ClusterSpec(
         n_prefill=N_PREFILL, n_decode=N_DECODE, pd_protocol="nixl", policy=spec.name, model=MODEL,
         time_scale=1.0, noise=args.noise, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
-        policy_options=options,
+        policy_options=options, gateway_extra=extra,
+        # (the decodes are bidirectional so that they free the prefills' pins; their own pins, unused
+        # with pd_readback off, expire at once)
+        emulator_extra=("--bidirectional-kv-xfer", "--scheduling-policy", "priority", "--decoder-kv-blocks-ttl", "1")
+        if args.peer_pull else (),
     )
     with tempfile.TemporaryDirectory(prefix="sim-vs-live-") as tmp:
         group = ChildGroup(Path(tmp))
@@ -94,9 +107,26 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
                 cluster.gateway_url, requests, time_scale=args.speedup, slo_ttft_s=args.slo_ttft,
                 slo_tbt_s=args.slo_tbt, synthesizer=synth, model=MODEL, label="live",
             ))
+            if args.peer_pull:
+                print("live prefill-to-prefill pulls: " + pull_counts(cluster.gateway_url), file=sys.stderr)
         finally:
             group.stop()
     return result.run
+
+
+def pull_counts(gateway_url: str) -> str:
+    """conductor_pd_peer_pull_total by event, and the staging requests' mean time, from /metrics."""
+    counts: dict[str, float] = {}
+    stage_sum = stage_n = 0.0
+    for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("conductor_pd_peer_pull_total{"):
+            counts[line.split('event="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("conductor_pd_peer_pull_stage_seconds_sum "):
+            stage_sum = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("conductor_pd_peer_pull_stage_seconds_count "):
+            stage_n = float(line.rsplit(" ", 1)[1])
+    mean = f"{stage_sum / stage_n * 1e3:.1f} ms" if stage_n else "-"
+    return ", ".join(f"{k} {v:.0f}" for k, v in sorted(counts.items())) + f"; staging mean {mean}"
 
 
 def _row(name: str, r: RunResult) -> str:
@@ -116,6 +146,9 @@ def main() -> int:
     ap.add_argument("--slo-tbt", type=float, default=0.025)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma, emulators and simulator")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer-pull", action="store_true",
+                    help="prefix pulls between prefills, staged on the holder with priority: over NIXL live "
+                         "(pd_peer_pull), modelled in the simulator (--pull staged)")
     args = ap.parse_args()
     try:
         specs = parse_specs(args.policies)

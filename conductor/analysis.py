@@ -37,6 +37,9 @@ class PromptAnalysis:
     store_cached_tokens: int = 0
     # token ids to forward in place of a completions text prompt, so workers do not tokenize again
     forward_token_ids: tuple[int, ...] | None = None
+    # the prompt's token ids, kept only where a prefill-to-prefill pull may need them (its staging
+    # request asks the holder for the prefix by token ids, conductor/peer_pull.py)
+    token_ids: tuple[int, ...] | None = None
 
 
 class PromptAnalyzer(Protocol):

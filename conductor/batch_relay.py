@@ -43,7 +43,7 @@ def sub_requests(out: Outgoing, bodies: list[dict[str, Any]]) -> list[Outgoing]:
 
 
 async def _exchange_all(gw: Gateway, subs: list[Outgoing], d: Dispatch) -> list[Exchange]:
-    tasks = [asyncio.create_task(gw.protocol.exchange(sub, d.prefill, d.decode)) for sub in subs]
+    tasks = [asyncio.create_task(d.open(gw, sub)) for sub in subs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:

@@ -144,6 +144,7 @@ class ClusterSpec:
     kv_index: bool = True  # the gateway keys prompts and keeps a KV-cache index fed by those events
     policy_options: dict[str, Any] = field(default_factory=dict)
     gateway_extra: dict[str, Any] = field(default_factory=dict)  # more gateway settings (YAML keys)
+    emulator_extra: tuple[str, ...] = ()  # more flags for every emulator (`--bidirectional-kv-xfer`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,7 @@ def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
                            "--port", str(port), "--model", spec.model, "--block-size", str(spec.block_size),
                            "--time-scale", repr(spec.time_scale), "--noise", repr(spec.noise),
                            "--seed", str(len(group.children)), "--engine-id", f"demo-{role}-{i}",
-                           "--side-channel-port", str(side_port), "--log-level", "warning")
+                           "--side-channel-port", str(side_port), "--log-level", "warning", *spec.emulator_extra)
             entry: dict[str, Any] = {"url": f"http://127.0.0.1:{port}", "name": f"{role}-{i}"}
             if spec.kv_events:
                 # as vLLM's --kv-events-config has it: "*" means the worker binds and the gateway

@@ -19,7 +19,7 @@ from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
 from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
 from conductor.core.decision_log import decision_log_record
-from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected, Unauthorized
+from conductor.core.errors import BadRequest, ConfigError, NoHealthyInstance, Rejected, Unauthorized
 from conductor.core.types import Decision, Observation, Policy, RequestView, Role, Slo
 from conductor.deadlines import Deadlines
 from conductor.gc_freeze import GcFreezer
@@ -27,6 +27,7 @@ from conductor.instances import InstanceRegistry
 from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
 from conductor.membership import Membership
 from conductor.metrics import GatewayMetrics, LessonMetrics
+from conductor.peer_pull import peer_sources
 from conductor.readback import Offer, ReadbackTable, pull_sources
 from conductor.settings import Settings
 from conductor.tracing import Tracing, decision_attributes
@@ -96,9 +97,19 @@ class Gateway:
         self.protocol: PDProtocol = make_protocol(
             protocol_name, mooncake_schema=settings.mooncake_schema, bootstrap_timeout_s=settings.bootstrap_timeout_s
         )
+        if getattr(self.policy, "local", None) is not None and self.protocol.name == "sglang":
+            # an SGLang decode server takes requests with a bootstrap room only: it cannot prefill one
+            raise ConfigError("local_prefill_tokens (prefills on decode instances) needs decodes that compute a "
+                              "request without a KV transfer (vLLM nixl or mooncake), not pd_protocol sglang")
         # decode readbacks (NIXL bidirectional KV transfer): only where block keys say which prefix matches
         self.readback = ReadbackTable(ttl_s=settings.pd_readback_ttl_s, max_handles=settings.pd_readback_max_handles) \
             if self.protocol.name == "nixl" and settings.pd_readback == "auto" and settings.kv.enabled else None
+        # prefill-to-prefill pulls (conductor/peer_pull.py): possible where the settings allow them,
+        # active from the start ("on") or once a decode has shown the cluster runs bidirectional NIXL
+        self.peer_pull = peer_pull_possible(settings)
+        if settings.pd_peer_pull == "on" and not self.peer_pull:
+            raise ConfigError("pd_peer_pull 'on' needs the gateway's token ids to be the workers' own: a model "
+                              "tokenizer for kv.tokenizer, or kv.forward_token_ids true")
         self.deadlines = Deadlines(settings.request_timeout_s)  # request_timeout_s, swept (conductor/deadlines.py)
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
@@ -187,6 +198,14 @@ class Gateway:
             states = self.registry.states
             offer = self.readback.offer(
                 analysis.block_keys, lambda name: name not in exclude and name in states and states[name].healthy)
+        sources = pull_sources(offer, analysis.prompt_tokens, self.settings.block_size)
+        queued: frozenset[str] = frozenset()
+        if analysis.cached and analysis.token_ids is not None and self.peer_pull_active():
+            states = self.registry.states
+            peers = peer_sources(analysis, states, lambda name: name not in exclude and self.protocol.ready(
+                states[name].target), self.settings.block_size, self.settings.pd_pull_min_tokens)
+            if peers:
+                sources, queued = {**peers, **sources}, frozenset(peers)
         view = RequestView(
             request_id=request_id,
             seq=next(self._seq),
@@ -199,7 +218,9 @@ class Gateway:
             store_cached_tokens=analysis.store_cached_tokens,
             slo=slo,
             stream=stream,
-            pull_sources=pull_sources(offer, analysis.prompt_tokens, self.settings.block_size),
+            pull_sources=sources,
+            queued_pull_sources=queued,
+            staging_jumps_queue=bool(queued) and self.settings.pd_peer_pull_priority is not None,
         )
         with self.tracing.child("conductor.decide") if self.tracing else contextlib.nullcontext() as span:
             snapshot = self.registry.snapshot(exclude)
@@ -221,6 +242,12 @@ class Gateway:
         if decision.predicted_ttft_s is not None:
             self.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
         return Routed(decision, analysis, view, offer)
+
+    def peer_pull_active(self) -> bool:
+        """Whether prefill-to-prefill pulls are offered to the policy now (settings.pd_peer_pull)."""
+        if not self.peer_pull:
+            return False
+        return self.settings.pd_peer_pull == "on" or (self.readback is not None and self.readback.recorded > 0)
 
     def observe(self, routed: Routed, observation: Observation) -> None:
         """Feed what happened back to the policy's predictors and the KV index."""
@@ -264,9 +291,23 @@ def kv_settings(settings: Settings) -> KVAwarenessSettings:
     update: dict[str, object] = {"block_size": settings.block_size, "kv_events": {**events, **kv.kv_events}}
     if kv.index == "indexer" and kv.indexer_model is None and settings.models:
         update["indexer_model"] = settings.models[0]  # the indexer checks it against the same `models`
-    if "forward_token_ids" not in kv.model_fields_set:
-        update["forward_token_ids"] = kv.tokenizer != "builtin"
+    update["forward_token_ids"] = _forwards_token_ids(kv)
+    update["keep_token_ids"] = peer_pull_possible(settings)
     return kv.model_copy(update=update)
+
+
+def peer_pull_possible(settings: Settings) -> bool:
+    """Whether prefill-to-prefill pulls can be staged at all: NIXL P/D, KV awareness on (block keys
+    say who holds what), and the gateway's token ids the workers' own (a model tokenizer, or
+    kv.forward_token_ids set): the staging request names the prefix by them."""
+    return (settings.pd_peer_pull != "off" and settings.disaggregated and settings.pd_protocol == "nixl"
+            and settings.kv.enabled and _forwards_token_ids(settings.kv))
+
+
+def _forwards_token_ids(kv: KVAwarenessSettings) -> bool:
+    """kv.forward_token_ids as set, else only with the model's own tokenizer (the built-in one's ids
+    mean nothing to a real model)."""
+    return kv.forward_token_ids if "forward_token_ids" in kv.model_fields_set else kv.tokenizer != "builtin"
 
 
 def _analyzer(settings: Settings, metrics: GatewayMetrics) -> PromptAnalyzer:

@@ -74,6 +74,7 @@ class KVAwareAnalyzer:
         replay_timeout_s: float = 1.0,
         replay_on_start: bool = True,
         prefix_memo: PrefixMemo | None = None,
+        keep_token_ids: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheme = scheme
@@ -85,6 +86,7 @@ class KVAwareAnalyzer:
         self.store = store
         self.instances = {i[0]: i for i in instances}
         self.forward_token_ids = forward_token_ids
+        self.keep_token_ids = keep_token_ids  # PromptAnalysis.token_ids (peer pulls stage by them)
         self.events_silence_s = events_silence_s
         self._ctx = zmq_context
         self._watchdog: asyncio.Task[None] | None = None
@@ -210,7 +212,8 @@ class KVAwareAnalyzer:
             else:
                 hashes = [f"{k:016x}" for k in keys]
             store_tokens = await self.store.leading_blocks(hashes, keys) * self.scheme.block_size
-        forward = tuple(ids) if from_text and self.forward_token_ids and kind == "completions" else None
+        kept = tuple(ids) if self.keep_token_ids else None
+        forward = (kept or tuple(ids)) if from_text and self.forward_token_ids and kind == "completions" else None
         return PromptAnalysis(
             prompt_tokens=len(ids),
             exact=True,
@@ -218,10 +221,13 @@ class KVAwareAnalyzer:
             cached=match.cached(self.scheme.block_size, len(ids)),
             store_cached_tokens=store_tokens,
             forward_token_ids=forward,
+            token_ids=kept,
         )
 
     async def on_dispatch(self, analysis: PromptAnalysis, decision: Decision) -> None:
         if decision.rejected or decision.prefill is None or not analysis.block_keys:
+            return
+        if decision.prefilled_on_decode:  # the index follows prefill instances only
             return
         if isinstance(self.index, MemoryIndex) or len(self._pending) >= self.MAX_PENDING_DISPATCHES:
             # in-process inserts are quick; a remote index falls back to waiting when too far behind
@@ -244,8 +250,8 @@ class KVAwareAnalyzer:
     def on_result(self, analysis: PromptAnalysis, decision: Decision, observation: Observation) -> None:
         if not (observation.ok and analysis.block_keys):
             return
-        # only what the chosen instance holds: the gateway does not carry out the pulls a policy plans
-        # (Decision.pull_from), so a planned pull is no cached token the worker will report
+        # what the chosen instance holds after the pull the gateway carried out (relay.dispatch: its
+        # own cache, or that plus a readback or a staged peer pull; its own alone when the pull failed)
         predicted = observation.predicted_cached_tokens
         self.agreement.observe(predicted, observation.cached_tokens, instance=observation.prefill or "",
                                prompt_tokens=analysis.prompt_tokens if analysis.exact else None,
@@ -390,7 +396,7 @@ def build_analyzer(
                                agreement=agreement, subscribers=subscribers, store=store, instances=instances,
                                forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
                                zmq_context=ctx, replay_timeout_s=s.replay_timeout_s, replay_on_start=s.replay_on_start,
-                               prefix_memo=_prefix_memo(s, scheme))
+                               prefix_memo=_prefix_memo(s, scheme), keep_token_ids=s.keep_token_ids)
     if s.index != "indexer":  # the feeds' evidence is the indexer's there, not ours
         agreement.set_evidence(analyzer.evidence)
     if registry is not None:

@@ -44,6 +44,8 @@ class KVAwarenessSettings(_Model):
     tokenizer: str = "builtin"  # "builtin" (byte-level), "worker" (POST /tokenize) or a local HF dir
     tokenizer_url: str | None = None  # for "worker": defaults to the first prefill/mixed instance
     forward_token_ids: bool = True  # send completions prompts on as token ids (tokenized once)
+    # keep each prompt's token ids in its analysis (set by the gateway for prefill-to-prefill pulls)
+    keep_token_ids: bool = False
     block_size: Annotated[int, Field(gt=0)] = 16  # must equal the workers' --block-size
     key_mode: Literal["xxhash", "vllm"] = "xxhash"
     hash_seed: int = 0  # xxhash mode: seed of the key chain (all replicas must agree)

@@ -43,6 +43,19 @@ class GatewayMetrics:
         )
         for event in ("recorded", "unusable", "pulled", "lost", "failed"):
             self.readback.labels(event)
+        self.peer_pull = LoopCounter(
+            "conductor_pd_peer_pull", "Prefill-to-prefill pulls (conductor/peer_pull.py): staging requests whose "
+            "holder pinned the prefix (staged), that failed or answered no usable blocks (stage_failed: the prefill "
+            "computed the prefix itself), pulls planned and not staged (skipped: below pd_pull_min_tokens, or "
+            "predicted to outlast the holder's lease), and staged pulls whose prefill failed to read (failed)",
+            ["event"], registry=r,
+        )
+        for event in ("staged", "stage_failed", "skipped", "failed"):
+            self.peer_pull.labels(event)
+        self.peer_pull_stage = LoopHistogram(
+            "conductor_pd_peer_pull_stage_seconds", "Staging requests of prefill-to-prefill pulls: sent to the "
+            "holder to answered (its queue, one token, the pin)", buckets=_LATENCY_BUCKETS, registry=r,
+        )
         self.cancelled = LoopCounter(
             "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r
         )

@@ -15,11 +15,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from adapters.pd.base import Exchange, Outgoing, Target, cached_tokens_of, decode_json
+from adapters.pd.base import Exchange, Outgoing, Target, cached_tokens_of, decode_json, open_leg
 from adapters.upstream import UpstreamPoolExhausted
 from conductor.core.errors import NoHealthyInstance, UpstreamError
 from conductor.core.types import Observation
 from conductor.gateway import Gateway, Routed
+from conductor.peer_pull import stage as stage_prefix
 from conductor.readback import parse_decode_params, pull_tokens_for
 
 log = logging.getLogger("conductor.proxy")
@@ -111,6 +112,17 @@ class Dispatch:
     # kv_transfer_params of the decode readback the prefill pulls (the decision's pull), else None
     pull: dict[str, Any] | None = None
     local_cached: int = 0  # what the prefill instance holds itself (predicted_cached without the pull)
+    # a prefill-to-prefill pull to stage first (conductor/peer_pull.py): (holder, prefix tokens)
+    stage: tuple[str, int] | None = None
+    # the decode instance prefills it itself (policies/local_prefill.py): one plain leg, as to a
+    # mixed worker, with no kv_transfer_params (a vLLM kv_both engine then computes the prompt)
+    local: bool = False
+
+    async def open(self, gw: Gateway, out: Outgoing) -> Exchange:
+        """Start the exchange on its instances: the protocol's legs, or the local prefill's one."""
+        if self.local:
+            return await open_leg(self.prefill, out, out.body)
+        return await gw.protocol.exchange(out, self.prefill, self.decode)
 
     def end(self, gw: Gateway) -> None:
         """Its load leaves the registry (whatever happened)."""
@@ -132,29 +144,44 @@ async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientS
     decision = routed.decision
     assert decision.prefill is not None
     states = gw.registry.states
+    local = decision.prefilled_on_decode
     prefill = states[decision.prefill].target
-    decode = states[decision.decode].target if decision.decode else None
-    if not gw.protocol.ready(prefill):
+    decode = states[decision.decode].target if decision.decode and not local else None
+    if not local and not gw.protocol.ready(prefill):
         raise NoHealthyInstance(f"prefill instance {prefill.name} is not ready (bootstrap not answered)")
     client.prefill, client.decode = prefill.name, decode.name if decode else None
     analysis = routed.analysis
     cached = analysis.cached.get(prefill.name)
-    predicted = cached.tokens if cached else 0
-    pull = None
+    local_cached = predicted = cached.tokens if cached else 0
+    pull = stage = None
     offer = routed.readback
-    if may_pull and offer is not None and gw.readback is not None and decision.pull_from == offer.handle.instance:
+    source, view = decision.pull_from, routed.view
+    min_gain = gw.settings.pd_pull_min_tokens  # vLLM pulls nothing smaller (kv_recompute_threshold)
+    if not may_pull or source is None or local:
+        pass
+    elif offer is not None and gw.readback is not None and source == offer.handle.instance:
         # the policy chose to pull the last turn's KV from that decode: a handle serves once
-        handle = gw.readback.take(offer)
-        if handle is None:
-            gw.metrics.readback.labels("lost").inc()  # another request took it first
+        size = view.block_size
+        tokens = pull_tokens_for(offer, analysis.prompt_tokens, size)
+        if tokens - local_cached >= min_gain:  # else vLLM would not pull it: the handle stays for another turn
+            handle = gw.readback.take(offer)
+            if handle is None:
+                gw.metrics.readback.labels("lost").inc()  # another request took it first
+            else:
+                pull = handle.params(tokens // size, size)
+                predicted = max(predicted, tokens)
+                gw.metrics.readback.labels("pulled").inc()
+    elif source in view.queued_pull_sources and view.pull_sources is not None:
+        tokens = view.pull_sources.get(source, 0)
+        # the holder keeps a staged prefix for its lease only: the prefill must read it before then
+        late = (decision.predicted_ttft_s or 0.0) > gw.settings.pd_peer_pull_lease_s / 2
+        if tokens - local_cached < min_gain or late:
+            gw.metrics.peer_pull.labels("skipped").inc()
         else:
-            size = routed.view.block_size
-            tokens = pull_tokens_for(offer, analysis.prompt_tokens, size)
-            pull = handle.params(tokens // size, size)
-            predicted = max(predicted, tokens)
-            gw.metrics.readback.labels("pulled").inc()
+            stage = (source, tokens)
+            predicted = tokens
     d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, predicted, pull,
-                 cached.tokens if cached else 0)
+                 local_cached, stage, local)
     gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted)
     gw.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
     await gw.analyzer.on_dispatch(analysis, decision)
@@ -169,9 +196,22 @@ async def run_attempt(
     request_id = out.request_id
     analysis = routed.analysis
     d = await dispatch(gw, routed, request_id, client, routed.view.max_tokens)
+    prefill, decode, decode_name, predicted_cached = d.prefill, d.decode, d.decode_name, d.predicted_cached
     if d.pull is not None:
         out = replace(out, pull=d.pull)
-    prefill, decode, decode_name, predicted_cached = d.prefill, d.decode, d.decode_name, d.predicted_cached
+    elif d.stage is not None:
+        try:
+            async with asyncio.timeout(gw.settings.pd_peer_pull_lease_s / 2):
+                staged = await stage_prefix(gw, d.stage[0], out, analysis, d.stage[1])
+        except TimeoutError:
+            gw.metrics.peer_pull.labels("stage_failed").inc()
+            log.warning("request %s: staging on %s took over %.1f s; the prefill computes the prefix", request_id,
+                        d.stage[0], gw.settings.pd_peer_pull_lease_s / 2)
+            staged = None
+        if staged is None:
+            predicted_cached = d.local_cached
+        else:
+            out = replace(out, pull=staged)
     joined = gw.registry.states[decode_name]  # the others already decoding there (this replica's)
     others = [a for rid, a in joined.decodes.items() if rid != request_id]
     batch, resident = len(others), sum(a.context_tokens for a in others)
@@ -183,7 +223,7 @@ async def run_attempt(
     cached_reported: int | None = None
     try:
         try:
-            exchange = await gw.protocol.exchange(out, prefill, decode)
+            exchange = await d.open(gw, out)
         except UpstreamError as exc:
             if not pull_failed(out, exc, prefill.name):
                 count_failure(gw, exc)
@@ -191,7 +231,7 @@ async def run_attempt(
             # the prefill could not read the decode's KV (a NIXL handshake or transfer failure fails
             # the request there, vLLM's default kv_load_failure_policy): not the prefill's fault, and
             # nothing was computed, so the same prefill computes the prefix itself instead
-            gw.metrics.readback.labels("failed").inc()
+            (gw.metrics.peer_pull if d.stage is not None else gw.metrics.readback).labels("failed").inc()
             log.warning("request %s: %s could not pull the prefix from %s (%s); computing it there instead",
                         request_id, prefill.name, routed.decision.pull_from, exc)
             out = replace(out, pull=None)

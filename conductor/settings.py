@@ -143,6 +143,22 @@ class Settings(_Model):
     # never offer a handle older than this: below the workers' decoder_kv_blocks_ttl (480 s by default)
     pd_readback_ttl_s: float = Field(default=240.0, gt=0)
     pd_readback_max_handles: int = Field(default=100_000, gt=0)
+    # Prefill-to-prefill pulls (conductor/peer_pull.py): a prefill that lacks a prefix another
+    # prefill holds pulls it over NIXL after a one-token staging request on the holder pins its
+    # blocks. Needs NIXL, KV awareness, the gateway's token ids being the workers' own (a model
+    # tokenizer, kv.forward_token_ids) and every prefill started with bidirectional_kv_xfer.
+    # "auto": on once a decode has handed back bidirectional kv_transfer_params (the cluster runs
+    # bidirectional_kv_xfer); "on": from the start (the conditions checked at start-up); "off": never.
+    pd_peer_pull: Literal["auto", "on", "off"] = "auto"
+    # the workers' kv_recompute_threshold: vLLM skips a pull of fewer tokens, so none is planned
+    pd_pull_min_tokens: int = Field(default=64, ge=0)
+    # the prefills' kv_lease_duration: a staged prefix stays pinned this long for the reader, so no
+    # pull is staged for a request predicted to reach its prefill later than half of it
+    pd_peer_pull_lease_s: float = Field(default=30.0, gt=0)
+    # vLLM `priority` of staging requests, where the prefills run --scheduling-policy priority: set it
+    # below the clients' (0), e.g. -1, and a staging request waits only for the prefill running on the
+    # holder instead of its whole queue. None: sent without one, so it queues FCFS
+    pd_peer_pull_priority: int | None = None
 
     models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
     policy: str = "round_robin"
@@ -226,6 +242,9 @@ class Settings(_Model):
             raise ValueError(f"instance names must be unique: {names}")
         if "block_size" in self.kv.model_fields_set and self.kv.block_size != self.block_size:
             raise ValueError(f"kv.block_size {self.kv.block_size} differs from block_size {self.block_size}: set block_size only")
+        if self.pd_peer_pull == "on" and not (self.pd_protocol == "nixl" and self.kv.enabled and self.decode):
+            raise ValueError("pd_peer_pull 'on' needs --pd-protocol nixl, decode instances and kv.enabled "
+                             "(the staging request names the prefix by the gateway's token ids)")
         if self.pd_protocol in ("mooncake", "sglang"):
             missing = [p.url for p in self.prefill if p.bootstrap_port is None]
             if missing:

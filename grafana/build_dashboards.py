@@ -347,6 +347,17 @@ def _gateway_rows() -> tuple[Row, ...]:
                   "ops", description="NIXL bidirectional transfer: decode answers whose pinned KV the gateway "
                   "kept (recorded), could not use (unusable), handed to the next turn's prefill to pull (pulled), "
                   "lost to another request first (lost), or whose pull failed and was computed instead (failed)."),
+            Panel("Prefill-to-prefill pulls",
+                  (Target(f"sum by (event) ({rate('conductor_pd_peer_pull_total')})", "{{event}}"),),
+                  "ops", description="Pulls of a prefix another prefill holds (conductor/peer_pull.py): staging "
+                  "requests that pinned it on the holder (staged), that failed (stage_failed: computed instead), "
+                  "planned pulls not staged (skipped: too small or too late for the lease), and staged pulls the "
+                  "prefill failed to read (failed)."),
+            Panel("Prefill-to-prefill staging time",
+                  (Target(f"sum({rate('conductor_pd_peer_pull_stage_seconds_sum')}) / "
+                          f"sum({rate('conductor_pd_peer_pull_stage_seconds_count')})", "mean"),),
+                  "s", description="A pull's staging request on the holder, sent to answered (its wait there, one "
+                  "token, the pin): what a pull adds before the read."),
         )),
     )
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
@@ -133,12 +133,24 @@ def remote_sources(request: RequestView) -> list[tuple[int, str, str]]:
     return out
 
 
+def staging_waits(pred: Predictors, request: RequestView, prefills: Sequence[InstanceView]) -> dict[str, float]:
+    """Per queued pull source (RequestView.queued_pull_sources): the predicted wait of its staging
+    request, i.e. its prefill queue now (only the prefill running there when staging requests jump
+    the queue) plus computing the one token the staging request adds."""
+    queued, head = request.queued_pull_sources, request.staging_jumps_queue
+    return {inst.id: pred.queue_s(inst.prefill_queue[:1] if head else inst.prefill_queue)
+            + pred.prefill_s(1, request.prompt_tokens) for inst in prefills if inst.id in queued}
+
+
 def prefix_plan(
-    pred: Predictors, n: int, local: int, sources: Sequence[tuple[int, str, str]], own_id: str | None
+    pred: Predictors, n: int, local: int, sources: Sequence[tuple[int, str, str]], own_id: str | None,
+    waits: Mapping[str, float] | None = None,
 ) -> tuple[float, float, int, int, str | None]:
     """(transfer_s, prefill_s, prefix reused, tokens pulled, source) of the cheapest way to prefill
     an n-token prompt on an instance holding its first `local` tokens: recompute what it lacks, or
-    pull the longest prefix a link offers (never from `own_id`, the instance itself) first."""
+    pull the longest prefix a link offers (never from `own_id`, the instance itself) first.
+    `waits`: seconds before a source's KV can be read at all (a staged peer pull's wait in the
+    holder's queue), counted in the pull's transfer time."""
     best_prefill = pred.prefill_s(n - local, local)
     best_transfer, prefix, pulled, source = 0.0, local, 0, None
     seen_links: set[str] = set()
@@ -150,6 +162,8 @@ def prefix_plan(
         if cand <= local:
             continue
         t_x = pred.transfer_s(cand - local, link)
+        if waits:
+            t_x += waits.get(src, 0.0)
         t_p = pred.prefill_s(n - cand, cand)
         if t_x + t_p < best_transfer + best_prefill:
             best_transfer, best_prefill, prefix, pulled, source = t_x, t_p, cand, cand - local, src
@@ -170,10 +184,11 @@ def estimate_prefill(
     *,
     allow_pull: bool = True,
     disaggregated: bool = True,
+    waits: Mapping[str, float] | None = None,
 ) -> PrefillEstimate:
     n = max(1, request.prompt_tokens)
     best_transfer, best_prefill, prefix, pulled, source = prefix_plan(
-        pred, n, _local_prefix(request, inst, n), sources if allow_pull else (), inst.id
+        pred, n, _local_prefix(request, inst, n), sources if allow_pull else (), inst.id, waits
     )
     queue = pred.queue_s(inst.prefill_queue)
     handoff = pred.transfer_s(n) if disaggregated else 0.0
@@ -236,11 +251,12 @@ class PoolPrefillEstimates:
         *,
         allow_pull: bool,
         disaggregated: bool,
+        waits: Mapping[str, float] | None = None,
     ) -> None:
         n = max(1, request.prompt_tokens)
         self.prefills = prefills
         usable = _plan_sources(sources) if allow_pull else ()
-        self._plan = transfer, prefill, _, _, _ = prefix_plan(pred, n, 0, usable, None)
+        self._plan = transfer, prefill, _, _, _ = prefix_plan(pred, n, 0, usable, None, waits)
         self._handoff = handoff = pred.transfer_s(n) if disaggregated else 0.0
         # an instance named like a source (the store's "store" included) skips that source: its own plan
         singular = request.cached.keys() | ({s[1] for s in sources} if allow_pull else set())
@@ -262,7 +278,7 @@ class PoolPrefillEstimates:
                 key = (local, iid if iid in tried else None)
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = prefix_plan(pred, n, local, usable, key[1])
+                    plan = plans[key] = prefix_plan(pred, n, local, usable, key[1], waits)
                 own_plans[i] = plan
                 ttfts[i] = plan[0] + queues[i] + plan[1] + handoff
 

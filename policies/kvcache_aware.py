@@ -51,8 +51,10 @@ from policies.estimate import (
     prefill_candidate,
     prefill_pool,
     remote_sources,
+    staging_waits,
 )
 from policies.inflight import InflightPrefixes, placement_best, with_inflight
+from policies.local_prefill import LocalPrefill, local_decision, local_prefill_s
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK, prefill_features
@@ -155,6 +157,9 @@ class KvCacheAwarePolicy(BasePolicy):
         inflight_prefixes: bool = True,
         max_inflight_keys: int = 200_000,
         track_errors: bool = True,
+        local_prefill_tokens: int = 0,
+        local_prefill_duty: float = 0.15,
+        local_prefill_gain: float = 0.8,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
@@ -189,7 +194,11 @@ class KvCacheAwarePolicy(BasePolicy):
         `max_inflight_keys` block keys remembered).
         `track_errors`: keep the per-instance prediction error windows (`error_stats`, exported by
         the gateway); they feed no decision, and a simulation, which never reads them, turns them
-        off (ignored when `predictors` is given, whose own OnlineConfig says)."""
+        off (ignored when `predictors` is given, whose own OnlineConfig says).
+        `local_prefill_tokens` (0: off): prompts of at most this many tokens may be prefilled on a
+        decode instance itself, within `local_prefill_duty` of its time, where that beats
+        `local_prefill_gain` times the disaggregated TTFT or saves a rejection (policies/local_prefill.py;
+        the decodes must compute requests that carry no KV transfer, as vLLM's kv_both engines do)."""
         self.admission = parse_mode(admission)
         self.pull_links = pull_links(allow_pull)
         self.allow_pull = bool(self.pull_links)
@@ -214,6 +223,8 @@ class KvCacheAwarePolicy(BasePolicy):
             raise ValueError(f"ttft_slack must be in (0, 1] or None, not {ttft_slack!r}")
         self.ttft_slack = ttft_slack
         self.inflight = InflightPrefixes(max_inflight_keys) if inflight_prefixes else None
+        self.local = (LocalPrefill(local_prefill_tokens, max_duty=local_prefill_duty, gain=local_prefill_gain)
+                      if local_prefill_tokens else None)
 
     # ---- deciding -------------------------------------------------------------------------
 
@@ -246,8 +257,9 @@ class KvCacheAwarePolicy(BasePolicy):
         # every instance is weighed (the same predictions, bit for bit, as estimating each in full);
         # full estimates are built only for the few a decision lists (see listed_indices). A prefix
         # in flight counts as its instance's own, not as a source: nothing can pull it yet
+        waits = staging_waits(pred, request, prefills) if sources and request.queued_pull_sources else None
         weighed = PoolPrefillEstimates(pred, with_inflight(self.inflight, request), prefills, sources,
-                                       allow_pull=bool(sources), disaggregated=disaggregated)
+                                       allow_pull=bool(sources), disaggregated=disaggregated, waits=waits)
         ttfts, keep = weighed.ttfts, self.listed_candidates
         predicted = self.admission is AdmissionMode.PREDICTED
         if disaggregated:
@@ -315,6 +327,13 @@ class KvCacheAwarePolicy(BasePolicy):
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
             decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
         )
+        if self.local is not None and disaggregated and only_p is None:
+            plan = self.local.plan(pred, request, decodes, tbts, cluster.now)
+            if plan is not None and self.local.worth_it(plan, ttft, rejection is not None, best.cached_tokens,
+                                                                 request.prompt_tokens) and (
+                    # a margin, not the calibrated bound: that is learned from disaggregated legs
+                    request.slo.ttft_s is None or plan.ttft_s <= request.slo.ttft_s * 0.9):
+                return local_decision(plan, request, self.name, candidates, unlisted)
         if rejection is not None and self.probe_after is not None and self._rejected_in_a_row >= self.probe_after:
             rejection = None  # a probe: let one through so the predictors see what really happens
         if rejection is not None:
@@ -374,6 +393,12 @@ class KvCacheAwarePolicy(BasePolicy):
                 self._rejected_in_a_row += 1
             return
         self._rejected_in_a_row = 0
+        if self.local is not None and decision.prefilled_on_decode:
+            assert decision.prefill is not None
+            # a local prefill (policies/local_prefill.py): its duty is remembered; its legs are
+            # not learned from (no P -> D handoff, and its prefill shares steps with the batch)
+            self.local.record(decision.prefill, cluster.now, local_prefill_s(decision))
+            return
         if decision.prefill is not None and self.inflight is not None:
             self.inflight.add(request.request_id, request.block_keys, decision.prefill, request.block_size)
         if decision.prefill is None or decision.predicted_ttft_s is None:

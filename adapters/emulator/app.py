@@ -68,6 +68,7 @@ from adapters.emulator.protocols import LegPlan, NixlAnswer, plan_leg
 from adapters.emulator.readback import KvPuller, ReadbackStore
 from adapters.emulator.tracing import EmulatorTracing, request_span
 from conductor.core.tokenization import ByteTokenizer
+from conductor.core.types import Role
 from conductor.core.vllm_hash import VllmBlockHasher, worker_seed
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,17 @@ class EmulatorApp:
                 buffer_steps=config.kv_events_buffer_steps,
             )
         self.engine = Engine(profile, self.hasher, self.cache, self.metrics, self.publisher,
-                             time_scale=config.time_scale, noise=config.noise, seed=config.seed)
+                             time_scale=config.time_scale, noise=config.noise, seed=config.seed,
+                             scheduling_policy=config.scheduling_policy)
         self.registry = TransferRegistry()
         self.nixl = NixlAnswer(config.engine_id, config.advertised_host, config.side_channel_port, config.block_size)
-        self.readback = ReadbackStore(self.engine, self.nixl, config.decoder_kv_blocks_ttl) \
+        self.readback = ReadbackStore(self.engine, self.nixl, config.pin_ttl_s) \
             if config.serves_readback else None
         self.puller = KvPuller(self._client, config.block_size, config.kv_recompute_threshold,
                                self.metrics.kv_load_failures.inc) if config.pulls_readback else None
+        # who tells a prefill its pinned KV was read: the puller, or on a decode one of its own
+        self.notifier = self.puller or (KvPuller(self._client, config.block_size, 0, self.metrics.kv_load_failures.inc)
+                                        if self.readback is not None else None)
         self.requests: deque[dict[str, Any]] = deque(maxlen=config.request_log_size)
         self.cancelled: deque[str] = deque(maxlen=config.cancelled_log_size)
         self.created = int(time.time())
@@ -253,9 +258,15 @@ class EmulatorApp:
         for leg in legs:
             leg.modelled = modelled
         pull = self.puller.pull(plan.readback) if self.puller is not None and plan.readback is not None else None
+        priority = body.get("priority", 0)
+        if type(priority) is not int:
+            await send_bytes(send, 400, error_body(ApiError(400, "priority must be an integer")),
+                             headers=[(b"x-request-id", base_id.encode())])
+            return
         for leg, prompt, max_tokens in zip(legs, req.prompts, req.max_tokens, strict=True):
             leg.seq = self.engine.submit(leg.request_id, prompt, 1 if plan.force_one_token else max_tokens,
-                                         self._remote_wait(plan), pull=pull, pin_on_finish=self.readback is not None)
+                                         self._remote_wait(plan), pull=pull, pin_on_finish=self._pins(plan),
+                                         priority=priority)
         watcher = asyncio.get_running_loop().create_task(self._watch(receive, legs, base_id))
         renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs))
         extra = [(b"x-request-id", base_id.encode())]
@@ -268,11 +279,22 @@ class EmulatorApp:
         finally:
             watcher.cancel()
 
+    def _pins(self, plan: LegPlan) -> bool:
+        """Whether a leg's KV stays pinned after it finishes, for a reader on the side channel: every
+        leg of a bidirectional decode, the NIXL prefill legs of a bidirectional prefill."""
+        if self.readback is None:
+            return False
+        return self.config.role is Role.DECODE or plan.nixl_prefill
+
     def _remote_wait(self, plan: LegPlan) -> RemoteWait | None:
         if plan.remote_ready:
             ready = RemoteKv(plan.remote_seed, plan.remote_block_ids)
+            # a bidirectional decode frees the prefill's pin once it has the KV, as NIXL's notification does
+            release = plan.source if self.readback is not None else None
 
             async def nixl_ready() -> RemoteKv:
+                if release is not None and self.notifier is not None:
+                    self.notifier.release(release)
                 return ready
 
             return nixl_ready

@@ -54,12 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OTLP/HTTP traces endpoint: one span per request, a child of its traceparent (as vLLM)")
     p.add_argument("--bidirectional-kv-xfer", action="store_true",
                    help="NIXL: a decode's KV can be read back by the next turn's prefill (vLLM 0.32 "
-                        "kv_connector_extra_config bidirectional_kv_xfer); a decode serves the reads on "
-                        "--side-channel-port")
+                        "kv_connector_extra_config bidirectional_kv_xfer), and a prefill's P/D KV by "
+                        "another prefill (a prefill-to-prefill pull); both serve the reads on --side-channel-port")
     p.add_argument("--kv-recompute-threshold", type=int, default=64,
                    help="bidirectional prefill: pull from the decode only this many tokens or more")
     p.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0,
                    help="bidirectional decode: seconds a finished request's KV stays pinned unread")
+    p.add_argument("--kv-lease-duration", type=float, default=30.0,
+                   help="bidirectional prefill: seconds a P/D request's KV stays pinned for its reader")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="as vLLM's: priority takes the waiting request of the lowest `priority` first")
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     return p
 
@@ -76,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         side_channel_port=args.side_channel_port, remote_wait_s=args.remote_wait_s,
         otlp_traces_endpoint=args.otlp_traces_endpoint, bidirectional_kv_xfer=args.bidirectional_kv_xfer,
         kv_recompute_threshold=args.kv_recompute_threshold, decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
+        kv_lease_duration=args.kv_lease_duration, scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -104,7 +109,7 @@ async def serve(config: EmulatorConfig, log_level: str = "warning") -> None:
     if config.bootstrap_port is not None and config.role is Role.PREFILL:
         worker_addr = f"{config.advertised_host}:{config.side_channel_port}"
         beside(BootstrapApp(app.registry, config.engine_id, worker_addr, config.block_size), config.bootstrap_port)
-    if app.readback is not None:  # the side channel port a bidirectional decode advertises
+    if app.readback is not None:  # the side channel port a bidirectional engine advertises
         beside(SideChannelApp(app.readback, config.engine_id), config.side_channel_port)
     log.warning("emulator %s/%s on %s:%d (bootstrap %s, kv events %s, readback side channel %s)", config.role.value,
                 config.pd_protocol.value, config.host, config.port, config.bootstrap_port,

@@ -48,11 +48,22 @@ class EmulatorConfig:
     bidirectional_kv_xfer: bool = False
     kv_recompute_threshold: int = 64  # a prefill pulls only this many tokens or more
     decoder_kv_blocks_ttl: float = 480.0  # seconds a decode keeps an unread finished request's KV
+    kv_lease_duration: float = 30.0  # seconds a prefill keeps a P/D request's KV for its reader
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: "fcfs" or "priority"
 
     @property
     def serves_readback(self) -> bool:
-        """A decode whose finished requests' KV a prefill can read back (on its side channel port)."""
-        return self.bidirectional_kv_xfer and self.role is Role.DECODE and self.pd_protocol is PdProtocol.NIXL
+        """An engine whose pinned KV others read on its side channel port: a bidirectional decode
+        (its finished requests', read back by the next turn's prefill) or a bidirectional prefill
+        (its NIXL prefill legs', read by another prefill: a prefill-to-prefill pull; a decode reads
+        them too in emulation only by their content ids, then frees them)."""
+        return self.bidirectional_kv_xfer and self.role is not Role.MIXED and self.pd_protocol is PdProtocol.NIXL
+
+    @property
+    def pin_ttl_s(self) -> float:
+        """How long pinned KV waits for its reader: vLLM's decoder_kv_blocks_ttl on a decode, the
+        kv_lease_duration (never renewed here: only a decode's heartbeats renew it) on a prefill."""
+        return self.decoder_kv_blocks_ttl if self.role is Role.DECODE else self.kv_lease_duration
 
     @property
     def pulls_readback(self) -> bool:

@@ -80,6 +80,7 @@ class Sequence:
     aborted: bool = False
     finished: bool = False
     arrival_index: int = 0  # submission order in this engine (FCFS is checked against it)
+    priority: int = 0  # the request's `priority`: lower first, under the priority scheduling policy
     prefill_step: int | None = None  # the engine step that computed the prompt
     modelled_queue_s: float = 0.0  # modelled time between arrival and its prefill step
     modelled_prefill_s: float | None = None  # modelled duration of that step
@@ -104,8 +105,12 @@ class Engine:
         time_scale: float = 1.0,
         noise: float = 0.0,
         seed: int | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.profile = profile
+        # vLLM's --scheduling-policy: "fcfs", or "priority" (the waiting request of the lowest
+        # (priority, arrival) goes first: a request can jump the queue, never the running step)
+        self.by_priority = scheduling_policy == "priority"
         self.hasher = hasher
         self.cache = cache
         self.metrics = metrics
@@ -137,10 +142,11 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, remote_wait: RemoteWait | None = None,
-               *, pull: KvPull | None = None, pin_on_finish: bool = False) -> Sequence:
+               *, pull: KvPull | None = None, pin_on_finish: bool = False, priority: int = 0) -> Sequence:
         loop = asyncio.get_running_loop()
         seq = Sequence(request_id, prompt, max(1, max_tokens), self.hasher.digests(prompt), loop.time(),
-                       content_seed(prompt), arrival_index=self._arrivals, pin_on_finish=pin_on_finish)
+                       content_seed(prompt), arrival_index=self._arrivals, pin_on_finish=pin_on_finish,
+                       priority=priority)
         self._arrivals += 1
         if self._step_end is not None:  # it waits for the rest of the step running now
             seq.modelled_queue_s = max(0.0, self._step_end - seq.arrival)
@@ -332,6 +338,13 @@ class Engine:
                 )
             )
 
+    def _next_waiting(self) -> Sequence:
+        if not self.by_priority:
+            return self.waiting.popleft()
+        best = min(self.waiting, key=lambda q: (q.priority, q.arrival_index))
+        self.waiting.remove(best)
+        return best
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         profile = self.profile
@@ -343,7 +356,7 @@ class Engine:
             start = loop.time()
             prefill: Sequence | None = None
             if self.waiting and len(self.running) < profile.max_num_seqs:
-                prefill = self.waiting.popleft()
+                prefill = self._next_waiting()
                 prefill.scheduled_at = start
                 if prefill.preloaded:  # its hit and pulled blocks are held: cache the rest
                     held, changes = self.cache.insert(prefill.digests, prefill.prompt, prefill.held_blocks)

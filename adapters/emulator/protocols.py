@@ -148,7 +148,8 @@ class LegPlan:
     publish_key: str | None = None
     nixl_prefill: bool = False
     force_one_token: bool = False
-    readback: ReadbackHandle | None = None  # a NIXL prefill may pull this decode's KV (bidirectional)
+    readback: ReadbackHandle | None = None  # a NIXL prefill may pull this engine's pinned KV (bidirectional)
+    source: ReadbackHandle | None = None  # a NIXL decode's prefill: told to free its pin once the KV is here
 
     @property
     def remote_decode(self) -> bool:
@@ -200,7 +201,8 @@ def plan_leg(role: Role, protocol: PdProtocol, body: Mapping[str, Any]) -> LegPl
             ids = params.get(f.remote_block_ids)
             group = ids[-1] if isinstance(ids, list) and ids and isinstance(ids[-1], list) else ids
             block_ids = tuple(group) if isinstance(group, list) and all(type(b) is int for b in group) else None
-            return LegPlan(remote_ready=True, remote_seed=seed_from_block_ids(ids), remote_block_ids=block_ids)
+            return LegPlan(remote_ready=True, remote_seed=seed_from_block_ids(ids), remote_block_ids=block_ids,
+                           source=_readback(params))
     return LegPlan()
 
 

@@ -165,10 +165,7 @@ class KvPuller:
         end = min(wanted, seq.prompt_tokens)
         count = end - local
         if count <= 0 or count < self.threshold:
-            # nothing to pull; the decode is told all the same, so its blocks are freed now
-            task = asyncio.get_running_loop().create_task(self._read(handle, 0, 0))
-            self._notices.add(task)
-            task.add_done_callback(self._notices.discard)
+            self.release(handle)  # nothing to pull; the holder is told all the same, so it frees the blocks now
             return None
         ids = await self._read(handle, local // size, end) if handle.num_blocks * size >= end else None
         if ids is None:  # vLLM's kv_load_failure_policy=recompute: the prefill computes it all
@@ -183,6 +180,13 @@ class KvPuller:
         # wrong KV from block `first` on; the garbage depends on what was read
         taint = Taint(local // size + bad, ids_digest(ids))
         return PulledKv(count, taint, held_block_ids(seq.prompt, size, taint)[-1])
+
+    def release(self, handle: ReadbackHandle) -> None:
+        """Tell the holder of `handle` its pinned KV is no longer wanted (NIXL's free notification),
+        in the background."""
+        task = asyncio.get_running_loop().create_task(self._read(handle, 0, 0))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     async def _read(self, handle: ReadbackHandle, first_block: int, num_tokens: int) -> list[int] | None:
         body = {"engine_id": handle.engine_id, "first_block": first_block, "num_tokens": num_tokens}

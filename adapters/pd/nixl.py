@@ -8,11 +8,17 @@ Bidirectional transfer (vLLM 0.32, `bidirectional_kv_xfer`): a decode's non-stre
 carries its own `kv_transfer_params` (where the request's KV stays pinned). They are taken off the
 answer here (workers' addresses are not the client's business) and handed to the gateway as
 `Exchange.decode_kv_params`; a later prefill leg given `Outgoing.pull` pulls from them.
+
+Staging a prefix (prefill-to-prefill pulls, conductor/peer_pull.py): `stage_prefix` asks a prefill
+that holds a prefix for a one-token completion of the prefix's token ids with the prefill leg's
+usual kv_transfer_params; its answer says where the now pinned blocks are, as it would to a decode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from adapters.pd.base import (
     Exchange,
@@ -66,3 +72,17 @@ class NixlProtocol(NoBootstrap):
         exchange.prefill_s = reply.elapsed_s
         exchange.prefill_cached_tokens = cached_tokens_of(answer)
         return exchange
+
+    async def stage_prefix(self, holder: Target, out: Outgoing, token_ids: Sequence[int],
+                           priority: int | None = None) -> tuple[Any, float]:
+        """Have `holder` compute one token after `token_ids` and keep the request's KV for a reader:
+        (its JSON answer, seconds from sent to answered). Raises UpstreamError when it fails."""
+        body: dict[str, Any] = {"model": out.body.get("model"), "prompt": list(token_ids), "max_tokens": 1,
+                                "temperature": 0, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
+        if priority is not None:
+            body["priority"] = priority
+        if "cache_salt" in out.body:  # part of vLLM's block hashes: without it no block would match
+            body["cache_salt"] = out.body["cache_salt"]
+        headers = {**out.headers, "X-Request-ID": f"{out.request_id}-stage"}
+        reply = await holder.upstream.post("/v1/completions", encode_json(body), headers)
+        return check_leg(reply, holder, "staging"), reply.elapsed_s

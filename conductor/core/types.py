@@ -69,6 +69,14 @@ class RequestView:
     # instance in `cached` is a source (a cluster whose instances pull from each other, as the
     # simulator's peer-pull mode models).
     pull_sources: Mapping[str, int] | None = None
+    # The sources among `pull_sources` whose KV becomes readable only after a small staging request
+    # has gone through their own FCFS prefill queue (a NIXL prefill-to-prefill pull: the holder is
+    # asked for the prefix's block ids first, conductor/peer_pull.py). A policy adds that queue's
+    # predicted wait to a pull from them; a decode's readback or the store needs no staging.
+    queued_pull_sources: frozenset[str] = frozenset()
+    # True: those staging requests jump the holder's waiting queue (vLLM priority scheduling), so
+    # they wait only for the prefill running there
+    staging_jumps_queue: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +170,8 @@ class Decision:
     """Where a request goes, or why it does not go anywhere.
 
     For a disaggregated cluster both `prefill` and `decode` are set; for mixed workers `prefill`
-    names the one worker that serves the whole request and `decode` is None.
+    names the one worker that serves the whole request and `decode` is None. Both set to the same
+    decode instance: that decode computes the prompt itself (policies/local_prefill.py).
     """
 
     request_id: str
@@ -182,6 +191,11 @@ class Decision:
     @property
     def rejected(self) -> bool:
         return self.rejection is not None
+
+    @property
+    def prefilled_on_decode(self) -> bool:
+        """The decode instance computes the prompt itself: no prefill leg, no KV transfer."""
+        return self.decode is not None and self.prefill == self.decode
 
 
 @dataclass(frozen=True, slots=True)

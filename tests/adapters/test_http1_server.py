@@ -179,6 +179,8 @@ def test_pipelined_requests_are_answered_in_order_one_at_a_time(served: Any) -> 
         app.release.set()
         got = responses(sock, 2)
     assert [b for _, b in got] == [b"echo:", b"echo:"]
+    # the app records its end after it sent the answer the client already read: wait for it
+    assert wait_for(lambda: len(app.order) == 4)
     assert app.order == ["/slow:start", "/slow:end", "/second:start", "/second:end"]
 
 

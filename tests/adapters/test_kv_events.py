@@ -292,6 +292,33 @@ async def test_catch_up_at_start_applies_what_the_worker_buffered(ctx: zmq.async
         await pub.close()
 
 
+async def test_batches_lost_while_the_socket_joins_come_from_the_replay(ctx: zmq.asyncio.Context) -> None:
+    """The catch-up found the buffer empty, then the worker published while the SUB socket was still
+    joining: the first live batch is not seq 0, so the ones before it are fetched from the replay."""
+    index = MemoryIndex()
+    scheme = XxhashKeys(BS)
+    feeder = IndexFeeder(index, scheme, translate=True)
+    pub = WirePublisher(ctx, bind=True, replay=True)
+    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+                          feeder.on_batch, feeder.on_resync, context=ctx)
+    lost, live = list(range(0, 2 * BS)), list(range(4000, 4000 + BS))
+    try:
+        await sub.start()
+        assert sub.stats.replay_requests == 1 and sub.stats.last_seq is None  # nothing buffered yet
+        await pub.publish([stored([1, 2], None, lost)], drop=True)  # gone on the wire, kept for replay
+        pub.seq += 1
+        await sub.handle(1, _batch([stored([3], None, live)]))
+        st = sub.stats
+        assert (st.gaps, st.replayed, st.replay_requests, st.last_seq, st.resyncs) == (1, 1, 2, 1, 0)
+        assert index.match_sync(scheme.keys(lost)).blocks == {"p0": 2}
+        assert index.match_sync(scheme.keys(live)).blocks == {"p0": 1}
+        await sub.handle(2, _batch([]))  # later batches in order: no more replays
+        assert sub.stats.replay_requests == 2
+    finally:
+        await sub.close()
+        await pub.close()
+
+
 async def test_catch_up_can_be_turned_off_and_survives_a_silent_replay_socket(ctx: zmq.asyncio.Context) -> None:
     index = MemoryIndex()
     feeder = IndexFeeder(index, XxhashKeys(BS), translate=True)

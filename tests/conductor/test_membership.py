@@ -200,8 +200,21 @@ def test_kv_events_of_an_added_instance_are_followed_and_dropped_with_it() -> No
         assert r.status_code == 201, r.text
         assert [s.source.instance for s in g.gateway.analyzer.subscribers] == ["emu"]  # type: ignore[attr-defined]
         assert wait_for(lambda: g.instances()["emu"]["state"] == "healthy", timeout=20)
+        # ZMQ's slow joiner: batches published before the subscription reached the worker are lost
+        # (this worker has no replay socket), so probe with prompts of their own until one arrives
+        sub = g.gateway.analyzer.subscribers[0]  # type: ignore[attr-defined]
+        probes = iter(range(1000))
+
+        def subscribed() -> bool:
+            r = httpx.post(emu.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": f"probe {next(probes)} " * 8, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            return wait_for(lambda: sub.stats.batches > 0, timeout=1)
+
+        assert wait_for(subscribed, timeout=60)
         # the worker's own events (not only the gateway's dispatch) confirm what it cached
-        httpx.post(emu.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        r = httpx.post(emu.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 200, r.text
         assert wait_for(lambda: "emu" in g.cached_on(), timeout=20)
         assert httpx.delete(g.url + "/admin/instances/emu", headers=AUTH).status_code == 200
         assert g.gateway.analyzer.subscribers == ()  # type: ignore[attr-defined]

@@ -1,14 +1,12 @@
 """`conductor serve --workers N`: real worker processes on one port, sharing their load through
-shared memory, restarted when they die, drained on SIGTERM; and the start-up errors around it."""
+shared memory, restarted when they die, drained on SIGTERM (the start-up errors: test_serving_startup.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -18,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.serve_cli import serve_command as _command
+from tests.support.serve_cli import serve_env as _env
 from tests.support.servers import free_port, free_port_run, serve
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for
@@ -26,16 +26,6 @@ from tests.support.waiting import wait_for
 # start while the other test worker's vLLM engines start on both cores (a CI run saw 60 s pass)
 STARTUP_S = 150
 pytestmark = pytest.mark.timeout(400)  # the suite's 120 s would cut the bound above short
-
-
-def _command(port: int, admin: int | None, workers: int, *instances: str, policy: str = "least_loaded") -> list[str]:
-    cmd = [sys.executable, "-m", "conductor", "serve", "--workers", str(workers), "--port", str(port),
-           "--model", "tiny", "--policy", policy, "--log-level", "warning", *instances]
-    return cmd + (["--admin-port", str(admin)] if admin is not None else [])
-
-
-def _env() -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "CONDUCTOR_DRAIN_GRACE_S": "5", "CONDUCTOR_HEALTH_INTERVAL_S": "0.5"}
 
 
 @contextmanager
@@ -205,33 +195,3 @@ def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment
         assert all(not Path(f"/proc/{pid}").exists() for pid in survivors)
     assert not segments & set(os.listdir("/dev/shm"))
     assert not _lesson_dirs() - lesson_dirs
-
-
-def test_more_than_one_worker_needs_an_admin_port() -> None:
-    out = subprocess.run(_command(free_port(), None, 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
-    assert "needs admin_port" in out.stderr
-
-
-def test_a_port_in_use_is_a_clean_error_not_a_shared_port() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = subprocess.run(_command(port, free_port(), 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
-                             capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
-    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
-
-
-def test_a_worker_that_cannot_start_stops_the_supervisor() -> None:
-    port = free_port()
-    with socket.socket() as taken:  # worker 1's admin port is taken: it fails the same way every time
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        admin = taken.getsockname()[1] - 1
-        out = subprocess.run(_command(port, admin, 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
-                             capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
-    assert "cannot start" in out.stdout + out.stderr

@@ -167,3 +167,13 @@ def test_an_indexer_index_needs_its_url_and_names_the_served_model() -> None:
     s = load_settings(environ={}, overrides={"mixed": ["http://m:1"], "models": ["qwen"], "kv": {
         "enabled": True, "index": "indexer", "indexer_url": "http://indexer:8400"}})
     assert kv_settings(s).indexer_model == "qwen"
+
+
+def test_peer_pull_on_needs_nixl_decodes_and_kv_awareness() -> None:
+    base = {"prefill": ["http://127.0.0.1:1"], "decode": ["http://127.0.0.1:2"], "kv": {"enabled": True},
+            "pd_peer_pull": "on"}
+    assert load_settings(environ={}, overrides=base).pd_peer_pull == "on"
+    for change in ({"kv": {"enabled": False}}, {"pd_protocol": "mooncake", "prefill": [
+            {"url": "http://127.0.0.1:1", "bootstrap_port": 3}]}, {"decode": []}):
+        with pytest.raises(ConfigError, match="pd_peer_pull"):
+            load_settings(environ={}, overrides={**base, **change})

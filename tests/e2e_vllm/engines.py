@@ -162,6 +162,7 @@ class Engine:
     kv_events: bool = False
     kv_transfer_config: Mapping[str, Any] | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags
     port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -195,7 +196,7 @@ class Engine:
                 "replay_endpoint": self.replay_endpoint, "topic": "kv-events"})]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
-        return cmd
+        return cmd + list(self.extra_args)
 
     def environ(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CONDUCTOR_"))}

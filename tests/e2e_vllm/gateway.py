@@ -47,7 +47,7 @@ class GatewayUnderTest:
         assert isinstance(analyzer, KVAwareAnalyzer), type(analyzer)
         return analyzer
 
-    def on_loop(self, make: Callable[[], Coroutine[Any, Any, T]], timeout: float = 10) -> T:
+    def on_loop(self, make: Callable[[], Coroutine[Any, Any, T]], timeout: float = 60) -> T:
         """Run a coroutine on the gateway's event loop and wait for its result."""
         assert self.server.loop is not None
         return asyncio.run_coroutine_threadsafe(make(), self.server.loop).result(timeout)
@@ -115,13 +115,16 @@ class _LogLines(logging.Handler):
 
 
 @contextmanager
-def run_gateway(**overrides: Any) -> Iterator[GatewayUnderTest]:
+def run_gateway(policy: Any = None, **overrides: Any) -> Iterator[GatewayUnderTest]:
+    """`policy`: a policy's name (the settings' `policy`) or a policy object (a scripted choice)."""
+    if isinstance(policy, str):
+        overrides["policy"], policy = policy, None
     # health probes every second, but patient ones: on a machine whose cores are saturated (four
     # engines and the tests on two cores) an engine's /health can take seconds to answer, and
     # these tests are not about ejecting engines (nor connect timeouts)
     settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, "health_timeout_s": 15.0,
                                                     "unhealthy_after": 4, "connect_timeout_s": 30.0, **overrides})
-    gateway = Gateway(settings)
+    gateway = Gateway(settings, policy=policy)
     with serve(create_app(gateway)) as server:
         gut = GatewayUnderTest(url=server.url, gateway=gateway, server=server)
         original = gateway.observe

@@ -1,4 +1,6 @@
-"""A prefix pulled for real: the next turn's prefill reads the last turn's KV back from the decode.
+"""Prefixes pulled for real: from a decode (readback), and from one prefill into another.
+
+The readback: the next turn's prefill reads the last turn's KV back from the decode.
 
 vLLM 0.32's NixlConnector with `bidirectional_kv_xfer` keeps a finished request's KV pinned on the
 decode and says where in its answer; the gateway files that (conductor/readback.py), and when the
@@ -6,6 +8,14 @@ next turn's prompt starts with the last one, offers the policy a pull from that 
 prefill engine's own cache is emptied between the turns (what a prefill that never saw the
 conversation, or evicted it, holds), so the only way to a cache hit is the pull: the prefill counts
 the tokens as `external_kv_transfer`, reports them cached, and the index predicted exactly that.
+
+The prefill-to-prefill pull (conductor/peer_pull.py) runs on the same engines plus a second
+prefill, behind a second gateway: the first prompt is computed on prefill-0; the next prompt,
+which starts with it, is sent to prefill-1 (a scripted policy: what is under test is that the
+gateway carries the pull out) with a pull from prefill-0. The gateway stages the prefix there (one
+token, priority -1: the prefills run `--scheduling-policy priority`), hands prefill-1 the block
+ids, and prefill-1 counts the pulled tokens as `external_kv_transfer`, reports them cached, and
+the index predicted exactly that. Sharing the engines spares the suite two engine start-ups.
 """
 
 from __future__ import annotations
@@ -14,10 +24,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from tests.conductor.test_peer_pull_gateway import AwayFromTheHolder
 from tests.e2e_vllm.engines import (
     BLOCK_SIZE,
     MODEL_NAME,
@@ -45,6 +57,7 @@ class Pair:
     prefill: Engine
     decode: Engine
     gw: GatewayUnderTest
+    second: Engine  # another prefill: the peer pull's target (the readback's gateway leaves it out)
 
 
 @pytest.fixture(scope="module")
@@ -54,19 +67,21 @@ def pair(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Pair]:
         pytest.skip(f"nixl: `import nixl._api` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
     extra = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": RECOMPUTE_THRESHOLD}
     engines = []
-    for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
+    for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"),
+                                         ("prefill-b", "kv_producer"))):
         config, env = pd_connector("nixl", role, **extra)
-        engines.append(Engine(f"readback-{kind}", vllm_python, tiny_model, e2e_dir / "readback", core=core,
-                              hash_algo="sha256", kv_events=kind == "prefill", kv_transfer_config=config,
-                              extra_env=env))
-    p, d = engines
+        producer = role == "kv_producer"
+        engines.append(Engine(f"readback-{kind}", vllm_python, tiny_model, e2e_dir / "readback", core=core % 2,
+                              hash_algo="sha256", kv_events=producer, kv_transfer_config=config, extra_env=env,
+                              extra_args=("--scheduling-policy", "priority") if producer else ()))
+    p, d, p2 = engines
     start_all(engines)
     try:
         with run_gateway(pd_protocol="nixl", prefill=[{"url": p.url, "kv_events_endpoint": p.events_endpoint}],
                          decode=[d.url], policy="kvcache_aware", block_size=BLOCK_SIZE,
                          kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model),
                              "vllm_hash_algo": "sha256"}) as gw:
-            yield Pair(p, d, gw)
+            yield Pair(p, d, gw, p2)
     finally:
         stop_all(engines)
 
@@ -148,3 +163,69 @@ def test_a_handle_serves_once_and_a_streamed_turn_leaves_none(pair: Pair) -> Non
     raw, _ = gw.stream("/v1/completions", {**GEN, "prompt": stream_turn, "stream": True})
     assert "remote_block_ids" not in raw
     assert readbacks(gw, "recorded") == recorded + 2  # the two next turns' own answers, not the stream
+
+
+@pytest.fixture(scope="module")
+def peers(pair: Pair, tiny_model: Path) -> Iterator[tuple[GatewayUnderTest, AwayFromTheHolder]]:
+    """A second gateway over both prefills and the decode, its policy scripted to pull."""
+    policy = AwayFromTheHolder()
+    with run_gateway(policy=policy, pd_protocol="nixl",
+                     prefill=[{"url": e.url, "kv_events_endpoint": e.events_endpoint} for e in (pair.prefill, pair.second)],
+                     decode=[pair.decode.url], block_size=BLOCK_SIZE, pd_peer_pull="on",
+                     pd_pull_min_tokens=RECOMPUTE_THRESHOLD, pd_peer_pull_priority=-1,
+                     kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model),
+                         "vllm_hash_algo": "sha256"}) as gw:
+        yield gw, policy
+
+
+def peer_pulls(gw: GatewayUnderTest, event: str) -> float:
+    return metric_sum(httpx.get(gw.url + "/metrics", timeout=10).text, "conductor_pd_peer_pull_total", event=event)
+
+
+def forget(engine: Engine, name: str, gw: GatewayUnderTest, prompt: str) -> None:
+    """Empty an engine's prefix cache and wait until the gateway's index knows it holds none of `prompt`."""
+    assert engine.post("/reset_prefix_cache", {}) == {"success": True}
+    engine.post("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 1})  # publishes it
+    keys = gw.keys_of(engine.post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})["tokens"])
+    assert wait_for(lambda: name not in gw.index_match(keys), 60.0), gw.index_match(keys)
+
+
+def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tuple[GatewayUnderTest, Any]) -> None:
+    gw, _ = peers
+    holder, target = pair.prefill, pair.second
+    # as above: a NIXL handshake that misses its 5 s on a saturated machine fails the pull and the
+    # gateway recomputes on the same prefill, which must answer right too. One of three must pull.
+    for attempt in range(3):
+        failed_before, staged_before = peer_pulls(gw, "failed"), peer_pulls(gw, "staged")
+        system = words(3101 + 10 * attempt, 300)  # 301 tokens with BOS: 9 full blocks
+        gw.post("/v1/completions", {**GEN, "prompt": system})
+        keys = gw.keys_of(holder.post("/tokenize", {"model": MODEL_NAME, "prompt": system})["tokens"])
+        assert wait_for(lambda k=keys: gw.index_match(k).get("prefill-0", 0) >= 9, 60.0), gw.index_match(keys)
+        forget(target, "prefill-1", gw, system)
+
+        prompt = system + " " + words(3102 + 10 * attempt, 60)  # 361 tokens, starting with all of `system`
+        pulled = 9 * BLOCK_SIZE
+        before = target.prompt_tokens_by_source()
+        answer, obs = gw.post("/v1/completions", {**GEN, "prompt": prompt})
+        record = json.loads(gw.decisions[-1])
+        assert record["prefill"] == "prefill-1" and record["pull_from"] == "prefill-0", record
+        assert peer_pulls(gw, "staged") == staged_before + 1, "the holder did not pin the prefix"
+        failed = peer_pulls(gw, "failed") > failed_before
+        if failed:
+            assert obs.predicted_cached_tokens == obs.cached_tokens == 0  # recomputed, and predicted so
+        else:
+            def arrived(b: dict[str, float] = before) -> bool:  # the counters may trail the answer
+                return target.prompt_tokens_by_source()["external_kv_transfer"] - b["external_kv_transfer"] > 0
+
+            assert wait_for(arrived, 10.0)
+            after = target.prompt_tokens_by_source()
+            assert after["external_kv_transfer"] - before["external_kv_transfer"] == pulled, (before, after)
+            assert after["local_compute"] - before["local_compute"] == 361 - pulled
+            # predicted = what the worker reported: the pull is a cache hit the index promised and got
+            assert obs.cached_tokens == obs.predicted_cached_tokens == pulled
+        forget(target, "prefill-1", gw, prompt)
+        direct = target.post("/v1/completions", {**GEN, "prompt": prompt})
+        assert choice_outputs(answer) == choice_outputs(direct)  # pulled or recomputed: the engine's answer
+        if not failed:
+            return
+    raise AssertionError("three pulls in a row failed (see the prefill engines' logs: NIXL handshake)")

@@ -80,16 +80,26 @@ def venv_exe(name: str) -> str | None:
     return shutil.which(name, path=str(ROOT / ".venv" / "bin") + os.pathsep + os.environ.get("PATH", ""))
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0, status: int = 200) -> httpx.Response:
-    """Poll url until it answers `status`; fail at once if the process exits."""
+def _log_tail(log: Path | None) -> str:
+    return log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0, status: int = 200,
+              log: Path | None = None) -> httpx.Response:
+    """Poll url until it answers `status`; fail at once if the process exits. A failure says what
+    the url last answered and, given the process's log file, how that log ends."""
     deadline = time.monotonic() + timeout_s
+    last = "no answer"
     while True:
-        assert proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args!r} exited with {proc.returncode}\n{_log_tail(log)}")
         try:
             r = httpx.get(url, timeout=1)
             if r.status_code == status:
                 return r
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not answer {status} within {timeout_s} s"
+            last = f"{r.status_code} {r.text[:500]}"
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{url} did not answer {status} within {timeout_s} s; last: {last}\n{_log_tail(log)}")
         time.sleep(0.1)

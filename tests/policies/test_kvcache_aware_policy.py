@@ -213,3 +213,26 @@ def test_rejecting_everything_still_probes_so_it_can_learn() -> None:
     assert outcomes == [True] * 5 + [False] + [True] * 5 + [False]
     never = KvCacheAwarePolicy(probe_after=None)
     assert all(routed(never, request(4096, slo=tight, rid=f"n{i}"), cluster).rejected for i in range(12))
+
+
+def test_a_staged_pull_counts_the_holders_wait(params: PredictorParams) -> None:
+    # p0 holds the prefix behind 4 queued prefills, the first of them nearly done; p1 is idle. A
+    # direct peer pull is quick, so p1 pulls; a pull that must first stage through p0's FCFS queue
+    # waits for all 4 (costlier than recomputing on p1); one that jumps the queue (priority
+    # staging) waits only for the rest of p0's running prefill
+    pred = Predictors(params)
+    running = QueuedPrefill(8000, 0, pred.prefill_s(8000, 0) * 0.9)
+    queue = (running, *(QueuedPrefill(8000, 0, 0.0) for _ in range(3)))
+    cluster = snapshot(InstanceView("p0", Role.PREFILL, prefill_queue=queue), prefill("p1"), decode("d0"))
+    base = replace(request(cached={"p0": 6144}), pull_sources={"p0": 6144})
+    direct = policy(params).decide(base, cluster)
+    assert (direct.prefill, direct.pull_from, direct.pull_tokens) == ("p1", "p0", 6144)
+    fcfs = policy(params).decide(replace(base, queued_pull_sources=frozenset({"p0"})), cluster)
+    assert fcfs.prefill == "p1" and fcfs.pull_from is None and fcfs.pull_tokens == 0
+    jumps = policy(params).decide(replace(base, queued_pull_sources=frozenset({"p0"}), staging_jumps_queue=True),
+                                  cluster)
+    assert (jumps.prefill, jumps.pull_from) == ("p1", "p0")
+    head = pred.queue_s(cluster.instances[0].prefill_queue[:1]) + pred.prefill_s(1, 8192)
+    p1 = next(c for c in jumps.candidates if c.instance_id == "p1")
+    assert p1.detail["transfer_s"] == pytest.approx(pred.transfer_s(6144, "instance") + head)
+    assert p1.detail["transfer_s"] > next(c for c in direct.candidates if c.instance_id == "p1").detail["transfer_s"]

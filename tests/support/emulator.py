@@ -98,6 +98,8 @@ def start_emulator(
         replay_port = free_port()
         args += ["--kv-events-replay-endpoint", f"tcp://*:{replay_port}"]
         replay = f"tcp://127.0.0.1:{replay_port}"
+    if opts.get("bidirectional_kv_xfer") and "side_channel_port" not in opts:
+        opts["side_channel_port"] = free_port()  # a bidirectional engine serves reads there
     args += _flags(opts)
     # closed in the finally below, after the process that writes it has exited
     log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115

@@ -221,3 +221,42 @@ def test_recorded_trace_blocks_keep_capacity_in_tokens() -> None:
     res = simulate(pol, trace, cfg(prefill_cache_tokens=1024))
     assert pol.seen[1][0].cached["prefill-0"].tokens == 960 and pol.seen[1][0].block_size == 16
     assert res.prefix_hit_local == pytest.approx(959 / 1920)
+
+
+def test_a_local_prefill_stalls_the_decode_batch_and_shows_in_its_view() -> None:
+    """A decision naming the decode as its prefill too: the prompt is computed there (no prefill
+    queue, no KV transfer) while the stream already decoding there waits for it."""
+    c = cfg()
+    t = c.truth
+
+    def route(r: RequestView, cl: ClusterSnapshot) -> Decision:
+        where = "decode-0" if r.request_id == "r1" else "prefill-0"
+        return Decision(r.request_id, "scripted", prefill=where, decode="decode-0")
+
+    pol = Scripted(route)
+    # r0 decodes 201 tokens through the normal path; r1 is prefilled on the decode at t=1 s
+    res = simulate(pol, [req(0.0, 1000, 201, (1,)), req(1.0, 2000, 11, (2,))], c)
+    assert res.completed == 2 and res.extra["local_prefills"] == 1
+    r0, r1 = sorted(pol.observed, key=lambda o: o.request_id)
+    assert r1.prefill == r1.decode == "decode-0"
+    # its TTFT: its own prefill on the decode, then one step of the batch of two; no transfer
+    step = t.decode.tbt_s(2, 1000 + 2000)
+    assert r1.ttft_s is not None and r1.ttft_s == pytest.approx(t.prefill_s(2000, 0) + step, rel=0.02)
+    # r0 lost that prefill's time: its mean interval grew by about prefill / its 200 intervals
+    alone = t.decode.tbt_s(1, 1000)
+    assert sum(r0.token_intervals_s) / len(r0.token_intervals_s) > alone + 0.8 * t.prefill_s(2000, 0) / 200
+
+
+def test_the_decode_view_lists_a_local_prefill_until_it_is_done() -> None:
+    c = cfg()
+    seen: list[tuple[str, int]] = []
+
+    def route(r: RequestView, cl: ClusterSnapshot) -> Decision:
+        (d,) = [i for i in cl.instances if i.id == "decode-0"]
+        seen.append((r.request_id, len(d.prefill_queue)))
+        return Decision(r.request_id, "scripted", prefill="decode-0", decode="decode-0")
+
+    prefill_s = c.truth.prefill_s(8000, 0)
+    simulate(Scripted(route), [req(0.0, 8000, 3, (1,)), req(prefill_s / 2, 100, 3, (2,)),
+                               req(prefill_s * 3, 100, 3, (3,))], c)
+    assert seen == [("r0", 0), ("r1", 1), ("r2", 0)]  # r0's prefill runs at r1's arrival, done by r2's

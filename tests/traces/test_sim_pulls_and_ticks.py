@@ -287,3 +287,30 @@ def test_the_simulator_lists_only_the_chosen_candidates_of_the_baselines_too(nam
 def test_sim_config_rejects_an_unknown_handoff(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cfg(**change)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["peer", "staged", "staged-fcfs"])
+def test_a_staged_pull_waits_for_its_holder(mode: str) -> None:
+    # prefill-0 holds a 1024-token prefix (r0), then runs a long prefill (r1) with another queued
+    # behind it (r2); r3 goes to prefill-1 pulling the prefix. A direct peer read starts at once; a
+    # staging request with priority waits for r1; one in FCFS order for r1 and r2 too
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        if r.seq < 3:
+            return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0",
+                        pull_tokens=1024)
+
+    c = cfg(p=2, pull=mode)
+    t = c.truth
+    pol = Recording(route)
+    trace = [req(0.0, 1024, 2, (1, 2)), req(5.0, 20_000, 2, tuple(range(10, 50))),
+             req(5.05, 8_000, 2, tuple(range(60, 76))), req(5.1, 1500, 2, (1, 2, 3))]
+    simulate(pol, trace, c)
+    view = pol.decided[3][0]
+    assert view.queued_pull_sources == (frozenset() if mode == "peer" else {"prefill-0", "prefill-1"})
+    assert view.staging_jumps_queue is (mode == "staged")
+    r1_end = 5.0 + t.prefill_s(20_000, 0)
+    staged = {"peer": 5.1, "staged": r1_end + t.prefill_s(1, 1024),
+              "staged-fcfs": r1_end + t.prefill_s(8_000, 0) + t.prefill_s(1, 1024)}[mode]
+    leg = pol.observed["r3"].queue_and_prefill_s
+    assert leg == pytest.approx(staged - 5.1 + t.transfer_s(1024) + t.prefill_s(476, 1024))

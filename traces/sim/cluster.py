@@ -71,6 +71,7 @@ class Job:
         "generated",
         "join",
         "kv_need",
+        "local",
         "local_tokens",
         "output_tokens",
         "pending_view",
@@ -105,8 +106,9 @@ class Job:
         self.view_gen = -1
         self.queued_view: QueuedPrefill | None = None  # how a prefill view lists it behind the head
         self.arrival = arrival
-        self.prefill = -1
+        self.prefill = -1  # stays -1 for a local prefill (`local`)
         self.decode = -1
+        self.local = 0  # prefilled on its decode instance: 1 until it joins there, then 2
         self.dispatch = arrival
         self.ready_at = arrival  # when any pulled prefix has arrived
         self.pull_src = ""
@@ -136,14 +138,15 @@ class Job:
 class PrefillInstance:
     """FCFS prefill queue with a local prefix cache; one prefill runs at a time."""
 
-    __slots__ = ("busy_s", "cache", "id", "link_free", "out_free", "queue", "running", "version", "view", "view_at",
-                 "view_version")
+    __slots__ = ("busy_s", "cache", "id", "link_free", "out_free", "queue", "running", "running_until", "version",
+                 "view", "view_at", "view_version")
 
     def __init__(self, instance_id: str, cache_tokens: int, block_tokens: int) -> None:
         self.id = instance_id
         self.cache = BlockLRU(cache_tokens, block_tokens)
         self.queue: deque[Job] = deque()  # dispatched, not finished; the head runs when `running`
         self.running = False
+        self.running_until = 0.0  # when the running prefill ends (valid while `running`)
         self.busy_s = 0.0
         self.link_free = 0.0  # inbound KV link (pulled prefixes) is busy until then
         self.out_free = 0.0  # outbound KV link (P -> D handoffs, pulls from here) is busy until then

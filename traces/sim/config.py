@@ -11,7 +11,11 @@ from traces.sim.truth import TruthModel, fit_truth
 # Which KV transfer mechanisms the cluster has for prefix pulls (the P -> D handoff always exists):
 # "peer" pulls from another prefill instance's memory (Mooncake Transfer Engine / NIXL between
 # instances), "store" from the pooled Mooncake Store (needs store_capacity_tokens > 0), "both", "none".
-PULL_MODES: Final = ("none", "peer", "store", "both")
+# "staged" and "staged-fcfs" are peer pulls as the gateway carries them out over stock vLLM NIXL
+# (conductor/peer_pull.py): the holder first serves a one-token staging request that pins the
+# prefix, which waits for the prefill running there ("staged": vLLM priority scheduling, the
+# staging request jumps the queue) or for the holder's whole queue ("staged-fcfs").
+PULL_MODES: Final = ("none", "peer", "store", "both", "staged", "staged-fcfs")
 # How a decode instance hands out KV space (traces/sim/cluster.py, DecodeInstance): "preempt" as
 # vLLM does (join when the context fits; preempt the last joined when the cache fills; recompute on
 # rejoin), "reserve" (join only when prompt and all output fit; never preempt).
@@ -71,7 +75,17 @@ class SimConfig:
 
     @property
     def pull_from_peer(self) -> bool:
-        return self.pull in ("peer", "both")
+        return self.pull in ("peer", "both", "staged", "staged-fcfs")
+
+    @property
+    def staging(self) -> str | None:
+        """How a peer pull's staging request waits on the holder: "priority", "fcfs", or None (none needed)."""
+        return {"staged": "priority", "staged-fcfs": "fcfs"}.get(self.pull)
+
+    @property
+    def pull_links(self) -> str:
+        """The links a policy's `allow_pull` may use (policies.kvcache_aware.pull_links)."""
+        return "peer" if self.staging else self.pull
 
     @property
     def pull_from_store(self) -> bool:

@@ -77,6 +77,9 @@ class Simulator:
         self.truth = config.truth
         self.rng = random.Random(config.seed)
         self.prefills = [PrefillInstance(i, config.prefill_cache_tokens, 512) for i in config.prefill_ids()]
+        # staged peer pulls (SimConfig.staging): every prefill is a source the policy must wait on
+        self._staged_sources = frozenset(p.id for p in self.prefills) if config.staging else frozenset()
+        self._staging_jumps = config.staging == "priority"
         preempt = config.decode_kv == "preempt"
         self.decodes = [DecodeInstance(i, config.truth.decode, preempt) for i in config.decode_ids()]
         self.p_index = {p.id: n for n, p in enumerate(self.prefills)}
@@ -122,14 +125,14 @@ class Simulator:
         store = self._tokens(self.store.match(hash_ids), req) if self.store.capacity_blocks else 0
         return request_view(  # RequestView(..., stream=True), built as its slots take it (traces/sim/views.py)
             f"r{job.seq}", job.seq, self.cfg.model, prompt, job.output_tokens, block_tokens, hash_ids, cached,
-            store, self.cfg.slo,
+            store, self.cfg.slo, self._staged_sources, self._staging_jumps,
         )
 
     def _decode_view(self, d: DecodeInstance) -> InstanceView:
         now = self.now
         if d.view_version != d.version or now - d.view_at > self.cfg.snapshot_refresh_s or not d.view:
             d.advance(now)
-            streams = []
+            streams, local = [], []
             active, steps = d.active, d.steps
             for j in d.assigned.values():
                 if j.seq in active:
@@ -139,12 +142,16 @@ class Simulator:
                         j.view_gen = gen
                         entry = j.decode_view = active_decode(j.req.input_length + gen, max(0, j.output_tokens - gen))
                     streams.append(entry)
+                    if j.local == 2 and j.prefill_done > now:  # its local prefill: still stalling the batch
+                        local.append(queued_prefill(j.req.input_length, 0, max(0.0, now - j.prefill_start)))
                 elif self.cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
                     if j.pending_view is None:  # the same until it decodes: built once
                         j.pending_view = ActiveDecode(j.req.input_length, j.output_tokens, decoding=False)
                     streams.append(j.pending_view)
+                if j.local == 1:  # waiting for KV space, its prefill not started
+                    local.append(QueuedPrefill(j.req.input_length, 0, 0.0))
             d.view = (instance_view(  # InstanceView(...), built as fast as its slots take it (traces/sim/views.py)
-                d.id, Role.DECODE, (), tuple(streams), d.truth.kv_capacity_tokens, d.usage(), len(d.waiting),
+                d.id, Role.DECODE, tuple(local), tuple(streams), d.truth.kv_capacity_tokens, d.usage(), len(d.waiting),
             ),)
             d.view_at, d.view_version = now, d.version
         view = d.view[0]
@@ -208,6 +215,9 @@ class Simulator:
             return
         p_idx = self.p_index.get(decision.prefill or "")
         d_idx = self.d_index.get(decision.decode or "")
+        if d_idx is not None and decision.prefilled_on_decode:
+            self._arrive_local(job, decision, d_idx)
+            return
         if p_idx is None or d_idx is None:
             self.rejections["invalid_decision"] += 1
             return
@@ -229,6 +239,21 @@ class Simulator:
         d.version += 1  # its view changed; its pending tick stays valid (the batch did not change)
         if len(p.queue) == 1:
             self._try_start(p_idx)
+
+    def _arrive_local(self, job: Job, decision: Decision, d_idx: int) -> None:
+        """A prefill on the decode instance itself (policies/local_prefill.py): it waits there for
+        KV space like any stream, and when it joins, the batch stalls while its prefill runs."""
+        d = self.decodes[d_idx]
+        if len(d.assigned) >= MAX_QUEUE:
+            self.rejections["queue_full"] += 1
+            return
+        job.decode, job.dispatch, job.local = d_idx, self.now, 1
+        job.pred_ttft, job.pred_tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
+        d.assigned[job.seq] = job
+        d.version += 1
+        d.advance(self.now)
+        d.waiting.append(job)
+        self._admit_and_retime(d_idx)
 
     def _plan_pull(self, job: Job, decision: Decision, p: PrefillInstance, local_tokens: int) -> None:
         """`Decision.pull_tokens` is what the prefill pulls on top of the prefix it holds itself
@@ -259,8 +284,21 @@ class Simulator:
             job.ready_at = p.link_free = start + self.truth.transfer_s(prefix - local_tokens)
         else:  # the holder's outbound link too: pulls of one hot prefix queue behind each other
             holder = self.prefills[self.p_index[src]]
-            start = max(self.now, p.link_free, holder.out_free)
+            start = max(self.now, p.link_free, holder.out_free, self._staged_at(holder, prefix))
             job.ready_at = p.link_free = holder.out_free = start + self.truth.transfer_s(prefix - local_tokens)
+
+    def _staged_at(self, holder: PrefillInstance, prefix: int) -> float:
+        """When a staging request for a `prefix`-token pull has pinned it on `holder` (cfg.staging):
+        after the prefill running there ("priority") or its whole queue ("fcfs"), plus its own one
+        token. Its compute is not added to the holder's queue (one token: a small share of a step)."""
+        staging = self.cfg.staging
+        if staging is None:
+            return self.now
+        at = holder.running_until if holder.running else self.now
+        if staging == "fcfs":
+            prefill_s = self.truth.prefill_s
+            at += sum(prefill_s(j.est_new, j.est_cached) for j in list(holder.queue)[1 if holder.running else 0:])
+        return at + self.truth.prefill_s(1, prefix)
 
     # -- prefill ----------------------------------------------------------------------------
     def _try_start(self, p_idx: int) -> None:
@@ -284,6 +322,7 @@ class Simulator:
         new = req.input_length - job.reused
         dur = self.truth.prefill_s(new, job.reused) * self._noise()
         p.running = True
+        p.running_until = self.now + dur
         job.prefill_start = self.now
         p.busy_s += dur
         self._push(self.now + dur, _PREFILL_DONE, p_idx)
@@ -346,6 +385,10 @@ class Simulator:
                 d.stall(self.now, self.truth.prefill_s(context, 0) * self._noise())
                 continue
             d.join(job, self.now)
+            if job.local == 1:  # its prefill runs here, behind any stall in progress: the batch waits
+                job.local, job.prefill_start = 2, max(self.now, d.t_last)
+                d.stall(self.now, self.truth.prefill_s(job.req.input_length, 0) * self._noise())
+                job.prefill_done = d.t_last
             job.batch_at_join, job.resident_at_join = len(d.active), d.resident_kv() + job.req.input_length
             joined.append(job)
         nxt = d.retime(self._noise())
@@ -374,7 +417,8 @@ class Simulator:
         out = job.output_tokens
         mean_tbt = (job.finish - job.first_token) / (out - 1) if out > 1 else 0.0
         self.policy.observe(observation(  # Observation(...), built as its slots take it (traces/sim/views.py)
-            request_id=f"r{job.seq}", prefill=self.prefills[job.prefill].id, decode=self.decodes[job.decode].id,
+            request_id=f"r{job.seq}", decode=self.decodes[job.decode].id,
+            prefill=self.decodes[job.decode].id if job.local else self.prefills[job.prefill].id,
             prompt_tokens=job.req.input_length, cached_tokens=job.reused,
             predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=job.prefill_done - job.dispatch,
             ttft_s=job.first_token - job.arrival, token_intervals_s=(mean_tbt,) * (out - 1), output_tokens=out,

@@ -38,7 +38,9 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--store-tokens", type=int, default=0, help="Mooncake Store pool capacity (0: no store)")
     g.add_argument("--pull", choices=PULL_MODES, default="both",
                    help="prefix pulls the cluster can do: from peer prefill instances, from the store "
-                        "(needs --store-tokens), both, or none; policies with an allow_pull option are told")
+                        "(needs --store-tokens), both, or none; staged / staged-fcfs: peer pulls behind a staging "
+                        "request on the holder, as the gateway drives them over vLLM NIXL; policies with an "
+                        "allow_pull option are told")
     g.add_argument("--decode-kv-tokens", type=int, default=_D.kv_capacity_tokens, help="KV capacity per decode")
     g.add_argument("--decode-kv", choices=DECODE_KV_MODES, default="preempt",
                    help="decode KV space: preempt the last joined sequence when the cache fills and recompute "
@@ -136,7 +138,8 @@ def describe(config: SimConfig) -> str:
     else:
         ways = []
         if config.pull_from_peer:
-            ways.append("peer-to-peer")
+            ways.append({"priority": "peer-to-peer, staged with priority", "fcfs": "peer-to-peer, staged FCFS"}
+                        .get(config.staging or "", "peer-to-peer"))
         if config.pull_from_store:
             ways.append(f"store ({config.store_capacity_tokens:,} tokens)" if config.store_capacity_tokens
                         else "store (none configured: --store-tokens 0)")

@@ -151,7 +151,7 @@ def build_policy(spec: PolicySpec, config: SimConfig) -> Policy:
     fit = bool(options.pop("fit_predictors", False))
     factory = _factory(spec.name)
     if "allow_pull" not in options and _accepts(factory, "allow_pull"):
-        options["allow_pull"] = config.pull
+        options["allow_pull"] = config.pull_links
     if "listed_candidates" not in options and _accepts(factory, "listed_candidates"):
         options["listed_candidates"] = SIM_LISTED_CANDIDATES
     if "track_errors" not in options and _accepts(factory, "track_errors"):

@@ -52,7 +52,13 @@ def run_result(sim: Simulator, jobs: list[Job], wall_s: float) -> RunResult:
         wall_s=wall_s,
         extra={"events": float(sim._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in sim.done),
                "wasted_prefills": float(sim.wasted_prefill), "refused_pulls": float(sim.refused_pulls),
-               "preemptions": float(sum(d.preemptions for d in sim.decodes))},
+               "preemptions": float(sum(d.preemptions for d in sim.decodes)),
+               "local_prefills": float(sum(1 for j in sim.done if j.local)),  # run on a decode (_arrive_local)
+               # what bounds goodput on a prefill-bound cluster: prefill seconds per served request
+               # (its mix and its reuse) and how busy the prefills were
+               "prefill_s_per_served": sum(p.busy_s for p in sim.prefills) / max(1, len(sim.done)),
+               "served_prompt_mean": _mean(j.req.input_length for j in sim.done),
+               "prefill_busy": _mean(util[p.id] for p in sim.prefills)},
     )
 
 

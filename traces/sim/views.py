@@ -38,7 +38,8 @@ _VIEW_FIELDS = ("id", "role", "url", "healthy", "prefill_queue", "decodes", "kv_
 _DECODE_FIELDS = ("context_tokens", "remaining_tokens", "decoding")
 _QUEUED_FIELDS = ("new_tokens", "cached_tokens", "elapsed_s")
 _REQUEST_FIELDS = ("request_id", "seq", "model", "prompt_tokens", "max_tokens", "block_size", "block_keys", "cached",
-                   "store_cached_tokens", "slo", "stream", "pull_sources")
+                   "store_cached_tokens", "slo", "stream", "pull_sources", "queued_pull_sources",
+                   "staging_jumps_queue")
 _SNAPSHOT_FIELDS = ("now", "instances")
 _OBSERVATION_FIELDS = ("request_id", "prefill", "decode", "prompt_tokens", "cached_tokens", "predicted_cached_tokens",
                        "queue_and_prefill_s", "ttft_s", "token_intervals_s", "output_tokens", "decode_batch",
@@ -59,7 +60,8 @@ _v_id, _v_role, _v_url, _v_healthy, _v_queue, _v_decodes, _v_kv_cap, _v_kv_usage
 _d_context, _d_remaining, _d_decoding = _setters(ActiveDecode, _DECODE_FIELDS)
 _q_new, _q_cached, _q_elapsed = _setters(QueuedPrefill, _QUEUED_FIELDS)
 (_r_id, _r_seq, _r_model, _r_prompt, _r_max, _r_block, _r_keys, _r_cached, _r_store, _r_slo, _r_stream,
- _r_pull) = _setters(RequestView, _REQUEST_FIELDS)
+ _r_pull, _r_queued, _r_jumps) = _setters(RequestView, _REQUEST_FIELDS)
+_NO_SOURCES: frozenset[str] = frozenset()
 _s_now, _s_instances = _setters(ClusterSnapshot, _SNAPSHOT_FIELDS)
 (_o_id, _o_prefill, _o_decode, _o_prompt, _o_cached, _o_predicted, _o_leg, _o_ttft, _o_intervals, _o_output,
  _o_batch, _o_resident, _o_ok, _o_reported) = _setters(Observation, _OBSERVATION_FIELDS)
@@ -109,9 +111,10 @@ def queued_prefill(new_tokens: int, cached_tokens: int, elapsed_s: float) -> Que
 def request_view(
     request_id: str, seq: int, model: str, prompt_tokens: int, max_tokens: int, block_size: int,
     block_keys: tuple[int, ...], cached: Mapping[str, CachedPrefix], store_cached_tokens: int, slo: Slo,
+    queued_pull_sources: frozenset[str] = _NO_SOURCES, staging_jumps_queue: bool = False,
 ) -> RequestView:
     """RequestView(...) of a streamed request whose every cached instance is a pull source
-    (stream=True, pull_sources=None)."""
+    (stream=True, pull_sources=None), those in `queued_pull_sources` read after a staging request."""
     view: RequestView = _new(RequestView)
     _r_id(view, request_id)
     _r_seq(view, seq)
@@ -125,6 +128,8 @@ def request_view(
     _r_slo(view, slo)
     _r_stream(view, True)
     _r_pull(view, None)
+    _r_queued(view, queued_pull_sources)
+    _r_jumps(view, staging_jumps_queue)
     return view
 
 

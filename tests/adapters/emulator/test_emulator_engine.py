@@ -68,3 +68,22 @@ async def test_abort_frees_the_slot_and_ends_the_stream() -> None:
         assert eng.running == [] and eng.cache.used_blocks == 0
     finally:
         await eng.stop()
+
+
+async def test_priority_scheduling_takes_the_lowest_priority_first_fcfs_ignores_it() -> None:
+    # four requests arrive together, the last with priority -1 (a staging request)
+    order = {}
+    for policy in ("fcfs", "priority"):
+        eng = Engine(FAST, VllmBlockHasher("sha256", 16, seed="x"), PrefixCache(16, 10_000), EngineMetrics("m"),
+                     scheduling_policy=policy)
+        eng.start()
+        try:
+            seqs = [eng.submit(f"r{i}", [i] * 20, 1, priority=-1 if i == 3 else 0) for i in range(4)]
+            await asyncio.gather(*(drain(s) for s in seqs))
+        finally:
+            await eng.stop()
+        order[policy] = [s.request_id for s in sorted(seqs, key=lambda s: s.scheduled_at or 0.0)]
+    assert order["fcfs"] == ["r0", "r1", "r2", "r3"]
+    # all four are waiting when the loop first steps (submitted without a pause): the lowest
+    # priority goes first, the rest in arrival order
+    assert order["priority"] == ["r3", "r0", "r1", "r2"]
