@@ -261,6 +261,16 @@ def _run(args: argparse.Namespace, chosen: PolicySpec, requests: Sequence[TraceR
     return result
 
 
+def _first_failures(result: LiveResult) -> dict[str, str]:
+    """The first failed request's message of each failure kind (not 429s), for the error report."""
+    first: dict[str, str] = {}
+    for outcome in result.outcomes:
+        http = outcome.http
+        if http.status == "error" and http.reason is not None and http.reason not in first:
+            first[http.reason] = f"line {outcome.line}, after {http.elapsed_s:.3f}s: {http.message or '-'}"
+    return first
+
+
 def _report(args: argparse.Namespace, results: Sequence[LiveResult], groups: Sequence[ChildGroup]) -> bool:
     """Print the runs (side by side when several), write the JSON; False when requests failed."""
     from traces.live import print_comparison, print_live
@@ -283,5 +293,7 @@ def _report(args: argparse.Namespace, results: Sequence[LiveResult], groups: Seq
         if failed:  # emulators do not fail requests: something is broken, and the logs say what
             print(f"conductor demo: {result.run.policy}: {failed} of {result.run.requests} requests failed "
                   f"({', '.join(f'{k}={v}' for k, v in sorted(result.errors.items()))})", file=sys.stderr)
+            for reason, message in _first_failures(result).items():
+                print(f"conductor demo:   first {reason}: {message}", file=sys.stderr)
             ok = False
     return ok

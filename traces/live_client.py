@@ -112,7 +112,7 @@ async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any]
     except (aiohttp.ClientError, msgspec.DecodeError) as exc:
         kind = "bad_json" if isinstance(exc, msgspec.DecodeError) else "transport"
         return HttpOutcome("error", None, kind, None, None, chunks, None, None, time.perf_counter() - sent,
-                           str(exc)[:_MAX_ERROR_TEXT])
+                           f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT])
 
 
 async def fetch_json(session: aiohttp.ClientSession, path: str) -> Any:

@@ -197,6 +197,7 @@ def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tup
     # gateway recomputes on the same prefill, which must answer right too. One of three must pull.
     for attempt in range(3):
         failed_before, staged_before = peer_pulls(gw, "failed"), peer_pulls(gw, "staged")
+        stage_failed_before = peer_pulls(gw, "stage_failed")
         system = words(3101 + 10 * attempt, 300)  # 301 tokens with BOS: 9 full blocks
         gw.post("/v1/completions", {**GEN, "prompt": system})
         keys = gw.keys_of(holder.post("/tokenize", {"model": MODEL_NAME, "prompt": system})["tokens"])
@@ -209,8 +210,12 @@ def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tup
         answer, obs = gw.post("/v1/completions", {**GEN, "prompt": prompt})
         record = json.loads(gw.decisions[-1])
         assert record["prefill"] == "prefill-1" and record["pull_from"] == "prefill-0", record
-        assert peer_pulls(gw, "staged") == staged_before + 1, "the holder did not pin the prefix"
-        failed = peer_pulls(gw, "failed") > failed_before
+        # a holder too slow to pin the prefix within half its lease (a saturated machine: CI runs
+        # this beside other engines' start-ups) is given up on, and the target computes it
+        unstaged = peer_pulls(gw, "stage_failed") > stage_failed_before
+        if not unstaged:
+            assert peer_pulls(gw, "staged") == staged_before + 1, "the holder did not pin the prefix"
+        failed = unstaged or peer_pulls(gw, "failed") > failed_before
         if failed:
             assert obs.predicted_cached_tokens == obs.cached_tokens == 0  # recomputed, and predicted so
         else:
@@ -228,4 +233,5 @@ def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tup
         assert choice_outputs(answer) == choice_outputs(direct)  # pulled or recomputed: the engine's answer
         if not failed:
             return
-    raise AssertionError("three pulls in a row failed (see the prefill engines' logs: NIXL handshake)")
+    raise AssertionError("three pulls in a row failed (see the prefill engines' logs: NIXL handshake, or a "
+                         "holder that did not pin the prefix in time)")
