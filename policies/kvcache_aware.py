@@ -35,10 +35,7 @@ compares that with what happened, records the errors, and feeds the predictors' 
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-
-from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView, Role
+from conductor.core.types import ClusterSnapshot, Decision, Observation, RequestView, Role
 from policies.admission import AdmissionMode, admit, parse_mode
 from policies.base import NO_INSTANCE, BasePolicy, listed_indices, no_instance
 from policies.estimate import (
@@ -55,30 +52,10 @@ from policies.estimate import (
 )
 from policies.inflight import InflightPrefixes, placement_best, with_inflight
 from policies.local_prefill import LocalPrefill, local_decision, local_prefill_s
+from policies.outcome_learning import OutcomeLearner
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
-from predictors.params import INSTANCE_LINK, STORE_LINK, prefill_features
-
-
-@dataclass(slots=True)  # not frozen: nothing changes one, and a frozen one costs twice as much to build
-class _Pending:
-    """What was predicted for an admitted request, kept until its observation arrives."""
-
-    prefill: str
-    decode: str | None
-    cached_tokens: int
-    queue_s: float
-    transfer_s: float
-    prefill_s: float
-    ttft_s: float  # point prediction at the client: leg + decode leg (first_token_s)
-    tbt_s: float | None
-    queue_features: tuple[float, float, float]  # summed prefill features of the queue ahead
-    head_elapsed_s: float  # how long the queue's head had been running at decision time
-    handoff_s: float  # predicted P -> D KV transfer (0 for mixed workers)
-    first_tbt_s: float  # TBT the decode leg was predicted with
-    bounds: tuple[float, float, float]  # p90 bounds at decision time: ttft, leg, tbt (0: none)
-    judged_tbt_s: float | None  # the TBT admission judged (early: the load now; predicted: at arrival)
-    generation: int  # Predictors.generation when predicted: ratios of an older model are not kept
+from predictors.params import INSTANCE_LINK, STORE_LINK
 
 
 def pull_links(allow_pull: bool | str) -> frozenset[str]:
@@ -88,28 +65,6 @@ def pull_links(allow_pull: bool | str) -> frozenset[str]:
     if links not in table:
         raise ValueError(f"allow_pull must be true, false, both, peer, store or none, not {allow_pull!r}")
     return frozenset(table[links])
-
-
-def _chosen_candidates(decision: Decision) -> tuple[CandidateScore, CandidateScore | None] | None:
-    """The chosen prefill's and decode's scores among a decision's candidates (prefill candidates
-    carry a predicted TTFT, decode candidates a predicted TBT; a mixed worker appears as both)."""
-    # plain loops: generator expressions cost more than the few candidates they look through
-    prefill = decode = None
-    for c in decision.candidates:
-        if c.instance_id == decision.prefill and c.predicted_ttft_s is not None:
-            prefill = c
-            break
-    if prefill is None:
-        return None
-    decoder = decision.decode or decision.prefill  # mixed: the same worker decodes
-    for c in decision.candidates:
-        if c.instance_id == decoder and c.predicted_tbt_s is not None:
-            decode = c
-            break
-    return prefill, decode
-
-
-_NO_BOUNDS = (0.0, 0.0, 0.0)  # _Pending.bounds when no errors are recorded
 
 
 def _lowest_load(tbts: list[float], batches: list[float]) -> int:
@@ -124,13 +79,6 @@ def _lowest_load(tbts: list[float], batches: list[float]) -> int:
         elif not (b is best_b or b == best_b) and b < best_b:
             best, best_t, best_b = i, t, b
     return best
-
-
-class _NoRatios:
-    """Where the ratios of predictions made by a replaced model go: nowhere."""
-
-    def add(self, key: str, predicted: float, actual: float) -> None:
-        return None
 
 
 class KvCacheAwarePolicy(BasePolicy):
@@ -204,7 +152,6 @@ class KvCacheAwarePolicy(BasePolicy):
         self.allow_pull = bool(self.pull_links)
         self.ttft_quantile = ttft_quantile
         self.tbt_quantile = tbt_quantile
-        self.refit_queue_fraction = refit_queue_fraction
         self.forecast_joins = forecast_joins
         if predictors is None:
             cfg = OnlineConfig(enabled=online, window=window, refit_every=refit_every,
@@ -212,8 +159,7 @@ class KvCacheAwarePolicy(BasePolicy):
             fitted = Predictors.from_file(predictor_params, cfg) if predictor_params else None
             predictors = fitted or Predictors.from_bundled_profile(cfg)
         self.predictors = predictors
-        self._max_pending = max(1, max_pending)
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self.learner = OutcomeLearner(predictors, refit_queue_fraction=refit_queue_fraction, max_pending=max_pending)
         self.probe_after = probe_after
         self._rejected_in_a_row = 0
         if listed_candidates is not None and listed_candidates < 1:
@@ -383,10 +329,10 @@ class KvCacheAwarePolicy(BasePolicy):
         """The one place this policy's memory changes after a decision.
 
         State, and why: `_rejected_in_a_row` (SLO rejections since the last admitted request, for
-        the `probe_after` probe) and `_pending` (what was predicted for each admitted request,
-        bounded by `max_pending`, until `observe` compares it with what happened). Everything is
-        read back from the decision's own candidate scores, so what is learned from is exactly
-        what was logged.
+        the `probe_after` probe), `inflight` (the prefixes dispatched and not yet indexed), the
+        local prefills' duty, and the learner's pending predictions (policies/outcome_learning.py:
+        what was predicted for each admitted request, bounded by `max_pending`, until `observe`
+        compares it with what happened).
         """
         if decision.rejection is not None:
             if decision.rejection.reason != NO_INSTANCE:
@@ -401,47 +347,7 @@ class KvCacheAwarePolicy(BasePolicy):
             return
         if decision.prefill is not None and self.inflight is not None:
             self.inflight.add(request.request_id, request.block_keys, decision.prefill, request.block_size)
-        if decision.prefill is None or decision.predicted_ttft_s is None:
-            return
-        chosen = _chosen_candidates(decision)
-        if chosen is None:
-            return
-        prefill, decode = chosen
-        for instance in cluster.instances:
-            if instance.id == decision.prefill:
-                break
-        else:
-            return
-        pred = self.predictors
-        detail = prefill.detail
-        queue_s, transfer_s, prefill_s = detail["queue_s"], detail["transfer_s"], detail["prefill_s"]
-        features, head_elapsed = pred.queue_features(instance.prefill_queue)
-        ttft, tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
-        leg = queue_s + transfer_s + prefill_s
-        judged_tbt = None if decode is None else decode.detail.get("admission_tbt_s", decode.predicted_tbt_s)
-        self._pending[request.request_id] = _Pending(
-            prefill=decision.prefill,
-            decode=decision.decode,
-            cached_tokens=int(detail["cached_tokens"]),
-            queue_s=queue_s,
-            transfer_s=transfer_s,
-            prefill_s=prefill_s,
-            ttft_s=ttft,
-            tbt_s=tbt,
-            queue_features=features,
-            head_elapsed_s=head_elapsed,
-            handoff_s=detail["handoff_s"],
-            first_tbt_s=0.0 if tbt is None else tbt,
-            bounds=(  # only ever recorded with the errors: not computed when they are not kept
-                pred.bound("ttft", ttft, 0.9),
-                pred.bound("queue_and_prefill", leg, 0.9),
-                pred.bound("tbt_at_decision", tbt, 0.9) if tbt is not None else 0.0,
-            ) if pred.tracks_errors else _NO_BOUNDS,
-            judged_tbt_s=judged_tbt,
-            generation=pred.generation,
-        )
-        while len(self._pending) > self._max_pending:  # observations that never came: forget them
-            self._pending.popitem(last=False)
+        self.learner.remember(request, cluster, decision)
 
     # ---- learning -------------------------------------------------------------------------
 
@@ -449,44 +355,7 @@ class KvCacheAwarePolicy(BasePolicy):
         obs = observation
         if self.inflight is not None:
             self.inflight.forget(obs.request_id)  # the index reports what the worker holds by now
-        p = self._pending.pop(obs.request_id, None)
-        if p is None or not obs.ok:
-            return
-        pred = self.predictors
-        ttft_hi, leg_hi, tbt_hi = p.bounds
-        ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
-        leg = obs.queue_and_prefill_s
-        if leg is not None and leg > 0 and obs.prefill == p.prefill:
-            predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
-            pred.record_error("queue_and_prefill", p.prefill, predicted_leg, leg_hi, leg)
-            ratios.add("queue_and_prefill", predicted_leg, leg)
-            cached = p.cached_tokens if obs.cached_tokens is None else obs.cached_tokens
-            cached = max(0, min(cached, obs.prompt_tokens - 1))
-            own = prefill_features(obs.prompt_tokens - cached, cached)
-            if p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
-                own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
-                if pred.tracks_errors:
-                    pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
-                ratios.add("prefill", p.prefill_s, own_s)
-            # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
-            # (the head's remainder) plus its own, linear in the same coefficients
-            qf = p.queue_features
-            pred.observe_leg((qf[0] + own[0], qf[1] + own[1], qf[2] + own[2]), leg + p.head_elapsed_s - p.transfer_s)
-            if obs.ttft_s is not None and obs.ttft_s > leg and p.decode is not None:
-                pred.observe_decode_leg(obs.prompt_tokens, p.first_tbt_s, obs.ttft_s - leg)
-        if obs.ttft_s is not None and obs.ttft_s > 0:
-            pred.record_error("ttft", p.prefill, p.ttft_s, ttft_hi, obs.ttft_s)
-            ratios.add("ttft", p.ttft_s, obs.ttft_s)
-        decoder = obs.decode or (obs.prefill if p.decode is None else None)  # mixed: same worker
-        if obs.token_intervals_s and decoder is not None:
-            mean = sum(obs.token_intervals_s) / len(obs.token_intervals_s)
-            if p.tbt_s is not None:
-                pred.record_error("tbt_at_decision", decoder, p.tbt_s, tbt_hi, mean)
-                ratios.add("tbt_at_decision", p.tbt_s, mean)
-            if p.judged_tbt_s is not None:
-                ratios.add("tbt_judged", p.judged_tbt_s, mean)
-            kv = obs.decode_resident_kv_tokens + obs.prompt_tokens + obs.output_tokens // 2
-            pred.observe_tbt(obs.decode_batch + 1, kv, mean, decoder)
+        self.learner.learn(obs)
 
     def error_stats(self) -> tuple[ErrorStats, ...]:
         """Plain ErrorStats records for the gateway's Prometheus export."""

@@ -40,7 +40,8 @@ from policies.estimate import (
     prefill_pool,
     remote_sources,
 )
-from policies.kvcache_aware import KvCacheAwarePolicy, _chosen_candidates, decode_candidate, prefill_candidate
+from policies.kvcache_aware import KvCacheAwarePolicy, decode_candidate, prefill_candidate
+from policies.outcome_learning import _chosen_candidates
 from predictors import LinearModel, OnlineConfig, Predictors, bundled_profile, fit_profiles
 from predictors.params import INSTANCE_LINK, STORE_LINK
 
@@ -320,6 +321,6 @@ def test_a_large_pool_lists_the_best_few_and_counts_the_rest() -> None:
     assert set(listed[Role.PREFILL]) == {c.instance_id for c in best}
     # what on_decided learns from is among what is listed
     policy.on_decided(request, cluster, decision)
-    assert "r1" in policy._pending
+    assert "r1" in policy.learner.pending
     with pytest.raises(ValueError, match="listed_candidates"):
         KvCacheAwarePolicy(online=False, listed_candidates=0)

@@ -197,7 +197,7 @@ def test_pending_predictions_are_bounded(params: PredictorParams) -> None:
     cluster = snapshot(prefill("p0"), decode("d0"))
     for i in range(10):
         routed(pol, request(rid=f"b{i}"), cluster)
-    assert len(pol._pending) == 4 and "b9" in pol._pending and "b0" not in pol._pending
+    assert len(pol.learner.pending) == 4 and "b9" in pol.learner.pending and "b0" not in pol.learner.pending
     pol.observe(Observation("b0", "p0", "d0", 8192, 0, 0, 0.5, 0.5))  # forgotten: ignored, no error
     assert pol.error_stats() == ()
 

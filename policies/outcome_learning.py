@@ -1,0 +1,168 @@
+"""What kvcache_aware predicted for each admitted request, and what its outcome teaches the predictors.
+
+`OutcomeLearner.remember` keeps (boundedly) the predictions of an admitted request, read back from
+the decision's own candidate scores, so that what is learned from is exactly what was logged;
+`learn` compares them with the request's Observation, records the errors and feeds the predictors'
+online refit (the models it teaches and why are listed in policies/kvcache_aware.py's docstring).
+The policy calls both from its `on_decided` and `observe`; nothing else changes this state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView
+from predictors.online import Predictors
+from predictors.params import prefill_features
+
+
+@dataclass(slots=True)  # not frozen: nothing changes one, and a frozen one costs twice as much to build
+class _Pending:
+    """What was predicted for an admitted request, kept until its observation arrives."""
+
+    prefill: str
+    decode: str | None
+    cached_tokens: int
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    ttft_s: float  # point prediction at the client: leg + decode leg (first_token_s)
+    tbt_s: float | None
+    queue_features: tuple[float, float, float]  # summed prefill features of the queue ahead
+    head_elapsed_s: float  # how long the queue's head had been running at decision time
+    handoff_s: float  # predicted P -> D KV transfer (0 for mixed workers)
+    first_tbt_s: float  # TBT the decode leg was predicted with
+    bounds: tuple[float, float, float]  # p90 bounds at decision time: ttft, leg, tbt (0: none)
+    judged_tbt_s: float | None  # the TBT admission judged (early: the load now; predicted: at arrival)
+    generation: int  # Predictors.generation when predicted: ratios of an older model are not kept
+
+
+_NO_BOUNDS = (0.0, 0.0, 0.0)  # _Pending.bounds when no errors are recorded
+
+
+def _chosen_candidates(decision: Decision) -> tuple[CandidateScore, CandidateScore | None] | None:
+    """The chosen prefill's and decode's scores among a decision's candidates (prefill candidates
+    carry a predicted TTFT, decode candidates a predicted TBT; a mixed worker appears as both)."""
+    # plain loops: generator expressions cost more than the few candidates they look through
+    prefill = decode = None
+    for c in decision.candidates:
+        if c.instance_id == decision.prefill and c.predicted_ttft_s is not None:
+            prefill = c
+            break
+    if prefill is None:
+        return None
+    decoder = decision.decode or decision.prefill  # mixed: the same worker decodes
+    for c in decision.candidates:
+        if c.instance_id == decoder and c.predicted_tbt_s is not None:
+            decode = c
+            break
+    return prefill, decode
+
+
+class _NoRatios:
+    """Where the ratios of predictions made by a replaced model go: nowhere."""
+
+    def add(self, key: str, predicted: float, actual: float) -> None:
+        return None
+
+
+class OutcomeLearner:
+    """The pending predictions of admitted requests (at most `max_pending`, the oldest forgotten
+    first: observations that never came) and the learning from their outcomes.
+    `refit_queue_fraction`: legs whose predicted queue is at most this fraction of the observed leg
+    are also recorded as "prefill" errors (a nearly idle instance: the leg is its own compute)."""
+
+    __slots__ = ("max_pending", "pending", "predictors", "refit_queue_fraction")
+
+    def __init__(self, predictors: Predictors, *, refit_queue_fraction: float, max_pending: int) -> None:
+        self.predictors = predictors
+        self.refit_queue_fraction = refit_queue_fraction
+        self.max_pending = max(1, max_pending)
+        self.pending: OrderedDict[str, _Pending] = OrderedDict()
+
+    def remember(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
+        """Keep what was predicted for an admitted, disaggregated or mixed, placed request."""
+        if decision.prefill is None or decision.predicted_ttft_s is None:
+            return
+        chosen = _chosen_candidates(decision)
+        if chosen is None:
+            return
+        prefill, decode = chosen
+        for instance in cluster.instances:
+            if instance.id == decision.prefill:
+                break
+        else:
+            return
+        pred = self.predictors
+        detail = prefill.detail
+        queue_s, transfer_s, prefill_s = detail["queue_s"], detail["transfer_s"], detail["prefill_s"]
+        features, head_elapsed = pred.queue_features(instance.prefill_queue)
+        ttft, tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
+        leg = queue_s + transfer_s + prefill_s
+        judged_tbt = None if decode is None else decode.detail.get("admission_tbt_s", decode.predicted_tbt_s)
+        self.pending[request.request_id] = _Pending(
+            prefill=decision.prefill,
+            decode=decision.decode,
+            cached_tokens=int(detail["cached_tokens"]),
+            queue_s=queue_s,
+            transfer_s=transfer_s,
+            prefill_s=prefill_s,
+            ttft_s=ttft,
+            tbt_s=tbt,
+            queue_features=features,
+            head_elapsed_s=head_elapsed,
+            handoff_s=detail["handoff_s"],
+            first_tbt_s=0.0 if tbt is None else tbt,
+            bounds=(  # only ever recorded with the errors: not computed when they are not kept
+                pred.bound("ttft", ttft, 0.9),
+                pred.bound("queue_and_prefill", leg, 0.9),
+                pred.bound("tbt_at_decision", tbt, 0.9) if tbt is not None else 0.0,
+            ) if pred.tracks_errors else _NO_BOUNDS,
+            judged_tbt_s=judged_tbt,
+            generation=pred.generation,
+        )
+        while len(self.pending) > self.max_pending:  # observations that never came: forget them
+            self.pending.popitem(last=False)
+
+    def learn(self, observation: Observation) -> None:
+        """Compare the request's outcome with what was predicted for it, and teach the predictors."""
+        obs = observation
+        p = self.pending.pop(obs.request_id, None)
+        if p is None or not obs.ok:
+            return
+        pred = self.predictors
+        ttft_hi, leg_hi, tbt_hi = p.bounds
+        ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
+        leg = obs.queue_and_prefill_s
+        if leg is not None and leg > 0 and obs.prefill == p.prefill:
+            predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
+            pred.record_error("queue_and_prefill", p.prefill, predicted_leg, leg_hi, leg)
+            ratios.add("queue_and_prefill", predicted_leg, leg)
+            cached = p.cached_tokens if obs.cached_tokens is None else obs.cached_tokens
+            cached = max(0, min(cached, obs.prompt_tokens - 1))
+            own = prefill_features(obs.prompt_tokens - cached, cached)
+            if p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
+                own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
+                if pred.tracks_errors:
+                    pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
+                ratios.add("prefill", p.prefill_s, own_s)
+            # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
+            # (the head's remainder) plus its own, linear in the same coefficients
+            qf = p.queue_features
+            pred.observe_leg((qf[0] + own[0], qf[1] + own[1], qf[2] + own[2]), leg + p.head_elapsed_s - p.transfer_s)
+            if obs.ttft_s is not None and obs.ttft_s > leg and p.decode is not None:
+                pred.observe_decode_leg(obs.prompt_tokens, p.first_tbt_s, obs.ttft_s - leg)
+        if obs.ttft_s is not None and obs.ttft_s > 0:
+            pred.record_error("ttft", p.prefill, p.ttft_s, ttft_hi, obs.ttft_s)
+            ratios.add("ttft", p.ttft_s, obs.ttft_s)
+        decoder = obs.decode or (obs.prefill if p.decode is None else None)  # mixed: same worker
+        if obs.token_intervals_s and decoder is not None:
+            mean = sum(obs.token_intervals_s) / len(obs.token_intervals_s)
+            if p.tbt_s is not None:
+                pred.record_error("tbt_at_decision", decoder, p.tbt_s, tbt_hi, mean)
+                ratios.add("tbt_at_decision", p.tbt_s, mean)
+            if p.judged_tbt_s is not None:
+                ratios.add("tbt_judged", p.judged_tbt_s, mean)
+            kv = obs.decode_resident_kv_tokens + obs.prompt_tokens + obs.output_tokens // 2
+            pred.observe_tbt(obs.decode_batch + 1, kv, mean, decoder)
