@@ -38,31 +38,15 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from conductor.core.types import (
-    ActiveDecode,
-    CachedPrefix,
-    ClusterSnapshot,
-    Decision,
-    InstanceView,
-    Policy,
-    QueuedPrefill,
-    RequestView,
-    Role,
-)
+from conductor.core.types import CachedPrefix, Decision, Policy, RequestView
 from policies.estimate import STORE_SOURCE
 from traces.formats import TraceRequest
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
 from traces.sim.config import SimConfig
+from traces.sim.instance_views import cluster_view
 from traces.sim.results import RunResult
 from traces.sim.summary import run_result
-from traces.sim.views import (
-    active_decode,
-    cluster_snapshot,
-    instance_view,
-    observation,
-    queued_prefill,
-    request_view,
-)
+from traces.sim.views import observation, request_view
 
 _PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK = range(4)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
@@ -128,86 +112,10 @@ class Simulator:
             store, self.cfg.slo, self._staged_sources, self._staging_jumps,
         )
 
-    def _decode_view(self, d: DecodeInstance) -> InstanceView:
-        now = self.now
-        if d.view_version != d.version or now - d.view_at > self.cfg.snapshot_refresh_s or not d.view:
-            d.advance(now)
-            streams, local = [], []
-            active, steps = d.active, d.steps
-            for j in d.assigned.values():
-                if j.seq in active:
-                    gen = int(steps - j.start_step)
-                    entry = j.decode_view
-                    if entry is None or j.view_gen != gen:  # a stream's entry changes only as it generates
-                        j.view_gen = gen
-                        entry = j.decode_view = active_decode(j.req.input_length + gen, max(0, j.output_tokens - gen))
-                    streams.append(entry)
-                    if j.local == 2 and j.prefill_done > now:  # its local prefill: still stalling the batch
-                        local.append(queued_prefill(j.req.input_length, 0, max(0.0, now - j.prefill_start)))
-                elif self.cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
-                    if j.pending_view is None:  # the same until it decodes: built once
-                        j.pending_view = ActiveDecode(j.req.input_length, j.output_tokens, decoding=False)
-                    streams.append(j.pending_view)
-                if j.local == 1:  # waiting for KV space, its prefill not started
-                    local.append(QueuedPrefill(j.req.input_length, 0, 0.0))
-            d.view = (instance_view(  # InstanceView(...), built as fast as its slots take it (traces/sim/views.py)
-                d.id, Role.DECODE, tuple(local), tuple(streams), d.truth.kv_capacity_tokens, d.usage(), len(d.waiting),
-            ),)
-            d.view_at, d.view_version = now, d.version
-        view = d.view[0]
-        assert isinstance(view, InstanceView)
-        return view
-
-    def _prefill_view(self, p: PrefillInstance) -> InstanceView:
-        # Rebuilt when the queue changed or the cached elapsed times are older than the refresh
-        # interval: building every queue for every arrival is quadratic under overload.
-        now = self.now
-        stale = now - p.view_at > self.cfg.snapshot_refresh_s
-        if stale and not p.running and p.view is not None and p.view_version == p.version:
-            p.view_at = now  # refreshed, to the same view: only a running head's entry moves with time
-            return p.view
-        if p.view is None or p.view_version != p.version or stale:
-            # elapsed: the running head's time since it started (the only one the queue estimate
-            # subtracts); from dispatch it would include its own wait and hide its remainder. Every
-            # other entry is fixed from dispatch on: built once per job
-            queue = p.queue
-            entries = []
-            rest = iter(queue)
-            if p.running:
-                head = next(rest)
-                entries.append(queued_prefill(head.est_new, head.est_cached, now - head.prefill_start))
-            for j in rest:
-                if j.queued_view is None:
-                    j.queued_view = QueuedPrefill(j.est_new, j.est_cached, 0.0)
-                entries.append(j.queued_view)
-            p.view = instance_view(
-                p.id, Role.PREFILL, tuple(entries), (), None, None, len(p.queue) - (1 if p.running else 0),
-            )
-            p.view_at, p.view_version = now, p.version
-        return p.view
-
-    def _snapshot(self) -> ClusterSnapshot:
-        # a view still fresh (same version, inside the refresh interval) is taken here without the
-        # call that would rebuild it: most of the sixteen are, at most arrivals
-        now = self.now
-        refresh = self.cfg.snapshot_refresh_s
-        views = []
-        for p in self.prefills:
-            view = p.view
-            if view is None or p.view_version != p.version or now - p.view_at > refresh:
-                view = self._prefill_view(p)
-            views.append(view)
-        for d in self.decodes:
-            if d.view_version != d.version or now - d.view_at > refresh or not d.view:
-                views.append(self._decode_view(d))
-            else:
-                views.append(d.view[0])  # type: ignore[arg-type]  # an InstanceView (_decode_view)
-        return cluster_snapshot(now, tuple(views))
-
     # -- arrivals and decisions -------------------------------------------------------------
     def _arrive(self, job: Job) -> None:
         view = self._request_view(job)
-        snapshot = self._snapshot()
+        snapshot = cluster_view(self.prefills, self.decodes, self.now, self.cfg)
         decision = self.policy.decide(view, snapshot)
         self.policy.on_decided(view, snapshot, decision)
         if decision.rejection is not None:
