@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from conductor.core.types import CachedPrefix, RequestView
-from policies.estimate import PoolPrefillEstimates
+from policies.pool_estimates import PoolPrefillEstimates
 
 
 class InflightPrefixes:

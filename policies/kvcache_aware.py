@@ -9,7 +9,7 @@ it (`admission="predicted"`) or by the streams decoding there now (`"early"`); s
 policies.admission. Mixed (non-disaggregated) workers are scored the same way, with the TBT check
 on the same worker: among workers whose predicted TBT meets the SLO, the one with the lowest TTFT.
 Cost per decision grows with the cluster as cheaply as that allows: instances holding no prefix
-share one prefix plan (only their queues differ; estimate.PoolPrefillEstimates), decode loads are
+share one prefix plan (only their queues differ; pool_estimates.PoolPrefillEstimates), decode loads are
 a count and a sum, and only the best `listed_candidates` of each pool are built into the decision.
 tests/policies/test_kvcache_aware_differential.py holds these to the estimate-everything algorithm.
 
@@ -41,7 +41,6 @@ from policies.base import NO_INSTANCE, BasePolicy, listed_indices, no_instance
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
-    PoolPrefillEstimates,
     decode_candidate,
     decode_loads_now,
     estimate_decode,
@@ -53,6 +52,7 @@ from policies.estimate import (
 from policies.inflight import InflightPrefixes, placement_best, with_inflight
 from policies.local_prefill import LocalPrefill, local_decision, local_prefill_s
 from policies.outcome_learning import OutcomeLearner
+from policies.pool_estimates import PoolPrefillEstimates
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import cast
 
-from policies.estimate import PoolPrefillEstimates
 from policies.inflight import placement_best, placement_rank
+from policies.pool_estimates import PoolPrefillEstimates
 
 
 class _Weighed:
