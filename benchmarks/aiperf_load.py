@@ -3,7 +3,7 @@
 A load generator none of the compared routers wrote: aiperf replays the same trace slice as a
 Mooncake-format JSONL (`--custom-dataset-type mooncake_trace --fixed-schedule`), synthesizing the
 prompt text from the `hash_ids` itself, and its per-request export is folded into the same summary
-(traces.live.summarize) the project's own client produces, so the table is the same either way.
+(traces.live_results.summarize) the project's own client produces, so the table is the same either way.
 
 aiperf lives in its own virtualenv (its dependencies are heavy: transformers, pandas, textual ...):
 
@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from traces.formats import TraceRequest
-from traces.live import LiveOutcome, LiveResult, summarize
 from traces.live_client import HttpOutcome, cached_counts, prediction_errors
+from traces.live_results import LiveOutcome, LiveResult, summarize
 from traces.synth import PromptSynthesizer
 
 DEFAULT_AIPERF = "/tmp/aiperf-venv/bin/aiperf"

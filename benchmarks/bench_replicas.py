@@ -47,8 +47,8 @@ from conductor.demo import DEFAULT_MODEL
 from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 from tests.support.servers import free_port_run
 from traces.formats import load_trace, resolve_trace
-from traces.live import LiveOutcome, LiveResult, summarize
 from traces.live_client import stream_completion
+from traces.live_results import LiveOutcome, LiveResult, summarize
 from traces.synth import PromptSynthesizer, SynthRequest
 
 _WAITING = re.compile(rb"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)

@@ -49,7 +49,7 @@ from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_
 
 if TYPE_CHECKING:
     from traces.formats import TraceRequest
-    from traces.live import LiveResult
+    from traces.live_results import LiveResult
     from traces.sim.runner import PolicySpec
 
 T = TypeVar("T")
@@ -273,7 +273,7 @@ def _first_failures(result: LiveResult) -> dict[str, str]:
 
 def _report(args: argparse.Namespace, results: Sequence[LiveResult], groups: Sequence[ChildGroup]) -> bool:
     """Print the runs (side by side when several), write the JSON; False when requests failed."""
-    from traces.live import print_comparison, print_live
+    from traces.live_results import print_comparison, print_live
 
     if len(results) == 1:
         print_live(results[0])

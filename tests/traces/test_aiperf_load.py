@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 from benchmarks.aiperf_load import TOKENIZER_ID, cache_tokenizer, outcomes, trace_rows, write_tokenizer, write_trace
 from conductor.core.tokenization import ByteTokenizer
 from traces.formats import TraceRequest
-from traces.live import summarize, text_prompt
+from traces.live import text_prompt
+from traces.live_results import summarize
 from traces.synth import PromptSynthesizer
 
 # fields aiperf's MooncakeTrace model reads for a synthesized prompt (timestamp in ms)

@@ -19,7 +19,8 @@ from conductor.settings import load_settings
 from tests.support.emulator import Emulator, free_port, start_emulator
 from tests.support.servers import ServerThread, serve
 from traces.formats import TraceRequest
-from traces.live import LiveResult, TextProgress, replay_live, text_prompt
+from traces.live import TextProgress, replay_live, text_prompt
+from traces.live_results import LiveResult
 from traces.replay_cli import replay_main
 from traces.synth import PromptSynthesizer, common_prefix, scaled_block_tokens
 
