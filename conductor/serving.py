@@ -79,6 +79,7 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
         # SIGTERM: stop accepting, let requests in flight finish for drain_grace_s, then close them
         # (typed int, used as a float timeout: fractions of a second work)
         timeout_graceful_shutdown=settings.drain_grace_s,  # type: ignore[arg-type]
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # (a float timeout, too)
     )
 
 

@@ -182,6 +182,12 @@ class Settings(_Model):
     bootstrap_timeout_s: float = 5.0
     # on SIGTERM: stop accepting, let requests in flight finish for this long, then close them
     drain_grace_s: float = 30.0
+    # how long a client's connection may sit idle between requests (and take to send a request's
+    # head or go silent mid-body) before the gateway closes it. Longer than every common client's
+    # and proxy's own idle expiry (httpx 5 s, aiohttp 15 s, nginx upstream 60 s): a client that
+    # reuses a connection the server is closing at that moment loses its request ("server
+    # disconnected"), which uvicorn's 5 s default makes routine under load. nginx's keepalive_timeout
+    keep_alive_timeout_s: float = Field(default=75.0, gt=0)
     # a request whose leg failed before any byte reached the client (connection refused, a worker's
     # 5xx) is decided again without that instance, up to this many attempts in all
     max_attempts: int = Field(default=3, ge=1)

@@ -21,8 +21,9 @@ class ServerThread:
     def __init__(self, app: Any, port: int | None = None, **config: Any) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        if "http" not in config and isinstance(app, FastPath):
-            config["http"] = HttpServerConnection  # the gateway serves on its own protocol, as in production
+        if isinstance(app, FastPath):  # the gateway serves on its own protocol and keep-alive, as in production
+            config.setdefault("http", HttpServerConnection)
+            config.setdefault("timeout_keep_alive", app.state.gateway.settings.keep_alive_timeout_s)
         self.config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False, lifespan="auto", **config
         )
