@@ -38,8 +38,8 @@ from conductor.core.block_keys import BlockKeyScheme, make_scheme
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role, Tier
 from conductor.gc_freeze import GcFreezer
-from conductor.kv_awareness import make_index
 from conductor.kv_event_metrics import KVEventsCollector
+from conductor.kv_index_factory import make_index
 from conductor.settings import Settings
 
 log = logging.getLogger(__name__)
