@@ -134,18 +134,21 @@ class OutcomeLearner:
         pred = self.predictors
         ttft_hi, leg_hi, tbt_hi = p.bounds
         ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
+        # the leg's, the prefill's and the decision-time TBT's errors and ratios feed only the
+        # exported error figures (their bounds are read where errors are tracked): kept only there
+        errors = pred.tracks_errors
         leg = obs.queue_and_prefill_s
         if leg is not None and leg > 0 and obs.prefill == p.prefill:
-            predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
-            pred.record_error("queue_and_prefill", p.prefill, predicted_leg, leg_hi, leg)
-            ratios.add("queue_and_prefill", predicted_leg, leg)
+            if errors:
+                predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
+                pred.record_error("queue_and_prefill", p.prefill, predicted_leg, leg_hi, leg)
+                ratios.add("queue_and_prefill", predicted_leg, leg)
             cached = p.cached_tokens if obs.cached_tokens is None else obs.cached_tokens
             cached = max(0, min(cached, obs.prompt_tokens - 1))
             own = prefill_features(obs.prompt_tokens - cached, cached)
-            if p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
+            if errors and p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
                 own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
-                if pred.tracks_errors:
-                    pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
+                pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
                 ratios.add("prefill", p.prefill_s, own_s)
             # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
             # (the head's remainder) plus its own, linear in the same coefficients
@@ -159,7 +162,7 @@ class OutcomeLearner:
         decoder = obs.decode or (obs.prefill if p.decode is None else None)  # mixed: same worker
         if obs.token_intervals_s and decoder is not None:
             mean = sum(obs.token_intervals_s) / len(obs.token_intervals_s)
-            if p.tbt_s is not None:
+            if errors and p.tbt_s is not None:
                 pred.record_error("tbt_at_decision", decoder, p.tbt_s, tbt_hi, mean)
                 ratios.add("tbt_at_decision", p.tbt_s, mean)
             if p.judged_tbt_s is not None:
