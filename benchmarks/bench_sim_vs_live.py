@@ -7,11 +7,13 @@ several policies the ratio of each to the first, simulated and live side by side
         [--limit 300] [--speedup 4] [--length-scale 0.25] [--slo-ttft 0.5] [--slo-tbt 0.025] [--noise 0.05]
 
 Policies are specs as `conductor replay --compare` takes them (`kvcache_aware:ttft_slack=null`);
-kvcache_aware runs with predicted admission unless the spec says otherwise. By default neither
-side pulls prefixes (`pull: none`, `pd_peer_pull: off`; a decode's readback needs non-streamed
-answers and the replay streams). With `--peer-pull` both do prefill-to-prefill pulls staged with
-priority on the holder: live over the emulators' NIXL (conductor/peer_pull.py), simulated with
-`--pull staged`.
+kvcache_aware runs with predicted admission unless the spec says otherwise. A spec with
+`local_prefill_tokens` (policies/local_prefill.py) may prefill short prompts on a decode instance
+on both sides: live as one plain leg to the emulated decode, which computes it in its batch's
+steps; both counts are printed. By default neither side pulls prefixes (`pull: none`,
+`pd_peer_pull: off`; a decode's readback needs non-streamed answers and the replay streams). With
+`--peer-pull` both do prefill-to-prefill pulls staged with priority on the holder: live over the
+emulators' NIXL (conductor/peer_pull.py), simulated with `--pull staged`.
 
 Configuration: 2 prefill + 2 decode emulators (nixl P/D, time scale 1, lognormal noise) behind
 `conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
@@ -109,6 +111,9 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
             ))
             if args.peer_pull:
                 print("live prefill-to-prefill pulls: " + pull_counts(cluster.gateway_url), file=sys.stderr)
+            if options.get("local_prefill_tokens"):
+                extra = {**result.run.extra, "local_prefills": float(local_prefills(cluster.gateway_url))}
+                return dataclasses.replace(result.run, extra=extra)
         finally:
             group.stop()
     return result.run
@@ -127,6 +132,16 @@ def pull_counts(gateway_url: str) -> str:
             stage_n = float(line.rsplit(" ", 1)[1])
     mean = f"{stage_sum / stage_n * 1e3:.1f} ms" if stage_n else "-"
     return ", ".join(f"{k} {v:.0f}" for k, v in sorted(counts.items())) + f"; staging mean {mean}"
+
+
+def local_prefills(gateway_url: str) -> int:
+    """Decisions that prefilled on a decode instance (conductor_decisions_total whose prefill is a
+    decode: policies/local_prefill.py), from /metrics."""
+    total = 0.0
+    for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("conductor_decisions_total{") and 'prefill="decode-' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
 
 
 def _row(name: str, r: RunResult) -> str:
@@ -178,6 +193,9 @@ def main() -> int:
         ratio = sim.goodput_rps / live.goodput_rps if live.goodput_rps > 0 else float("inf")
         print(f"goodput sim / live = {ratio:.3f} (target 0.90-1.10); rejections sim {dict(sim.rejections)}, "
               f"live {dict(live.rejections)}; wall: sim {t_sim:.1f} s, live {t_live:.1f} s")
+        if "local_prefills" in live.extra:
+            print(f"prefills on a decode instance (local prefill): sim {sim.extra['local_prefills']:.0f}, "
+                  f"live {live.extra['local_prefills']:.0f}")
     if len(pairs) > 1:
         first_sim, first_live = pairs[0][1].goodput_rps, pairs[0][2].goodput_rps
         print(f"\ngoodput / {pairs[0][0].label or pairs[0][0].name}:")
