@@ -15,12 +15,12 @@ steps; both counts are printed. By default neither side pulls prefixes (`pull: n
 `--peer-pull` both do prefill-to-prefill pulls staged with priority on the holder: live over the
 emulators' NIXL (conductor/peer_pull.py), simulated with `--pull staged`.
 
-Configuration: 2 prefill + 2 decode emulators (nixl P/D, time scale 1, lognormal noise) behind
+Configuration: `--prefill` + `--decode` emulators (2 + 2 by default; nixl P/D, time scale 1, lognormal noise) behind
 `conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
 conductor.demo_cluster); the first `--limit` requests of the bundled trace, lengths
 scaled by `--length-scale` (traces.synth: shared hash ids -> shared token prefixes) and arrivals
 `--speedup` times faster. The simulator replays the same scaled requests (same block structure) on
-2P+2D with `traces.sim.truth.truth_from_emulator`: the emulators' own profile, so both sides time
+the same cluster with `traces.sim.truth.truth_from_emulator`: the emulators' own profile, so both sides time
 prefill, KV transfer and decode steps by the same formulas and coefficients.
 
 What differs, by construction: the live run pays HTTP and event-loop time (gateway, workers,
@@ -54,7 +54,6 @@ from traces.sim.runner import PolicySpec, parse_specs
 from traces.sim.truth import truth_from_emulator
 from traces.synth import PromptSynthesizer
 
-N_PREFILL, N_DECODE = 2, 2
 MODEL = "tiny"
 
 
@@ -76,7 +75,7 @@ def policy_options(spec: PolicySpec, peer_pull: bool = False) -> dict[str, objec
 
 def run_sim(args: argparse.Namespace, requests: list[TraceRequest], spec: PolicySpec) -> RunResult:
     config = SimConfig(
-        n_prefill=N_PREFILL, n_decode=N_DECODE, truth=truth_from_emulator(load_profile()),
+        n_prefill=args.prefill, n_decode=args.decode, truth=truth_from_emulator(load_profile()),
         slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt), speedup=args.speedup, noise=args.noise, seed=args.seed,
         model=MODEL, pull="staged" if args.peer_pull else "none",
     )
@@ -92,7 +91,7 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
     extra = {"pd_peer_pull": "on", "pd_peer_pull_priority": -1, "pd_readback": "off",
              "kv": {"forward_token_ids": True}} if args.peer_pull else {"pd_peer_pull": "off"}
     cluster_spec = ClusterSpec(
-        n_prefill=N_PREFILL, n_decode=N_DECODE, pd_protocol="nixl", policy=spec.name, model=MODEL,
+        n_prefill=args.prefill, n_decode=args.decode, pd_protocol="nixl", policy=spec.name, model=MODEL,
         time_scale=1.0, noise=args.noise, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
         policy_options=options, gateway_extra=extra,
         # (the decodes are bidirectional so that they free the prefills' pins; their own pins, unused
@@ -161,6 +160,8 @@ def main() -> int:
     ap.add_argument("--slo-tbt", type=float, default=0.025)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma, emulators and simulator")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill", type=int, default=2, help="prefill instances (emulated, and simulated)")
+    ap.add_argument("--decode", type=int, default=2, help="decode instances")
     ap.add_argument("--peer-pull", action="store_true",
                     help="prefix pulls between prefills, staged on the holder with priority: over NIXL live "
                          "(pd_peer_pull), modelled in the simulator (--pull staged)")
@@ -175,7 +176,7 @@ def main() -> int:
     requests = scaled_requests(raw, synth)
     span = (raw[-1].arrival_s - raw[0].arrival_s) / args.speedup
     print(f"{len(raw)} requests of {args.trace}, lengths x{args.length_scale:g}, {args.speedup:g}x faster "
-          f"({span:.0f} s of arrivals); {N_PREFILL}P+{N_DECODE}D, SLO TTFT {args.slo_ttft} s / TBT {args.slo_tbt} s, "
+          f"({span:.0f} s of arrivals); {args.prefill}P+{args.decode}D, SLO TTFT {args.slo_ttft} s / TBT {args.slo_tbt} s, "
           f"noise {args.noise}", file=sys.stderr)
     pairs = []
     for spec in specs:
