@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from cluster_builders import decode, prefill, request, routed, snapshot
 
-from conductor.core.types import Slo
+from conductor.core.types import ActiveDecode, Slo
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.local_prefill import LocalPrefill
 from predictors import OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
@@ -79,6 +79,21 @@ def test_not_where_the_stretched_tbt_misses_the_slo(params: PredictorParams) -> 
     tight = Slo(tbt_s=free.predicted_tbt_s * 0.99)
     pol2 = policy(params, local_prefill_tokens=4096, admission="none")
     assert routed(pol2, request(prompt=2048, slo=tight), cluster).prefill in ("p0", "p1")
+
+
+def test_not_where_a_stream_there_is_too_close_to_its_end_to_absorb_the_stall(params: PredictorParams) -> None:
+    # the same load, TBT SLO twice the predicted TBT: a stream with 200 tokens to go spreads the
+    # prefill's pause over them; one with 2 to go would see nearly all of it in its mean TBT
+    roomy = snapshot(*BACKED_UP, decode("d0", streams=8))
+    free = routed(policy(params, local_prefill_tokens=4096, admission="none"), request(prompt=2048), roomy)
+    assert free.prefill == "d0" and free.predicted_tbt_s is not None
+    slo = Slo(tbt_s=free.predicted_tbt_s * 2)
+    pol = policy(params, local_prefill_tokens=4096, admission="none")
+    assert routed(pol, request(prompt=2048, slo=slo), roomy).prefill == "d0"
+    ending = snapshot(*BACKED_UP, replace(roomy.instances[-1], decodes=(
+        *roomy.instances[-1].decodes[:-1], ActiveDecode(2000, 2))))
+    pol = policy(params, local_prefill_tokens=4096, admission="none")
+    assert routed(pol, request(prompt=2048, slo=slo), ending).prefill in ("p0", "p1")
 
 
 def test_a_rejected_request_is_saved_by_a_local_prefill(params: PredictorParams) -> None:
