@@ -68,9 +68,14 @@ def test_demo_prints_the_table_and_leaves_no_process(tmp_path: Path) -> None:
     assert "kvcache_aware (live)" in stdout
     assert _row(stdout, "cluster") == "2P2D" and _row(stdout, "requests") == "30"
     completed = int(_row(stdout, "completed"))
-    rejected = int(_row(stdout, "rejected").split()[0])
+    rejected_row = _row(stdout, "rejected")  # "11 (ttft_slo=11)"
+    rejected = int(rejected_row.split()[0])
     errors = int(_row(stdout, "errors").split()[0])
-    assert completed + rejected + errors == 30 and completed >= 20 and errors == 0
+    assert completed + rejected + errors == 30 and completed > 0 and errors == 0
+    # how many admission turns away follows the box's speed (a CI run beside vLLM start-ups: 11 of
+    # 30, 2 on a quiet one), but only ever for an SLO it predicted missed
+    reasons = dict(kv.split("=") for kv in re.findall(r"(\w+=\d+)", rejected_row))
+    assert set(reasons) <= {"ttft_slo", "tbt_slo"} and sum(map(int, reasons.values())) == rejected, rejected_row
     p50, _, p99 = (_seconds(x) for x in _row(stdout, "TTFT p50/p90/p99").split(" / "))
     assert 0 < p50 <= p99 < 10
     tbt50 = _seconds(_row(stdout, "TBT p50/p90/p99").split(" / ")[0])
