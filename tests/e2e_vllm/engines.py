@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -273,6 +274,18 @@ class Engine:
         assert r.status_code == 200, f"{self.name} {path}: {r.status_code} {r.text[:500]}"
         out: dict[str, Any] = r.json()
         return out
+
+    def reset_prefix_cache(self, timeout: float = 60.0) -> None:
+        """Empty the engine's prefix cache (VLLM_SERVER_DEV_MODE). vLLM refuses while any block is
+        in use; a P/D producer keeps a finished request's blocks until the decode's NIXL
+        notification that it has read them arrives, a moment after the answer, so try again."""
+        answers: list[dict[str, Any]] = []
+
+        def emptied() -> bool:
+            answers.append(self.post("/reset_prefix_cache", {}))
+            return answers[-1] == {"success": True}
+
+        assert wait_for(emptied, timeout, interval=0.2), f"{self.name}: {answers[-1]}"
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of one metric's samples whose labels include `labels` (0 when none)."""

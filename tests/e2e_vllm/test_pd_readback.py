@@ -92,7 +92,7 @@ def readbacks(gw: GatewayUnderTest, event: str) -> float:
 
 def forget_on_prefill(pair: Pair, prompt: str) -> None:
     """Empty the prefill engine's prefix cache and wait until the index knows it holds nothing."""
-    assert pair.prefill.post("/reset_prefix_cache", {}) == {"success": True}
+    pair.prefill.reset_prefix_cache()
     pair.prefill.post("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 1})  # publishes it
     ids = pair.prefill.post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})["tokens"]
     keys = pair.gw.keys_of(ids)
