@@ -48,7 +48,14 @@ class OnlineConfig:
 
     enabled: bool = True
     window: int = 512  # samples kept per model (a sliding window: old behaviour ages out)
-    refit_every: int = 32  # refit after this many new samples (a fit costs ~1-3 ms)
+    refit_every: int = 32  # refit after this many new samples (a fit costs ~0.3 ms)
+    # while refits leave a model's predictions where they were (within refit_stable_move on every
+    # sample of its window) and the model fits its window (median actual/predicted within
+    # refit_stable_move of 1), the interval doubles up to this; a refit that moves a prediction
+    # by refit_reset_move or more brings it back to refit_every (Predictors._adapt_interval)
+    refit_max_every: int = 256
+    refit_stable_move: float = 0.01
+    refit_reset_move: float = 0.05
     min_samples: int = 16  # do not refit on fewer samples than this
     prior_weight: float = 1.0  # weight of the previous coefficients in a refit
     loss: str = "soft_l1"
@@ -69,14 +76,15 @@ class _Samples:
     """A model's sliding window of (features, actual), in preallocated arrays that a refit reads
     as they are (rows in ring order: a fit does not depend on the order of its samples)."""
 
-    __slots__ = ("fresh", "head", "n", "x", "y")
+    __slots__ = ("every", "fresh", "head", "n", "x", "y")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, every: int = 32) -> None:
         self.x: np.ndarray | None = None  # (size, features), allocated on the first sample
         self.y = np.empty(max(1, size))
         self.n = 0  # samples held
         self.head = 0  # where the next one goes
         self.fresh = 0  # samples since the last refit
+        self.every = every  # new samples that make the next refit (Predictors._refit adapts it)
 
     def append(self, features: Sequence[float], actual: float) -> None:
         size = len(self.y)
@@ -92,8 +100,8 @@ class _Samples:
         return self.x[: self.n], self.y[: self.n]
 
 
-def _samples(n: int) -> _Samples:
-    return _Samples(n)
+def _samples(online: OnlineConfig) -> _Samples:
+    return _Samples(online.window, online.refit_every)
 
 
 class Predictors:
@@ -106,10 +114,10 @@ class Predictors:
     def __init__(self, params: PredictorParams, online: OnlineConfig = OnlineConfig()) -> None:
         self._params = params
         self._online = online
-        self._prefill = _samples(online.window)
-        self._tbt = _samples(online.window)
+        self._prefill = _samples(online)
+        self._tbt = _samples(online)
         self._transfer: dict[str, _Samples] = {}
-        self._first = _samples(online.window)
+        self._first = _samples(online)
         self.first_token_model = FIRST_TOKEN_PRIOR
         # the decode leg as fitted: k0 + k1 * handoff bytes + k2 * TBT (k1: the P -> D link's s/byte)
         lat, per_byte = params.transfer_model(INSTANCE_LINK).coef
@@ -320,7 +328,7 @@ class Predictors:
         if win is None:
             if len(self._transfer) >= 16:  # link classes are a handful; refuse to grow unbounded
                 return
-            win = self._transfer[link] = _samples(self._online.window)
+            win = self._transfer[link] = _samples(self._online)
         if self._add(win, transfer_features(nbytes), seconds):
             links = dict(self._params.transfer)
             links[link] = self._refit(win, model)
@@ -382,10 +390,27 @@ class Predictors:
             return False
         win.append(features, actual)
         win.fresh += 1
-        if win.fresh >= self._online.refit_every and win.n >= self._online.min_samples:
+        if win.fresh >= win.every and win.n >= self._online.min_samples:
             win.fresh = 0
             return True
         return False
+
+    def _adapt_interval(self, win: _Samples, x: np.ndarray, y: np.ndarray, current: LinearModel,
+                        fitted: LinearModel) -> None:
+        """Back a window's refits off while they change nothing; back to refit_every on a change.
+
+        The move is the largest relative change of the model's prediction over the window's own
+        samples (one point would hide a trade between the constant and the slope). Steady also
+        needs the new fit to sit on its samples (median actual/predicted near 1): a model the prior
+        still holds back from a shifted truth moves by little at each refit and must go on. And a
+        full window: while it fills, every refit has more to learn from than the last."""
+        o = self._online
+        new = np.maximum(x @ np.asarray(fitted.coef), 1e-12)
+        move = float(np.max(np.abs(new / np.maximum(x @ np.asarray(current.coef), 1e-12) - 1.0)))
+        if win.n == len(win.y) and move < o.refit_stable_move and abs(float(np.median(y / new)) - 1.0) < o.refit_stable_move:
+            win.every = min(2 * win.every, max(o.refit_every, o.refit_max_every))
+        elif move >= o.refit_reset_move:
+            win.every = o.refit_every
 
     def _refit(self, win: _Samples, current: LinearModel, reference: Sequence[float] | None = None) -> LinearModel:
         o = self._online
@@ -396,6 +421,7 @@ class Predictors:
         except ValueError:
             return current
         self.refits += 1
+        self._adapt_interval(win, x, y, current, fitted)
         if reference is not None:
             before, after = current.predict(reference), fitted.predict(reference)
             if before > 0 and abs(after / before - 1.0) > self.RATIO_RESET:
