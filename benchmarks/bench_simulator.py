@@ -57,11 +57,24 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _reference_loop_s() -> float:
+    """CPU seconds of an empty 10M-iteration Python loop, best of three: how fast this box runs
+    Python today. The sessions' machines have differed by 2x in it, and the figures below with it."""
+    best = float("inf")
+    for _ in range(3):
+        c0 = time.process_time()
+        for _ in range(10_000_000):
+            pass
+        best = min(best, time.process_time() - c0)
+    return best
+
+
 def bench_speed() -> None:
     config = config_from_args(_args("--paper"), 8, 8)
     print(f"== speed: whole conversation trace (12,031 requests), {describe(config)}")
     print(f"   target <= {SIM_TARGET_S} s of simulation per policy (trace loading counted apart); the ratio is of")
     print("   CPU time (process_time), which other work on a shared box moves less than wall time")
+    print(f"   this box: an empty 10M-iteration Python loop takes {_reference_loop_s():.2f} s CPU")
     t0 = time.perf_counter()
     reqs = load_requests("conversation")
     print(f"{'trace load':>20}: {time.perf_counter() - t0:6.2f} s")
