@@ -20,7 +20,7 @@ from adapters.upstream import Timeouts, UpstreamPool
 from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
 from conductor.core.decision_log import decision_log_record
 from conductor.core.errors import BadRequest, ConfigError, NoHealthyInstance, Rejected, Unauthorized
-from conductor.core.types import Decision, Observation, Policy, RequestView, Role, Slo
+from conductor.core.types import Decision, Observation, Policy, PrefillLeg, PrefillLegObserver, RequestView, Role, Slo
 from conductor.deadlines import Deadlines
 from conductor.gc_freeze import GcFreezer
 from conductor.instances import InstanceRegistry
@@ -84,6 +84,7 @@ class Gateway:
             self.metrics.ejections.labels(name)
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
         self.lessons = lesson_share or NoLessonShare()
+        self._leg_observer = self.policy if isinstance(self.policy, PrefillLegObserver) else None
         # a policy that learns online (kvcache_aware's `predictors`) shares what it learns with the
         # sibling processes and learns what they do; a policy without predictors has nothing to share
         predictors = getattr(self.policy, "predictors", None)
@@ -248,6 +249,19 @@ class Gateway:
         if not self.peer_pull:
             return False
         return self.settings.pd_peer_pull == "on" or (self.readback is not None and self.readback.recorded > 0)
+
+    def observe_prefill_leg(self, leg: PrefillLeg) -> None:
+        """Tell a PrefillLegObserver policy a prefill leg as soon as it answered (NIXL, before the
+        decode): its prefill model learns it a decode's length sooner than from the Observation."""
+        if self._leg_observer is None:
+            return
+        try:
+            self._leg_observer.observe_prefill_leg(leg)
+        except Exception:  # a policy's learning bug must not fail the request that taught it
+            log.exception("policy %s failed to observe the prefill leg of %s", self.policy.name, leg.request_id)
+        if self._lesson_outbox:  # what the leg taught, for the sibling processes
+            self.lessons.publish(self._lesson_outbox)
+            self._lesson_outbox.clear()
 
     def observe(self, routed: Routed, observation: Observation) -> None:
         """Feed what happened back to the policy's predictors and the KV index."""

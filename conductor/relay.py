@@ -18,7 +18,7 @@ from typing import Any
 from adapters.pd.base import Exchange, Outgoing, Target, cached_tokens_of, decode_json, open_leg
 from adapters.upstream import UpstreamPoolExhausted
 from conductor.core.errors import NoHealthyInstance, UpstreamError
-from conductor.core.types import Observation
+from conductor.core.types import Observation, PrefillLeg
 from conductor.gateway import Gateway, Routed
 from conductor.peer_pull import stage as stage_prefix
 from conductor.readback import parse_decode_params, pull_tokens_for
@@ -245,6 +245,8 @@ async def run_attempt(
             gw.registry.end_prefill(prefill.name, request_id)
             gw.registry.mark_decoding(decode_name, request_id)
             gw.metrics.prefill_leg.labels(prefill.name).observe(exchange.prefill_s)
+            gw.observe_prefill_leg(PrefillLeg(request_id, prefill.name, analysis.prompt_tokens,
+                                              exchange.prefill_cached_tokens, exchange.prefill_s))
         if exchange.reply is not None:
             reply = exchange.reply
             await send({"type": "http.response.start", "status": reply.status, "headers": [

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, RequestView
+from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, PrefillLeg, RequestView
 from predictors.online import Predictors
 from predictors.params import prefill_features
 
@@ -36,6 +36,7 @@ class _Pending:
     bounds: tuple[float, float, float]  # p90 bounds at decision time: ttft, leg, tbt (0: none)
     judged_tbt_s: float | None  # the TBT admission judged (early: the load now; predicted: at arrival)
     generation: int  # Predictors.generation when predicted: ratios of an older model are not kept
+    leg_learned: bool = False  # learn_leg taught its prefill leg already: learn must not again
 
 
 _NO_BOUNDS = (0.0, 0.0, 0.0)  # _Pending.bounds when no errors are recorded
@@ -125,6 +126,36 @@ class OutcomeLearner:
         while len(self.pending) > self.max_pending:  # observations that never came: forget them
             self.pending.popitem(last=False)
 
+    def learn_leg(self, leg: PrefillLeg) -> None:
+        """Teach the prefill model a disaggregated request's leg as soon as its prefill answered
+        (see PrefillLegObserver); its Observation later teaches the rest, not the leg again."""
+        p = self.pending.get(leg.request_id)
+        if p is None or p.leg_learned or p.decode is None or leg.prefill != p.prefill or not leg.queue_and_prefill_s > 0:
+            return
+        p.leg_learned = True
+        self._learn_leg(p, leg.queue_and_prefill_s, leg.cached_tokens, leg.prompt_tokens)
+
+    def _learn_leg(self, p: _Pending, leg: float, cached_tokens: int | None, prompt_tokens: int) -> None:
+        pred = self.predictors
+        ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
+        # the leg's and the prefill's errors and ratios feed only the exported error figures
+        # (their bounds are read where errors are tracked): kept only there
+        if pred.tracks_errors:
+            predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
+            pred.record_error("queue_and_prefill", p.prefill, predicted_leg, p.bounds[1], leg)
+            ratios.add("queue_and_prefill", predicted_leg, leg)
+        cached = p.cached_tokens if cached_tokens is None else cached_tokens
+        cached = max(0, min(cached, prompt_tokens - 1))
+        own = prefill_features(prompt_tokens - cached, cached)
+        if pred.tracks_errors and p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
+            own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
+            pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
+            ratios.add("prefill", p.prefill_s, own_s)
+        # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
+        # (the head's remainder) plus its own, linear in the same coefficients
+        qf = p.queue_features
+        pred.observe_leg((qf[0] + own[0], qf[1] + own[1], qf[2] + own[2]), leg + p.head_elapsed_s - p.transfer_s)
+
     def learn(self, observation: Observation) -> None:
         """Compare the request's outcome with what was predicted for it, and teach the predictors."""
         obs = observation
@@ -132,28 +163,14 @@ class OutcomeLearner:
         if p is None or not obs.ok:
             return
         pred = self.predictors
-        ttft_hi, leg_hi, tbt_hi = p.bounds
+        ttft_hi, _, tbt_hi = p.bounds
         ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
-        # the leg's, the prefill's and the decision-time TBT's errors and ratios feed only the
-        # exported error figures (their bounds are read where errors are tracked): kept only there
+        # the decision-time TBT's errors and ratios feed only the exported error figures
         errors = pred.tracks_errors
         leg = obs.queue_and_prefill_s
         if leg is not None and leg > 0 and obs.prefill == p.prefill:
-            if errors:
-                predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
-                pred.record_error("queue_and_prefill", p.prefill, predicted_leg, leg_hi, leg)
-                ratios.add("queue_and_prefill", predicted_leg, leg)
-            cached = p.cached_tokens if obs.cached_tokens is None else obs.cached_tokens
-            cached = max(0, min(cached, obs.prompt_tokens - 1))
-            own = prefill_features(obs.prompt_tokens - cached, cached)
-            if errors and p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
-                own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
-                pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
-                ratios.add("prefill", p.prefill_s, own_s)
-            # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
-            # (the head's remainder) plus its own, linear in the same coefficients
-            qf = p.queue_features
-            pred.observe_leg((qf[0] + own[0], qf[1] + own[1], qf[2] + own[2]), leg + p.head_elapsed_s - p.transfer_s)
+            if not p.leg_learned:
+                self._learn_leg(p, leg, obs.cached_tokens, obs.prompt_tokens)
             if obs.ttft_s is not None and obs.ttft_s > leg and p.decode is not None:
                 pred.observe_decode_leg(obs.prompt_tokens, p.first_tbt_s, obs.ttft_s - leg)
         if obs.ttft_s is not None and obs.ttft_s > 0:

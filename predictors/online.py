@@ -56,7 +56,10 @@ class OnlineConfig:
     refit_max_every: int = 256
     refit_stable_move: float = 0.01
     refit_reset_move: float = 0.05
-    min_samples: int = 16  # do not refit on fewer samples than this
+    # do not refit on fewer samples than this; while the window holds fewer than refit_every, a
+    # refit also comes each time it doubles from here (8, 16): a model that starts far off (the
+    # bundled profile against slower workers) is corrected after 8 requests, not 32
+    min_samples: int = 8
     prior_weight: float = 1.0  # weight of the previous coefficients in a refit
     loss: str = "soft_l1"
     f_scale: float = 0.05
@@ -390,7 +393,13 @@ class Predictors:
             return False
         win.append(features, actual)
         win.fresh += 1
-        if win.fresh >= win.every and win.n >= self._online.min_samples:
+        first = self._online.min_samples
+        n = win.n
+        if n < first:
+            return False
+        # young window: also at first, 2 x first, 4 x first ... below refit_every
+        young = n < self._online.refit_every and n % first == 0 and (n // first) & (n // first - 1) == 0
+        if win.fresh >= win.every or young:
             win.fresh = 0
             return True
         return False

@@ -220,6 +220,29 @@ class Observation:
     reported_prompt_tokens: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillLeg:
+    """A disaggregated request's prefill leg, reported as soon as the prefill instance answered,
+    before the request's decode (and so its Observation) is over: a cold or drifted prefill model
+    learns from it a decode's length sooner, while the queues it misjudges are still short."""
+
+    request_id: str
+    prefill: str  # the instance that answered the leg
+    prompt_tokens: int
+    cached_tokens: int | None  # as the prefill worker reported it (None: not reported)
+    queue_and_prefill_s: float  # dispatch to the prefill's answer, as Observation.queue_and_prefill_s
+
+
+@runtime_checkable
+class PrefillLegObserver(Protocol):
+    """Optional beside Policy: a policy that has `observe_prefill_leg` is given each PrefillLeg of
+    a request it placed, where the protocol answers the prefill before the decode starts (vLLM
+    NIXL); the request's Observation follows, with the same leg in `queue_and_prefill_s`, and a
+    policy that learned the leg early must not learn it again from there."""
+
+    def observe_prefill_leg(self, leg: PrefillLeg) -> None: ...
+
+
 @runtime_checkable
 class Policy(Protocol):
     """A scheduling policy, called by the gateway and the simulator alike in this order:
@@ -230,6 +253,8 @@ class Policy(Protocol):
        decision `decide` returned. The one method where a policy remembers what it decided
        (e.g. predictions to learn from later, a count of rejections in a row).
     3. `observe(observation)`: when an admitted request finishes or fails; may update fitted state.
+
+    Before 3, a policy that is also a PrefillLegObserver is given the request's prefill leg.
     """
 
     name: str

@@ -10,7 +10,17 @@ from types import MappingProxyType
 import pytest
 from cluster_builders import decode, prefill, request, routed, snapshot
 
-from conductor.core.types import ActiveDecode, CachedPrefix, InstanceView, Observation, QueuedPrefill, Role, Slo, Tier
+from conductor.core.types import (
+    ActiveDecode,
+    CachedPrefix,
+    InstanceView,
+    Observation,
+    PrefillLeg,
+    QueuedPrefill,
+    Role,
+    Slo,
+    Tier,
+)
 from policies.estimate import pull_threshold
 from policies.kvcache_aware import KvCacheAwarePolicy
 from predictors import LinearModel, OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
@@ -190,6 +200,37 @@ def test_queued_legs_teach_the_prefill_model_through_the_fcfs_queue(params: Pred
         assert pol.predictors.prefill_s(n, 0) == pytest.approx(truth.prefill_s(n, 0), rel=0.05)
     stats = {s.component: s for s in pol.error_stats()}
     assert stats["queue_and_prefill"].samples == 64
+
+
+def test_a_prefill_leg_teaches_when_told_and_not_again_from_the_observation(params: PredictorParams) -> None:
+    """Workers 3x slower than the profile: the first 8 legs, told as they end (before any request's
+    decode is over), already correct the prefill model; the Observations that follow teach the
+    decode leg and the TBT but add no second sample of a leg."""
+    pol = KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig()))
+    lessons = pol.predictors.record_lessons()
+    cluster = snapshot(prefill("p0"), decode("d0"))
+    truth = 3 * pol.predictors.prefill_s(4000, 0)
+    decided = []
+    for i in range(8):
+        req = request(prompt=4000, rid=f"c{i}")
+        d = routed(pol, req, cluster)
+        pol.observe_prefill_leg(PrefillLeg(req.request_id, "p0", 4000, 0, truth))
+        decided.append((req, d))
+    assert [lesson[0] for lesson in lessons] == ["leg"] * 8
+    assert pol.predictors.refits == 1  # the young window's first refit, at 8 samples
+    assert pol.predictors.prefill_s(4000, 0) == pytest.approx(truth, rel=0.1)
+    lessons.clear()
+    for req, d in decided:
+        pol.observe(Observation(req.request_id, d.prefill, d.decode, 4000, 0, 0, truth, truth + 0.05,
+                                token_intervals_s=(0.02,) * 4, output_tokens=4))
+    assert "leg" not in {lesson[0] for lesson in lessons}
+    assert {lesson[0] for lesson in lessons} == {"decode_leg", "tbt"}
+    # a leg from another instance than the one chosen, or of a request never placed, is not learned
+    req = request(prompt=4000, rid="other")
+    routed(pol, req, cluster)
+    pol.observe_prefill_leg(PrefillLeg("other", "p9", 4000, 0, truth))
+    pol.observe_prefill_leg(PrefillLeg("never-placed", "p0", 4000, 0, truth))
+    assert "leg" not in {lesson[0] for lesson in lessons}
 
 
 def test_pending_predictions_are_bounded(params: PredictorParams) -> None:

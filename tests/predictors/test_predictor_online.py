@@ -142,3 +142,31 @@ def test_steady_refits_back_off_and_a_change_brings_them_back() -> None:
     pred = flat
     feed(512, 1.0)
     assert feed(2048, 1.0) == 2048 // 16
+
+
+def test_a_young_window_refits_as_it_doubles_then_every_refit_every() -> None:
+    """Refits at 8 and 16 samples (min_samples, doubled while below refit_every), then every 32:
+    a model that starts 3x off is close after the first 8 samples, not after 32."""
+    pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(min_samples=8, refit_every=32))
+    rng = random.Random(5)
+    at = []
+    for i in range(1, 81):
+        new = rng.randint(500, 12000)
+        before = pred.refits
+        pred.observe_prefill(new, 0, 3 * true_prefill(new, 0), "p0")
+        if pred.refits > before:
+            at.append(i)
+        if i == 8:  # from 1/3 of the truth to within a quarter of it
+            assert pred.prefill_s(4000, 0) == pytest.approx(3 * true_prefill(4000, 0), rel=0.25)
+        if i == 16:
+            assert pred.prefill_s(4000, 0) == pytest.approx(3 * true_prefill(4000, 0), rel=0.1)
+    assert at == [8, 16, 48, 80]
+    # min_samples is the first refit however it is set: 10, 20, then every 32 (from 20: 52)
+    pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(min_samples=10, refit_every=32))
+    at = []
+    for i in range(1, 60):
+        before = pred.refits
+        pred.observe_prefill(4000 + i, 0, true_prefill(4000 + i, 0), "p0")
+        if pred.refits > before:
+            at.append(i)
+    assert at == [10, 20, 52]

@@ -15,6 +15,7 @@ from conductor.core.types import (
     ClusterSnapshot,
     Decision,
     Observation,
+    PrefillLeg,
     Rejection,
     RequestView,
     Slo,
@@ -260,3 +261,43 @@ def test_the_decode_view_lists_a_local_prefill_until_it_is_done() -> None:
     simulate(Scripted(route), [req(0.0, 8000, 3, (1,)), req(prefill_s / 2, 100, 3, (2,)),
                                req(prefill_s * 3, 100, 3, (3,))], c)
     assert seen == [("r0", 0), ("r1", 1), ("r2", 0)]  # r0's prefill runs at r1's arrival, done by r2's
+
+
+class LegScripted(Scripted):
+    """Scripted, and a PrefillLegObserver: keeps each leg with the simulated time it was told at."""
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(route)
+        self.events: list[tuple[str, str]] = []
+        self.legs: list[PrefillLeg] = []
+
+    def observe_prefill_leg(self, leg: PrefillLeg) -> None:
+        self.legs.append(leg)
+        self.events.append(("leg", leg.request_id))
+
+    def observe(self, observation: Observation) -> None:
+        super().observe(observation)
+        self.events.append(("observation", observation.request_id))
+
+
+def test_a_leg_observer_is_told_each_prefill_leg_as_it_ends() -> None:
+    """The second request queues behind the first; both legs are told before either request's
+    decode is over (the gateway tells them when the NIXL prefill answers), with the figures its
+    Observation repeats."""
+    pol = LegScripted(to(0))
+    trace = [req(0.0, 4000, 40, (1,), 1), req(0.01, 2000, 40, (2,), 2)]
+    simulate(pol, trace, cfg())
+    assert [kind for kind, _ in pol.events] == ["leg", "leg", "observation", "observation"]
+    by_id = {o.request_id: o for o in pol.observed}
+    t = cfg().truth
+    first, second = pol.legs
+    assert first.queue_and_prefill_s == pytest.approx(t.prefill_s(4000, 0))
+    assert second.queue_and_prefill_s == pytest.approx(t.prefill_s(4000, 0) + t.prefill_s(2000, 0) - 0.01)
+    for leg in pol.legs:
+        obs = by_id[leg.request_id]
+        assert (leg.prefill, leg.prompt_tokens, leg.cached_tokens) == ("prefill-0", obs.prompt_tokens, obs.cached_tokens)
+        assert leg.queue_and_prefill_s == obs.queue_and_prefill_s
+    # with observations off (SimConfig.observe), no leg either
+    quiet = LegScripted(to(0))
+    simulate(quiet, trace, cfg(observe=False))
+    assert quiet.events == []

@@ -38,7 +38,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from conductor.core.types import CachedPrefix, Decision, Policy, RequestView
+from conductor.core.types import CachedPrefix, Decision, Policy, PrefillLeg, PrefillLegObserver, RequestView
 from policies.estimate import STORE_SOURCE
 from traces.formats import TraceRequest
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
@@ -57,6 +57,8 @@ class Simulator:
 
     def __init__(self, policy: Policy, config: SimConfig) -> None:
         self.policy = policy
+        # told each prefill leg as it ends, as the gateway tells it after a NIXL prefill answers
+        self._leg_observer = policy if isinstance(policy, PrefillLegObserver) and config.observe else None
         self.cfg = config
         self.truth = config.truth
         self.rng = random.Random(config.seed)
@@ -241,6 +243,9 @@ class Simulator:
         p.version += 1
         p.running = False
         job.prefill_done = self.now
+        if self._leg_observer is not None:
+            self._leg_observer.observe_prefill_leg(PrefillLeg(
+                f"r{job.seq}", p.id, job.req.input_length, job.reused, self.now - job.dispatch))
         p.cache.touch(job.req.hash_ids)
         self.store.touch(job.req.hash_ids)
         d = self.decodes[job.decode]

@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from conductor.core.types import ClusterSnapshot, Decision, Observation, Policy, RequestView
+from conductor.core.types import ClusterSnapshot, Decision, Observation, Policy, PrefillLeg, RequestView
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.registry import available_policies, load_policy
 from traces.formats import TraceRequest, load_trace, resolve_trace
@@ -119,6 +119,9 @@ class FittedAdmission:
     def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
         self.inner.on_decided(request, cluster, decision)
         self.judge.on_decided(request, cluster, decision)
+
+    def observe_prefill_leg(self, leg: PrefillLeg) -> None:
+        self.judge.observe_prefill_leg(leg)  # the baseline is told only the whole Observation
 
     def observe(self, observation: Observation) -> None:
         self.inner.observe(observation)
