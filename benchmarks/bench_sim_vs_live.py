@@ -15,7 +15,7 @@ steps; both counts are printed. By default neither side pulls prefixes (`pull: n
 `--peer-pull` both do prefill-to-prefill pulls staged with priority on the holder: live over the
 emulators' NIXL (conductor/peer_pull.py), simulated with `--pull staged`.
 
-Configuration: `--prefill` + `--decode` emulators (2 + 2 by default; nixl P/D, time scale 1, lognormal noise) behind
+Configuration: `--prefill` + `--decode` emulators (2 + 2 by default; nixl P/D, `--time-scale` 1 by default, lognormal noise) behind
 `conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
 conductor.demo_cluster); the first `--limit` requests of the bundled trace, lengths
 scaled by `--length-scale` (traces.synth: shared hash ids -> shared token prefixes) and arrivals
@@ -75,7 +75,7 @@ def policy_options(spec: PolicySpec, peer_pull: bool = False) -> dict[str, objec
 
 def run_sim(args: argparse.Namespace, requests: list[TraceRequest], spec: PolicySpec) -> RunResult:
     config = SimConfig(
-        n_prefill=args.prefill, n_decode=args.decode, truth=truth_from_emulator(load_profile()),
+        n_prefill=args.prefill, n_decode=args.decode, truth=truth_from_emulator(load_profile(), args.time_scale),
         slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt), speedup=args.speedup, noise=args.noise, seed=args.seed,
         model=MODEL, pull="staged" if args.peer_pull else "none",
     )
@@ -92,7 +92,7 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
              "kv": {"forward_token_ids": True}} if args.peer_pull else {"pd_peer_pull": "off"}
     cluster_spec = ClusterSpec(
         n_prefill=args.prefill, n_decode=args.decode, pd_protocol="nixl", policy=spec.name, model=MODEL,
-        time_scale=1.0, noise=args.noise, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
+        time_scale=args.time_scale, noise=args.noise, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
         policy_options=options, gateway_extra=extra,
         # (the decodes are bidirectional so that they free the prefills' pins; their own pins, unused
         # with pd_readback off, expire at once)
@@ -160,6 +160,10 @@ def main() -> int:
     ap.add_argument("--slo-tbt", type=float, default=0.025)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma, emulators and simulator")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="the workers' durations x this, live and simulated; the policy's predictors still start "
+                         "from the bundled profile (x1), as a gateway in front of slower workers does: scale the "
+                         "SLOs with it")
     ap.add_argument("--prefill", type=int, default=2, help="prefill instances (emulated, and simulated)")
     ap.add_argument("--decode", type=int, default=2, help="decode instances")
     ap.add_argument("--peer-pull", action="store_true",
@@ -177,7 +181,7 @@ def main() -> int:
     span = (raw[-1].arrival_s - raw[0].arrival_s) / args.speedup
     print(f"{len(raw)} requests of {args.trace}, lengths x{args.length_scale:g}, {args.speedup:g}x faster "
           f"({span:.0f} s of arrivals); {args.prefill}P+{args.decode}D, SLO TTFT {args.slo_ttft} s / TBT {args.slo_tbt} s, "
-          f"noise {args.noise}", file=sys.stderr)
+          f"noise {args.noise}, workers' time scale {args.time_scale:g}", file=sys.stderr)
     pairs = []
     for spec in specs:
         t0 = time.perf_counter()
