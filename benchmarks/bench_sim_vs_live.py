@@ -15,8 +15,8 @@ steps; both counts are printed. By default neither side pulls prefixes (`pull: n
 `--peer-pull` both do prefill-to-prefill pulls staged with priority on the holder: live over the
 emulators' NIXL (conductor/peer_pull.py), simulated with `--pull staged`.
 
-Configuration: `--prefill` + `--decode` emulators (2 + 2 by default; nixl P/D, `--time-scale` 1 by default, lognormal noise) behind
-`conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
+Configuration: `--prefill` + `--decode` emulators (2 + 2 by default; nixl P/D, `--time-scale` 1 by default, lognormal noise)
+behind `conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
 conductor.demo_cluster); the first `--limit` requests of the bundled trace, lengths
 scaled by `--length-scale` (traces.synth: shared hash ids -> shared token prefixes) and arrivals
 `--speedup` times faster. The simulator replays the same scaled requests (same block structure) on
