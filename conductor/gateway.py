@@ -11,7 +11,9 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from adapters.lesson_share import LessonShare, NoLessonShare
 from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
@@ -253,25 +255,12 @@ class Gateway:
     def observe_prefill_leg(self, leg: PrefillLeg) -> None:
         """Tell a PrefillLegObserver policy a prefill leg as soon as it answered (NIXL, before the
         decode): its prefill model learns it a decode's length sooner than from the Observation."""
-        if self._leg_observer is None:
-            return
-        try:
-            self._leg_observer.observe_prefill_leg(leg)
-        except Exception:  # a policy's learning bug must not fail the request that taught it
-            log.exception("policy %s failed to observe the prefill leg of %s", self.policy.name, leg.request_id)
-        if self._lesson_outbox:  # what the leg taught, for the sibling processes
-            self.lessons.publish(self._lesson_outbox)
-            self._lesson_outbox.clear()
+        if self._leg_observer is not None:
+            self._teach(self._leg_observer.observe_prefill_leg, leg, leg.request_id)
 
     def observe(self, routed: Routed, observation: Observation) -> None:
         """Feed what happened back to the policy's predictors and the KV index."""
-        try:
-            self.policy.observe(observation)
-        except Exception:  # a policy's learning bug must not fail the request that taught it
-            log.exception("policy %s failed to observe %s", self.policy.name, observation.request_id)
-        if self._lesson_outbox:  # what the observation taught, for the sibling processes
-            self.lessons.publish(self._lesson_outbox)
-            self._lesson_outbox.clear()
+        self._teach(self.policy.observe, observation, observation.request_id)
         try:
             self.analyzer.on_result(routed.analysis, routed.decision, observation)
         except Exception:
@@ -279,6 +268,17 @@ class Gateway:
         if observation.cached_tokens is not None:
             self.metrics.cached_tokens.labels("cached").inc(observation.cached_tokens)
             self.metrics.cached_tokens.labels("computed").inc(max(0, observation.prompt_tokens - observation.cached_tokens))
+
+    def _teach(self, method: Callable[[Any], None], what: object, request_id: str) -> None:
+        """Hand the policy what a request taught; then what its predictors learned goes to the
+        sibling processes. A policy's learning bug must not fail the request that taught it."""
+        try:
+            method(what)
+        except Exception:
+            log.exception("policy %s failed to learn from %s of %s", self.policy.name, type(what).__name__, request_id)
+        if self._lesson_outbox:
+            self.lessons.publish(self._lesson_outbox)
+            self._lesson_outbox.clear()
 
 
 def _slo_ms(header: str, value: str) -> float:
