@@ -140,14 +140,15 @@ class OutcomeLearner:
         ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
         # the leg's and the prefill's errors and ratios feed only the exported error figures
         # (their bounds are read where errors are tracked): kept only there
-        if pred.tracks_errors:
+        errors = pred.tracks_errors
+        if errors:
             predicted_leg = p.queue_s + p.transfer_s + p.prefill_s
             pred.record_error("queue_and_prefill", p.prefill, predicted_leg, p.bounds[1], leg)
             ratios.add("queue_and_prefill", predicted_leg, leg)
         cached = p.cached_tokens if cached_tokens is None else cached_tokens
         cached = max(0, min(cached, prompt_tokens - 1))
         own = prefill_features(prompt_tokens - cached, cached)
-        if pred.tracks_errors and p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
+        if errors and p.queue_s <= self.refit_queue_fraction * leg and leg > p.transfer_s:
             own_s = leg - p.transfer_s - p.queue_s  # nearly idle instance: the leg is its own compute
             pred.record_error("prefill", p.prefill, p.prefill_s, pred.bound("prefill", p.prefill_s, 0.9), own_s)
             ratios.add("prefill", p.prefill_s, own_s)

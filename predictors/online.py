@@ -398,7 +398,8 @@ class Predictors:
         if n < first:
             return False
         # young window: also at first, 2 x first, 4 x first ... below refit_every
-        young = n < self._online.refit_every and n % first == 0 and (n // first) & (n // first - 1) == 0
+        k = n // first
+        young = n < self._online.refit_every and n == k * first and k & (k - 1) == 0
         if win.fresh >= win.every or young:
             win.fresh = 0
             return True

@@ -264,7 +264,7 @@ def test_the_decode_view_lists_a_local_prefill_until_it_is_done() -> None:
 
 
 class LegScripted(Scripted):
-    """Scripted, and a PrefillLegObserver: keeps each leg with the simulated time it was told at."""
+    """Scripted, and a PrefillLegObserver: keeps each leg, and the order of legs and observations."""
 
     def __init__(self, route: Route) -> None:
         super().__init__(route)
