@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
 
+from conductor.core.fast_init import fast_init
 from conductor.core.types import ActiveDecode, CandidateScore, ClusterSnapshot, InstanceView, RequestView, Role, Tier
 from predictors.online import Predictors
 from predictors.params import INSTANCE_LINK, STORE_LINK
@@ -43,6 +44,7 @@ _DECODING = attrgetter("decoding")
 _TOKENS = itemgetter(0)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PrefillEstimate:
     """Predicted TTFT of one request on one prefill-capable instance, by component."""
@@ -58,6 +60,7 @@ class PrefillEstimate:
     pull_from: str | None  # instance id or STORE_SOURCE
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class DecodeEstimate:
     """Predicted TBT on one decode-capable instance once the request has joined."""

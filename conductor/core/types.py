@@ -13,6 +13,8 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
+from conductor.core.fast_init import fast_init
+
 _EMPTY: Mapping[str, float] = MappingProxyType({})
 
 
@@ -32,6 +34,7 @@ class Tier(StrEnum):
     STORE = "store"  # the pooled Mooncake Store, reachable from every instance
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Slo:
     """Service-level objectives a request must meet; None means no bound."""
@@ -40,6 +43,7 @@ class Slo:
     tbt_s: float | None = None  # time between tokens (mean over the stream)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:
     """How many leading tokens of one request an instance already holds, and where."""
@@ -48,6 +52,7 @@ class CachedPrefix:
     tier: Tier = Tier.DEVICE
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RequestView:
     """What a policy may know about a request: sizes and block keys, never prompt text."""
@@ -79,6 +84,7 @@ class RequestView:
     staging_jumps_queue: bool = False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class QueuedPrefill:
     """One prefill dispatched to an instance and not finished yet."""
@@ -91,6 +97,7 @@ class QueuedPrefill:
     elapsed_s: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ActiveDecode:
     """One decode stream running on an instance."""
@@ -102,6 +109,7 @@ class ActiveDecode:
     decoding: bool = True
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class InstanceView:
     """What the gateway knows about one worker at decision time."""
@@ -125,6 +133,7 @@ class InstanceView:
         return sum(d.context_tokens for d in self.decodes)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     """The whole cluster as seen by one gateway at one instant."""
@@ -140,6 +149,7 @@ class ClusterSnapshot:
         return tuple([i for i in self.instances if i.role in roles])
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CandidateScore:
     """One instance as the policy weighed it; logged with every decision."""
@@ -152,6 +162,7 @@ class CandidateScore:
     detail: Mapping[str, float] = field(default_factory=lambda: _EMPTY)  # named components (transfer_s, queue_s, prefill_s, ...)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """Why a request is refused before anything is forwarded (HTTP 429)."""
@@ -165,6 +176,7 @@ class Rejection:
     retryable: bool = True
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where a request goes, or why it does not go anywhere.
@@ -198,6 +210,7 @@ class Decision:
         return self.decode is not None and self.prefill == self.decode
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Observation:
     """What the gateway saw when a request it routed finished (or failed)."""
@@ -220,6 +233,7 @@ class Observation:
     reported_prompt_tokens: int | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PrefillLeg:
     """A disaggregated request's prefill leg, reported as soon as the prefill instance answered,
