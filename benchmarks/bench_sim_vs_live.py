@@ -195,6 +195,9 @@ def main() -> int:
               f"{'SLO met':>7}  {'goodput/s':>9}  {'TTFT p50':>8}  {'TTFT p99':>8}  {'TBT ms':>8}  {'hit':>6}")
         print(_row("sim", sim))
         print(_row("live", live))
+        if args.peer_pull:  # the live count (staged) was printed as the run ended, on stderr
+            print(f"simulated prefill-to-prefill pulls: {sim.extra.get('peer_pulls', 0):.0f} served requests "
+                  f"({sim.prefix_hit_remote:.1%} of their prompt tokens)")
         ratio = sim.goodput_rps / live.goodput_rps if live.goodput_rps > 0 else float("inf")
         print(f"goodput sim / live = {ratio:.3f} (target 0.90-1.10); rejections sim {dict(sim.rejections)}, "
               f"live {dict(live.rejections)}; wall: sim {t_sim:.1f} s, live {t_live:.1f} s")

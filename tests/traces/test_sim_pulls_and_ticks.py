@@ -236,6 +236,7 @@ def test_the_engine_pulls_only_over_a_configured_mechanism(mode: str, pulled: bo
     res = simulate(Recording(_peer_pull), [req(0.0, 1024, 2, (1, 2)), req(5.0, 1500, 2, (1, 2, 3))], cfg(p=2, pull=mode))
     assert (res.prefix_hit_remote > 0) is pulled
     assert res.extra["refused_pulls"] == (0.0 if pulled else 1.0)
+    assert res.extra["peer_pulls"] == (1.0 if mode in ("both", "peer") else 0.0)  # the second request's
 
 
 def test_the_pull_setting_reaches_kvcache_aware() -> None:

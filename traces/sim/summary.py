@@ -54,6 +54,8 @@ def run_result(sim: Simulator, jobs: list[Job], wall_s: float) -> RunResult:
                "wasted_prefills": float(sim.wasted_prefill), "refused_pulls": float(sim.refused_pulls),
                "preemptions": float(sum(d.preemptions for d in sim.decodes)),
                "local_prefills": float(sum(1 for j in sim.done if j.local)),  # run on a decode (_arrive_local)
+               # served requests whose prefill read a prefix from another prefill instance (a peer pull)
+               "peer_pulls": float(sum(1 for j in sim.done if j.pulled_remote > 0)),
                # what bounds goodput on a prefill-bound cluster: prefill seconds per served request
                # (its mix and its reuse) and how busy the prefills were
                "prefill_s_per_served": sum(p.busy_s for p in sim.prefills) / max(1, len(sim.done)),
