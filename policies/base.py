@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from conductor.core.types import (
     CandidateScore,
@@ -124,3 +124,20 @@ def check_listed(listed_candidates: int | None) -> int | None:
     if listed_candidates is not None and listed_candidates < 1:
         raise ValueError(f"listed_candidates must be at least 1 or None, not {listed_candidates!r}")
     return listed_candidates
+
+
+def mixed_choice(ttfts: Sequence[float], tbt_bound: Callable[[int], float], slo_s: float | None) -> int:
+    """The mixed worker a request goes to: the lowest predicted TTFT among the workers whose TBT
+    bound meets the TBT SLO (`tbt_bound(i)`: the figure admission compares with it), the lowest
+    TTFT when none does or there is no SLO; among workers of the same TTFT (an idle pool: every
+    one equal), the lowest TBT bound, the first of equals. Bounds are asked for lazily, in TTFT order."""
+    order = sorted(range(len(ttfts)), key=ttfts.__getitem__)  # stable: equals in pool order
+    pick = order[0] if slo_s is None else next((i for i in order if tbt_bound(i) <= slo_s), order[0])
+    ttft, bound = ttfts[pick], tbt_bound(pick)
+    for i in order[order.index(pick) + 1:]:
+        if ttfts[i] != ttft:
+            break
+        other = tbt_bound(i)
+        if other < bound:
+            pick, bound = i, other
+    return pick

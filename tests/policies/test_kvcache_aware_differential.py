@@ -2,7 +2,8 @@
 
 `_decide` weighs instances that hold no prefix of the request (and are no pull source) with one
 shared prefix plan plus their own queue, reads each decode instance's load as a count and a sum,
-scans mixed workers in TTFT order only until one meets the TBT SLO, and lists only the best few
+scans mixed workers in TTFT order only until one meets the TBT SLO (under admission's calibrated
+bound; the lowest bound among equal TTFTs), and lists only the best few
 candidates. `ReferencePolicy` below is the algorithm as it was before those shortcuts (a full
 PrefillEstimate / DecodeEstimate per instance, min() over all of them, every candidate listed;
 with `ttft_slack`, min() by least compute among those whose bounded client TTFT, computed per
@@ -120,8 +121,15 @@ class ReferencePolicy(KvCacheAwarePolicy):
             d_ests = [estimate_decode(pred, request, e.instance, e.ttft_s if predicted else 0.0, None) for e in ests]
             slo = request.slo.tbt_s
             pairs = list(zip(ests, d_ests, strict=True))
-            fitting = [pair for pair in pairs if slo is None or pair[1].tbt_s <= slo] or pairs
-            best, chosen_decode = min(fitting, key=lambda pair: rank(pair[0]))
+            # the TBT judged under admission's calibrated bound; among equal TTFTs the lowest such TBT
+            mixed_q = self.mixed_tbt_quantile
+            ratio = 1.0 if mixed_q is None else pred.ratios.quantile("tbt_judged", mixed_q, pred.params.tbt.p90_ratio)
+            def bound(pair: tuple[PrefillEstimate, DecodeEstimate]) -> float:  # an idle worker is not judged
+                idle = not pair[0].instance.decodes and not pair[0].instance.prefill_queue
+                return 0.0 if idle else pair[1].tbt_s * ratio
+
+            fitting = [pair for pair in pairs if slo is None or bound(pair) <= slo] or pairs
+            best, chosen_decode = min(fitting, key=lambda pair: (rank(pair[0]), bound(pair)))
         judged = chosen_decode
         if disaggregated and predicted and chosen_decode is not None:
             pool = prefill_pool(cluster)[0] if only_p is not None else prefills
@@ -137,8 +145,11 @@ class ReferencePolicy(KvCacheAwarePolicy):
         ttft = leg + pred.first_token_s(best.handoff_s, first_tbt) if disaggregated else best.ttft_s
         ttft_bound = ttft if self.ttft_quantile is None else pred.bound("ttft", ttft, self.ttft_quantile)
         tbt_bound = None
-        if judged is not None and self.tbt_quantile is not None:
-            tbt_bound = judged.tbt_s * pred.ratios.quantile("tbt_judged", self.tbt_quantile, pred.params.tbt.p90_ratio)
+        tbt_q = self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
+        if judged is not None and tbt_q is not None:
+            tbt_bound = judged.tbt_s * pred.ratios.quantile("tbt_judged", tbt_q, pred.params.tbt.p90_ratio)
+        if not disaggregated and not best.instance.decodes and not best.instance.prefill_queue:
+            judged = None  # an idle mixed worker's TBT is not judged
         rejection = admit(pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound,
                           tbt_bound_s=tbt_bound)
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
@@ -230,7 +241,9 @@ OPTIONS: list[dict[str, object]] = [
     {"admission": "predicted"},
     {"admission": "early"},
     {"admission": "none"},
-    {"admission": "predicted", "forecast_joins": True, "ttft_quantile": None, "tbt_quantile": None},
+    {"admission": "predicted", "forecast_joins": True, "ttft_quantile": None, "tbt_quantile": None,
+     "mixed_tbt_quantile": None},
+    {"admission": "predicted", "mixed_tbt_quantile": 0.9},
     {"admission": "predicted", "allow_pull": "peer"},
     {"admission": "early", "allow_pull": "store"},
     {"admission": "predicted", "allow_pull": False},
