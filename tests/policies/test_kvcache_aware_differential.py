@@ -123,7 +123,8 @@ class ReferencePolicy(KvCacheAwarePolicy):
             pairs = list(zip(ests, d_ests, strict=True))
             # the TBT judged under admission's calibrated bound; among equal TTFTs the lowest such TBT
             mixed_q = self.mixed_tbt_quantile
-            ratio = 1.0 if mixed_q is None else pred.ratios.quantile("tbt_judged", mixed_q, pred.params.tbt.p90_ratio)
+            ratio = 1.0 if mixed_q is None else pred.ratios.quantile(
+                "tbt_judged", mixed_q, pred.params.tbt.p90_ratio if mixed_q > 0.5 else 1.0)
             def bound(pair: tuple[PrefillEstimate, DecodeEstimate]) -> float:  # an idle worker is not judged
                 idle = not pair[0].instance.decodes and not pair[0].instance.prefill_queue
                 return 0.0 if idle else pair[1].tbt_s * ratio
@@ -147,7 +148,8 @@ class ReferencePolicy(KvCacheAwarePolicy):
         tbt_bound = None
         tbt_q = self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
         if judged is not None and tbt_q is not None:
-            tbt_bound = judged.tbt_s * pred.ratios.quantile("tbt_judged", tbt_q, pred.params.tbt.p90_ratio)
+            tbt_bound = judged.tbt_s * pred.ratios.quantile(
+                "tbt_judged", tbt_q, pred.params.tbt.p90_ratio if tbt_q > 0.5 else 1.0)
         if not disaggregated and not best.instance.decodes and not best.instance.prefill_queue:
             judged = None  # an idle mixed worker's TBT is not judged
         rejection = admit(pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound,

@@ -80,3 +80,15 @@ def test_mixed_tbt_quantile(quantile: float | None, admitted: bool) -> None:
     assert d.rejected is not admitted
     # P/D keeps its own quantile: the decode of a disaggregated request is judged at tbt_quantile
     assert policy.tbt_quantile == 0.9
+
+
+def test_before_enough_ratios_the_median_bound_is_the_point_prediction() -> None:
+    # a fresh window (or one a refit just emptied): the 0.9 tail falls back on the fit's in-sample
+    # p90 ratio, the median on the point prediction, not on that p90 ratio
+    pred = predictors()
+    assert pred.params.tbt.p90_ratio > 1.05
+    tbt = pred.tbt_s(2, 4096 + 8000)
+    slo = Slo(ttft_s=5.0, tbt_s=1.05 * tbt)
+    assert not KvCacheAwarePolicy(predictors=pred).decide(request(4096, slo=slo), snapshot(mixed("m0", 1))).rejected
+    strict = KvCacheAwarePolicy(predictors=pred, mixed_tbt_quantile=0.9)
+    assert strict.decide(request(4096, slo=slo), snapshot(mixed("m0", 1))).rejected
