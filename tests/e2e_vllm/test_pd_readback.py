@@ -207,7 +207,10 @@ def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tup
         prompt = system + " " + words(3102 + 10 * attempt, 60)  # 361 tokens, starting with all of `system`
         pulled = 9 * BLOCK_SIZE
         before = target.prompt_tokens_by_source()
-        answer, obs = gw.post("/v1/completions", {**GEN, "prompt": prompt})
+        # up to 300 s: in a clean-clone CI run beside other engines' start-ups this answer took over
+        # the default 120 s once (the pull's NIXL read on a starved CPU engine), while the
+        # gateway's own request deadline (600 s) had not passed
+        answer, obs = gw.post("/v1/completions", {**GEN, "prompt": prompt}, timeout=300)
         record = json.loads(gw.decisions[-1])
         assert record["prefill"] == "prefill-1" and record["pull_from"] == "prefill-0", record
         # a holder too slow to pin the prefix within half its lease (a saturated machine: CI runs

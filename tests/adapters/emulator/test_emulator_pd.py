@@ -13,6 +13,10 @@ import pytest
 from tests.support.emulator import Emulator, start_emulator
 
 PROMPT = [(i * 13) % 250 for i in range(100)]  # 6 full blocks + 4 tokens
+# each test starts and stops two emulator processes; in CI this file runs beside the real-vLLM
+# engines' start-ups, which took both cores long enough to push two of its tests past the default
+# 120 s (one waiting for an emulator to exit, one for its answer) in two of three clean-clone runs
+pytestmark = pytest.mark.timeout(300)
 
 
 def post(emu: Emulator, body: dict[str, Any], timeout: float = 30) -> dict[str, Any]:

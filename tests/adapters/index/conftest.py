@@ -34,7 +34,9 @@ async def redis_index_factory(redis_prefix: str) -> AsyncIterator[object]:
     made: list[RedisIndex] = []
 
     def make(limits: IndexLimits | None = None) -> RedisIndex:
-        idx = RedisIndex(REDIS_URL, prefix=redis_prefix, limits=limits)
+        # a behaviour test, not a timeout test (test_redis_outage.py is): the 2 s write bound of a
+        # gateway timed an insert out while the real-vLLM engines' start-ups took both cores in CI
+        idx = RedisIndex(REDIS_URL, prefix=redis_prefix, limits=limits, timeout_s=10.0, write_timeout_s=10.0)
         made.append(idx)
         return idx
 
