@@ -39,7 +39,8 @@ COMMON: dict[str, Any] = {"time_scale": 0.01, "block_size": BLOCK, "noise": 0.0,
 
 class AwayFromTheHolder(BasePolicy):
     """Every request to the first prefill that is not a pull source of it, pulling from the first
-    source that needs staging; what the gateway offered is kept for the test to read."""
+    source that needs staging (to the holder, without a pull, when it is the only prefill left);
+    what the gateway offered is kept for the test to read."""
 
     name = "away_from_the_holder"
 
@@ -50,7 +51,11 @@ class AwayFromTheHolder(BasePolicy):
         self.views.append(request)
         sources = request.pull_sources or {}
         holder = next((iid for iid in sources if iid in request.queued_pull_sources), None)
-        target = next(p.id for p in cluster.by_role(Role.PREFILL) if p.id != holder)
+        prefills = [p.id for p in cluster.by_role(Role.PREFILL)]
+        # after a failover the other prefill may be excluded: then the holder computes it, no pull
+        target = next((iid for iid in prefills if iid != holder), None)
+        if target is None:
+            target, holder = prefills[0], None
         return Decision(request.request_id, self.name, prefill=target, decode=cluster.by_role(Role.DECODE)[0].id,
                         pull_from=holder, pull_tokens=sources.get(holder, 0) if holder else 0, predicted_ttft_s=0.05)
 

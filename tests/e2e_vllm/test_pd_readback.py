@@ -210,9 +210,16 @@ def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tup
         # up to 300 s: in a clean-clone CI run beside other engines' start-ups this answer took over
         # the default 120 s once (the pull's NIXL read on a starved CPU engine), while the
         # gateway's own request deadline (600 s) had not passed
+        seen = len(gw.decisions)
         answer, obs = gw.post("/v1/completions", {**GEN, "prompt": prompt}, timeout=300)
-        record = json.loads(gw.decisions[-1])
-        assert record["prefill"] == "prefill-1" and record["pull_from"] == "prefill-0", record
+        records = [json.loads(line) for line in gw.decisions[seen:]]
+        assert records[0]["prefill"] == "prefill-1" and records[0]["pull_from"] == "prefill-0", records
+        if len(records) > 1:
+            # the target did not take the connection in time (a starved box; a clean-clone CI run
+            # saw it) and the gateway decided again without it: the holder answered from its own
+            # cache, as predicted. Try again
+            assert records[-1]["prefill"] == "prefill-0" and obs.cached_tokens == obs.predicted_cached_tokens, records
+            continue
         # a holder too slow to pin the prefix within half its lease (a saturated machine: CI runs
         # this beside other engines' start-ups) is given up on, and the target computes it
         unstaged = peer_pulls(gw, "stage_failed") > stage_failed_before
