@@ -235,6 +235,9 @@ class KvCacheAwarePolicy(BasePolicy):
                                        allow_pull=bool(sources), disaggregated=disaggregated, waits=waits)
         ttfts, keep = weighed.ttfts, self.listed_candidates
         predicted = self.admission is AdmissionMode.PREDICTED
+        # the TBT bound admission judges is the prediction times this ratio (mixed workers: their own quantile)
+        tbt_q = self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
+        tbt_ratio = 1.0 if tbt_q is None else _tbt_ratio(pred, tbt_q)
         if disaggregated:
             # the decode instance is chosen by its load now, dispatched-but-prefilling streams
             # included; choosing by the forecast instead herds requests onto instances whose
@@ -264,9 +267,7 @@ class KvCacheAwarePolicy(BasePolicy):
 
             # judged as admission will judge it: under the same calibrated bound (a placement by the
             # point prediction chose workers whose bound admission then rejected, beside one that fit)
-            q = self.mixed_tbt_quantile
-            ratio = 1.0 if q is None else _tbt_ratio(pred, q)
-            best_i = mixed_choice(ttfts, lambda i: 0.0 if _idle(prefills[i]) else on_worker(i).tbt_s * ratio,
+            best_i = mixed_choice(ttfts, lambda i: 0.0 if _idle(prefills[i]) else on_worker(i).tbt_s * tbt_ratio,
                                   request.slo.tbt_s)
             chosen_decode = on_worker(best_i)
             d_ests = [on_worker(i) for i in listed_indices(ttfts, keep, best_i)]
@@ -295,9 +296,8 @@ class KvCacheAwarePolicy(BasePolicy):
         ttft = leg + pred.first_token_s(best.handoff_s, first_tbt) if disaggregated else best.ttft_s
         ttft_bound = ttft if self.ttft_quantile is None else pred.bound("ttft", ttft, self.ttft_quantile)
         tbt_bound = None
-        tbt_q = self._tbt_q(disaggregated)
         if judged is not None and tbt_q is not None:
-            tbt_bound = judged.tbt_s * _tbt_ratio(pred, tbt_q)
+            tbt_bound = judged.tbt_s * tbt_ratio
         if not disaggregated and _idle(best.instance):
             judged = None  # an idle mixed worker: its TBT is not judged (_idle says why)
         rejection = admit(
@@ -338,10 +338,6 @@ class KvCacheAwarePolicy(BasePolicy):
             candidates=candidates,
             unlisted_candidates=unlisted,
         )
-
-    def _tbt_q(self, disaggregated: bool) -> float | None:
-        """The quantile of the TBT admission judges: `mixed_tbt_quantile` on mixed workers."""
-        return self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
 
     def _slack_limit(self, request: RequestView, weighed: PoolPrefillEstimates, first_tbt_s: float) -> float | None:
         """The longest predicted prefill leg `ttft_slack` allows this request, or None (no slack,

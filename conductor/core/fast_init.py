@@ -54,7 +54,7 @@ def fast_init(cls: T) -> T:
         elif f.default_factory is not MISSING:
             # the generated __init__'s own marker for "not passed", so the signatures are equal
             namespace[f"_factory{number}"] = f.default_factory
-            namespace[f"_unset{number}"] = generated[f.name].default if f.name in generated else MISSING
+            namespace[f"_unset{number}"] = generated[f.name].default
             param = f"{f.name}=_unset{number}"
             body.append(f"if {f.name} is _unset{number}: {f.name} = _factory{number}()")
         else:
