@@ -141,3 +141,29 @@ def mixed_choice(ttfts: Sequence[float], tbt_bound: Callable[[int], float], slo_
         if other < bound:
             pick, bound = i, other
     return pick
+
+
+def mixed_least_stall(
+    ttfts: Sequence[float],
+    works: Sequence[float],
+    streams: Sequence[int],
+    ttft_limit_s: float,
+    tbt_bound: Callable[[int], float],
+    slo_s: float | None,
+) -> int | None:
+    """The mixed worker where the request's prefill stalls the fewest stream-seconds, among those
+    whose predicted TTFT is at most `ttft_limit_s` and whose TBT bound meets the SLO: the lowest
+    `works[i] * (streams[i] + 1)` (its prefill compute there, cached prefix excluded, paid by every
+    stream decoding there and by the capacity it takes), the lowest TTFT among equals. None when
+    no worker fits (the caller falls back on mixed_choice)."""
+    best: int | None = None
+    best_key = (0.0, 0.0)
+    for i in sorted(range(len(ttfts)), key=ttfts.__getitem__):
+        if ttfts[i] > ttft_limit_s:
+            break
+        if slo_s is not None and tbt_bound(i) > slo_s:
+            continue
+        key = (works[i] * (streams[i] + 1), ttfts[i])
+        if best is None or key < best_key:
+            best, best_key = i, key
+    return best

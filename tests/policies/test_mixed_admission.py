@@ -92,3 +92,55 @@ def test_before_enough_ratios_the_median_bound_is_the_point_prediction() -> None
     assert not KvCacheAwarePolicy(predictors=pred).decide(request(4096, slo=slo), snapshot(mixed("m0", 1))).rejected
     strict = KvCacheAwarePolicy(predictors=pred, mixed_tbt_quantile=0.9)
     assert strict.decide(request(4096, slo=slo), snapshot(mixed("m0", 1))).rejected
+
+
+# ---- placement: the fewest stream-seconds stalled (mixed_ttft_slack) ---------------------------
+
+
+def queued(iid: str, n_streams: int, queued_tokens: int) -> InstanceView:
+    return InstanceView(iid, Role.MIXED, decodes=streams(n_streams),
+                        prefill_queue=(QueuedPrefill(queued_tokens, 0, 0.0),))
+
+
+def test_the_prefill_goes_where_it_pauses_fewest_streams() -> None:
+    pred = predictors()
+    crowded, calm = mixed("m0", 12), queued("m1", 1, 2000)  # m0: the lower TTFT (nothing queued), 12 streams
+    req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=1.0))
+    by_ttft = KvCacheAwarePolicy(predictors=pred, mixed_ttft_slack=None).decide(req, snapshot(crowded, calm))
+    assert by_ttft.prefill == "m0"
+    d = KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(crowded, calm))
+    assert (d.prefill, d.rejected) == ("m1", False)
+    assert d.predicted_ttft_s is not None and by_ttft.predicted_ttft_s is not None
+    assert d.predicted_ttft_s > by_ttft.predicted_ttft_s  # TTFT given up, within the slack, for the streams
+
+
+def test_a_prefix_holder_is_worth_its_streams() -> None:
+    pred = predictors()
+    holder, idle = mixed("m0", 3), mixed("m1")
+    # the stall: the prefill's compute there times (streams + 1); the holder computes 192 tokens, not 8192
+    assert pred.prefill_s(192, 8000) * 4 < pred.prefill_s(8192, 0) * 1
+    req = request(8192, cached={"m0": 8000}, slo=Slo(ttft_s=5.0, tbt_s=1.0))
+    d = KvCacheAwarePolicy(predictors=pred, allow_pull=False).decide(req, snapshot(holder, idle))
+    assert d.prefill == "m0"
+    # where the idle worker may pull the prefix it computes as little and pauses no stream
+    pulled = KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(holder, idle))
+    assert (pulled.prefill, pulled.pull_from, pulled.pull_tokens) == ("m1", "m0", 8000)
+
+
+def test_only_workers_whose_ttft_fits_the_slack() -> None:
+    pred = predictors()
+    crowded, backlog = mixed("m0", 12), queued("m1", 1, 60_000)
+    req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=1.0))
+    ttft_backlog = pred.queue_s(backlog.prefill_queue) + pred.prefill_s(4096, 0)
+    slack = 0.9 * ttft_backlog / 5.0  # m1's TTFT just outside: the lowest TTFT decides
+    assert 0 < slack <= 1
+    calm_enough = KvCacheAwarePolicy(predictors=pred, ttft_quantile=None, mixed_ttft_slack=min(1.0, 1.1 * slack / 0.9))
+    too_slow = KvCacheAwarePolicy(predictors=pred, ttft_quantile=None, mixed_ttft_slack=slack)
+    assert too_slow.decide(req, snapshot(crowded, backlog)).prefill == "m0"
+    assert calm_enough.decide(req, snapshot(crowded, backlog)).prefill == "m1"
+
+
+def test_mixed_ttft_slack_is_checked() -> None:
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="mixed_ttft_slack"):
+            KvCacheAwarePolicy(predictors=predictors(), mixed_ttft_slack=bad)
