@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from conductor.core.types import ClusterSnapshot, Rejection, RequestView, Role
+from conductor.core.types import ClusterSnapshot, InstanceView, Rejection, RequestView, Role
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
@@ -115,6 +115,24 @@ def check_tbt(pred: Predictors, request: RequestView, decode: DecodeEstimate, bo
         predicted_s=decode.tbt_s,
         slo_s=slo,
         retry_after_s=_retry(drain if drain is not None else MAX_RETRY_S),
+    )
+
+
+def stall_rejection(request: RequestView, worker: InstanceView, stall_s: float, tbt_s: float) -> Rejection:
+    """A mixed worker's streams cannot absorb this request's prefill (policies.estimate.stall_fits):
+    `stall_s` its predicted compute there, `tbt_s` the TBT it was judged to decode at."""
+    slo = request.slo.tbt_s
+    assert slo is not None
+    return Rejection(
+        reason=TBT_SLO,
+        message=(
+            f"its prefill on {worker.id} ({stall_s * 1e3:.1f}ms predicted) would pause more than a tenth of the "
+            f"{len(worker.decodes)} streams decoding there past the TBT SLO {slo * 1e3:.2f}ms, and no worker "
+            f"within the TTFT slack could take it"
+        ),
+        predicted_s=tbt_s,
+        slo_s=slo,
+        retry_after_s=_retry(stall_s),
     )
 
 

@@ -150,18 +150,22 @@ def mixed_least_stall(
     ttft_limit_s: float,
     tbt_bound: Callable[[int], float],
     slo_s: float | None,
+    fits: Callable[[int], bool] | None = None,
 ) -> int | None:
     """The mixed worker where the request's prefill stalls the fewest stream-seconds, among those
     whose predicted TTFT is at most `ttft_limit_s` and whose TBT bound meets the SLO: the lowest
     `works[i] * (streams[i] + 1)` (its prefill compute there, cached prefix excluded, paid by every
-    stream decoding there and by the capacity it takes), the lowest TTFT among equals. None when
-    no worker fits (the caller falls back on mixed_choice)."""
+    stream decoding there and by the capacity it takes), the lowest TTFT among equals; given
+    `fits`, only workers where `fits(i)` holds. None when no worker fits (the caller falls back on
+    mixed_choice)."""
     best: int | None = None
     best_key = (0.0, 0.0)
     for i in sorted(range(len(ttfts)), key=ttfts.__getitem__):
         if ttfts[i] > ttft_limit_s:
             break
         if slo_s is not None and tbt_bound(i) > slo_s:
+            continue
+        if fits is not None and not fits(i):
             continue
         key = (works[i] * (streams[i] + 1), ttfts[i])
         if best is None or key < best_key:

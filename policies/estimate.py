@@ -105,6 +105,16 @@ def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) 
     )
 
 
+def stall_fits(worker: InstanceView, stall_s: float, spare_s: float) -> bool:
+    """Whether the streams decoding on `worker` can absorb a `stall_s` pause of their batch (a
+    prefill computed there) and keep their mean TBT within the SLO: `spare_s` (SLO - the predicted
+    TBT) per token over each one's remaining tokens. What a stream has spent of its budget so far
+    is not known, so a stream near its end is taken to see the pause whole. At most a tenth of them
+    (rounded down) may not absorb it: on a worker with few streams, none."""
+    short = sum(1 for a in worker.decodes if a.remaining_tokens > 0 and stall_s > spare_s * a.remaining_tokens)
+    return short <= len(worker.decodes) // 10
+
+
 def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> float:
     """Smallest prefix gain d* (tokens) beyond which pulling beats recomputing; inf if never."""
     _, c1, c2 = pred.params.prefill.coef

@@ -37,7 +37,7 @@ compares that with what happened, records the errors, and feeds the predictors' 
 from __future__ import annotations
 
 from conductor.core.types import ClusterSnapshot, Decision, InstanceView, Observation, PrefillLeg, RequestView, Role
-from policies.admission import AdmissionMode, admit, parse_mode
+from policies.admission import AdmissionMode, admit, parse_mode, stall_rejection
 from policies.base import NO_INSTANCE, BasePolicy, listed_indices, mixed_choice, mixed_least_stall, no_instance
 from policies.estimate import (
     DecodeEstimate,
@@ -49,6 +49,7 @@ from policies.estimate import (
     prefill_pool,
     remote_sources,
     staging_waits,
+    stall_fits,
 )
 from policies.inflight import InflightPrefixes, placement_best, with_inflight
 from policies.local_prefill import LocalPrefill, local_decision, local_prefill_s
@@ -131,6 +132,7 @@ class KvCacheAwarePolicy(BasePolicy):
         local_prefill_gain: float = 0.8,
         mixed_tbt_quantile: float | None = 0.5,
         mixed_ttft_slack: float | None = 0.8,
+        mixed_protect_streams: bool = True,
     ) -> None:
         """`predictor_params`: a JSON file written by `conductor fit`; None fits the bundled
         profile now. `predictors`: an already built Predictors (the simulator shares one).
@@ -179,7 +181,13 @@ class KvCacheAwarePolicy(BasePolicy):
         workers whose predicted TTFT, under the calibrated `ttft_quantile` bound, fits in s times
         the TTFT SLO and whose TBT bound meets the TBT SLO, the one where the request's prefill
         stalls the fewest stream-seconds (its compute there times the streams it pauses, plus
-        one for the capacity it takes; policies.base.mixed_least_stall)."""
+        one for the capacity it takes; policies.base.mixed_least_stall).
+        `mixed_protect_streams` (mixed workers, with admission): only workers whose decoding streams
+        can absorb the request's prefill and keep their TBT SLO (policies.estimate.stall_fits: the
+        spare TBT per token over each one's remaining tokens, at most a tenth of them short) are
+        placed on; where the chosen worker's cannot, the request is rejected (`tbt_slo`). The TBT
+        prediction of the request's own stream does not see the prefills that later land on its
+        worker; this check is what keeps admitting those prefills from breaking the streams there."""
         self.admission = parse_mode(admission)
         self.pull_links = pull_links(allow_pull)
         self.allow_pull = bool(self.pull_links)
@@ -208,6 +216,7 @@ class KvCacheAwarePolicy(BasePolicy):
         if mixed_ttft_slack is not None and not 0.0 < mixed_ttft_slack <= 1.0:
             raise ValueError(f"mixed_ttft_slack must be in (0, 1] or None, not {mixed_ttft_slack!r}")
         self.mixed_ttft_slack = mixed_ttft_slack
+        self.mixed_protect_streams = mixed_protect_streams
 
     # ---- deciding -------------------------------------------------------------------------
 
@@ -248,6 +257,7 @@ class KvCacheAwarePolicy(BasePolicy):
         # the TBT bound admission judges is the prediction times this ratio (mixed workers: their own quantile)
         tbt_q = self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
         tbt_ratio = 1.0 if tbt_q is None else _tbt_ratio(pred, tbt_q)
+        stalls: float | None = None  # mixed: the prefill that the chosen worker's streams cannot absorb
         if disaggregated:
             # the decode instance is chosen by its load now, dispatched-but-prefilling streams
             # included; choosing by the forecast instead herds requests onto instances whose
@@ -284,14 +294,23 @@ class KvCacheAwarePolicy(BasePolicy):
             def bound(i: int) -> float:
                 return 0.0 if _idle(prefills[i]) else on_worker(i).tbt_s * tbt_ratio
 
+            works = weighed.works()
+            slo_tbt = request.slo.tbt_s
+            protect = None
+            if self.mixed_protect_streams and slo_tbt is not None and self.admission is not AdmissionMode.NONE:
+                def protect(i: int) -> bool:  # its streams absorb the request's prefill (stall_fits)
+                    return stall_fits(prefills[i], works[i], slo_tbt - bound(i))
+
             stall_i = None
             if self.mixed_ttft_slack is not None and request.slo.ttft_s is not None:
                 limit = self.mixed_ttft_slack * request.slo.ttft_s
                 if self.ttft_quantile is not None:
                     limit = pred.largest_within("ttft", limit, self.ttft_quantile)
-                stall_i = mixed_least_stall(ttfts, weighed.works(), [len(p.decodes) for p in prefills], limit,
-                                            bound, request.slo.tbt_s)
-            best_i = mixed_choice(ttfts, bound, request.slo.tbt_s) if stall_i is None else stall_i
+                stall_i = mixed_least_stall(ttfts, works, [len(p.decodes) for p in prefills], limit,
+                                            bound, slo_tbt, protect)
+            best_i = mixed_choice(ttfts, bound, slo_tbt) if stall_i is None else stall_i
+            if protect is not None and not protect(best_i):
+                stalls = works[best_i]
             chosen_decode = on_worker(best_i)
             d_ests = [on_worker(i) for i in listed_indices(ttfts, keep, best_i)]
         best = weighed.estimate(best_i)
@@ -326,6 +345,8 @@ class KvCacheAwarePolicy(BasePolicy):
         rejection = admit(
             pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound, tbt_bound_s=tbt_bound
         )
+        if rejection is None and stalls is not None:
+            rejection = stall_rejection(request, best.instance, stalls, chosen_decode.tbt_s if chosen_decode else 0.0)
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
             decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
         )

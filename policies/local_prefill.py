@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conductor.core.types import CandidateScore, Decision, InstanceView, RequestView
+from policies.estimate import stall_fits
 from predictors.online import Predictors
 
 
@@ -95,7 +96,7 @@ class LocalPrefill:
             if duty > self.max_duty:
                 continue
             stretched = tbt / (1.0 - duty)
-            if slo is not None and (stretched > slo or not _stall_fits(d, prefill_s, slo - tbt)):
+            if slo is not None and (stretched > slo or not stall_fits(d, prefill_s, slo - tbt)):
                 continue
             queue_s = pred.queue_s(d.prefill_queue)
             ttft = queue_s + prefill_s + tbt
@@ -119,15 +120,6 @@ class LocalPrefill:
         sent.append((now, prefill_s))
         while len(sent) > self._max_entries:
             sent.popleft()
-
-
-def _stall_fits(decode: InstanceView, stall_s: float, spare_s: float) -> bool:
-    """Whether the streams on `decode` can absorb a `stall_s` pause of their batch and keep their
-    mean TBT within the SLO: `spare_s` (SLO - TBT) per token over each one's remaining tokens. The
-    duty check averages the stall over the window; a stream near its end sees it whole. At most a
-    tenth of them (rounded down) may not: on a decode with few streams, none."""
-    short = sum(1 for a in decode.decodes if a.remaining_tokens > 0 and stall_s > spare_s * a.remaining_tokens)
-    return short <= len(decode.decodes) // 10
 
 
 def local_decision(plan: LocalPlan, request: RequestView, policy: str, weighed: tuple[CandidateScore, ...],

@@ -32,7 +32,7 @@ from conductor.core.types import (
     Slo,
     Tier,
 )
-from policies.admission import AdmissionMode, admit
+from policies.admission import AdmissionMode, admit, stall_rejection
 from policies.base import no_instance
 from policies.estimate import (
     DecodeEstimate,
@@ -99,6 +99,7 @@ class ReferencePolicy(KvCacheAwarePolicy):
         slack_s = (None if self.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
                    else self.ttft_slack * request.slo.ttft_s)  # mixed workers: the lowest TTFT always
         chosen_decode: DecodeEstimate | None = None
+        stalled: PrefillEstimate | None = None  # mixed: the chosen worker's streams cannot absorb it
         if disaggregated:
             d_ests = [estimate_decode(pred, request, d, 0.0) for d in decodes]
             chosen_decode = min(d_ests, key=lambda e: (e.tbt_s, e.batch))
@@ -130,6 +131,15 @@ class ReferencePolicy(KvCacheAwarePolicy):
                 idle = not pair[0].instance.decodes and not pair[0].instance.prefill_queue
                 return 0.0 if idle else pair[1].tbt_s * ratio
 
+            def absorbs(pair: tuple[PrefillEstimate, DecodeEstimate]) -> bool:
+                # with admission, only a worker whose streams keep their TBT SLO through this prefill:
+                # at most a tenth of them lack the spare TBT per remaining token to absorb it
+                if not self.mixed_protect_streams or slo is None or self.admission is AdmissionMode.NONE:
+                    return True
+                e, spare = pair[0], slo - bound(pair)
+                short = [a for a in e.instance.decodes if a.remaining_tokens > 0 and e.prefill_s > spare * a.remaining_tokens]
+                return len(short) <= len(e.instance.decodes) // 10
+
             fitting = [pair for pair in pairs if slo is None or bound(pair) <= slo] or pairs
             best, chosen_decode = min(fitting, key=lambda pair: (rank(pair[0]), bound(pair)))
             ttft_slo, mixed_slack = request.slo.ttft_s, self.mixed_ttft_slack
@@ -140,10 +150,13 @@ class ReferencePolicy(KvCacheAwarePolicy):
                     b = e.ttft_s if self.ttft_quantile is None else pred.bound("ttft", e.ttft_s, self.ttft_quantile)
                     return b <= mixed_slack * ttft_slo
 
-                calm = [pair for pair in pairs if ttft_fits(pair[0]) and (slo is None or bound(pair) <= slo)]
+                calm = [pair for pair in pairs
+                        if ttft_fits(pair[0]) and (slo is None or bound(pair) <= slo) and absorbs(pair)]
                 if calm:
                     best, chosen_decode = min(
                         calm, key=lambda pair: (pair[0].prefill_s * (len(pair[0].instance.decodes) + 1), pair[0].ttft_s))
+            if not absorbs((best, chosen_decode)):
+                stalled = best
         judged = chosen_decode
         if disaggregated and predicted and chosen_decode is not None:
             pool = prefill_pool(cluster)[0] if only_p is not None else prefills
@@ -167,6 +180,8 @@ class ReferencePolicy(KvCacheAwarePolicy):
             judged = None  # an idle mixed worker's TBT is not judged
         rejection = admit(pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound,
                           tbt_bound_s=tbt_bound)
+        if rejection is None and stalled is not None and chosen_decode is not None:
+            rejection = stall_rejection(request, stalled.instance, stalled.prefill_s, chosen_decode.tbt_s)
         candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
             decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
         )

@@ -89,8 +89,10 @@ def test_before_enough_ratios_the_median_bound_is_the_point_prediction() -> None
     assert pred.params.tbt.p90_ratio > 1.05
     tbt = pred.tbt_s(2, 4096 + 8000)
     slo = Slo(ttft_s=5.0, tbt_s=1.05 * tbt)
-    assert not KvCacheAwarePolicy(predictors=pred).decide(request(4096, slo=slo), snapshot(mixed("m0", 1))).rejected
-    strict = KvCacheAwarePolicy(predictors=pred, mixed_tbt_quantile=0.9)
+    # (the stream there has 5% of the SLO to spare: the stream check would turn the prefill away)
+    median = KvCacheAwarePolicy(predictors=pred, mixed_protect_streams=False)
+    assert not median.decide(request(4096, slo=slo), snapshot(mixed("m0", 1))).rejected
+    strict = KvCacheAwarePolicy(predictors=pred, mixed_tbt_quantile=0.9, mixed_protect_streams=False)
     assert strict.decide(request(4096, slo=slo), snapshot(mixed("m0", 1))).rejected
 
 
@@ -144,3 +146,43 @@ def test_mixed_ttft_slack_is_checked() -> None:
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="mixed_ttft_slack"):
             KvCacheAwarePolicy(predictors=predictors(), mixed_ttft_slack=bad)
+
+
+# ---- admission: the streams a prefill would pause (mixed_protect_streams) ----------------------
+
+
+def short_streams(iid: str, n: int, remaining: int) -> InstanceView:
+    return InstanceView(iid, Role.MIXED, decodes=tuple(ActiveDecode(2000, remaining) for _ in range(n)))
+
+
+def test_a_prefill_goes_where_the_streams_can_absorb_it() -> None:
+    pred = predictors()
+    # m0: 4 streams with 2 tokens left each, the lower TTFT; m1: 4 streams with 400 tokens left,
+    # behind a queued prefill (higher TTFT, within the slack). A 4096-token pause is spread over
+    # 400 tokens on m1, over 2 on m0
+    ending, long = short_streams("m0", 4, 2), InstanceView(
+        "m1", Role.MIXED, decodes=tuple(ActiveDecode(2000, 400) for _ in range(4)),
+        prefill_queue=(QueuedPrefill(500, 0, 0.0),))
+    stall, slo_tbt = pred.prefill_s(4096, 0), 0.03
+    spare = slo_tbt - pred.tbt_s(5, 4 * 2000 + 4096)
+    assert stall > spare * 2 and stall < spare * 400  # the premise: m0's streams cannot absorb it, m1's can
+    req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=slo_tbt))
+    unprotected = KvCacheAwarePolicy(predictors=pred, mixed_protect_streams=False).decide(req, snapshot(ending, long))
+    assert unprotected.prefill == "m0"  # the fewest stream-seconds stalled, blind to how few tokens they have left
+    d = KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(ending, long))
+    assert (d.prefill, d.rejected) == ("m1", False)
+
+
+def test_rejected_where_no_worker_can_absorb_it() -> None:
+    pred = predictors()
+    req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.03))
+    cluster = snapshot(short_streams("m0", 4, 2), short_streams("m1", 3, 1))
+    d = KvCacheAwarePolicy(predictors=pred).decide(req, cluster)
+    assert d.rejected and d.rejection is not None and d.rejection.reason == "tbt_slo"
+    assert "would pause more than a tenth" in d.rejection.message and d.rejection.retry_after_s >= 1.0
+    # without admission it is placed all the same: the check is admission's
+    assert not KvCacheAwarePolicy(predictors=pred, admission="none").decide(req, cluster).rejected
+    # one stream in ten may be short: 10 streams, one about to end, are not a reason to refuse
+    long_ones = [ActiveDecode(2000, 4000) for _ in range(9)]
+    mostly_long = InstanceView("m2", Role.MIXED, decodes=(ActiveDecode(2000, 1), *long_ones))
+    assert not KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(mostly_long)).rejected
