@@ -4,7 +4,8 @@ One command: `python benchmarks/bench_decision.py [--n 5000] [--seed 0]`. Prints
 p50/p99 per policy in microseconds, and each policy's CPU p50 as a ratio to round robin's. Conductor's goal for
 `kvcache_aware` is p99 <= 1 ms. `--grid` instead prints, for every policy, the thread-CPU p50/p99 of a
 decision as the gateway takes it (`decide` and `on_decided`, where a policy remembers) at 4 to 1,024
-instances (half prefill, half decode) and 1K to 128K-token prompts.
+instances (half prefill, half decode) and 1K to 128K-token prompts. `--mixed`: kvcache_aware on 16 and
+256 mixed workers (32K-token prompt), with its mixed placement rules on and off.
 
 The workload: 8192 prompt tokens with their 512 block keys; the cache index reports prefixes of
 several lengths on 6 prefill instances (device and host tiers) and in the store; every prefill
@@ -20,6 +21,7 @@ import gc
 import random
 import statistics
 import time
+from dataclasses import replace
 
 from conductor.core.types import (
     ActiveDecode,
@@ -151,6 +153,38 @@ def grid(n: int) -> None:
             print(f"{i:>10}" + "".join(f"{r:>20}" for r in row))
 
 
+def mixed_cases(
+    n_instances: int, n: int, slo: Slo, seed: int = 5, prompt: int = 32768
+) -> list[tuple[RequestView, ClusterSnapshot]]:
+    """n_instances mixed workers, each with a prefill queue as prefill_view's and streams as
+    decode_view's (32-128), a few shared snapshots (see scaled_cases)."""
+    rng = random.Random(seed)
+    snapshots = [
+        ClusterSnapshot(now=1000.0 + k, instances=tuple(
+            InstanceView(f"prefill-{w}", Role.MIXED, prefill_queue=prefill_view(rng, w).prefill_queue,
+                         decodes=decode_view(rng, w).decodes) for w in range(n_instances)))
+        for k in range(4)
+    ]
+    return [(replace(request(rng, i, n_instances, prompt), slo=slo), snapshots[i % len(snapshots)]) for i in range(n)]
+
+
+def mixed(n: int) -> None:
+    """kvcache_aware's decision on mixed workers, its placement rules on and off: the least-stall
+    placement (mixed_ttft_slack) and the stream check (mixed_protect_streams) walk streams the
+    lowest-TTFT rule did not."""
+    variants = (("lowest TTFT", {"mixed_ttft_slack": None, "mixed_protect_streams": False}),
+                ("least stall", {"mixed_protect_streams": False}),
+                ("least stall + streams protected (default)", {}))
+    print(f"kvcache_aware on mixed workers, decide thread-CPU p50 / p99 in us, {n} decisions, 32K-token prompt")
+    for workers in (16, 256):
+        for slo in (Slo(ttft_s=30.0, tbt_s=1.0), Slo(ttft_s=5.0, tbt_s=0.1)):
+            cases = mixed_cases(workers, n, slo)
+            for label, options in variants:
+                _, cpu = measure("kvcache_aware", {"online": False, **options}, cases)
+                print(f"{workers:>5} workers, SLO TTFT {slo.ttft_s:g}s TBT {slo.tbt_s:g}s  {label:<42}"
+                      f"{statistics.median(cpu):>7.0f} / {pct(cpu, 0.99):.0f}")
+
+
 def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -160,7 +194,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=5000, help="decisions per policy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid", action="store_true", help="decision CPU by instances and prompt length, every policy")
+    ap.add_argument("--mixed", action="store_true", help="kvcache_aware on 16 and 256 mixed workers, its mixed rules on and off")
     args = ap.parse_args()
+    if args.mixed:
+        mixed(min(args.n, 400))
+        return
     if args.grid:
         grid(min(args.n, 300))
         return

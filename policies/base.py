@@ -155,19 +155,13 @@ def mixed_least_stall(
     """The mixed worker where the request's prefill stalls the fewest stream-seconds, among those
     whose predicted TTFT is at most `ttft_limit_s` and whose TBT bound meets the SLO: the lowest
     `works[i] * (streams[i] + 1)` (its prefill compute there, cached prefix excluded, paid by every
-    stream decoding there and by the capacity it takes), the lowest TTFT among equals; given
-    `fits`, only workers where `fits(i)` holds. None when no worker fits (the caller falls back on
-    mixed_choice)."""
-    best: int | None = None
-    best_key = (0.0, 0.0)
-    for i in sorted(range(len(ttfts)), key=ttfts.__getitem__):
-        if ttfts[i] > ttft_limit_s:
-            break
-        if slo_s is not None and tbt_bound(i) > slo_s:
-            continue
-        if fits is not None and not fits(i):
-            continue
-        key = (works[i] * (streams[i] + 1), ttfts[i])
-        if best is None or key < best_key:
-            best, best_key = i, key
-    return best
+    stream decoding there and by the capacity it takes), the lowest TTFT among equals, the first in
+    pool order among those; given `fits`, only workers where `fits(i)` holds. None when no worker
+    fits (the caller falls back on mixed_choice). The candidates are tried best first, so the TBT
+    bound and `fits`, which walk a worker's streams, are asked of as few workers as it takes."""
+    order = sorted((i for i in range(len(ttfts)) if ttfts[i] <= ttft_limit_s),
+                   key=lambda i: (works[i] * (streams[i] + 1), ttfts[i]))  # stable: pool order among equals
+    for i in order:
+        if (slo_s is None or tbt_bound(i) <= slo_s) and (fits is None or fits(i)):
+            return i
+    return None

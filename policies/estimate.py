@@ -111,8 +111,13 @@ def stall_fits(worker: InstanceView, stall_s: float, spare_s: float) -> bool:
     TBT) per token over each one's remaining tokens. What a stream has spent of its budget so far
     is not known, so a stream near its end is taken to see the pause whole. At most a tenth of them
     (rounded down) may not absorb it: on a worker with few streams, none."""
-    short = sum(1 for a in worker.decodes if a.remaining_tokens > 0 and stall_s > spare_s * a.remaining_tokens)
-    return short <= len(worker.decodes) // 10
+    allowed = len(worker.decodes) // 10
+    for a in worker.decodes:  # stops at the first stream over the allowance
+        if a.remaining_tokens > 0 and stall_s > spare_s * a.remaining_tokens:
+            allowed -= 1
+            if allowed < 0:
+                return False
+    return True
 
 
 def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> float:
