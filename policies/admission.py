@@ -127,8 +127,8 @@ def stall_rejection(request: RequestView, worker: InstanceView, stall_s: float, 
         reason=TBT_SLO,
         message=(
             f"its prefill on {worker.id} ({stall_s * 1e3:.1f}ms predicted) would pause more than a tenth of the "
-            f"{len(worker.decodes)} streams decoding there past the TBT SLO {slo * 1e3:.2f}ms, and no worker "
-            f"within the TTFT slack could take it"
+            f"{len(worker.decodes)} streams decoding there past the TBT SLO {slo * 1e3:.2f}ms (no worker that "
+            f"fits the request could absorb it)"
         ),
         predicted_s=tbt_s,
         slo_s=slo,

@@ -36,6 +36,8 @@ compares that with what happened, records the errors, and feeds the predictors' 
 
 from __future__ import annotations
 
+import math
+
 from conductor.core.types import ClusterSnapshot, Decision, InstanceView, Observation, PrefillLeg, RequestView, Role
 from policies.admission import AdmissionMode, admit, parse_mode, stall_rejection
 from policies.base import NO_INSTANCE, BasePolicy, listed_indices, mixed_choice, mixed_least_stall, no_instance
@@ -308,7 +310,12 @@ class KvCacheAwarePolicy(BasePolicy):
                     limit = pred.largest_within("ttft", limit, self.ttft_quantile)
                 stall_i = mixed_least_stall(ttfts, works, [len(p.decodes) for p in prefills], limit,
                                             bound, slo_tbt, protect)
-            best_i = mixed_choice(ttfts, bound, slo_tbt) if stall_i is None else stall_i
+            if stall_i is not None:
+                best_i = stall_i
+            elif protect is None:
+                best_i = mixed_choice(ttfts, bound, slo_tbt)
+            else:  # the lowest TTFT among the workers that meet the TBT SLO and whose streams absorb it
+                best_i = mixed_choice(ttfts, lambda i: bound(i) if protect(i) else math.inf, slo_tbt)
             if protect is not None and not protect(best_i):
                 stalls = works[best_i]
             chosen_decode = on_worker(best_i)

@@ -140,8 +140,11 @@ class ReferencePolicy(KvCacheAwarePolicy):
                 short = [a for a in e.instance.decodes if a.remaining_tokens > 0 and e.prefill_s > spare * a.remaining_tokens]
                 return len(short) <= len(e.instance.decodes) // 10
 
-            fitting = [pair for pair in pairs if slo is None or bound(pair) <= slo] or pairs
-            best, chosen_decode = min(fitting, key=lambda pair: (rank(pair[0]), bound(pair)))
+            def placed_bound(pair: tuple[PrefillEstimate, DecodeEstimate]) -> float:
+                return bound(pair) if absorbs(pair) else float("inf")  # streams that cannot absorb it: fits nowhere
+
+            fitting = [pair for pair in pairs if slo is None or placed_bound(pair) <= slo] or pairs
+            best, chosen_decode = min(fitting, key=lambda pair: (rank(pair[0]), placed_bound(pair)))
             ttft_slo, mixed_slack = request.slo.ttft_s, self.mixed_ttft_slack
             if mixed_slack is not None and ttft_slo is not None:
                 # the fewest stream-seconds stalled, (prefill compute) x (streams there + 1), among the

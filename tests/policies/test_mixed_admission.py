@@ -186,3 +186,15 @@ def test_rejected_where_no_worker_can_absorb_it() -> None:
     long_ones = [ActiveDecode(2000, 4000) for _ in range(9)]
     mostly_long = InstanceView("m2", Role.MIXED, decodes=(ActiveDecode(2000, 1), *long_ones))
     assert not KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(mostly_long)).rejected
+
+
+def test_without_the_slack_the_lowest_ttft_whose_streams_absorb_it() -> None:
+    pred = predictors()
+    ending = short_streams("m0", 4, 2)  # the lowest TTFT; its streams cannot absorb the prefill
+    long = InstanceView("m1", Role.MIXED, decodes=tuple(ActiveDecode(2000, 400) for _ in range(4)),
+                        prefill_queue=(QueuedPrefill(500, 0, 0.0),))
+    req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.03))
+    d = KvCacheAwarePolicy(predictors=pred, mixed_ttft_slack=None).decide(req, snapshot(ending, long))
+    assert (d.prefill, d.rejected) == ("m1", False)
+    assert KvCacheAwarePolicy(predictors=pred, mixed_ttft_slack=None, mixed_protect_streams=False).decide(
+        req, snapshot(ending, long)).prefill == "m0"
