@@ -72,22 +72,25 @@ class DecodeEstimate:
     at_s: float  # how far in the future the state is predicted (0: now)
 
 
-def prefill_candidate(est: PrefillEstimate) -> CandidateScore:
+def prefill_candidate(est: PrefillEstimate, stalled_stream_s: float | None = None) -> CandidateScore:
+    """A prefill-capable instance as weighed; on a mixed worker `stalled_stream_s`, the
+    stream-seconds its prefill there would pause (what the mixed placement ranks by)."""
+    detail = {
+        "transfer_s": est.transfer_s,
+        "queue_s": est.queue_s,
+        "prefill_s": est.prefill_s,
+        "handoff_s": est.handoff_s,
+        "cached_tokens": float(est.cached_tokens),
+        "pulled_tokens": float(est.pulled_tokens),
+    }
+    if stalled_stream_s is not None:
+        detail["stalled_stream_s"] = stalled_stream_s
     return CandidateScore(
         instance_id=est.instance.id,
         role=est.instance.role,
         score=est.ttft_s,
         predicted_ttft_s=est.ttft_s,
-        detail=MappingProxyType(
-            {
-                "transfer_s": est.transfer_s,
-                "queue_s": est.queue_s,
-                "prefill_s": est.prefill_s,
-                "handoff_s": est.handoff_s,
-                "cached_tokens": float(est.cached_tokens),
-                "pulled_tokens": float(est.pulled_tokens),
-            }
-        ),
+        detail=MappingProxyType(detail),
     )
 
 

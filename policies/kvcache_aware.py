@@ -321,7 +321,8 @@ class KvCacheAwarePolicy(BasePolicy):
             chosen_decode = on_worker(best_i)
             d_ests = [on_worker(i) for i in listed_indices(ttfts, keep, best_i)]
         best = weighed.estimate(best_i)
-        ests = [weighed.estimate(i) for i in listed_indices(ttfts, keep, best_i)]
+        listed = listed_indices(ttfts, keep, best_i)
+        ests = [weighed.estimate(i) for i in listed]
         unlisted = len(prefills) + (len(decodes) if disaggregated else len(prefills)) - len(ests) - len(d_ests)
         judged = chosen_decode
         if disaggregated and predicted and chosen_decode is not None:
@@ -354,9 +355,12 @@ class KvCacheAwarePolicy(BasePolicy):
         )
         if rejection is None and stalls is not None:
             rejection = stall_rejection(request, best.instance, stalls, chosen_decode.tbt_s if chosen_decode else 0.0)
-        candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
-            decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
-        )
+        if disaggregated:
+            p_candidates = tuple(prefill_candidate(e) for e in ests)
+        else:  # the decision log shows what the mixed placement ranked by
+            p_candidates = tuple(prefill_candidate(e, works[i] * (len(prefills[i].decodes) + 1))
+                                 for i, e in zip(listed, ests, strict=True))
+        candidates = p_candidates + tuple(decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests)
         if self.local is not None and disaggregated and only_p is None:
             plan = self.local.plan(pred, request, decodes, tbts, cluster.now)
             if plan is not None and self.local.worth_it(plan, ttft, rejection is not None, best.cached_tokens,

@@ -185,7 +185,8 @@ class ReferencePolicy(KvCacheAwarePolicy):
                           tbt_bound_s=tbt_bound)
         if rejection is None and stalled is not None and chosen_decode is not None:
             rejection = stall_rejection(request, stalled.instance, stalled.prefill_s, chosen_decode.tbt_s)
-        candidates = tuple(prefill_candidate(e) for e in ests) + tuple(
+        candidates = tuple(prefill_candidate(e, None if disaggregated else e.prefill_s * (len(e.instance.decodes) + 1))
+                           for e in ests) + tuple(
             decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
         )
         if rejection is not None and self.probe_after is not None and self._rejected_in_a_row >= self.probe_after:

@@ -114,6 +114,10 @@ def test_the_prefill_goes_where_it_pauses_fewest_streams() -> None:
     assert (d.prefill, d.rejected) == ("m1", False)
     assert d.predicted_ttft_s is not None and by_ttft.predicted_ttft_s is not None
     assert d.predicted_ttft_s > by_ttft.predicted_ttft_s  # TTFT given up, within the slack, for the streams
+    # the decision log shows what the placement ranked by: prefill seconds x (streams there + 1)
+    stalled = {c.instance_id: c.detail["stalled_stream_s"] for c in d.candidates if c.predicted_ttft_s is not None}
+    assert stalled["m1"] == pytest.approx(2 * pred.prefill_s(4096, 0)) and stalled["m0"] == pytest.approx(
+        13 * pred.prefill_s(4096, 0))
 
 
 def test_a_prefix_holder_is_worth_its_streams() -> None:
