@@ -49,7 +49,7 @@ class Emulator:
 
 def modelled(emu: Emulator, request_id: str) -> dict[str, Any]:
     """The times the emulator modelled for one request (GET /emulator/requests), by its X-Request-ID."""
-    for record in httpx.get(emu.url + "/emulator/requests").json():
+    for record in httpx.get(emu.url + "/emulator/requests", timeout=30).json():
         if record["headers"].get("x-request-id") == request_id:
             (times,) = record["modelled"]
             return dict(times)
@@ -125,16 +125,20 @@ def start_emulator(
 
 def _wait_healthy(emu: Emulator, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if emu.proc.poll() is not None:
-            raise RuntimeError(f"emulator exited with {emu.proc.returncode}:\n{emu.log()}")
-        try:
-            healthy = httpx.get(emu.url + "/health", timeout=1.0).status_code == 200
-            if healthy and (emu.bootstrap_port is None or _port_open(emu.bootstrap_port)):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
+    # one client for every poll: httpx.get() builds a client, and with it an SSL context that loads
+    # the CA bundle, per call; every 50 ms on a CI box starved by vLLM start-ups, that was where a
+    # module fixture spent its 120 s (three emulators, pytest-timeout inside load_verify_locations)
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if emu.proc.poll() is not None:
+                raise RuntimeError(f"emulator exited with {emu.proc.returncode}:\n{emu.log()}")
+            try:
+                healthy = client.get(emu.url + "/health").status_code == 200
+                if healthy and (emu.bootstrap_port is None or _port_open(emu.bootstrap_port)):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
     raise RuntimeError(f"emulator on {emu.url} not healthy after {timeout}s:\n{emu.log()}")
 
 

@@ -18,6 +18,10 @@ from adapters.emulator.kv_content import content_seed, generated_token_ids
 from adapters.emulator.profile import load_profile
 from tests.support.emulator import Emulator, free_port, modelled, start_emulator
 
+# a module fixture of three emulator subprocesses: on a CI box busy with the real vLLM engines'
+# start-ups it once took the suite's whole 120 s; the tests' own figures are modelled times
+pytestmark = pytest.mark.timeout(300)
+
 BLOCK = 32
 SCALE = 0.01
 PROMPT = [(i * 13 + 5) % 250 for i in range(301)]  # 9 full blocks + 13 tokens, as the real run
@@ -43,7 +47,7 @@ def complete(emu: Emulator, prompt: list[int], request_id: str | None = None, **
 
 def by_source(emu: Emulator) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in httpx.get(emu.url + "/metrics").text.splitlines():
+    for line in httpx.get(emu.url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("vllm:prompt_tokens_by_source_total{"):
             source = line.split('source="', 1)[1].split('"', 1)[0]
             out[source] = float(line.rsplit(" ", 1)[1])
@@ -51,14 +55,14 @@ def by_source(emu: Emulator) -> dict[str, float]:
 
 
 def load_failures(emu: Emulator) -> float:
-    for line in httpx.get(emu.url + "/metrics").text.splitlines():
+    for line in httpx.get(emu.url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("emulator:kv_load_failures_total{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no emulator:kv_load_failures_total series")
 
 
 def pinned(emu: Emulator) -> int:
-    return int(httpx.get(emu.url + "/emulator/state").json()["pinned_for_readback"])
+    return int(httpx.get(emu.url + "/emulator/state", timeout=30).json()["pinned_for_readback"])
 
 
 def wait_pinned(emu: Emulator, want: int) -> None:
@@ -89,7 +93,7 @@ def next_prompt(answer: dict[str, Any], prompt: list[int] = PROMPT) -> list[int]
 
 
 def reset_cache(emu: Emulator) -> None:
-    httpx.post(emu.url + "/reset_prefix_cache").raise_for_status()
+    httpx.post(emu.url + "/reset_prefix_cache", timeout=30).raise_for_status()
 
 
 def test_decode_answers_readback_params_on_non_streamed_requests_only(pd: tuple[Emulator, ...]) -> None:
