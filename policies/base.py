@@ -145,8 +145,7 @@ def mixed_choice(ttfts: Sequence[float], tbt_bound: Callable[[int], float], slo_
 
 def mixed_least_stall(
     ttfts: Sequence[float],
-    works: Sequence[float],
-    streams: Sequence[int],
+    stalled_s: Sequence[float],
     ttft_limit_s: float,
     tbt_bound: Callable[[int], float],
     slo_s: float | None,
@@ -154,14 +153,19 @@ def mixed_least_stall(
 ) -> int | None:
     """The mixed worker where the request's prefill stalls the fewest stream-seconds, among those
     whose predicted TTFT is at most `ttft_limit_s` and whose TBT bound meets the SLO: the lowest
-    `works[i] * (streams[i] + 1)` (its prefill compute there, cached prefix excluded, paid by every
-    stream decoding there and by the capacity it takes), the lowest TTFT among equals, the first in
-    pool order among those; given `fits`, only workers where `fits(i)` holds. None when no worker
-    fits (the caller falls back on mixed_choice). The candidates are tried best first, so the TBT
-    bound and `fits`, which walk a worker's streams, are asked of as few workers as it takes."""
+    `stalled_s[i]` (stalled_stream_s), the lowest TTFT among equals, the first in pool order among
+    those; given `fits`, only workers where `fits(i)` holds. None when no worker fits (the caller
+    falls back on mixed_choice). The candidates are tried best first, so the TBT bound and `fits`,
+    which walk a worker's streams, are asked of as few workers as it takes."""
     order = sorted((i for i in range(len(ttfts)) if ttfts[i] <= ttft_limit_s),
-                   key=lambda i: (works[i] * (streams[i] + 1), ttfts[i]))  # stable: pool order among equals
+                   key=lambda i: (stalled_s[i], ttfts[i]))  # stable: pool order among equals
     for i in order:
         if (slo_s is None or tbt_bound(i) <= slo_s) and (fits is None or fits(i)):
             return i
     return None
+
+
+def stalled_stream_s(prefill_s: float, streams: int) -> float:
+    """The stream-seconds a prefill of `prefill_s` pauses on a mixed worker with `streams` decoding:
+    each of them waits for it, and one more for the capacity it takes (what mixed placement ranks by)."""
+    return prefill_s * (streams + 1)

@@ -40,7 +40,15 @@ import math
 
 from conductor.core.types import ClusterSnapshot, Decision, InstanceView, Observation, PrefillLeg, RequestView, Role
 from policies.admission import AdmissionMode, admit, parse_mode, stall_rejection
-from policies.base import NO_INSTANCE, BasePolicy, listed_indices, mixed_choice, mixed_least_stall, no_instance
+from policies.base import (
+    NO_INSTANCE,
+    BasePolicy,
+    listed_indices,
+    mixed_choice,
+    mixed_least_stall,
+    no_instance,
+    stalled_stream_s,
+)
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
@@ -259,7 +267,7 @@ class KvCacheAwarePolicy(BasePolicy):
         # the TBT bound admission judges is the prediction times this ratio (mixed workers: their own quantile)
         tbt_q = self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
         tbt_ratio = 1.0 if tbt_q is None else _tbt_ratio(pred, tbt_q)
-        stalls: float | None = None  # mixed: the prefill that the chosen worker's streams cannot absorb
+        unabsorbed_s: float | None = None  # mixed: the prefill that the chosen worker's streams cannot absorb
         if disaggregated:
             # the decode instance is chosen by its load now, dispatched-but-prefilling streams
             # included; choosing by the forecast instead herds requests onto instances whose
@@ -297,6 +305,7 @@ class KvCacheAwarePolicy(BasePolicy):
                 return 0.0 if _idle(prefills[i]) else on_worker(i).tbt_s * tbt_ratio
 
             works = weighed.works()
+            stalled = [stalled_stream_s(w, len(p.decodes)) for w, p in zip(works, prefills, strict=True)]
             slo_tbt = request.slo.tbt_s
             protect = None
             if self.mixed_protect_streams and slo_tbt is not None and self.admission is not AdmissionMode.NONE:
@@ -308,16 +317,15 @@ class KvCacheAwarePolicy(BasePolicy):
                 limit = self.mixed_ttft_slack * request.slo.ttft_s
                 if self.ttft_quantile is not None:
                     limit = pred.largest_within("ttft", limit, self.ttft_quantile)
-                stall_i = mixed_least_stall(ttfts, works, [len(p.decodes) for p in prefills], limit,
-                                            bound, slo_tbt, protect)
+                stall_i = mixed_least_stall(ttfts, stalled, limit, bound, slo_tbt, protect)
             if stall_i is not None:
                 best_i = stall_i
             elif protect is None:
                 best_i = mixed_choice(ttfts, bound, slo_tbt)
             else:  # the lowest TTFT among the workers that meet the TBT SLO and whose streams absorb it
                 best_i = mixed_choice(ttfts, lambda i: bound(i) if protect(i) else math.inf, slo_tbt)
-            if protect is not None and not protect(best_i):
-                stalls = works[best_i]
+            if protect is not None and stall_i is None and not protect(best_i):  # stall_i passed protect
+                unabsorbed_s = works[best_i]
             chosen_decode = on_worker(best_i)
             d_ests = [on_worker(i) for i in listed_indices(ttfts, keep, best_i)]
         best = weighed.estimate(best_i)
@@ -353,13 +361,13 @@ class KvCacheAwarePolicy(BasePolicy):
         rejection = admit(
             pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound, tbt_bound_s=tbt_bound
         )
-        if rejection is None and stalls is not None:
-            rejection = stall_rejection(request, best.instance, stalls, chosen_decode.tbt_s if chosen_decode else 0.0)
+        if rejection is None and unabsorbed_s is not None:
+            rejection = stall_rejection(request, best.instance, unabsorbed_s,
+                                        chosen_decode.tbt_s if chosen_decode else 0.0)
         if disaggregated:
             p_candidates = tuple(prefill_candidate(e) for e in ests)
         else:  # the decision log shows what the mixed placement ranked by
-            p_candidates = tuple(prefill_candidate(e, works[i] * (len(prefills[i].decodes) + 1))
-                                 for i, e in zip(listed, ests, strict=True))
+            p_candidates = tuple(prefill_candidate(e, stalled[i]) for i, e in zip(listed, ests, strict=True))
         candidates = p_candidates + tuple(decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests)
         if self.local is not None and disaggregated and only_p is None:
             plan = self.local.plan(pred, request, decodes, tbts, cluster.now)
