@@ -142,7 +142,10 @@ def test_socket_direction_follows_vllm_rule() -> None:
 def make_index(backend: str, tag: str) -> KVIndex:
     if backend == "memory":
         return MemoryIndex()
-    return RedisIndex("redis://127.0.0.1:6379/0", prefix=f"test:kvevents:{tag}:{time.monotonic_ns()}:")
+    # generous bounds: this test is about what the index holds, and a starved CI box once took over the
+    # 0.5 s request-path default for one lookup
+    return RedisIndex("redis://127.0.0.1:6379/0", prefix=f"test:kvevents:{tag}:{time.monotonic_ns()}:",
+                      timeout_s=10.0, write_timeout_s=10.0)
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])

@@ -255,7 +255,8 @@ async def test_silent_unhealthy_instance_is_dropped(unused_tcp_port: int) -> Non
 
 async def test_redis_backed_analyzer_records_dispatches_for_other_replicas() -> None:
     prefix = f"test:kvaware:{time.monotonic_ns()}:"
-    options = {"enabled": True, "index": "redis", "redis_prefix": prefix, "block_size": 16}
+    options = {"enabled": True, "index": "redis", "redis_prefix": prefix, "block_size": 16,
+               "redis_timeout_s": 10.0, "redis_write_timeout_s": 10.0}  # about content, not the 50 ms bound
     one = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
     two = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
     assert isinstance(one, KVAwareAnalyzer) and isinstance(two, KVAwareAnalyzer)

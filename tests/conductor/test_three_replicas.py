@@ -64,8 +64,8 @@ def deployment(load_share: str) -> Iterator[Deployment]:
                 "load_share": load_share, "replica_id": f"test3-{run}-{r}", "load_sync_interval_s": 0.05,
                 "health_interval_s": 0.5,
                 "kv": {"enabled": True, "tokenizer": "builtin", "index": "redis",
-                       "redis_prefix": f"test:three-replicas:{run}:kv:", "redis_timeout_s": 1.0,
-                       "redis_write_timeout_s": 2.0}})
+                       "redis_prefix": f"test:three-replicas:{run}:kv:", "redis_timeout_s": 5.0,
+                       "redis_write_timeout_s": 5.0}})
             gw = Gateway(settings)
             # a short grace period: the held requests are ended by closing their sockets first
             gateways.append((stack.enter_context(serve(create_app(gw), timeout_graceful_shutdown=5)).url, gw))

@@ -83,7 +83,7 @@ from conductor.core.block_keys import XxhashKeys
 
 async def main():
     prefix, mine, theirs = sys.argv[1], sys.argv[2], sys.argv[3]
-    idx = RedisIndex(sys.argv[4], prefix=prefix)
+    idx = RedisIndex(sys.argv[4], prefix=prefix, timeout_s=10.0, write_timeout_s=10.0)
     keys = XxhashKeys(16).keys
     await idx.insert("peer-b", keys(list(range(int(mine) * 16))), confirmed=False)
     m = await idx.match(keys(list(range(int(theirs) * 16))))

@@ -165,7 +165,7 @@ async def test_redis_absent_at_start_then_started_is_picked_up() -> None:
         assert index.breaker.state is BreakerState.CLOSED
         if index._reseeding is not None:
             await index._reseeding
-        shared = RedisIndex(server.url, prefix=index.primary.prefix)
+        shared = RedisIndex(server.url, prefix=index.primary.prefix, timeout_s=10.0, write_timeout_s=10.0)
         try:  # what was learnt while Redis was absent reached it
             assert (await shared.match(a.block_keys)).blocks == {"p0": len(a.block_keys)}
         finally:
