@@ -30,7 +30,7 @@ def test_replicas_share_load_through_redis() -> None:
         for name in ("replica-a", "replica-b"):
             settings = load_settings(environ={}, overrides={
                 "prefill": [p_url], "decode": d_urls, "policy": "least_loaded", "load_share": "redis",
-                "replica_id": f"test-{name}-{time.monotonic_ns()}", "load_sync_interval_s": 0.05})
+                "replica_id": f"test-{name}-{time.monotonic_ns()}", "load_sync_interval_s": 0.05, "load_share_timeout_s": 5.0})
             gw = Gateway(settings)
             gateways.append((stack.enter_context(serve(create_app(gw))).url, gw))
         (url_a, gw_a), (url_b, gw_b) = gateways

@@ -62,7 +62,7 @@ def deployment(load_share: str) -> Iterator[Deployment]:
             settings = load_settings(environ={}, overrides={
                 "prefill": p_specs, "decode": [{"url": d_url, "name": f"d0-{run}"}], "policy": "kvcache_aware",
                 "load_share": load_share, "replica_id": f"test3-{run}-{r}", "load_sync_interval_s": 0.05,
-                "health_interval_s": 0.5,
+                "load_share_timeout_s": 5.0, "health_interval_s": 0.5,
                 "kv": {"enabled": True, "tokenizer": "builtin", "index": "redis",
                        "redis_prefix": f"test:three-replicas:{run}:kv:", "redis_timeout_s": 5.0,
                        "redis_write_timeout_s": 5.0}})
