@@ -26,7 +26,7 @@ from conductor.app import create_app
 from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
-from policies.base import BasePolicy
+from policies.base import BasePolicy, no_instance
 from tests.conductor.test_readback_gateway import cached_counters, holders
 from tests.support.cluster import cluster
 from tests.support.emulator import Emulator, start_emulator
@@ -52,11 +52,16 @@ class AwayFromTheHolder(BasePolicy):
         sources = request.pull_sources or {}
         holder = next((iid for iid in sources if iid in request.queued_pull_sources), None)
         prefills = [p.id for p in cluster.by_role(Role.PREFILL)]
+        decodes = cluster.by_role(Role.DECODE)
+        # a failover excludes what failed: with no decode (or no prefill) left, the request ends
+        # as any policy ends it there (a 503), not as this script's IndexError (a 500)
+        if not decodes or not prefills:
+            return no_instance(request, self.name, Role.DECODE if not decodes else Role.PREFILL)
         # after a failover the other prefill may be excluded: then the holder computes it, no pull
         target = next((iid for iid in prefills if iid != holder), None)
         if target is None:
             target, holder = prefills[0], None
-        return Decision(request.request_id, self.name, prefill=target, decode=cluster.by_role(Role.DECODE)[0].id,
+        return Decision(request.request_id, self.name, prefill=target, decode=decodes[0].id,
                         pull_from=holder, pull_tokens=sources.get(holder, 0) if holder else 0, predicted_ttft_s=0.05)
 
 

@@ -9,14 +9,32 @@ talking to another, a Redis client -- may take it, and the server then fails wit
 ephemeral range are handed to no connection, so the only ones that can collide are those other
 servers picked, which a random choice over ~12,000 ports makes rare, and the bind check catches
 when it is taken now. Ports handed out in this process are not handed out again.
+
+Under pytest-xdist each worker process draws from its own slice of that range: a port one worker
+gives a test for "nowhere" (a ZMQ client whose server never starts, or has stopped) is dialled again
+and again, since ZMQ reconnects, and another worker's server bound there receives those messages. In
+a CI run a vLLM prefill's NIXL handshake listener, on a port another worker had handed out, got such
+a message, died on it, and every P/D handshake with that engine then timed out.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
-LOW, HIGH = 20_000, 32_000  # below Linux's default ephemeral range (32768-60999)
+
+def _slice(low: int, high: int) -> tuple[int, int]:
+    """This xdist worker's share of [low, high), or all of it outside xdist."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1):
+        return low, high
+    width = (high - low) // int(count)
+    start = low + width * (int(worker[2:]) % int(count))
+    return start, start + width
+
+
+LOW, HIGH = _slice(20_000, 32_000)  # below Linux's default ephemeral range (32768-60999)
 _given: set[int] = set()
 _rng = random.Random()
 
