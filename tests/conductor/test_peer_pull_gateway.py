@@ -27,7 +27,7 @@ from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from policies.base import BasePolicy, no_instance
-from tests.conductor.test_readback_gateway import cached_counters, holders
+from tests.conductor.test_readback_gateway import cached_counters, holders, index_holders
 from tests.support.cluster import cluster
 from tests.support.emulator import Emulator, start_emulator
 from tests.support.servers import ServerThread, serve
@@ -180,6 +180,9 @@ def test_a_staging_answer_without_usable_blocks_leaves_the_prefill_to_compute() 
                  kv={"enabled": True, "forward_token_ids": True}) as c:
         prompt = "Tell me about the weather in Lisbon in spring. " * 10
         assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": prompt}).status_code == 200
+        # the index records a dispatch beside the request: on a starved box the next request can
+        # come first (a CI run saw no pull source offered), so wait for the holder as the others do
+        assert wait_for(lambda: index_holders(c.gateway, c.servers["gateway"], prompt).get("prefill-0", 0) > 0, 10.0)
         r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": prompt + "And autumn?"})
         assert r.status_code == 200, r.text
         assert policy.views[-1].queued_pull_sources == {"prefill-0"}
@@ -198,6 +201,7 @@ def test_a_failing_holder_fails_the_staging_not_the_request() -> None:
                  kv={"enabled": True, "forward_token_ids": True}) as c:
         prompt = "Summarise the incident report for the on-call engineer. " * 8
         assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": prompt}).status_code == 200
+        assert wait_for(lambda: index_holders(c.gateway, c.servers["gateway"], prompt).get("prefill-0", 0) > 0, 10.0)
         c.prefills[0].fail_status = 503  # the holder now fails everything
         r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": prompt + "Briefly."})
         assert r.status_code == 200, r.text

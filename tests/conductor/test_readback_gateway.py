@@ -99,15 +99,20 @@ def last_request(emu: Emulator) -> dict[str, Any]:
 
 def holders(s: Setup, prompt: str) -> dict[str, int]:
     """Instances the gateway's index says hold the prompt's leading blocks (read on its own loop)."""
-    analyzer = s.gateway.analyzer
+    return index_holders(s.gateway, s.server, prompt)
+
+
+def index_holders(gateway: Gateway, server: ServerThread, prompt: str) -> dict[str, int]:
+    """The same for any gateway served by `server`."""
+    analyzer = gateway.analyzer
     assert isinstance(analyzer, KVAwareAnalyzer)
 
     async def read() -> dict[str, int]:
         keys = analyzer.scheme.keys(await analyzer.tokenizer.encode_prompt(prompt))
         return dict((await analyzer.index.match(keys)).blocks)
 
-    assert s.server.loop is not None
-    return asyncio.run_coroutine_threadsafe(read(), s.server.loop).result(10)
+    assert server.loop is not None
+    return asyncio.run_coroutine_threadsafe(read(), server.loop).result(10)
 
 
 def forget(s: Setup, prompt: str) -> None:
