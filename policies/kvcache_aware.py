@@ -281,6 +281,7 @@ class KvCacheAwarePolicy(BasePolicy):
             d_ests = list(d_listed.values())
             # the first of the best by placement_rank (policies.inflight), as min() of estimates
             best_i = placement_best(self._slack_limit(request, weighed, tbts[chosen_d]), weighed)
+            listed = listed_indices(ttfts, keep, best_i)
         else:
             # mixed: the request decodes where it prefilled, so weigh both on the same worker. Its
             # prefill pauses every stream decoding there for as long as it computes, which no TBT
@@ -327,9 +328,9 @@ class KvCacheAwarePolicy(BasePolicy):
             if protect is not None and stall_i is None and not protect(best_i):  # stall_i passed protect
                 unabsorbed_s = works[best_i]
             chosen_decode = on_worker(best_i)
-            d_ests = [on_worker(i) for i in listed_indices(ttfts, keep, best_i)]
+            listed = listed_indices(ttfts, keep, best_i)
+            d_ests = [on_worker(i) for i in listed]  # the same workers as their prefill candidates
         best = weighed.estimate(best_i)
-        listed = listed_indices(ttfts, keep, best_i)
         ests = [weighed.estimate(i) for i in listed]
         unlisted = len(prefills) + (len(decodes) if disaggregated else len(prefills)) - len(ests) - len(d_ests)
         judged = chosen_decode
