@@ -12,18 +12,17 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
-from tests.support.servers import serve
+from tests.support.servers import serve_gateway
 
 PROMPTS = ["hello world, this is prompt zero", "the cache holds prompt one here"]
 
 
 def _gateway(stack: ExitStack, **overrides: object) -> str:
     gateway = Gateway(load_settings(environ={}, overrides={"health_interval_s": 1.0, **overrides}))
-    return stack.enter_context(serve(create_app(gateway))).url
+    return stack.enter_context(serve_gateway(gateway)).url
 
 
 def _texts_from_stream(text: str) -> tuple[list[str], dict[str, object] | None, int]:

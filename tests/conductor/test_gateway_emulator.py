@@ -9,11 +9,10 @@ import httpx
 import pytest
 
 from adapters.emulator.profile import load_profile
-from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
-from tests.support.servers import serve
+from tests.support.servers import serve_gateway
 
 # three worker subprocesses and a gateway per test: on a CI box busy with the real vLLM engines'
 # start-ups one of these passed the suite's 120 s (building the emulators' SSL context); the
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _gateway(stack: ExitStack, **overrides):
     gateway = Gateway(load_settings(environ={}, overrides={"health_interval_s": 1.0, **overrides}))
-    return stack.enter_context(serve(create_app(gateway))), gateway
+    return stack.enter_context(serve_gateway(gateway)), gateway
 
 
 @pytest.mark.parametrize("protocol", ["nixl", "mooncake", "sglang"])

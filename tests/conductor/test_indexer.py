@@ -21,7 +21,6 @@ import zmq
 
 from adapters.emulator.kv_events import END_SEQ, block_stored
 from adapters.index.remote import IndexerClient
-from conductor.app import create_app
 from conductor.core.block_keys import XxhashKeys
 from conductor.gateway import Gateway
 from conductor.indexer import IndexerService
@@ -29,7 +28,7 @@ from conductor.indexer_api import QueryLimits, create_indexer_app
 from conductor.kv_awareness import KVAwareAnalyzer
 from conductor.settings import Settings, load_settings
 from tests.support.emulator import Emulator, free_port, start_emulator
-from tests.support.servers import serve
+from tests.support.servers import serve, serve_gateway
 from tests.support.waiting import wait_for
 
 BS = 16
@@ -355,7 +354,7 @@ def test_a_replica_that_never_saw_a_prefix_routes_it_to_its_holder() -> None:
             [worker(e) for e in emus],
             policy="kvcache_aware", kv={"enabled": True, "forward_token_ids": True})
         indexer_url, _ = stack.enter_context(running_indexer(settings))
-        first, second = (stack.enter_context(serve(create_app(replica(settings, indexer_url)))).url for _ in range(2))
+        first, second = (stack.enter_context(serve_gateway(replica(settings, indexer_url))).url for _ in range(2))
         shared = "You are a helpful assistant. " * 40  # ~1,100 byte tokens: 70 blocks
         r = httpx.post(first + "/v1/completions", timeout=30,
                        json={"model": "tiny", "prompt": shared + "First question?", "max_tokens": 2})

@@ -14,12 +14,11 @@ import httpx
 import pytest
 
 from adapters.index.memory import MemoryIndex
-from conductor.app import create_app
 from conductor.core.block_keys import make_scheme
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from tests.support.emulator import Emulator, start_emulator
-from tests.support.servers import serve
+from tests.support.servers import serve_gateway
 
 SEED = "7"
 BS = 16
@@ -82,7 +81,7 @@ def test_gateway_started_after_the_worker_catches_up_from_its_replay_socket(work
     gateway = _gateway(worker, key_mode=key_mode)
     scheme = make_scheme(key_mode, BS, algo="sha256_cbor", vllm_seed=SEED)  # type: ignore[arg-type]
     with ExitStack() as stack:
-        url = stack.enter_context(serve(create_app(gateway))).url
+        url = stack.enter_context(serve_gateway(gateway)).url
         index = gateway.analyzer.index  # type: ignore[attr-defined]
         assert isinstance(index, MemoryIndex)
         for prompt in prompts:  # known at once, from events published before the gateway existed
@@ -114,7 +113,7 @@ def test_late_start_without_catch_up_raises_the_coverage_alarm(worker: Emulator,
     _serve_directly(worker, prompts)
     gateway = _gateway(worker, key_mode="vllm", replay_on_start=False)
     with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"), ExitStack() as stack:
-        url = stack.enter_context(serve(create_app(gateway))).url
+        url = stack.enter_context(serve_gateway(gateway)).url
         # ZMQ subscriptions take a moment: fresh prompts (nothing cached, nothing predicted) until one
         # event has come through, so none of those below can be missed
         sub = gateway.analyzer.subscribers[0]  # type: ignore[attr-defined]
@@ -140,7 +139,7 @@ def test_wrong_seed_is_named_from_the_events_own_hashes(worker: Emulator, caplog
     _serve_directly(worker, prompts)
     gateway = _gateway(worker, key_mode="vllm", seed=None)  # the workers run with PYTHONHASHSEED=7
     with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"), ExitStack() as stack:
-        url = stack.enter_context(serve(create_app(gateway))).url
+        url = stack.enter_context(serve_gateway(gateway)).url
         for prompt in prompts:
             assert _through(url, prompt) == 6 * BS  # cached at the worker; under keys the gateway cannot compute
         metrics = httpx.get(url + "/metrics").text

@@ -10,11 +10,10 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
-from tests.support.servers import serve
+from tests.support.servers import serve_gateway
 
 
 @pytest.mark.parametrize("key_mode", ["xxhash", "vllm"])
@@ -32,7 +31,7 @@ def test_repeated_prefix_goes_back_to_its_instance(key_mode: str) -> None:
                    "forward_token_ids": True},
         })
         gateway = Gateway(settings)
-        url = stack.enter_context(serve(create_app(gateway))).url
+        url = stack.enter_context(serve_gateway(gateway)).url
         shared = "You are a helpful assistant. " * 40  # ~1,100 byte tokens: 70 blocks
         prompts = [shared + "First question?", shared + "A different, second question?"]
         served_by = []

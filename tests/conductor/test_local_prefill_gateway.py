@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.app import create_app
 from conductor.core.errors import ConfigError
 from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from conductor.gateway import Gateway
@@ -24,8 +23,7 @@ from conductor.settings import load_settings
 from policies.base import BasePolicy
 from policies.kvcache_aware import KvCacheAwarePolicy
 from tests.support.emulator import Emulator, start_emulator
-from tests.support.servers import serve
-from tests.support.waiting import wait_for
+from tests.support.servers import serve_gateway
 
 COMMON: dict[str, Any] = {"time_scale": 0.01, "block_size": 16, "noise": 0.0, "model": "tiny"}
 
@@ -62,8 +60,7 @@ def setup() -> Iterator[Setup]:
         settings = load_settings(environ={}, overrides={
             "pd_protocol": "nixl", "block_size": 16, "health_interval_s": 0.5,
             "prefill": [prefill.url], "decode": [decode.url]})
-        server = stack.enter_context(serve(create_app(Gateway(settings, policy=LocalWhenAsked()))))
-        assert wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200, 20.0)
+        server = stack.enter_context(serve_gateway(Gateway(settings, policy=LocalWhenAsked())))
         yield Setup(server.url, prefill, decode, mixed)
 
 

@@ -14,11 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
-from tests.support.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve, serve_gateway
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for
 
@@ -54,7 +53,7 @@ def gateway(workers: list[str], **settings: Any) -> Iterator[Running]:
     overrides: dict[str, Any] = {"mixed": workers, "models": ["tiny"], "health_interval_s": 0.3,
                                  "admin_api_keys": [KEY], "policy": "round_robin", **settings}
     gw = Gateway(load_settings(environ={}, overrides=overrides))
-    with serve(create_app(gw)) as server:
+    with serve_gateway(gw) as server:
         yield Running(server.url, gw, server)
 
 

@@ -18,10 +18,9 @@ schemathesis = pytest.importorskip("schemathesis")  # the `test` extra installs 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-from conductor.app import create_app  # noqa: E402
 from conductor.gateway import Gateway  # noqa: E402
 from conductor.settings import load_settings  # noqa: E402
-from tests.support.servers import serve  # noqa: E402
+from tests.support.servers import serve, serve_gateway  # noqa: E402
 from tests.support.standin import StandIn  # noqa: E402
 
 MAX_EXAMPLES = 30  # per operation and generation mode
@@ -47,7 +46,7 @@ def _gateway(**overrides: Any) -> Iterator[str]:
         options = {"prefill": [{"url": prefill.url}], "decode": [decode.url], "models": [MODEL],
                    "health_interval_s": 0.5, **overrides}
         gateway = Gateway(load_settings(environ={}, overrides=options))
-        yield stack.enter_context(serve(create_app(gateway))).url
+        yield stack.enter_context(serve_gateway(gateway)).url
 
 
 def _served_model(case: Any) -> None:

@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.app import create_app
 from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
@@ -30,7 +29,7 @@ from policies.base import BasePolicy, no_instance
 from tests.conductor.test_readback_gateway import cached_counters, holders, index_holders
 from tests.support.cluster import cluster
 from tests.support.emulator import Emulator, start_emulator
-from tests.support.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve_gateway
 from tests.support.waiting import wait_for
 
 BLOCK = 16
@@ -94,8 +93,7 @@ def setup() -> Iterator[Setup]:
         })
         policy = AwayFromTheHolder()
         gateway = Gateway(settings, policy=policy)
-        server = stack.enter_context(serve(create_app(gateway)))
-        assert wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200, 20.0)
+        server = stack.enter_context(serve_gateway(gateway))
         yield Setup(server.url, gateway, server, prefills, decode, mixed, policy)
 
 

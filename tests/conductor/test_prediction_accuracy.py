@@ -24,12 +24,11 @@ from typing import Any
 import aiohttp
 import httpx
 
-from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from predictors.online import Predictors
 from tests.support.emulator import start_emulator
-from tests.support.servers import serve
+from tests.support.servers import serve_gateway
 
 
 async def _drive(url: str, bodies: list[dict[str, Any]], concurrency: int) -> list[int]:
@@ -63,7 +62,7 @@ def test_online_refit_learns_a_cluster_slower_than_its_profile() -> None:
         gateway = Gateway(settings)
         predictors: Predictors = gateway.policy.predictors  # type: ignore[attr-defined]
         before = predictors.prefill_s(2048)
-        url = stack.enter_context(serve(create_app(gateway))).url
+        url = stack.enter_context(serve_gateway(gateway)).url
         bodies = [{"model": "tiny", "prompt": p, "max_tokens": 2, "stream": True, "ignore_eos": True}
                   for p in _prompts(random.Random(7), 48, 512, 2048)]
         statuses = asyncio.run(_drive(url + "/v1/completions", bodies, concurrency=4))

@@ -20,14 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.kv_awareness import KVAwareAnalyzer
 from conductor.settings import load_settings
 from policies.registry import load_policy
 from tests.support.cluster import cluster
 from tests.support.emulator import Emulator, free_port, start_emulator
-from tests.support.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve_gateway
 from tests.support.waiting import wait_for
 
 BLOCK = 16
@@ -61,9 +60,8 @@ def setup() -> Iterator[Setup]:
             "kv": {"enabled": True},
         })
         gateway = Gateway(settings)
-        server = stack.enter_context(serve(create_app(gateway)))
+        server = stack.enter_context(serve_gateway(gateway))
         url = server.url
-        assert wait_for(lambda: httpx.get(url + "/ready").status_code == 200, 20.0)
         yield Setup(url, gateway, server, prefills, decode, mixed)
 
 

@@ -10,11 +10,10 @@ from contextlib import ExitStack
 import httpx
 import redis
 
-from conductor.app import create_app
 from conductor.core.types import Role
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
-from tests.support.servers import serve
+from tests.support.servers import serve, serve_gateway
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for
 
@@ -32,7 +31,7 @@ def test_replicas_share_load_through_redis() -> None:
                 "prefill": [p_url], "decode": d_urls, "policy": "least_loaded", "load_share": "redis",
                 "replica_id": f"test-{name}-{time.monotonic_ns()}", "load_sync_interval_s": 0.05, "load_share_timeout_s": 5.0})
             gw = Gateway(settings)
-            gateways.append((stack.enter_context(serve(create_app(gw))).url, gw))
+            gateways.append((stack.enter_context(serve_gateway(gw)).url, gw))
         (url_a, gw_a), (url_b, gw_b) = gateways
 
         # A long stream through replica A occupies one decode instance

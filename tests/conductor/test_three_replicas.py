@@ -25,11 +25,10 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from conductor.app import create_app
 from conductor.core.types import Role
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
-from tests.support.servers import serve
+from tests.support.servers import serve, serve_gateway
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for
 
@@ -68,7 +67,7 @@ def deployment(load_share: str) -> Iterator[Deployment]:
                        "redis_write_timeout_s": 5.0}})
             gw = Gateway(settings)
             # a short grace period: the held requests are ended by closing their sockets first
-            gateways.append((stack.enter_context(serve(create_app(gw), timeout_graceful_shutdown=5)).url, gw))
+            gateways.append((stack.enter_context(serve_gateway(gw, timeout_graceful_shutdown=5)).url, gw))
         assert wait_for(lambda: all(g.registry.healthy_count(Role.PREFILL) == N_PREFILL for _, g in gateways),
                         timeout=30)
         yield Deployment(run, prefills, gateways)

@@ -11,12 +11,11 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 
-from conductor.app import create_app
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
 from tests.support.otlp import OtlpReceiver
-from tests.support.servers import serve
+from tests.support.servers import serve, serve_gateway
 from tests.support.waiting import wait_for
 
 
@@ -33,7 +32,7 @@ def test_trace_tree_spans_gateway_and_workers() -> None:
             settings = load_settings(environ={}, overrides={
                 "prefill": [p.url], "decode": [d.url], "otlp_traces_endpoint": endpoint, "service_name": "gw"})
             gateway = Gateway(settings)
-            with serve(create_app(gateway)) as gw:  # closing it flushes the gateway's spans
+            with serve_gateway(gateway) as gw:  # closing it flushes the gateway's spans
                 r = httpx.post(gw.url + "/v1/completions", timeout=30,
                                json={"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True})
                 assert r.status_code == 200

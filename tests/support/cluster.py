@@ -7,13 +7,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.app import create_app
 from conductor.core.types import Policy
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
-from tests.support.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve, serve_gateway
 from tests.support.standin import BootstrapStandIn, StandIn
-from tests.support.waiting import wait_for
 
 
 @dataclass
@@ -44,11 +42,7 @@ def cluster(
     """`gateway_http`: a uvicorn protocol name ("httptools", "h11") to serve the gateway on instead
     of its own (adapters/http1_server.py), for what must work under any ASGI server.
 
-    `ready_timeout_s`: wait until the gateway reports itself ready (its instances answered a health
-    probe), as a load balancer's readiness check would, before the test's first request; None skips
-    the wait. On a starved machine the first probe can time out, and until the next one answers
-    every instance is out of rotation: a request then would get a correct 503 the test did not mean
-    to provoke."""
+    `ready_timeout_s`: how long to wait for the gateway to report itself ready (serve_gateway)."""
     opts = standin or {}
     with ExitStack() as stack:
         c = Cluster(url="", gateway=None)  # type: ignore[arg-type]
@@ -81,9 +75,7 @@ def cluster(
             overrides["mixed"] = mixed_specs
         gateway = Gateway(load_settings(environ={}, overrides=overrides), policy=policy, tracing=tracing)
         server_config = {} if gateway_http is None else {"http": gateway_http}
-        gw_server = stack.enter_context(serve(create_app(gateway), **server_config))
+        gw_server = stack.enter_context(serve_gateway(gateway, ready_timeout_s=ready_timeout_s, **server_config))
         c.url, c.gateway = gw_server.url, gateway
         c.servers["gateway"] = gw_server
-        if ready_timeout_s is not None and not wait_for(lambda: gateway.ready()[0], ready_timeout_s):
-            raise AssertionError(f"the gateway was not ready within {ready_timeout_s} s: {gateway.ready()[1]}")
         yield c

@@ -12,9 +12,11 @@ from typing import Any
 import uvicorn
 
 from adapters.http1_server import HttpServerConnection
-from conductor.app import FastPath
+from conductor.app import FastPath, create_app
+from conductor.gateway import Gateway
 from tests.support.ports import free_port as free_port
 from tests.support.ports import free_port_run as free_port_run
+from tests.support.waiting import wait_for
 
 
 class ServerThread:
@@ -57,3 +59,18 @@ def serve(app: Any, port: int | None = None, **config: Any) -> Iterator[ServerTh
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def serve_gateway(gateway: Gateway, port: int | None = None, *, ready_timeout_s: float | None = 60.0,
+                  **config: Any) -> Iterator[ServerThread]:
+    """The gateway served, yielded once it reports itself ready (its instances answered a health
+    probe), as a load balancer's readiness check would wait; `ready_timeout_s` None: at once.
+
+    Without the wait a test's first request can race the first probe: on a starved machine that
+    probe can time out, and until the next one answers no instance is in rotation, so the request
+    gets a correct 503 the test did not mean to provoke (seen in CI)."""
+    with serve(create_app(gateway), port, **config) as server:
+        if ready_timeout_s is not None and not wait_for(lambda: gateway.ready()[0], ready_timeout_s):
+            raise AssertionError(f"the gateway was not ready within {ready_timeout_s} s: {gateway.ready()[1]}")
+        yield server

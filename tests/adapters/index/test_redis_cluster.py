@@ -181,11 +181,10 @@ async def test_one_lookup_gathers_instances_from_several_masters(cluster: RedisC
 
 
 async def test_gateway_routes_a_repeated_prefix_with_a_cluster_index(cluster: RedisClusterNodes) -> None:
-    from conductor.app import create_app
     from conductor.gateway import Gateway
     from conductor.settings import load_settings
     from tests.support.emulator import start_emulator
-    from tests.support.servers import serve
+    from tests.support.servers import serve_gateway
 
     prefix = f"test:kvc-gw:{uuid.uuid4().hex[:10]}:"
     with ExitStack() as stack:
@@ -199,7 +198,7 @@ async def test_gateway_routes_a_repeated_prefix_with_a_cluster_index(cluster: Re
                    "redis_url": ",".join(cluster.urls[:2]), "redis_prefix": prefix,
                    "redis_timeout_s": 2.0, "redis_write_timeout_s": 2.0},
         })
-        url = stack.enter_context(serve(create_app(Gateway(settings)))).url
+        url = stack.enter_context(serve_gateway(Gateway(settings))).url
         shared = "You are a helpful assistant. " * 40  # ~1,100 byte tokens: 70 blocks
         served_by = []
         async with httpx.AsyncClient(timeout=30) as client:
