@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,9 @@ class StandIn:
     model: str = "tiny"
     engine_id: str = "engine-0"
     token_delay_s: float = 0.0
+    # a stream's every token after the first waits for one release: a test steps the worker in
+    # lockstep with what it has received, so a chunk held back anywhere shows as a stream that stops
+    token_gate: threading.Semaphore | None = None
     prefill_delay_s: float = 0.0
     fail_status: int | None = None  # answer every completion with this status
     hang: bool = False  # never answer completions
@@ -126,9 +130,14 @@ class StandIn:
             return await _json(send, 200, payload)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for _ in range(n):
+        for i in range(n):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+            if self.token_gate is not None and i > 0:
+                # off the loop (which keeps serving), in short waits: a cancelled stream leaves no
+                # thread blocked for good
+                while not await asyncio.to_thread(self.token_gate.acquire, True, 0.1):
+                    pass
             if chat:
                 chunk = {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": self.model,
                          "choices": [{"index": 0, "delta": {"content": "x "}, "finish_reason": None}]}
