@@ -21,6 +21,9 @@ from tests.support.emulator import Emulator, free_port, modelled, start_emulator
 # a module fixture of three emulator subprocesses: on a CI box busy with the real vLLM engines'
 # start-ups it once took the suite's whole 120 s; the tests' own figures are modelled times
 pytestmark = pytest.mark.timeout(300)
+# a bound on each HTTP call, for a hang, not a speed check: CI once saw two emulators in a row
+# not answer a 1-token request within 30 s while the box ran at load 25 on its two cores
+HTTP_TIMEOUT_S = 120
 
 BLOCK = 32
 SCALE = 0.01
@@ -40,14 +43,14 @@ def pd() -> Iterator[tuple[Emulator, Emulator, Emulator]]:
 
 def complete(emu: Emulator, prompt: list[int], request_id: str | None = None, **body: Any) -> dict[str, Any]:
     headers = {"X-Request-ID": request_id} if request_id else {}
-    r = httpx.post(emu.url + "/v1/completions", json={"prompt": prompt, **body}, headers=headers, timeout=30)
+    r = httpx.post(emu.url + "/v1/completions", json={"prompt": prompt, **body}, headers=headers, timeout=HTTP_TIMEOUT_S)
     r.raise_for_status()
     return dict(r.json())
 
 
 def by_source(emu: Emulator) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in httpx.get(emu.url + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(emu.url + "/metrics", timeout=HTTP_TIMEOUT_S).text.splitlines():
         if line.startswith("vllm:prompt_tokens_by_source_total{"):
             source = line.split('source="', 1)[1].split('"', 1)[0]
             out[source] = float(line.rsplit(" ", 1)[1])
@@ -55,14 +58,14 @@ def by_source(emu: Emulator) -> dict[str, float]:
 
 
 def load_failures(emu: Emulator) -> float:
-    for line in httpx.get(emu.url + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(emu.url + "/metrics", timeout=HTTP_TIMEOUT_S).text.splitlines():
         if line.startswith("emulator:kv_load_failures_total{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError("no emulator:kv_load_failures_total series")
 
 
 def pinned(emu: Emulator) -> int:
-    return int(httpx.get(emu.url + "/emulator/state", timeout=30).json()["pinned_for_readback"])
+    return int(httpx.get(emu.url + "/emulator/state", timeout=HTTP_TIMEOUT_S).json()["pinned_for_readback"])
 
 
 def wait_pinned(emu: Emulator, want: int) -> None:
@@ -93,7 +96,7 @@ def next_prompt(answer: dict[str, Any], prompt: list[int] = PROMPT) -> list[int]
 
 
 def reset_cache(emu: Emulator) -> None:
-    httpx.post(emu.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    httpx.post(emu.url + "/reset_prefix_cache", timeout=HTTP_TIMEOUT_S).raise_for_status()
 
 
 def test_decode_answers_readback_params_on_non_streamed_requests_only(pd: tuple[Emulator, ...]) -> None:
@@ -113,11 +116,11 @@ def test_decode_answers_readback_params_on_non_streamed_requests_only(pd: tuple[
     assert ids[:9] == p_params["remote_block_ids"][0][:9] and ids[9] != p_params["remote_block_ids"][0][9]
     assert pinned(d) == before + 1
     # a streamed answer never carries them
-    r = httpx.post(d.url + "/v1/completions", timeout=30, json={
+    r = httpx.post(d.url + "/v1/completions", timeout=HTTP_TIMEOUT_S, json={
         "prompt": PROMPT, "max_tokens": 4, "stream": True, "kv_transfer_params": p_params,
         "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and "data: [DONE]" in r.text and "kv_transfer_params" not in r.text
-    chat = httpx.post(d.url + "/v1/chat/completions", timeout=30, json={
+    chat = httpx.post(d.url + "/v1/chat/completions", timeout=HTTP_TIMEOUT_S, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
     assert chat["kv_transfer_params"]["remote_request_id"] == chat["id"]
     assert chat["kv_transfer_params"]["remote_num_tokens"] == chat["usage"]["prompt_tokens"] + 2
