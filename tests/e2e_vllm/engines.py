@@ -224,7 +224,7 @@ class Engine:
         # a new session: the API server, engine core and worker processes can be stopped together
         # (by stop(), or by launch_vllm.py itself should this test process die without its teardown)
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environ(),
-                                     cwd=self.workdir, start_new_session=True)
+                                     cwd=self.workdir, start_new_session=True, preexec_fn=_yield_cpu)
         log.close()
 
     def log_tail(self, lines: int = 40) -> str:
@@ -341,6 +341,23 @@ class MixedEngines:
 
     engines: dict[str, Engine]  # by gateway instance name: mixed-0, mixed-1
     hash_algo: str
+
+
+def _yield_cpu() -> None:
+    """In the engine's process, after its setsid: give way to the rest of the suite for CPU.
+
+    With the kernel's autogroup scheduling (on by default, and on these machines), every session
+    is a group with an equal share of the CPU, so ten engines in sessions of their own held ten
+    shares against one for the whole pytest run: while they started, the other xdist worker's
+    gateways, stand-ins and emulators were starved for tens of seconds (CI failed on 5 s connect
+    timeouts, a first health probe, a 2 s stream stall; load average 25-60 on two cores). A nice
+    of 10 on the session's group and on the process puts each engine at about a tenth of a share."""
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("10")
+    except OSError:  # no autogroup (or not allowed): the process's own nice still applies
+        pass
+    os.nice(10)
 
 
 def start_all(engines: Sequence[Engine], timeout_s: float = 420) -> None:
