@@ -3,7 +3,9 @@
 Two signals, because each misses what the other sees:
 
 * Probes (`GET /health` every `health_interval_s`, on connections of their own so a decode busy
-  with hundreds of streams still answers them) catch a worker that is down or hung.
+  with hundreds of streams still answers them) catch a worker that is down or hung. An instance
+  out of rotation is probed every `health_unhealthy_interval_s` instead (1 s by default), so one
+  that comes up or recovers does not wait out the whole interval.
   `unhealthy_after` failed probes in a row take it out; one good probe brings it back.
 * Outlier ejection catches a worker whose `/health` is fine but which fails the requests
   themselves (a 500 to everything, connections reset mid-answer): `outlier_consecutive_errors`
@@ -46,12 +48,14 @@ class InstanceHealth:
     ejected_until: float = 0.0
     ejections_in_a_row: int = 0
     ejections_total: int = 0
+    probes_total: int = 0  # probes counted, answered or not (what shows the probe schedule)
 
     @property
     def available(self) -> bool:
         return self.probe_ok and not self.ejected
 
     def on_probe(self, ok: bool, now: float, rules: HealthRules) -> None:
+        self.probes_total += 1
         if ok:
             if not self.probe_ok:
                 log.info("instance %s answers its health probe", self.name)

@@ -247,15 +247,29 @@ class InstanceRegistry:
                         listener.instance_released(name)
 
     async def _probe_forever(self) -> None:
+        """Every instance each health_interval_s; between those rounds, the instances out of
+        rotation each health_unhealthy_interval_s (when that is the shorter)."""
+        full_s = self._settings.health_interval_s
+        tick_s = min(full_s, self._settings.health_unhealthy_interval_s)
+        next_full = time.monotonic() + full_s
         while True:
-            await asyncio.sleep(self._settings.health_interval_s)
+            await asyncio.sleep(max(0.0, min(tick_s, next_full - time.monotonic())))
             try:
-                await self.probe_all()
+                if time.monotonic() >= next_full:
+                    next_full = time.monotonic() + full_s
+                    await self.probe_all()
+                else:
+                    await self.probe_unavailable()
             except Exception:  # a probe bug must never kill health checking
                 log.exception("health probe round failed")
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(s) for s in self.states.values()))
+
+    async def probe_unavailable(self) -> None:
+        """Probe only the instances that cannot take requests now (an ejected one comes back on
+        the first good probe once its ejection is over)."""
+        await asyncio.gather(*(self._probe(s) for s in self.states.values() if not s.health.available))
 
     async def _probe(self, state: InstanceState) -> None:
         timeout = self._settings.health_timeout_s

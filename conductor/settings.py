@@ -204,6 +204,11 @@ class Settings(_Model):
     trust_client_kv_transfer_params: bool = False
 
     health_interval_s: float = 5.0
+    # an instance out of rotation (not answered yet, failed its probes, or ejected) is probed this
+    # often instead, so one that comes up (a vLLM engine still loading when the gateway started) or
+    # recovers is back within about this long rather than a whole health_interval_s (Envoy's
+    # unhealthy_interval); never less often than health_interval_s
+    health_unhealthy_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = 2.0
     unhealthy_after: int = 2  # consecutive failed probes
     min_ready_prefill: int = 1
