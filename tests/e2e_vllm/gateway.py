@@ -21,12 +21,11 @@ from typing import Any, TypeVar
 import httpx
 
 from adapters.index.memory import MemoryIndex
-from conductor.app import create_app
 from conductor.core.types import Observation
 from conductor.gateway import Gateway
 from conductor.kv_awareness import KVAwareAnalyzer
 from conductor.settings import load_settings
-from tests.support.servers import ServerThread, serve
+from tests.support.servers import ServerThread, serve_gateway
 
 T = TypeVar("T")
 
@@ -125,7 +124,7 @@ def run_gateway(policy: Any = None, **overrides: Any) -> Iterator[GatewayUnderTe
     settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, "health_timeout_s": 15.0,
                                                     "unhealthy_after": 4, "connect_timeout_s": 30.0, **overrides})
     gateway = Gateway(settings, policy=policy)
-    with serve(create_app(gateway)) as server:
+    with serve_gateway(gateway) as server:  # yielded once ready: every engine answered a probe
         gut = GatewayUnderTest(url=server.url, gateway=gateway, server=server)
         original = gateway.observe
 
@@ -144,10 +143,6 @@ def run_gateway(policy: Any = None, **overrides: Any) -> Iterator[GatewayUnderTe
         kv_handler = _LogLines(gut.kv_warnings, logging.WARNING)
         kv_log.addHandler(kv_handler)
         try:
-            deadline = time.monotonic() + 60
-            while httpx.get(gut.url + "/ready", timeout=5).status_code != 200:
-                assert time.monotonic() < deadline, httpx.get(gut.url + "/ready", timeout=5).text
-                time.sleep(0.2)
             yield gut
         finally:
             kv_log.removeHandler(kv_handler)

@@ -10,7 +10,7 @@ from typing import Any
 from conductor.core.types import Policy
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
-from tests.support.servers import ServerThread, serve, serve_gateway
+from tests.support.servers import READY_TIMEOUT_S, ServerThread, serve, serve_gateway
 from tests.support.standin import BootstrapStandIn, StandIn
 
 
@@ -36,7 +36,7 @@ def cluster(
     standin: dict[str, Any] | None = None,
     tracing: Any = None,
     gateway_http: str | None = None,
-    ready_timeout_s: float | None = 60.0,
+    ready_timeout_s: float | None = READY_TIMEOUT_S,
     **settings: Any,
 ) -> Iterator[Cluster]:
     """`gateway_http`: a uvicorn protocol name ("httptools", "h11") to serve the gateway on instead

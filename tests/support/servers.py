@@ -61,8 +61,12 @@ def serve(app: Any, port: int | None = None, **config: Any) -> Iterator[ServerTh
         server.stop()
 
 
+# how long a test waits for a gateway to report itself ready: a bound for a starved box
+READY_TIMEOUT_S = 60.0
+
+
 @contextmanager
-def serve_gateway(gateway: Gateway, port: int | None = None, *, ready_timeout_s: float | None = 60.0,
+def serve_gateway(gateway: Gateway, port: int | None = None, *, ready_timeout_s: float | None = READY_TIMEOUT_S,
                   **config: Any) -> Iterator[ServerThread]:
     """The gateway served, yielded once it reports itself ready (its instances answered a health
     probe), as a load balancer's readiness check would wait; `ready_timeout_s` None: at once.

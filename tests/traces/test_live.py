@@ -16,7 +16,7 @@ import pytest
 from conductor.gateway import Gateway
 from conductor.settings import load_settings
 from tests.support.emulator import Emulator, free_port, start_emulator
-from tests.support.servers import ServerThread, serve_gateway
+from tests.support.servers import READY_TIMEOUT_S, ServerThread, serve_gateway
 from traces.formats import TraceRequest
 from traces.live import TextProgress, replay_live, text_prompt
 from traces.live_results import LiveResult
@@ -109,10 +109,10 @@ def pd_workers() -> Iterator[tuple[Emulator, Emulator]]:
         yield p, d
 
 
-def _gateway(stack: ExitStack, ready: bool = True, **overrides: object) -> ServerThread:
-    """`ready`: wait for the gateway to report itself ready (not where its workers are dead)."""
+def _gateway(stack: ExitStack, ready_timeout_s: float | None = READY_TIMEOUT_S, **overrides: object) -> ServerThread:
+    """`ready_timeout_s`: as serve_gateway's (None where the workers are dead on purpose)."""
     settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, **overrides})
-    return stack.enter_context(serve_gateway(Gateway(settings), ready_timeout_s=60.0 if ready else None))
+    return stack.enter_context(serve_gateway(Gateway(settings), ready_timeout_s=ready_timeout_s))
 
 
 def _conversation(n: int) -> list[TraceRequest]:
@@ -190,7 +190,7 @@ def test_rejections_are_counted_by_reason(pd_workers: tuple[Emulator, Emulator])
 def test_errors_are_counted_by_kind() -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with ExitStack() as stack:
-        gw = _gateway(stack, ready=False, mixed=[dead], models=[MODEL])
+        gw = _gateway(stack, ready_timeout_s=None, mixed=[dead], models=[MODEL])
         result = _replay(gw.url, _conversation(3))
     assert result.run.completed == 0 and result.run.rejected == 0
     assert sum(result.errors.values()) == 3 and all(k.startswith("http_5") for k in result.errors)
