@@ -67,8 +67,15 @@ class BreakerStats:
 class CircuitBreaker:
     """Consecutive-failure breaker for one asyncio loop (no locks: nothing here awaits)."""
 
-    def __init__(self, name: str, *, failures_to_open: int = 3, open_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        failures_to_open: int = 3,
+        open_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+    ) -> None:
         if failures_to_open <= 0 or open_s <= 0:
             raise ValueError("failures_to_open and open_s must be positive")
         self.name = name
@@ -91,8 +98,17 @@ class CircuitBreaker:
 
     @property
     def stats(self) -> BreakerStats:
-        return BreakerStats(self._state, self._attempts, self._successes, self._failures, self._short, self._opens,
-                            self._consecutive, self._slowest_failure, self._last_error)
+        return BreakerStats(
+            self._state,
+            self._attempts,
+            self._successes,
+            self._failures,
+            self._short,
+            self._opens,
+            self._consecutive,
+            self._slowest_failure,
+            self._last_error,
+        )
 
     def allow(self) -> bool:
         """May a call go out now? False is counted as a short circuit."""
@@ -112,8 +128,11 @@ class CircuitBreaker:
         self._trial = False
         if self._state is not BreakerState.CLOSED:
             self._state = BreakerState.CLOSED
-            self._log.warning("%s: reachable again, calls resumed (%d were skipped while it was down)",
-                              self.name, self._short - self._short_at_open)
+            self._log.warning(
+                "%s: reachable again, calls resumed (%d were skipped while it was down)",
+                self.name,
+                self._short - self._short_at_open,
+            )
 
     def failure(self, error: BaseException | str, elapsed_s: float = 0.0) -> None:
         self._failures += 1
@@ -122,7 +141,8 @@ class CircuitBreaker:
         self._slowest_failure = max(self._slowest_failure, elapsed_s)
         self._last_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
         if self._state is BreakerState.HALF_OPEN or (
-                self._state is BreakerState.CLOSED and self._consecutive >= self.failures_to_open):
+            self._state is BreakerState.CLOSED and self._consecutive >= self.failures_to_open
+        ):
             reopening = self._state is BreakerState.HALF_OPEN
             if not reopening:
                 self._short_at_open = self._short
@@ -130,9 +150,14 @@ class CircuitBreaker:
             self._opened_at = self._clock()
             self._opens += 1
             # the first opening is news; each failed trial after it would only flood the log
-            self._log.log(logging.DEBUG if reopening else logging.WARNING,
-                          "%s: %d failures in a row (last %s): not called for %.1fs at a time, using the fallback",
-                          self.name, self._consecutive, self._last_error, self.open_s)
+            self._log.log(
+                logging.DEBUG if reopening else logging.WARNING,
+                "%s: %d failures in a row (last %s): not called for %.1fs at a time, using the fallback",
+                self.name,
+                self._consecutive,
+                self._last_error,
+                self.open_s,
+            )
 
     def abandon(self) -> None:
         """The caller was cancelled mid-call: no verdict, but free the half-open trial slot."""
@@ -171,13 +196,19 @@ class BreakerCollector(Collector):
     def _families(self, s: BreakerStats | None) -> list[Metric]:
         p = self.prefix
         fams: list[tuple[Any, str, str, float]] = [
-            (GaugeMetricFamily, f"{p}_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open",
-             0 if s is None else int(s.state)),
-            (CounterMetricFamily, f"{p}_breaker_failures", "Calls that failed or timed out",
-             0 if s is None else s.failures),
-            (CounterMetricFamily, f"{p}_breaker_short_circuits",
-             "Calls not attempted because the breaker was open (answered by the fallback)",
-             0 if s is None else s.short_circuits),
+            (
+                GaugeMetricFamily,
+                f"{p}_breaker_state",
+                "Circuit breaker state: 0 closed, 1 half-open, 2 open",
+                0 if s is None else int(s.state),
+            ),
+            (CounterMetricFamily, f"{p}_breaker_failures", "Calls that failed or timed out", 0 if s is None else s.failures),
+            (
+                CounterMetricFamily,
+                f"{p}_breaker_short_circuits",
+                "Calls not attempted because the breaker was open (answered by the fallback)",
+                0 if s is None else s.short_circuits,
+            ),
             (CounterMetricFamily, f"{p}_breaker_opens", "Times the breaker opened", 0 if s is None else s.opens),
         ]
         return [cls(name, doc, value=value) for cls, name, doc, value in fams]
@@ -206,5 +237,9 @@ def fail_fast_redis(url: str, *, timeout_s: float, connect_timeout_s: float | No
     from redis.backoff import NoBackoff
 
     return aioredis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s or timeout_s,
-        retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=connect_timeout_s or timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+    )

@@ -122,8 +122,7 @@ def instance_for(source: DnsSource, address: str) -> Discovered:
     name = f"{source.role.value}-{address.replace('.', '-').replace(':', '-')}"
     events = f"tcp://*:{source.kv_events_port}" if source.kv_events_port else None
     replay = f"tcp://*:{source.kv_events_replay_port}" if source.kv_events_replay_port else None
-    return Discovered(name, source.role, f"{source.scheme}://{host}:{source.port}", source.bootstrap_port,
-                      events, replay)
+    return Discovered(name, source.role, f"{source.scheme}://{host}:{source.port}", source.bootstrap_port, events, replay)
 
 
 Apply = Callable[[Role, tuple[Discovered, ...]], Awaitable[None]]
@@ -133,8 +132,7 @@ class DnsDiscovery:
     """Resolves every source now and then every `interval_s`; `apply(role, instances)` gets each
     role's full set after every answer that is known (see the module docstring)."""
 
-    def __init__(self, sources: Sequence[DnsSource], resolver: AddressResolver, apply: Apply,
-                 interval_s: float = 10.0) -> None:
+    def __init__(self, sources: Sequence[DnsSource], resolver: AddressResolver, apply: Apply, interval_s: float = 10.0) -> None:
         self.sources = tuple(sources)
         self.resolver = resolver
         self._apply = apply
@@ -164,8 +162,7 @@ class DnsDiscovery:
             except ResolutionFailed as exc:
                 self.failures += 1
                 if source.name not in self._failing:  # once per outage, not every interval
-                    log.warning("DNS discovery of %s instances failed, keeping the last known set: %s",
-                                source.role.value, exc)
+                    log.warning("DNS discovery of %s instances failed, keeping the last known set: %s", source.role.value, exc)
                 self._failing.add(source.name)
                 continue
             if source.name in self._failing:

@@ -38,8 +38,15 @@ from collections.abc import AsyncIterator, Mapping
 from adapters.http1_conn import Connection, ConnectionFailed, HTTPClientError, PoolTimeout, ReadTimeout
 
 __all__ = [
-    "ConnectionFailed", "HTTPClientError", "InvalidRequest", "Pool", "PoolTimeout", "ReadTimeout", "Response",
-    "authority", "build_head",
+    "ConnectionFailed",
+    "HTTPClientError",
+    "InvalidRequest",
+    "Pool",
+    "PoolTimeout",
+    "ReadTimeout",
+    "Response",
+    "authority",
+    "build_head",
 ]
 
 # ---- request heads: built only from validated parts -------------------------------------------
@@ -187,8 +194,15 @@ class Pool:
     """Keep-alive connections to one origin (host, port), at most `limit` at once."""
 
     def __init__(
-        self, host: str, port: int, *, limit: int = 256, connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 120.0, idle_timeout_s: float = 4.0, pool_timeout_s: float | None = None,
+        self,
+        host: str,
+        port: int,
+        *,
+        limit: int = 256,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 120.0,
+        idle_timeout_s: float = 4.0,
+        pool_timeout_s: float | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host, self.port = host, port
@@ -299,8 +313,11 @@ class Pool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, protocol = await self.loop.create_connection(
-                    lambda: Connection(self.loop, self.read_timeout_s, self._lost), self.host, self.port,
-                    ssl=self.tls, server_hostname=self.host.split("%", 1)[0] if self.tls is not None else None,
+                    lambda: Connection(self.loop, self.read_timeout_s, self._lost),
+                    self.host,
+                    self.port,
+                    ssl=self.tls,
+                    server_hostname=self.host.split("%", 1)[0] if self.tls is not None else None,
                 )
                 assert isinstance(protocol, Connection)
                 if protocol.transport is None:

@@ -57,8 +57,7 @@ _HIGH_WATER = 64  # buffered body chunks of a stream before the socket is paused
 class Connection(asyncio.Protocol):
     """Owned by one request while `busy`; otherwise idle in its pool or closed."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float,
-                 on_lost: Callable[[Connection], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float, on_lost: Callable[[Connection], None]) -> None:
         self.loop = loop
         self.read_timeout_s = read_timeout_s
         self._on_lost = on_lost
@@ -197,7 +196,8 @@ class Connection(asyncio.Protocol):
             # that never come: the answer ends here, and the next exchange gets a fresh parser.
             self._fresh_parser = True
             self.keep_alive = self.parser.get_http_version() == "1.1" and not any(
-                n == b"connection" and b"close" in v.lower() for n, v in self.headers)
+                n == b"connection" and b"close" in v.lower() for n, v in self.headers
+            )
             self.on_message_complete()
         if not self.headers_done.done():
             self.headers_done.set_result(None)

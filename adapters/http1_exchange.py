@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("conductor.http")
 
 Message = MutableMapping[str, Any]
-App = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
-               Awaitable[None]]
+App = Callable[
+    [MutableMapping[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]
+]
 
 
 def _status_line(status: int) -> bytes:
@@ -44,12 +45,28 @@ class ServerExchange:
     """The state of one request and its answer. Owned by its connection; the application task
     touches it only through `receive`, `send` and the disconnect extension."""
 
-    __slots__ = ("_bodiless", "_chunked", "_gone_callbacks", "_head", "_remaining", "_waiter", "_written",
-                 "body", "buffered", "conn", "disconnected", "expect_continue", "keep_alive", "more_body",
-                 "request_done", "response_complete", "response_started", "scope")
+    __slots__ = (
+        "_bodiless",
+        "_chunked",
+        "_gone_callbacks",
+        "_head",
+        "_remaining",
+        "_waiter",
+        "_written",
+        "body",
+        "buffered",
+        "conn",
+        "disconnected",
+        "expect_continue",
+        "keep_alive",
+        "more_body",
+        "request_done",
+        "response_complete",
+        "response_started",
+        "scope",
+    )
 
-    def __init__(self, conn: HttpServerConnection, scope: dict[str, Any], *, keep_alive: bool,
-                 expect_continue: bool) -> None:
+    def __init__(self, conn: HttpServerConnection, scope: dict[str, Any], *, keep_alive: bool, expect_continue: bool) -> None:
         self.conn = conn
         self.scope = scope
         self.keep_alive = keep_alive
@@ -167,8 +184,7 @@ class ServerExchange:
                 raise RuntimeError(f"Expected ASGI message 'http.response.start', but got {kind!r}.")
             self._start(message["status"], message.get("headers", ()))
         elif self.response_complete or kind != "http.response.body":
-            raise RuntimeError(f"Unexpected ASGI message {kind!r} sent after the response was complete "
-                               "or before its body.")
+            raise RuntimeError(f"Unexpected ASGI message {kind!r} sent after the response was complete or before its body.")
         else:
             self._body(message.get("body", b""), message.get("more_body", False))
 
@@ -251,10 +267,16 @@ def simple_response(status: int, text: str) -> App:
     """An ASGI application that answers every request with `status` and a plain-text body."""
     body = text.encode("utf-8")
 
-    async def app(scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Message]],
-                  send: Callable[[Message], Awaitable[None]]) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]})
+    async def app(
+        scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+    ) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     return app

@@ -57,8 +57,9 @@ class HttpServerConnection(asyncio.Protocol):
     """One client connection: parses requests, runs each as an ASGI task, one at a time
     (pipelined requests wait their turn with the socket paused)."""
 
-    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self, config: Config, server_state: ServerState, app_state: dict[str, Any], _loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         if not config.loaded:
             config.load()
         self.app = config.loaded_app
@@ -202,14 +203,23 @@ class HttpServerConnection(asyncio.Protocol):
             path = urllib.parse.unquote(path)
         version = parser.get_http_version()
         scope: dict[str, Any] = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": version,
-            "server": self.server, "client": self.client, "scheme": self.scheme,
-            "method": parser.get_method().decode("ascii"), "root_path": self.root_path,
-            "path": self.root_path + path, "raw_path": self.root_path.encode("ascii") + raw_path,
-            "query_string": url.query or b"", "headers": self._headers, "state": self.app_state.copy(),
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "method": parser.get_method().decode("ascii"),
+            "root_path": self.root_path,
+            "path": self.root_path + path,
+            "raw_path": self.root_path.encode("ascii") + raw_path,
+            "query_string": url.query or b"",
+            "headers": self._headers,
+            "state": self.app_state.copy(),
         }
-        exchange = ServerExchange(self, scope, keep_alive=version != "1.0" and parser.should_keep_alive(),
-                                  expect_continue=self._expect_continue)
+        exchange = ServerExchange(
+            self, scope, keep_alive=version != "1.0" and parser.should_keep_alive(), expect_continue=self._expect_continue
+        )
         scope["extensions"] = {"conductor.on_disconnect": exchange.on_disconnect}
         self._parsing = exchange
         if self.exchange is None:
@@ -238,7 +248,8 @@ class HttpServerConnection(asyncio.Protocol):
         self.exchange = exchange
         tasks = self.server_state.tasks
         busy = self.limit_concurrency is not None and (
-            len(self.server_state.connections) >= self.limit_concurrency or len(tasks) >= self.limit_concurrency)
+            len(self.server_state.connections) >= self.limit_concurrency or len(tasks) >= self.limit_concurrency
+        )
         task = self.loop.create_task(exchange.run(simple_response(503, "Service Unavailable") if busy else self.app))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -291,9 +302,10 @@ class HttpServerConnection(asyncio.Protocol):
         log.warning("refused a request: %s", message)
         if self.exchange is None and self.transport is not None:
             body = message.encode("ascii")
-            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (
-                                     status, _REASONS.get(status, b""), len(body), body))
+            self.transport.write(
+                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, _REASONS.get(status, b""), len(body), body)
+            )
         self.close()
 
     def _arm_timer(self) -> None:
@@ -322,8 +334,13 @@ class HttpServerConnection(asyncio.Protocol):
             self._timer = None
 
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 414: b"URI Too Long", 431: b"Request Header Fields Too Large",
-            503: b"Service Unavailable"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
 
 
 def _address(info: Any) -> tuple[str, int] | None:

@@ -44,8 +44,17 @@ log = logging.getLogger(__name__)
 _LOW64 = (1 << 64) - 1
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True): end of a replay
 # field order of the array-encoded (array_like) event structs of older vLLM versions
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys", "group_idx")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
@@ -164,8 +173,9 @@ class EventSource:
     rank: int = 0
 
     @staticmethod
-    def for_instance(instance: str, url: str, endpoint: str, replay_endpoint: str | None = None,
-                     topic: str = "", rank: int = 0) -> EventSource:
+    def for_instance(
+        instance: str, url: str, endpoint: str, replay_endpoint: str | None = None, topic: str = "", rank: int = 0
+    ) -> EventSource:
         return EventSource(instance, endpoint, urlsplit(url).hostname or "127.0.0.1", replay_endpoint, topic, rank)
 
 
@@ -275,9 +285,18 @@ class EventSubscriber:
 
     @property
     def stats(self) -> SubscriberStats:
-        return SubscriberStats(self._batches, self._gaps, self._replayed, self._resyncs, self._last,
-                               self._last_event_at, self._replay_requests, self._started_wall,
-                               self._last_batch_ts, self._last_received_wall)
+        return SubscriberStats(
+            self._batches,
+            self._gaps,
+            self._replayed,
+            self._resyncs,
+            self._last,
+            self._last_event_at,
+            self._replay_requests,
+            self._started_wall,
+            self._last_batch_ts,
+            self._last_received_wall,
+        )
 
     async def catch_up(self) -> int:
         """Apply every batch the worker's replay buffer still holds; the number applied."""
@@ -288,9 +307,14 @@ class EventSubscriber:
         applied = await self._apply_run(got, None)
         first = self._last - applied + 1 if self._last is not None else 0
         self._replayed_upto = self._last
-        log.info("kv events from %s: caught up on %d buffered batches (seq %d..%s)%s", self.source.instance,
-                 applied, first, self._last,
-                 "" if first == 0 else "; blocks cached before that are unknown until announced again")
+        log.info(
+            "kv events from %s: caught up on %d buffered batches (seq %d..%s)%s",
+            self.source.instance,
+            applied,
+            first,
+            self._last,
+            "" if first == 0 else "; blocks cached before that are unknown until announced again",
+        )
         return applied
 
     async def _run(self) -> None:
@@ -298,8 +322,7 @@ class EventSubscriber:
         while True:
             frames = await self._sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
-                log.warning("kv events from %s: malformed message with %d frames", self.source.instance,
-                            len(frames))
+                log.warning("kv events from %s: malformed message with %d frames", self.source.instance, len(frames))
                 continue
             try:
                 await self.handle(int.from_bytes(frames[1], "big"), frames[2])
@@ -313,8 +336,7 @@ class EventSubscriber:
                 return  # queued while the catch-up replayed it
             self._replayed_upto = None
         last = self._last
-        if last is None and self._batches == 0 and seq > 0 and self._catch_up \
-                and self.source.replay_endpoint is not None:
+        if last is None and self._batches == 0 and seq > 0 and self._catch_up and self.source.replay_endpoint is not None:
             # The first batch since start-up, but not the publisher's first: the SUB socket was
             # still joining (ZMQ's slow joiner) when the ones before went out, after the catch-up
             # found the buffer empty. They are lost on the wire but still in the replay buffer.

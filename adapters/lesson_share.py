@@ -165,7 +165,7 @@ class UnixLessonShare:
         if self._sock is None:
             return
         for start in range(0, len(outbox), MAX_LESSONS):
-            batch = outbox[start:start + MAX_LESSONS]
+            batch = outbox[start : start + MAX_LESSONS]
             datagram = _encode(batch)
             for sibling in self._siblings:
                 try:

@@ -147,9 +147,19 @@ class RedisLoadShare:
 
     MIN_GAP_S = 0.005  # dispatch-driven exchanges: at most 200 a second per replica
 
-    def __init__(self, redis_url: str, replica_id: str, *, interval_s: float = 0.1, prefix: str = "conductor:load:",
-                 timeout_s: float = 0.2, failures_to_open: int = 3, open_s: float = 1.0,
-                 registry: CollectorRegistry | None = None, breaker: CircuitBreaker | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        replica_id: str,
+        *,
+        interval_s: float = 0.1,
+        prefix: str = "conductor:load:",
+        timeout_s: float = 0.2,
+        failures_to_open: int = 3,
+        open_s: float = 1.0,
+        registry: CollectorRegistry | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
         """breaker: one made by the caller (tests: a fake clock); else one from failures_to_open and open_s."""
         self._url = redis_url
         self.replica_id = replica_id
@@ -166,16 +176,18 @@ class RedisLoadShare:
         self._ends = PrefillEnds()
         self._redis: aioredis.Redis | None = None
         self._local: Callable[[], LoadTable] = dict
-        self.breaker = breaker or CircuitBreaker("load share Redis", failures_to_open=failures_to_open,
-                                                 open_s=open_s, logger=log)
+        self.breaker = breaker or CircuitBreaker("load share Redis", failures_to_open=failures_to_open, open_s=open_s, logger=log)
         register_breaker(self.breaker, registry, "conductor_load_share_redis")
 
     async def start(self, local: Callable[[], LoadTable]) -> None:
         self._redis = fail_fast_redis(self._url, timeout_s=self.timeout_s)
         self._local = local
         if not await self.sync():
-            log.warning("load sharing: Redis at %s is not reachable (%s); routing on this replica's own load "
-                        "until it is", self._url, self.breaker.stats.last_error)
+            log.warning(
+                "load sharing: Redis at %s is not reachable (%s); routing on this replica's own load until it is",
+                self._url,
+                self.breaker.stats.last_error,
+            )
         self._task = asyncio.create_task(self._loop(), name="load-share")
 
     async def close(self) -> None:
@@ -278,7 +290,8 @@ class RedisLoadShare:
         # a large share of a prefill), and a frozen elapsed_s overstates what is left of the head
         return {
             instance: (tuple(QueuedPrefill(q.new_tokens, q.cached_tokens, q.elapsed_s + age) for q in queue), decodes)
-            if queue else (queue, decodes)
+            if queue
+            else (queue, decodes)
             for instance, (queue, decodes) in self._remote.items()
         }
 

@@ -86,9 +86,15 @@ class MooncakeStoreProbe:
         self._template = settings.template()
         self._fields = {
             "prefix_at": f"{settings.cache_prefix}@" if settings.cache_prefix else "",
-            "model": settings.model, "tp_rank": settings.tp_rank, "pcp_rank": settings.pcp_rank,
-            "dcp_rank": settings.dcp_rank, "pp_rank": settings.pp_rank, "group": settings.group,
-            "world_size": settings.world_size, "worker_id": settings.worker_id, "dtype": settings.dtype,
+            "model": settings.model,
+            "tp_rank": settings.tp_rank,
+            "pcp_rank": settings.pcp_rank,
+            "dcp_rank": settings.dcp_rank,
+            "pp_rank": settings.pp_rank,
+            "group": settings.group,
+            "world_size": settings.world_size,
+            "worker_id": settings.worker_id,
+            "dtype": settings.dtype,
         }
         self._store = store
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-probe")
@@ -102,12 +108,12 @@ class MooncakeStoreProbe:
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
-            raise ConfigError("Mooncake Store probing needs the 'mooncake' extra "
-                              "(pip install mooncake-transfer-engine-non-cuda)") from exc
+            raise ConfigError(
+                "Mooncake Store probing needs the 'mooncake' extra (pip install mooncake-transfer-engine-non-cuda)"
+            ) from exc
         s = self.settings
         store = MooncakeDistributedStore()
-        rc = store.setup(s.local_hostname, s.metadata_server, 0, s.local_buffer_bytes, s.protocol,
-                         s.device_name, s.master)
+        rc = store.setup(s.local_hostname, s.metadata_server, 0, s.local_buffer_bytes, s.protocol, s.device_name, s.master)
         if rc != 0:
             raise ConfigError(f"cannot connect to the Mooncake master at {s.master} (setup returned {rc})")
         self._store = store
@@ -141,7 +147,8 @@ class MooncakeStoreProbe:
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.wait_for(
-                loop.run_in_executor(self._pool, self.leading_blocks_sync, names), self.settings.timeout_s)
+                loop.run_in_executor(self._pool, self.leading_blocks_sync, names), self.settings.timeout_s
+            )
         except Exception as exc:  # noqa: BLE001  # a slow or failing store must not fail the request
             self.failures += 1
             log.warning("Mooncake Store probe failed: %r", exc)

@@ -80,8 +80,16 @@ def clear_slot(buf: memoryview, slot: int, slot_bytes: int = DEFAULT_SLOT_BYTES)
 class SharedMemoryLoadShare:
     """The `LoadShare` of one worker process: slot `slot` of `workers` in the named segment."""
 
-    def __init__(self, segment: str, slot: int, workers: int, *, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 interval_s: float = 0.005, stale_after_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        segment: str,
+        slot: int,
+        workers: int,
+        *,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        interval_s: float = 0.005,
+        stale_after_s: float = 1.0,
+    ) -> None:
         if not 0 <= slot < workers:
             raise ValueError(f"slot {slot} outside 0..{workers - 1}")
         self.segment, self.slot, self.workers = segment, slot, workers
@@ -168,13 +176,16 @@ class SharedMemoryLoadShare:
             return
         if HEADER_BYTES + len(payload) > self.slot_bytes:
             self.oversized += 1
-            log.warning("this worker's in-flight table (%d bytes) exceeds its shared memory slot (%d): "
-                        "siblings see the previous one", len(payload), self.slot_bytes)
+            log.warning(
+                "this worker's in-flight table (%d bytes) exceeds its shared memory slot (%d): siblings see the previous one",
+                len(payload),
+                self.slot_bytes,
+            )
             struct.pack_into("<d", buf, base + 8, now)
             return
         self._seq += 2
         _HEADER.pack_into(buf, base, self._seq - 1, now, len(payload), 0)  # odd: writing
-        buf[base + HEADER_BYTES: base + HEADER_BYTES + len(payload)] = payload
+        buf[base + HEADER_BYTES : base + HEADER_BYTES + len(payload)] = payload
         _HEADER.pack_into(buf, base, self._seq, now, len(payload), 0)
         self._last_payload = payload
 
@@ -192,7 +203,7 @@ class SharedMemoryLoadShare:
                 return cached
             if length > self.slot_bytes - HEADER_BYTES:
                 return None
-            raw = bytes(buf[base + HEADER_BYTES: base + HEADER_BYTES + length])
+            raw = bytes(buf[base + HEADER_BYTES : base + HEADER_BYTES + length])
             if _HEADER.unpack_from(buf, base)[0] != seq:  # rewritten while we copied
                 continue
             try:

@@ -77,8 +77,9 @@ def _token_text(value: Any) -> str | None:
 
 
 def _parts_text(parts: list[Any]) -> str:
-    return "\n".join(text for p in parts if isinstance(p, Mapping) and p.get("type") == "text"
-                     and isinstance(text := p.get("text"), str))
+    return "\n".join(
+        text for p in parts if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(text := p.get("text"), str)
+    )
 
 
 def _tool_dict(tool: Any) -> Any:
@@ -175,10 +176,8 @@ class HFTokenizer:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         return env.from_string(source)
@@ -189,10 +188,15 @@ class HFTokenizer:
         if self._template is None:
             raise ConfigError(f"{self.directory} has no chat template (tokenizer_config.json chat_template)")
         # vLLM hands string-format templates the text parts of a content list joined by newlines
-        plain = [{**m, "content": _parts_text(m["content"])} if isinstance(m.get("content"), list) else dict(m)
-                 for m in messages]
-        variables: dict[str, Any] = {"messages": plain, "add_generation_prompt": True, "tools": None,
-                                     "documents": None, **self.special_tokens, **extra}
+        plain = [{**m, "content": _parts_text(m["content"])} if isinstance(m.get("content"), list) else dict(m) for m in messages]
+        variables: dict[str, Any] = {
+            "messages": plain,
+            "add_generation_prompt": True,
+            "tools": None,
+            "documents": None,
+            **self.special_tokens,
+            **extra,
+        }
         text = str(self._template.render(**variables))
         return _cut_after_final_message(text, plain) if variables.get("continue_final_message") else text
 
@@ -243,8 +247,9 @@ class HFPromptTokenizer(LocalTokenizer):
 class WorkerTokenizer:
     """Asks a vLLM worker's POST /tokenize (completions: `prompt`; chat: `messages`)."""
 
-    def __init__(self, base_url: str, *, model: str | None = None, timeout_s: float = 5.0,
-                 client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, base_url: str, *, model: str | None = None, timeout_s: float = 5.0, client: httpx.AsyncClient | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
@@ -259,19 +264,21 @@ class WorkerTokenizer:
         except httpx.HTTPError as exc:
             raise UpstreamError(f"/tokenize at {self.base_url} failed: {exc!r}") from exc
         if resp.status_code != 200:
-            raise UpstreamError(f"/tokenize at {self.base_url} answered {resp.status_code}: {resp.text[:200]}",
-                                upstream_status=resp.status_code)
+            raise UpstreamError(
+                f"/tokenize at {self.base_url} answered {resp.status_code}: {resp.text[:200]}", upstream_status=resp.status_code
+            )
         return [int(t) for t in resp.json()["tokens"]]
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._tokenize({"prompt": text, "add_special_tokens": add_special_tokens})
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], body: Mapping[str, Any]) -> list[int]:
-        payload: dict[str, Any] = {"messages": list(messages),
-                                   "add_generation_prompt": body.get("add_generation_prompt", True) is not False}
+        payload: dict[str, Any] = {
+            "messages": list(messages),
+            "add_generation_prompt": body.get("add_generation_prompt", True) is not False,
+        }
         # the worker renders its own template: hand it what shapes the prompt, as the chat request has it
-        for key in ("model", "tools", "documents", "continue_final_message", "add_special_tokens",
-                    "chat_template_kwargs"):
+        for key in ("model", "tools", "documents", "continue_final_message", "add_special_tokens", "chat_template_kwargs"):
             if body.get(key) is not None:
                 payload[key] = body[key]
         return await self._tokenize(payload)

@@ -86,8 +86,14 @@ class Upstream:
     """The connection pools to one worker: the main one and a small one for health probes."""
 
     def __init__(
-        self, name: str, base_url: str, *, timeouts: Timeouts, max_connections: int = 256,
-        probe_connections: int = 2, tls: ssl.SSLContext | None = None,
+        self,
+        name: str,
+        base_url: str,
+        *,
+        timeouts: Timeouts,
+        max_connections: int = 256,
+        probe_connections: int = 2,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -114,8 +120,9 @@ class Upstream:
         t, host, port = self.timeouts, parts.hostname, port or (443 if tls else 80)
 
         def pool(limit: int) -> Pool:
-            return Pool(host, port, limit=limit, connect_timeout_s=t.connect_s, read_timeout_s=t.read_s,
-                        pool_timeout_s=t.pool_s, tls=tls)
+            return Pool(
+                host, port, limit=limit, connect_timeout_s=t.connect_s, read_timeout_s=t.read_s, pool_timeout_s=t.pool_s, tls=tls
+            )
 
         self._pool = pool(self._max_connections)
         self._probe_pool = pool(self._probe_connections)
@@ -141,15 +148,17 @@ class Upstream:
 
     def _fail(self, exc: BaseException, path: str) -> UpstreamError:
         if isinstance(exc, PoolTimeout):
-            return UpstreamPoolExhausted(f"{self.name}: no free connection for {path}: {exc}", instance=self.name,
-                                         maybe_processed=False)
+            return UpstreamPoolExhausted(
+                f"{self.name}: no free connection for {path}: {exc}", instance=self.name, maybe_processed=False
+            )
         if isinstance(exc, ReadTimeout | TimeoutError):
             return UpstreamTimeout(f"{self.name} did not answer {path} in time", instance=self.name)
         sent = exc.sent if isinstance(exc, HTTPClientError) else True
         return UpstreamError(f"{self.name} failed on {path}: {exc}", instance=self.name, maybe_processed=sent)
 
-    async def _exchange(self, pool: Pool, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                        total_s: float | None) -> UpstreamReply:
+    async def _exchange(
+        self, pool: Pool, method: str, path: str, headers: Mapping[str, str], body: bytes, total_s: float | None
+    ) -> UpstreamReply:
         started = time.monotonic()
         try:
             if total_s:
@@ -161,11 +170,11 @@ class Upstream:
                 data = await response.read()
         except (HTTPClientError, TimeoutError) as exc:
             raise self._fail(exc, path) from exc
-        return UpstreamReply(response.status, data, response.header("content-type", "application/json"),
-                             time.monotonic() - started)
+        return UpstreamReply(
+            response.status, data, response.header("content-type", "application/json"), time.monotonic() - started
+        )
 
-    async def post(self, path: str, body: bytes, headers: Mapping[str, str], *,
-                   total_s: float | None = None) -> UpstreamReply:
+    async def post(self, path: str, body: bytes, headers: Mapping[str, str], *, total_s: float | None = None) -> UpstreamReply:
         """One non-streamed request. Its time is bounded by the connection's read timeout (silence)
         and by `total_s` when given; the request path passes none: its own deadline
         (request_timeout_s, conductor/proxy.py) covers every leg, and a timer per leg would cost
@@ -188,8 +197,9 @@ class Upstream:
 class UpstreamPool:
     """Every worker's pools, keyed by instance name."""
 
-    def __init__(self, timeouts: Timeouts, max_connections: int = 256, *, probe_connections: int = 2,
-                 tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, timeouts: Timeouts, max_connections: int = 256, *, probe_connections: int = 2, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.timeouts = timeouts
         self._max_connections = max_connections
         self._probe_connections = probe_connections
@@ -197,8 +207,14 @@ class UpstreamPool:
         self._by_name: dict[str, Upstream] = {}
 
     def add(self, name: str, base_url: str) -> Upstream:
-        upstream = Upstream(name, base_url, timeouts=self.timeouts, max_connections=self._max_connections,
-                            probe_connections=self._probe_connections, tls=self._tls)
+        upstream = Upstream(
+            name,
+            base_url,
+            timeouts=self.timeouts,
+            max_connections=self._max_connections,
+            probe_connections=self._probe_connections,
+            tls=self._tls,
+        )
         self._by_name[name] = upstream
         return upstream
 

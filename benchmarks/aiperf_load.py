@@ -151,8 +151,15 @@ def trace_rows(requests: Sequence[TraceRequest], synth: PromptSynthesizer, speed
             if key not in renamed:
                 renamed[key], fresh = fresh, fresh + 1
             ids[-1] = renamed[key]
-        rows.append({"session_id": _SESSION.format(r.line), "timestamp": round((r.arrival_s - first) / speedup * 1000, 3),
-                     "input_length": length, "output_length": synth.output_length(r), "hash_ids": ids})
+        rows.append(
+            {
+                "session_id": _SESSION.format(r.line),
+                "timestamp": round((r.arrival_s - first) / speedup * 1000, 3),
+                "input_length": length,
+                "output_length": synth.output_length(r),
+                "hash_ids": ids,
+            }
+        )
     if rows:
         rows[0]["remapped_hash_ids"] = len(renamed)  # bookkeeping: write_trace leaves it out
     return rows
@@ -182,28 +189,58 @@ class AiperfRun:
 
     def command(self) -> list[str]:
         return [
-            self.aiperf, "profile", "--model", self.model, "--url", self.url,
-            "--endpoint-type", "completions", "--streaming",
-            "--input-file", str(self.trace), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
-            "--prompt-input-tokens-block-size", str(self.block_size),
-            "--tokenizer", TOKENIZER_ID, "--use-server-token-count",
-            "--extra-inputs", json.dumps({"ignore_eos": True, "temperature": 0.0}),
-            "--request-timeout-seconds", repr(self.request_timeout_s), "--random-seed", str(self.seed),
-            "--artifact-dir", str(self.artifacts), "--export-level", "records",
+            self.aiperf,
+            "profile",
+            "--model",
+            self.model,
+            "--url",
+            self.url,
+            "--endpoint-type",
+            "completions",
+            "--streaming",
+            "--input-file",
+            str(self.trace),
+            "--custom-dataset-type",
+            "mooncake_trace",
+            "--fixed-schedule",
+            "--prompt-input-tokens-block-size",
+            str(self.block_size),
+            "--tokenizer",
+            TOKENIZER_ID,
+            "--use-server-token-count",
+            "--extra-inputs",
+            json.dumps({"ignore_eos": True, "temperature": 0.0}),
+            "--request-timeout-seconds",
+            repr(self.request_timeout_s),
+            "--random-seed",
+            str(self.seed),
+            "--artifact-dir",
+            str(self.artifacts),
+            "--export-level",
+            "records",
             # on a shared 2-core box: no dashboard, no scraping of the router or of GPUs
-            "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
+            "--ui-type",
+            "none",
+            "--no-server-metrics",
+            "--no-gpu-telemetry",
         ]
 
     def run(self, timeout_s: float) -> Path:
         """Run aiperf; the path of its per-request export. Raises RuntimeError with its log's tail."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         # the tokenizer from our cache entry, and no hub requests from any aiperf process
-        env.update(HF_HOME=str(self.hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   HF_HUB_DISABLE_TELEMETRY="1")
+        env.update(HF_HOME=str(self.hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
         log = self.artifacts.parent / "aiperf.log"
         with log.open("w", encoding="utf-8") as out:
-            proc = subprocess.run(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                  cwd=self.artifacts.parent, timeout=timeout_s, check=False)
+            proc = subprocess.run(
+                self.command(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.artifacts.parent,
+                timeout=timeout_s,
+                check=False,
+            )
         export = self.artifacts / "profile_export.jsonl"
         if proc.returncode != 0 or not export.exists():
             tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
@@ -256,16 +293,23 @@ def http_outcome(record: Mapping[str, Any]) -> HttpOutcome:
         if code == 429:
             return HttpOutcome("rejected", 429, _rejection_code(message), None, None, 0, None, None, elapsed, message)
         reason = f"http_{code}" if isinstance(code, int) else str(error.get("type") or "error")
-        return HttpOutcome("error", code if isinstance(code, int) else None, reason, None, None, 0, None, None,
-                           elapsed, message)
+        return HttpOutcome("error", code if isinstance(code, int) else None, reason, None, None, 0, None, None, elapsed, message)
     ttft = _seconds(metrics, "time_to_first_token")
     gaps = _seconds(metrics, "inter_chunk_latency")
     gaps = gaps if isinstance(gaps, list) else []
     chunks = len(gaps) + 1 if gaps else (1 if ttft is not None else 0)
     tbt = sum(gaps) / len(gaps) if gaps else None
-    return HttpOutcome("ok", 200, None, ttft if isinstance(ttft, float) else None, tbt, chunks,
-                       _count(metrics, "usage_prompt_tokens"), _count(metrics, "usage_prompt_cache_read_tokens"),
-                       elapsed)
+    return HttpOutcome(
+        "ok",
+        200,
+        None,
+        ttft if isinstance(ttft, float) else None,
+        tbt,
+        chunks,
+        _count(metrics, "usage_prompt_tokens"),
+        _count(metrics, "usage_prompt_cache_read_tokens"),
+        elapsed,
+    )
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -317,15 +361,34 @@ def _get(url: str) -> str | None:
         return None
 
 
-def replay_aiperf(url: str, requests: Sequence[TraceRequest], *, time_scale: float, synthesizer: PromptSynthesizer,
-                  model: str, slo_ttft_s: float | None, slo_tbt_s: float | None, work_dir: Path,
-                  aiperf: str = DEFAULT_AIPERF, label: str = "aiperf", request_timeout_s: float = 300.0) -> LiveResult:
+def replay_aiperf(
+    url: str,
+    requests: Sequence[TraceRequest],
+    *,
+    time_scale: float,
+    synthesizer: PromptSynthesizer,
+    model: str,
+    slo_ttft_s: float | None,
+    slo_tbt_s: float | None,
+    work_dir: Path,
+    aiperf: str = DEFAULT_AIPERF,
+    label: str = "aiperf",
+    request_timeout_s: float = 300.0,
+) -> LiveResult:
     """traces.live.replay_live's counterpart with aiperf sending: the same LiveResult."""
     work_dir.mkdir(parents=True, exist_ok=True)
     rows = trace_rows(requests, synthesizer, time_scale)
     cache_tokenizer(work_dir / "hf")
-    run = AiperfRun(aiperf, url, model, write_trace(work_dir / "trace.jsonl", rows), work_dir / "hf",
-                    work_dir / "artifacts", block_size(requests, synthesizer), request_timeout_s)
+    run = AiperfRun(
+        aiperf,
+        url,
+        model,
+        write_trace(work_dir / "trace.jsonl", rows),
+        work_dir / "hf",
+        work_dir / "artifacts",
+        block_size(requests, synthesizer),
+        request_timeout_s,
+    )
     base = url.rstrip("/")
     ready = json.loads(_get(f"{base}/ready") or "null")
     healthy = ready.get("healthy", {}) if isinstance(ready, dict) else {}
@@ -338,9 +401,16 @@ def replay_aiperf(url: str, requests: Sequence[TraceRequest], *, time_scale: flo
     delta = (after[0] - before[0], after[1] - before[1]) if before is not None and after is not None else None
     done = outcomes(rows, records)
     wall = max((o.scheduled_s + o.lag_s + o.http.elapsed_s for o in done), default=0.0)
-    return summarize(done, label=label, n_prefill=int(healthy.get("prefill", 0) or healthy.get("mixed", 0)),
-                     n_decode=int(healthy.get("decode", 0)), slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
-                     wall_s=wall, gateway_cached=delta if delta and sum(delta) > 0 else None,
-                     predictions=prediction_errors(metrics_after),
-                     # `kv_index` lands in `extra`: say how many blocks lost their sharing (trace_rows)
-                     kv_index={"aiperf_remapped_hash_ids": float(rows[0]["remapped_hash_ids"] if rows else 0)})
+    return summarize(
+        done,
+        label=label,
+        n_prefill=int(healthy.get("prefill", 0) or healthy.get("mixed", 0)),
+        n_decode=int(healthy.get("decode", 0)),
+        slo_ttft_s=slo_ttft_s,
+        slo_tbt_s=slo_tbt_s,
+        wall_s=wall,
+        gateway_cached=delta if delta and sum(delta) > 0 else None,
+        predictions=prediction_errors(metrics_after),
+        # `kv_index` lands in `extra`: say how many blocks lost their sharing (trace_rows)
+        kv_index={"aiperf_remapped_hash_ids": float(rows[0]["remapped_hash_ids"] if rows else 0)},
+    )

@@ -88,14 +88,43 @@ def main() -> int:
         for role, urls in (("prefill", prefills), ("decode", decodes)):
             for i in range(2):
                 port = free_port()
-                procs.python("-m", "adapters.emulator", "--role", role, "--port", str(port), "--model", "tiny",
-                             "--noise", "0.05", "--seed", str(10 + i), "--time-scale", "1", "--log-level", "warning")
+                procs.python(
+                    "-m",
+                    "adapters.emulator",
+                    "--role",
+                    role,
+                    "--port",
+                    str(port),
+                    "--model",
+                    "tiny",
+                    "--noise",
+                    "0.05",
+                    "--seed",
+                    str(10 + i),
+                    "--time-scale",
+                    "1",
+                    "--log-level",
+                    "warning",
+                )
                 urls.append(f"http://127.0.0.1:{port}")
         for u in prefills + decodes:
             wait_http(u + "/health")
         gw_port = free_port()
-        argv = ["-m", "conductor", "serve", "--port", str(gw_port), "--policy", "kvcache_aware",
-                "--slo-ttft", str(args.slo_ttft), "--slo-tbt", str(args.slo_tbt), "--log-level", "warning"]
+        argv = [
+            "-m",
+            "conductor",
+            "serve",
+            "--port",
+            str(gw_port),
+            "--policy",
+            "kvcache_aware",
+            "--slo-ttft",
+            str(args.slo_ttft),
+            "--slo-tbt",
+            str(args.slo_tbt),
+            "--log-level",
+            "warning",
+        ]
         for u in prefills:
             argv += ["--prefill", u]
         for u in decodes:
@@ -105,8 +134,10 @@ def main() -> int:
         wait_http(url + "/ready")
         # capacity: 2 prefill instances, each ~0.124 s for the mean 4K prompt (profile)
         capacity = 2 / 0.124
-        print(f"prefill capacity ~{capacity:.1f} req/s; warm-up at 0.5x, then {args.load:g}x for {args.seconds:g} s",
-              file=sys.stderr)
+        print(
+            f"prefill capacity ~{capacity:.1f} req/s; warm-up at 0.5x, then {args.load:g}x for {args.seconds:g} s",
+            file=sys.stderr,
+        )
         asyncio.run(drive(url + "/v1/completions", capacity * 0.5, 6.0, args.seed))  # predictors fit online
         outcomes = asyncio.run(drive(url + "/v1/completions", capacity * args.load, args.seconds, args.seed + 1))
         with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:  # the gateway's own error figures
@@ -115,8 +146,9 @@ def main() -> int:
     admitted = [o for o in outcomes if o.status == 200]
     rejected = [o for o in outcomes if o.status == 429]
     other = [o for o in outcomes if o.status not in (200, 429)]
-    met = [o for o in admitted if o.ttft_s is not None and o.ttft_s <= args.slo_ttft
-           and (o.tbt_s is None or o.tbt_s <= args.slo_tbt)]
+    met = [
+        o for o in admitted if o.ttft_s is not None and o.ttft_s <= args.slo_ttft and (o.tbt_s is None or o.tbt_s <= args.slo_tbt)
+    ]
     lat429 = sorted(o.latency_s * 1000 for o in rejected)
     reasons: dict[str, int] = {}
     for o in rejected:
@@ -125,12 +157,16 @@ def main() -> int:
     print(f"admitted {len(admitted)}, rejected 429: {len(rejected)} {reasons}, other errors: {len(other)}")
     if admitted:
         ttfts = sorted(o.ttft_s for o in admitted if o.ttft_s is not None)
-        print(f"admitted meeting both SLOs (TTFT <= {args.slo_ttft} s, TBT <= {args.slo_tbt} s): "
-              f"{len(met)}/{len(admitted)} = {len(met) / len(admitted):.1%}")
+        print(
+            f"admitted meeting both SLOs (TTFT <= {args.slo_ttft} s, TBT <= {args.slo_tbt} s): "
+            f"{len(met)}/{len(admitted)} = {len(met) / len(admitted):.1%}"
+        )
         print(f"admitted TTFT p50 {statistics.median(ttfts):.3f} s, p99 {ttfts[int(len(ttfts) * 0.99) - 1]:.3f} s")
     if lat429:
-        print(f"429 latency at the client: p50 {statistics.median(lat429):.2f} ms, "
-              f"p99 {lat429[max(0, int(len(lat429) * 0.99) - 1)]:.2f} ms")
+        print(
+            f"429 latency at the client: p50 {statistics.median(lat429):.2f} ms, "
+            f"p99 {lat429[max(0, int(len(lat429) * 0.99) - 1)]:.2f} ms"
+        )
     print("gateway's prediction error over its recent window (MAPE / p90 coverage):")
     figures: dict[tuple[str, str], dict[str, str]] = {}
     for line in metrics.splitlines():
@@ -139,8 +175,10 @@ def main() -> int:
             labels, value = rest.rsplit("} ", 1)
             figures.setdefault((labels, ""), {})[name.removeprefix("conductor_prediction_")] = value
     for (labels, _), v in sorted(figures.items()):
-        print(f"  {labels:55s} n={float(v.get('samples', 0)):5.0f}  MAPE {float(v.get('mape', 0)):6.1%}  "
-              f"coverage {float(v.get('p90_coverage', 0)):.3f}")
+        print(
+            f"  {labels:55s} n={float(v.get('samples', 0)):5.0f}  MAPE {float(v.get('mape', 0)):6.1%}  "
+            f"coverage {float(v.get('p90_coverage', 0)):.3f}"
+        )
     return 0
 
 

@@ -91,8 +91,10 @@ def scaled_cases(n_instances: int, n: int, seed: int = 3, prompt: int = 32768) -
     n_p = max(1, n_instances // 2)
     n_d = max(1, n_instances - n_p)
     snapshots = [
-        ClusterSnapshot(now=1000.0 + k, instances=tuple(
-            [prefill_view(rng, p) for p in range(n_p)] + [decode_view(rng, d) for d in range(n_d)]))
+        ClusterSnapshot(
+            now=1000.0 + k,
+            instances=tuple([prefill_view(rng, p) for p in range(n_p)] + [decode_view(rng, d) for d in range(n_d)]),
+        )
         for k in range(8)
     ]
     return [(request(rng, i, n_p, prompt), snapshots[i % len(snapshots)]) for i in range(n)]
@@ -139,8 +141,9 @@ def decision_cpu(name: str, cases: list[tuple[RequestView, ClusterSnapshot]]) ->
 
 
 def grid(n: int) -> None:
-    print(f"decision (decide + on_decided) thread-CPU p50 / p99 in us, {n} decisions per cell;"
-          " instances half prefill, half decode")
+    print(
+        f"decision (decide + on_decided) thread-CPU p50 / p99 in us, {n} decisions per cell; instances half prefill, half decode"
+    )
     cells = {(i, p): scaled_cases(i, n + 20, seed=i + p, prompt=p) for i in GRID_INSTANCES for p in GRID_PROMPTS}
     head = f"{'instances':>10}" + "".join(f"{f'{p // 1024}K-token prompt':>20}" for p in GRID_PROMPTS)
     for name in GRID_POLICIES:
@@ -160,9 +163,18 @@ def mixed_cases(
     decode_view's (32-128), a few shared snapshots (see scaled_cases)."""
     rng = random.Random(seed)
     snapshots = [
-        ClusterSnapshot(now=1000.0 + k, instances=tuple(
-            InstanceView(f"prefill-{w}", Role.MIXED, prefill_queue=prefill_view(rng, w).prefill_queue,
-                         decodes=decode_view(rng, w).decodes) for w in range(n_instances)))
+        ClusterSnapshot(
+            now=1000.0 + k,
+            instances=tuple(
+                InstanceView(
+                    f"prefill-{w}",
+                    Role.MIXED,
+                    prefill_queue=prefill_view(rng, w).prefill_queue,
+                    decodes=decode_view(rng, w).decodes,
+                )
+                for w in range(n_instances)
+            ),
+        )
         for k in range(4)
     ]
     return [(replace(request(rng, i, n_instances, prompt), slo=slo), snapshots[i % len(snapshots)]) for i in range(n)]
@@ -172,17 +184,21 @@ def mixed(n: int) -> None:
     """kvcache_aware's decision on mixed workers, its placement rules on and off: the least-stall
     placement (mixed_ttft_slack) and the stream check (mixed_protect_streams) walk streams the
     lowest-TTFT rule did not."""
-    variants = (("lowest TTFT", {"mixed_ttft_slack": None, "mixed_protect_streams": False}),
-                ("least stall", {"mixed_protect_streams": False}),
-                ("least stall + streams protected (default)", {}))
+    variants = (
+        ("lowest TTFT", {"mixed_ttft_slack": None, "mixed_protect_streams": False}),
+        ("least stall", {"mixed_protect_streams": False}),
+        ("least stall + streams protected (default)", {}),
+    )
     print(f"kvcache_aware on mixed workers, decide thread-CPU p50 / p99 in us, {n} decisions, 32K-token prompt")
     for workers in (16, 256):
         for slo in (Slo(ttft_s=30.0, tbt_s=1.0), Slo(ttft_s=5.0, tbt_s=0.1)):
             cases = mixed_cases(workers, n, slo)
             for label, options in variants:
                 _, cpu = measure("kvcache_aware", {"online": False, **options}, cases)
-                print(f"{workers:>5} workers, SLO TTFT {slo.ttft_s:g}s TBT {slo.tbt_s:g}s  {label:<42}"
-                      f"{statistics.median(cpu):>7.0f} / {pct(cpu, 0.99):.0f}")
+                print(
+                    f"{workers:>5} workers, SLO TTFT {slo.ttft_s:g}s TBT {slo.tbt_s:g}s  {label:<42}"
+                    f"{statistics.median(cpu):>7.0f} / {pct(cpu, 0.99):.0f}"
+                )
 
 
 def pct(xs: list[float], q: float) -> float:

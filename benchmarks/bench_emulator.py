@@ -26,8 +26,9 @@ from tests.support.emulator import start_emulator
 GOAL_RPS = 200.0
 
 
-async def client(session: aiohttp.ClientSession, url: str, body: dict[str, object], todo: list[int],
-                 latencies: list[float], tokens: list[int]) -> None:
+async def client(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object], todo: list[int], latencies: list[float], tokens: list[int]
+) -> None:
     while todo:
         todo.pop()
         t0 = time.perf_counter()
@@ -73,8 +74,10 @@ def main() -> int:
             result = uvloop.run(run(emu.url + "/v1/completions", args.clients, args.requests, args.tokens))
         elapsed, lat, n_tok = result
     rps = args.requests / elapsed
-    print(f"emulator: {args.requests} streamed requests x {args.tokens} tokens, {args.clients} clients, "
-          f"time scale {args.time_scale}, {os.cpu_count()} CPUs (client and server share them)")
+    print(
+        f"emulator: {args.requests} streamed requests x {args.tokens} tokens, {args.clients} clients, "
+        f"time scale {args.time_scale}, {os.cpu_count()} CPUs (client and server share them)"
+    )
     print(f"  requests/s  {rps:8.1f}   goal {GOAL_RPS:.0f}   ratio {rps / GOAL_RPS:5.2f}x")
     print(f"  tokens/s    {n_tok / elapsed:8.0f}")
     qs = statistics.quantiles(lat, n=100)

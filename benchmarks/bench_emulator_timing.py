@@ -41,8 +41,9 @@ def _prompt(k: int) -> list[int]:
 
 def _first_byte_s(client: httpx.Client, url: str, prompt: list[int]) -> float:
     t0 = time.perf_counter()
-    with client.stream("POST", url + "/v1/completions",
-                       json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True}) as r:
+    with client.stream(
+        "POST", url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True}
+    ) as r:
         r.raise_for_status()
         chunks = r.iter_raw()
         next(chunks)  # the first token's event
@@ -59,8 +60,10 @@ def main() -> int:
     args = p.parse_args()
     expected = load_profile().prefill_s(TOKENS)
     failed = False
-    print(f"8K-token prefill at time scale 1: modelled {expected * 1000:.1f} ms; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"8K-token prefill at time scale 1: modelled {expected * 1000:.1f} ms; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     with ExitStack() as stack:
         emu = stack.enter_context(start_emulator("mixed", time_scale=1.0, noise=0.0, model="tiny"))
         gateway = Gateway(load_settings(environ={}, overrides={"mixed": [emu.url], "log_level": "warning"}))
@@ -73,8 +76,10 @@ def main() -> int:
                 error = median / expected - 1
                 ok = abs(error) <= args.tolerance
                 failed |= not ok
-                print(f"  {label} median {median * 1000:7.1f} ms  ({error:+.1%})  runs "
-                      f"{', '.join(f'{r * 1000:.0f}' for r in runs)}  {'ok' if ok else 'OFF'}")
+                print(
+                    f"  {label} median {median * 1000:7.1f} ms  ({error:+.1%})  runs "
+                    f"{', '.join(f'{r * 1000:.0f}' for r in runs)}  {'ok' if ok else 'OFF'}"
+                )
     return 1 if failed else 0
 
 

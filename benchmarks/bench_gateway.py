@@ -120,17 +120,23 @@ def start_workers(procs: Processes) -> dict[str, str]:
     urls = {}
     for name, role in (("mixed-a", "mixed"), ("mixed-b", "mixed"), ("prefill", "prefill"), ("decode", "decode")):
         port = free_port()
-        procs.start([sys.executable, str(ROOT / "benchmarks/standin_worker.py"), "--role", role, "--port", str(port)],
-                     quiet=True)
+        procs.start([sys.executable, str(ROOT / "benchmarks/standin_worker.py"), "--role", role, "--port", str(port)], quiet=True)
         urls[name] = f"http://127.0.0.1:{port}"
     for url in urls.values():
         wait_http(url + "/health")
     return urls
 
 
-def start_routers(procs: Processes, w: dict[str, str], pd: bool, policy: str,
-                  vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...],
-                  against: tuple[str, Path] | None = None) -> list[Router]:
+def start_routers(
+    procs: Processes,
+    w: dict[str, str],
+    pd: bool,
+    policy: str,
+    vllm_router: str | None,
+    sglang_router: str | None,
+    workers: tuple[int, ...],
+    against: tuple[str, Path] | None = None,
+) -> list[Router]:
     routers = []
     if against is not None:  # the same command line, the package imported from the exported tree,
         rev, tree = against  # with the first of `workers` processes (compare like with like)
@@ -138,48 +144,116 @@ def start_routers(procs: Processes, w: dict[str, str], pd: bool, policy: str,
         admin = free_port_run(n)
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
         extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
-        p = procs.start([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy,
-                         "--model", "tiny", "--log-level", "warning", *inst, *extra], quiet=True, pythonpath=tree)
-        for url in ([f"http://127.0.0.1:{admin + i}" for i in range(n)] if n > 1 else [f"http://127.0.0.1:{port}"]):
+        p = procs.start(
+            [
+                sys.executable,
+                "-m",
+                "conductor",
+                "serve",
+                "--port",
+                str(port),
+                "--policy",
+                policy,
+                "--model",
+                "tiny",
+                "--log-level",
+                "warning",
+                *inst,
+                *extra,
+            ],
+            quiet=True,
+            pythonpath=tree,
+        )
+        for url in [f"http://127.0.0.1:{admin + i}" for i in range(n)] if n > 1 else [f"http://127.0.0.1:{port}"]:
             wait_http(url + "/ready")
-        routers.append(Router(f"conductor@{rev}" + (f"-w{n}" if n > 1 else ""), f"http://127.0.0.1:{port}/v1/completions",
-                              _pids(p)))
+        routers.append(
+            Router(f"conductor@{rev}" + (f"-w{n}" if n > 1 else ""), f"http://127.0.0.1:{port}/v1/completions", _pids(p))
+        )
     for n in workers:
         port, admin = free_port(), free_port_run(n)
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
         extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
-        p = procs.start([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy,
-                         "--model", "tiny", "--log-level", "warning", *inst, *extra], quiet=True)
+        p = procs.start(
+            [
+                sys.executable,
+                "-m",
+                "conductor",
+                "serve",
+                "--port",
+                str(port),
+                "--policy",
+                policy,
+                "--model",
+                "tiny",
+                "--log-level",
+                "warning",
+                *inst,
+                *extra,
+            ],
+            quiet=True,
+        )
         wait_http(f"http://127.0.0.1:{admin if n > 1 else port}/ready")
         if n > 1:
             for i in range(n):
                 wait_http(f"http://127.0.0.1:{admin + i}/ready")
-        routers.append(Router(f"conductor-w{n}" if n > 1 else "conductor", f"http://127.0.0.1:{port}/v1/completions",
-                              _pids(p)))
+        routers.append(Router(f"conductor-w{n}" if n > 1 else "conductor", f"http://127.0.0.1:{port}/v1/completions", _pids(p)))
     peer_policy = "round_robin"
     if vllm_router:
         port = free_port()
-        inst = (["--vllm-pd-disaggregation", "--prefill", w["prefill"], "--decode", w["decode"]] if pd
-                else ["--worker-urls", w["mixed-a"], w["mixed-b"]])
-        p = procs.start([vllm_router, "--port", str(port), "--prometheus-port", str(free_port()), "--policy",
-                         peer_policy, "--log-level", "warning", *inst],
-                        quiet=True)
+        inst = (
+            ["--vllm-pd-disaggregation", "--prefill", w["prefill"], "--decode", w["decode"]]
+            if pd
+            else ["--worker-urls", w["mixed-a"], w["mixed-b"]]
+        )
+        p = procs.start(
+            [
+                vllm_router,
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(free_port()),
+                "--policy",
+                peer_policy,
+                "--log-level",
+                "warning",
+                *inst,
+            ],
+            quiet=True,
+        )
         wait_http(f"http://127.0.0.1:{port}/health")
         routers.append(Router("vllm-router", f"http://127.0.0.1:{port}/v1/completions", _pids(p)))
     if sglang_router:
         port = free_port()
-        inst = (["--pd-disaggregation", "--prefill", w["prefill"], "none", "--decode", w["decode"]] if pd
-                else ["--worker-urls", w["mixed-a"], w["mixed-b"]])
-        p = procs.start([sglang_router, "-m", "sglang_router.launch_router", "--port", str(port),
-                         "--prometheus-port", str(free_port()), "--policy", peer_policy, "--log-level", "warn", *inst],
-                        quiet=True)
+        inst = (
+            ["--pd-disaggregation", "--prefill", w["prefill"], "none", "--decode", w["decode"]]
+            if pd
+            else ["--worker-urls", w["mixed-a"], w["mixed-b"]]
+        )
+        p = procs.start(
+            [
+                sglang_router,
+                "-m",
+                "sglang_router.launch_router",
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(free_port()),
+                "--policy",
+                peer_policy,
+                "--log-level",
+                "warn",
+                *inst,
+            ],
+            quiet=True,
+        )
         wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
         routers.append(Router("sglang-router", f"http://127.0.0.1:{port}/v1/completions", _pids(p)))
     return routers
 
 
-def measure_cell(routers: list[Router], direct: list[str], script: Path, conc: int, seconds: float,
-                 repeat: int) -> dict[str, Load]:
+def measure_cell(
+    routers: list[Router], direct: list[str], script: Path, conc: int, seconds: float, repeat: int
+) -> dict[str, Load]:
     """Each router and the direct baseline, `repeat` rounds in alternating order; the median run of each
     is kept: by CPU per request for a router (the figure the ratios compare), by p50 for the direct
     baseline. P/D's direct baseline is the two legs measured one after the other, added."""
@@ -187,14 +261,23 @@ def measure_cell(routers: list[Router], direct: list[str], script: Path, conc: i
     for r in range(repeat):
         order = routers if r % 2 == 0 else routers[::-1]
         legs = [wrk(url, script, conc, max(1.0, seconds / 2), None) for url in direct]
-        runs.setdefault("direct", []).append(Load(
-            min(leg.requests for leg in legs), 0, sum(leg.p50_us for leg in legs), sum(leg.p99_us for leg in legs),
-            legs[0].duration_us, None))
+        runs.setdefault("direct", []).append(
+            Load(
+                min(leg.requests for leg in legs),
+                0,
+                sum(leg.p50_us for leg in legs),
+                sum(leg.p99_us for leg in legs),
+                legs[0].duration_us,
+                None,
+            )
+        )
         for router in order:
             wrk(router.url, script, conc, 1, None)  # warm its pools
             runs.setdefault(router.name, []).append(wrk(router.url, script, conc, seconds, router.pids()))
-    return {name: sorted(loads, key=lambda x: x.p50_us if x.cpu_s is None else x.cpu_s / max(x.requests, 1))[
-        len(loads) // 2] for name, loads in runs.items()}
+    return {
+        name: sorted(loads, key=lambda x: x.p50_us if x.cpu_s is None else x.cpu_s / max(x.requests, 1))[len(loads) // 2]
+        for name, loads in runs.items()
+    }
 
 
 def fmt(x: float | None, spec: str = ".0f") -> str:
@@ -209,9 +292,11 @@ def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
     for name, load in cell.items():
         added50 = (load.p50_us - base.p50_us) / 1e3 if name != "direct" else None
         added99 = (load.p99_us - base.p99_us) / 1e3 if name != "direct" else None
-        lines.append(f"{title:<24} {name:<14} {load.rps:>8.0f} {fmt(load.cpu_us_per_request):>9} "
-                     f"{load.p50_us / 1e3:>8.2f} {load.p99_us / 1e3:>8.2f} {fmt(added50, '+.2f'):>9} "
-                     f"{fmt(added99, '+.2f'):>9} {load.errors:>5}")
+        lines.append(
+            f"{title:<24} {name:<14} {load.rps:>8.0f} {fmt(load.cpu_us_per_request):>9} "
+            f"{load.p50_us / 1e3:>8.2f} {load.p99_us / 1e3:>8.2f} {fmt(added50, '+.2f'):>9} "
+            f"{fmt(added99, '+.2f'):>9} {load.errors:>5}"
+        )
     best_cpu = min((cell[p].cpu_us_per_request or 1e18 for p in peers), default=None)
     best_p99 = min((cell[p].p99_us for p in peers), default=None)
     for name in (n for n in cell if n.startswith("conductor") and n != old):
@@ -222,24 +307,28 @@ def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
         if best_cpu and best_p99 and c.cpu_us_per_request:
             # p99 compared as measured, through the same workers: the direct baseline's own tail (the
             # stand-ins' pauses) is too noisy to subtract
-            lines.append(f"{'':<24} {name} / best peer: CPU per request {c.cpu_us_per_request / best_cpu:.2f}x, "
-                         f"p99 {c.p99_us / best_p99:.2f}x")
+            lines.append(
+                f"{'':<24} {name} / best peer: CPU per request {c.cpu_us_per_request / best_cpu:.2f}x, "
+                f"p99 {c.p99_us / best_p99:.2f}x"
+            )
     return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router") or "/tmp/vr-venv/bin/vllm-router")
-    ap.add_argument("--sglang-router", default="/tmp/sr-venv/bin/python",
-                    help="the Python of the virtualenv sglang-router is installed in")
+    ap.add_argument(
+        "--sglang-router", default="/tmp/sr-venv/bin/python", help="the Python of the virtualenv sglang-router is installed in"
+    )
     ap.add_argument("--seconds", type=float, default=4.0, help="length of each measured wrk run")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--modes", default="mixed,pd")
     ap.add_argument("--workers", default="1,2", help="Conductor process counts to measure")
     ap.add_argument("--quick", action="store_true", help="2 s runs, once, concurrency 1 and 64")
-    ap.add_argument("--against", metavar="REV",
-                    help="also run Conductor as of this git revision (with the first --workers count)")
+    ap.add_argument(
+        "--against", metavar="REV", help="also run Conductor as of this git revision (with the first --workers count)"
+    )
     ap.add_argument("--no-ceiling", action="store_true", help="skip the throughput ceiling")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
@@ -248,15 +337,19 @@ def main() -> int:
     if args.quick:
         args.seconds, args.repeat, args.concurrency = 2.0, 1, "1,64"
     vllm_router = args.vllm_router if args.vllm_router and Path(args.vllm_router).exists() else None
-    sglang_ok = Path(args.sglang_router).exists() and subprocess.run(
-        [args.sglang_router, "-c", "import sglang_router"], capture_output=True).returncode == 0
+    sglang_ok = (
+        Path(args.sglang_router).exists()
+        and subprocess.run([args.sglang_router, "-c", "import sglang_router"], capture_output=True).returncode == 0
+    )
     sglang_router = args.sglang_router if sglang_ok else None
     for name, found in (("vllm-router", vllm_router), ("sglang-router", sglang_router)):
         if not found:
             print(f"{name} not found: its columns are left out (see the install line in --help)", file=sys.stderr)
     workers = tuple(int(n) for n in args.workers.split(","))
-    lines = [f"{'cell':<24} {'router':<14} {'req/s':>8} {'cpu us':>9} {'p50 ms':>8} {'p99 ms':>8} "
-             f"{'+p50 ms':>9} {'+p99 ms':>9} {'errs':>5}"]
+    lines = [
+        f"{'cell':<24} {'router':<14} {'req/s':>8} {'cpu us':>9} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'+p50 ms':>9} {'+p99 ms':>9} {'errs':>5}"
+    ]
     with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
         lua = scripts(Path(tmp))
         against = None
@@ -271,8 +364,11 @@ def main() -> int:
             pd = mode == "pd"
             with Processes() as rprocs:
                 routers = start_routers(rprocs, w, pd, "round_robin", vllm_router, sglang_router, workers, against)
-                direct = [w["prefill"] + "/v1/completions", w["decode"] + "/v1/completions"] if pd else \
-                    [w["mixed-a"] + "/v1/completions"]
+                direct = (
+                    [w["prefill"] + "/v1/completions", w["decode"] + "/v1/completions"]
+                    if pd
+                    else [w["mixed-a"] + "/v1/completions"]
+                )
                 for stream in ("non-stream", "stream32"):
                     for conc in (int(c) for c in args.concurrency.split(",")):
                         title = f"{mode} {stream} c{conc}"
@@ -286,8 +382,14 @@ def main() -> int:
     return 0
 
 
-def ceiling(w: dict[str, str], script: Path, args: argparse.Namespace,
-            vllm_router: str | None, sglang_router: str | None, workers: tuple[int, ...]) -> list[str]:
+def ceiling(
+    w: dict[str, str],
+    script: Path,
+    args: argparse.Namespace,
+    vllm_router: str | None,
+    sglang_router: str | None,
+    workers: tuple[int, ...],
+) -> list[str]:
     """Requests per second at concurrency 256 (non-stream, mixed), each router alone on the box."""
     lines = ["", "throughput ceiling, mixed non-stream, concurrency 256 (req/s, median of runs):"]
     results: dict[str, float] = {}

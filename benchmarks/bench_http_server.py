@@ -48,21 +48,33 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if hook is not None:
         hook(task.cancel)
     else:
+
         async def watch() -> None:
             if (await receive())["type"] == "http.disconnect":
                 task.cancel()
+
         watcher = asyncio.create_task(watch())
     try:
         if b'"stream":true' in body:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream"), (b"x-request-id", b"abc")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"x-request-id", b"abc")],
+                }
+            )
             for _ in range(32):
                 await send({"type": "http.response.body", "body": EVENT, "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"abc")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"abc")],
+                }
+            )
             await send({"type": "http.response.body", "body": ANSWER})
     finally:
         if watcher is not None:
@@ -72,8 +84,17 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def serve(protocol: str, port: int) -> None:
     import uvicorn
 
-    uvicorn.run("bench_http_server:app", host="127.0.0.1", port=port, http=protocol, loop="uvloop",
-                log_level="error", access_log=False, proxy_headers=False, app_dir=str(Path(__file__).parent))
+    uvicorn.run(
+        "bench_http_server:app",
+        host="127.0.0.1",
+        port=port,
+        http=protocol,
+        loop="uvloop",
+        log_level="error",
+        access_log=False,
+        proxy_headers=False,
+        app_dir=str(Path(__file__).parent),
+    )
 
 
 def main() -> None:
@@ -91,8 +112,11 @@ def main() -> None:
         servers: dict[str, tuple[str, int]] = {}
         for name, protocol in PROTOCOLS.items():
             port = free_port()
-            proc = procs.start([sys.executable, __file__, "--serve", protocol, str(port)], quiet=True,
-                               pythonpath=Path(__file__).resolve().parent.parent)
+            proc = procs.start(
+                [sys.executable, __file__, "--serve", protocol, str(port)],
+                quiet=True,
+                pythonpath=Path(__file__).resolve().parent.parent,
+            )
             servers[name] = (f"http://127.0.0.1:{port}", proc.pid)
         for url, _ in servers.values():
             wait_http(url + "/")
@@ -115,8 +139,10 @@ def main() -> None:
                 for name in servers:
                     med = statistics.median(cpu[name])
                     rounds = " ".join(f"{x:.0f}" for x in cpu[name])
-                    print(f"{mode + ' c' + str(conc):<22} {name:<10} {statistics.median(rps[name]):>8.0f} "
-                          f"{med:>8.1f} {med / base:>11.2f}x  {rounds}")
+                    print(
+                        f"{mode + ' c' + str(conc):<22} {name:<10} {statistics.median(rps[name]):>8.0f} "
+                        f"{med:>8.1f} {med / base:>11.2f}x  {rounds}"
+                    )
 
 
 if __name__ == "__main__":

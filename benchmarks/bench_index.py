@@ -76,8 +76,9 @@ async def run(redis_url: str | None, with_vllm: bool) -> None:
             row = f"{n:>7} {bs:>4} {len(keys):>6} | {keys_ms:>7.3f} {mem_ms:>7.3f} {keys_ms + mem_ms:>7.3f}"
             if redis_url:
                 for holders in ((("p0", 1.0), ("p1", 0.5), ("p2", 0.25)), (("p0", 1.0),)):
-                    ridx = RedisIndex(redis_url, prefix=f"bench:kvidx:{uuid.uuid4().hex[:8]}:",
-                                      limits=IndexLimits(max_blocks=10_000_000))
+                    ridx = RedisIndex(
+                        redis_url, prefix=f"bench:kvidx:{uuid.uuid4().hex[:8]}:", limits=IndexLimits(max_blocks=10_000_000)
+                    )
                     try:
                         for inst, frac in holders:
                             await ridx.insert(inst, keys[: int(len(keys) * frac)], confirmed=True)

@@ -123,11 +123,37 @@ def start_workers(group: ChildGroup, n: int, args: argparse.Namespace) -> dict[s
     for i, role in enumerate(roles):
         port, events, side = next(ports), next(ports), next(ports)
         url = f"http://127.0.0.1:{port}"
-        group.start(f"{role}-{i}", [
-            sys.executable, "-m", "adapters.emulator", "--role", role, "--pd-protocol", "nixl", "--port", str(port),
-            "--model", MODEL, "--time-scale", repr(args.time_scale), "--noise", repr(args.noise), "--seed", str(i),
-            "--engine-id", f"bench-{role}-{i}", "--side-channel-port", str(side), "--log-level", "warning",
-            "--kv-events-endpoint", f"tcp://*:{events}"], url)
+        group.start(
+            f"{role}-{i}",
+            [
+                sys.executable,
+                "-m",
+                "adapters.emulator",
+                "--role",
+                role,
+                "--pd-protocol",
+                "nixl",
+                "--port",
+                str(port),
+                "--model",
+                MODEL,
+                "--time-scale",
+                repr(args.time_scale),
+                "--noise",
+                repr(args.noise),
+                "--seed",
+                str(i),
+                "--engine-id",
+                f"bench-{role}-{i}",
+                "--side-channel-port",
+                str(side),
+                "--log-level",
+                "warning",
+                "--kv-events-endpoint",
+                f"tcp://*:{events}",
+            ],
+            url,
+        )
         workers.setdefault(role, []).append({"url": url, "name": f"{role}-{i}", "kv_events_endpoint": f"tcp://*:{events}"})
     return workers
 
@@ -136,8 +162,9 @@ def _urls(workers: dict[str, list[dict[str, Any]]], role: str) -> list[str]:
     return [w["url"] for w in workers.get(role, [])]
 
 
-def start_router(group: ChildGroup, spec: RouterSpec, workers: dict[str, list[dict[str, Any]]],
-                 args: argparse.Namespace, log_dir: Path) -> tuple[str, str]:
+def start_router(
+    group: ChildGroup, spec: RouterSpec, workers: dict[str, list[dict[str, Any]]], args: argparse.Namespace, log_dir: Path
+) -> tuple[str, str]:
     """Start the router; (its base URL, the path that answers 200 once it is ready)."""
     port, prom = free_ports(2)
     url = f"http://127.0.0.1:{port}"
@@ -145,16 +172,50 @@ def start_router(group: ChildGroup, spec: RouterSpec, workers: dict[str, list[di
     if spec.kind == "vllm":
         # vllm-router's P/D mode drives NIXL as vLLM's toy proxy does: prefill with
         # kv_transfer_params {do_remote_decode}, then decode with what the prefill returned
-        where = ["--worker-urls", *urls] if urls else [
-            "--vllm-pd-disaggregation", *(x for u in _urls(workers, "prefill") for x in ("--prefill", u)),
-            *(x for u in _urls(workers, "decode") for x in ("--decode", u))]
-        group.start("router", [args.vllm_router, "--port", str(port), "--prometheus-port", str(prom),
-                               "--policy", spec.policy, "--log-level", "warning", *where])
+        where = (
+            ["--worker-urls", *urls]
+            if urls
+            else [
+                "--vllm-pd-disaggregation",
+                *(x for u in _urls(workers, "prefill") for x in ("--prefill", u)),
+                *(x for u in _urls(workers, "decode") for x in ("--decode", u)),
+            ]
+        )
+        group.start(
+            "router",
+            [
+                args.vllm_router,
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(prom),
+                "--policy",
+                spec.policy,
+                "--log-level",
+                "warning",
+                *where,
+            ],
+        )
         return url, "/health"
     if spec.kind == "sglang":
-        group.start("router", [args.sglang_router, "-m", "sglang_router.launch_router", "--port", str(port),
-                               "--prometheus-port", str(prom), "--policy", spec.policy, "--log-level", "warn",
-                               "--worker-urls", *urls])
+        group.start(
+            "router",
+            [
+                args.sglang_router,
+                "-m",
+                "sglang_router.launch_router",
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(prom),
+                "--policy",
+                spec.policy,
+                "--log-level",
+                "warn",
+                "--worker-urls",
+                *urls,
+            ],
+        )
         return url, "/health"
     options: dict[str, Any] = {}
     if spec.policy == "kvcache_aware":
@@ -163,8 +224,16 @@ def start_router(group: ChildGroup, spec: RouterSpec, workers: dict[str, list[di
         if args.time_scale != 1.0:  # predictions true to the scaled workers
             options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
     settings = {
-        "host": "127.0.0.1", "port": port, "log_level": "warning", "policy": spec.policy, "policy_options": options,
-        "models": [MODEL], **workers, "pd_protocol": "nixl", "health_interval_s": 1.0, "block_size": 16,
+        "host": "127.0.0.1",
+        "port": port,
+        "log_level": "warning",
+        "policy": spec.policy,
+        "policy_options": options,
+        "models": [MODEL],
+        **workers,
+        "pd_protocol": "nixl",
+        "health_interval_s": 1.0,
+        "block_size": 16,
         "slo": {"ttft_s": args.slo_ttft, "tbt_s": args.slo_tbt},
         "kv": {"enabled": True, "tokenizer": "builtin"},
     }
@@ -218,13 +287,22 @@ def gateway_kv_figures(url: str) -> str:
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=5.0) as resp:
         text = resp.read().decode()
-    names = ("conductor_kv_hash_agreement", "conductor_kv_predicted_cached_tokens_total",
-             "conductor_kv_reported_cached_tokens_total")
+    names = (
+        "conductor_kv_hash_agreement",
+        "conductor_kv_predicted_cached_tokens_total",
+        "conductor_kv_reported_cached_tokens_total",
+    )
     return " ".join(f"{n.removeprefix('conductor_kv_')}={sample_value(text, n)}" for n in names)
 
 
-def run_one(spec: RouterSpec, requests: Sequence[TraceRequest], synth: PromptSynthesizer, speedup: float,
-            args: argparse.Namespace, log_root: Path) -> Measured:
+def run_one(
+    spec: RouterSpec,
+    requests: Sequence[TraceRequest],
+    synth: PromptSynthesizer,
+    speedup: float,
+    args: argparse.Namespace,
+    log_root: Path,
+) -> Measured:
     """A fresh cluster, the router, one replay; everything stopped afterwards."""
     log_dir = Path(tempfile.mkdtemp(prefix=spec.name.replace(" ", "-") + "-", dir=log_root))
     group = ChildGroup(log_dir)
@@ -238,14 +316,35 @@ def run_one(spec: RouterSpec, requests: Sequence[TraceRequest], synth: PromptSyn
         urls = _urls(workers, "mixed") or _urls(workers, "prefill")
         before = worker_prefix_counters(urls)
         if args.load == "aiperf":  # aiperf synthesizes its own text from the hash ids (aiperf_load.py)
-            result = replay_aiperf(url, requests, time_scale=speedup, synthesizer=synth, model=MODEL,
-                                   slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, work_dir=log_dir / "aiperf",
-                                   aiperf=args.aiperf, label=spec.name, request_timeout_s=300.0)
+            result = replay_aiperf(
+                url,
+                requests,
+                time_scale=speedup,
+                synthesizer=synth,
+                model=MODEL,
+                slo_ttft_s=args.slo_ttft,
+                slo_tbt_s=args.slo_tbt,
+                work_dir=log_dir / "aiperf",
+                aiperf=args.aiperf,
+                label=spec.name,
+                request_timeout_s=300.0,
+            )
         else:  # text prompts: the peers' cache-aware policies match prompts as text (module docstring)
-            result = asyncio.run(replay_live(
-                url, requests, time_scale=speedup, concurrency_limit=args.concurrency, slo_ttft_s=args.slo_ttft,
-                slo_tbt_s=args.slo_tbt, synthesizer=synth, model=MODEL, label=spec.name, request_timeout_s=300.0,
-                text_prompts=True))
+            result = asyncio.run(
+                replay_live(
+                    url,
+                    requests,
+                    time_scale=speedup,
+                    concurrency_limit=args.concurrency,
+                    slo_ttft_s=args.slo_ttft,
+                    slo_tbt_s=args.slo_tbt,
+                    synthesizer=synth,
+                    model=MODEL,
+                    label=spec.name,
+                    request_timeout_s=300.0,
+                    text_prompts=True,
+                )
+            )
         after = worker_prefix_counters(urls)
         if spec.kind == "conductor":
             print("   ", gateway_kv_figures(url), file=sys.stderr)
@@ -281,8 +380,11 @@ def column(runs: Sequence[Measured]) -> list[tuple[str, str]]:
 
 def report(rate: float, cells: dict[str, list[Measured]], missing: dict[str, str]) -> tuple[str, float | None]:
     headers = ["", *(s.name for s in ROUTERS if s.name in cells or s.name in missing)]
-    cols = [column(cells[s.name]) if s.name in cells else [("goodput req/s", f"n/a: {missing[s.name]}")]
-            for s in ROUTERS if s.name in cells or s.name in missing]
+    cols = [
+        column(cells[s.name]) if s.name in cells else [("goodput req/s", f"n/a: {missing[s.name]}")]
+        for s in ROUTERS
+        if s.name in cells or s.name in missing
+    ]
     lines = [f"speed-up {rate:g}x", render_table(headers, cols)]
     median = {n: statistics.median(m.result.run.goodput_rps for m in runs) for n, runs in cells.items()}
     peers = {n: g for n, g in median.items() if not n.startswith("conductor")}
@@ -300,8 +402,10 @@ def find_peers(args: argparse.Namespace) -> dict[str, str]:
     missing: dict[str, str] = {}
     if not (args.vllm_router and Path(args.vllm_router).exists()):
         missing.update({s.name: "vllm-router not installed" for s in ROUTERS if s.kind == "vllm"})
-    sglang_ok = Path(args.sglang_router).exists() and subprocess.run(
-        [args.sglang_router, "-c", "import sglang_router"], capture_output=True).returncode == 0
+    sglang_ok = (
+        Path(args.sglang_router).exists()
+        and subprocess.run([args.sglang_router, "-c", "import sglang_router"], capture_output=True).returncode == 0
+    )
     if not sglang_ok or args.shape == "pd":
         why = "P/D needs SGLang-protocol workers" if sglang_ok else "sglang-router not installed"
         missing.update({s.name: why for s in ROUTERS if s.kind == "sglang"})
@@ -316,11 +420,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="3,4,5", help="comma-separated speed-ups of the trace's arrivals")
     ap.add_argument("--repeat", type=int, default=1, help="runs per router and rate (median and min..max shown)")
     ap.add_argument("--workers", type=int, default=4, help="emulated workers per cluster")
-    ap.add_argument("--shape", choices=("mixed", "pd"), default="mixed",
-                    help="mixed workers, or half prefill / half decode over NIXL (sglang-router left out: "
-                         "its P/D mode needs SGLang-protocol workers)")
-    ap.add_argument("--time-scale", type=float, default=3.0,
-                    help="multiply the workers' modelled durations (3: a slower GPU, so 2 cores carry 4 workers)")
+    ap.add_argument(
+        "--shape",
+        choices=("mixed", "pd"),
+        default="mixed",
+        help="mixed workers, or half prefill / half decode over NIXL (sglang-router left out: "
+        "its P/D mode needs SGLang-protocol workers)",
+    )
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=3.0,
+        help="multiply the workers' modelled durations (3: a slower GPU, so 2 cores carry 4 workers)",
+    )
     ap.add_argument("--length-scale", type=float, default=0.125, help="scale prompt and output lengths")
     ap.add_argument("--slo-ttft", type=float, default=1.5, help="TTFT SLO, seconds (0.5 s times --time-scale)")
     ap.add_argument("--slo-tbt", type=float, default=0.12, help="TBT SLO, seconds (40 ms times --time-scale)")
@@ -328,10 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=256, help="most requests in flight at the client (--load client only)")
     ap.add_argument("--routers", default=",".join(s.name for s in ROUTERS), help="comma-separated column names")
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router") or "/tmp/vr-venv/bin/vllm-router")
-    ap.add_argument("--sglang-router", default="/tmp/sr-venv/bin/python",
-                    help="the Python of the virtualenv sglang-router is installed in")
-    ap.add_argument("--load", choices=("client", "aiperf"), default="client",
-                    help="load generator: the project's client (traces/live.py) or NVIDIA's aiperf")
+    ap.add_argument(
+        "--sglang-router", default="/tmp/sr-venv/bin/python", help="the Python of the virtualenv sglang-router is installed in"
+    )
+    ap.add_argument(
+        "--load",
+        choices=("client", "aiperf"),
+        default="client",
+        help="load generator: the project's client (traces/live.py) or NVIDIA's aiperf",
+    )
     ap.add_argument("--aiperf", default=DEFAULT_AIPERF, help="the aiperf executable (--load aiperf)")
     ap.add_argument("--json", dest="json_out", default=None, help="write every run's summary here")
     ap.add_argument("--quick", action="store_true", help="120 requests at one speed-up (4x unless --rates), once (< 2 minutes)")
@@ -344,13 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {n.strip() for n in args.routers.split(",")}
     missing = {n: why for n, why in find_peers(args).items() if n in wanted}
     specs = [s for s in ROUTERS if s.name in wanted and s.name not in missing]
-    loaded = load_trace(resolve_trace(args.trace), limit=args.skip + args.requests).requests[args.skip:]
+    loaded = load_trace(resolve_trace(args.trace), limit=args.skip + args.requests).requests[args.skip :]
     synth = PromptSynthesizer(args.length_scale, seed=0)
     requests = sorted(loaded, key=lambda r: r.arrival_s)
     tokens = sum(len(synth.synthesize(r).prompt) for r in requests)
-    print(f"{len(requests)} requests of {args.trace} (after {args.skip}), {tokens} prompt tokens, "
-          f"{args.workers} {args.shape} workers (time scale {args.time_scale:g}), SLO TTFT {args.slo_ttft:g}s "
-          f"TBT {args.slo_tbt:g}s, load by {args.load}", file=sys.stderr)
+    print(
+        f"{len(requests)} requests of {args.trace} (after {args.skip}), {tokens} prompt tokens, "
+        f"{args.workers} {args.shape} workers (time scale {args.time_scale:g}), SLO TTFT {args.slo_ttft:g}s "
+        f"TBT {args.slo_tbt:g}s, load by {args.load}",
+        file=sys.stderr,
+    )
     out: dict[str, Any] = {"settings": vars(args), "rates": {}}
     tables = []
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
@@ -362,14 +482,21 @@ def main(argv: list[str] | None = None) -> int:
                     m = run_one(spec, requests, synth, rate, args, Path(tmp))
                     cells.setdefault(spec.name, []).append(m)
                     r = m.result.run
-                    print(f"  {rate:g}x {spec.name:<20} goodput {r.goodput_rps:.2f}/s met {r.slo_attainment:.0%} "
-                          f"429 {r.rejected} hit {m.hit_rate:.0%} ({time.monotonic() - started:.0f}s)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"  {rate:g}x {spec.name:<20} goodput {r.goodput_rps:.2f}/s met {r.slo_attainment:.0%} "
+                        f"429 {r.rejected} hit {m.hit_rate:.0%} ({time.monotonic() - started:.0f}s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             table, ratio = report(rate, cells, missing)
             tables.append(table)
-            out["rates"][f"{rate:g}"] = {"ratio_vs_best_peer": ratio, "runs": {
-                n: [{**m.result.run.as_dict(), "worker_prefix_hit_rate": m.hit_rate} for m in runs]
-                for n, runs in cells.items()}}
+            out["rates"][f"{rate:g}"] = {
+                "ratio_vs_best_peer": ratio,
+                "runs": {
+                    n: [{**m.result.run.as_dict(), "worker_prefix_hit_rate": m.hit_rate} for m in runs]
+                    for n, runs in cells.items()
+                },
+            }
     print("\n\n".join(tables))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2, default=str) + "\n", encoding="utf-8")

@@ -89,15 +89,23 @@ def _pooled(stats: dict[tuple[str, str], dict[str, float]], component: str) -> t
 def main() -> int:
     t0 = time.monotonic()
     with ExitStack() as stack:
+
         def emu(role: str, seed: int) -> str:
-            return stack.enter_context(start_emulator(role, model="tiny", noise=NOISE, seed=seed,
-                                                      time_scale=TIME_SCALE, log_level="warning")).url
+            return stack.enter_context(
+                start_emulator(role, model="tiny", noise=NOISE, seed=seed, time_scale=TIME_SCALE, log_level="warning")
+            ).url
+
         prefills = [emu("prefill", 1), emu("prefill", 2)]
         decodes = [emu("decode", 3), emu("decode", 4)]
-        settings = load_settings(environ={}, overrides={
-            "prefill": [{"url": u} for u in prefills], "decode": [{"url": u} for u in decodes],
-            "policy": "kvcache_aware", "log_level": "warning",
-        })
+        settings = load_settings(
+            environ={},
+            overrides={
+                "prefill": [{"url": u} for u in prefills],
+                "decode": [{"url": u} for u in decodes],
+                "policy": "kvcache_aware",
+                "log_level": "warning",
+            },
+        )
         gateway = Gateway(settings)
         url = stack.enter_context(serve(create_app(gateway))).url
         statuses = asyncio.run(_drive(url + "/v1/completions", WARMUP, seed=11))
@@ -108,11 +116,15 @@ def main() -> int:
         print(f"only {statuses.count(200)} of {WARMUP + MEASURED} requests succeeded")
         return 1
 
-    print(f"prediction accuracy after warm-up ({time.monotonic() - t0:.0f} s wall, load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):")
+    print(
+        f"prediction accuracy after warm-up ({time.monotonic() - t0:.0f} s wall, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):"
+    )
     for (component, instance), v in sorted(stats.items()):
-        print(f"  {component:18s} {instance:10s} n={int(v['samples']):4d}  MAPE {v['mape']:6.1%}  "
-              f"p90 coverage {v['p90_coverage']:.3f}")
+        print(
+            f"  {component:18s} {instance:10s} n={int(v['samples']):4d}  MAPE {v['mape']:6.1%}  "
+            f"p90 coverage {v['p90_coverage']:.3f}"
+        )
     n, mape, cover = _pooled(stats, "ttft")
     print(f"  ttft pooled: n={n} MAPE {mape:.1%} coverage {cover:.3f}")
     for component in ("queue_and_prefill", "tbt_at_decision"):

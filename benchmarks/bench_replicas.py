@@ -56,8 +56,9 @@ _PROMPT_TOKENS = re.compile(rb"^vllm:prompt_tokens_total(?:\{[^}]*\})? ([0-9.eE+
 _REJECTIONS = re.compile(rb'^conductor_rejections_total\{reason="([^"]+)"\} ([0-9.eE+-]+)', re.M)
 
 
-def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup,
-               redis_url: str) -> tuple[list[str], list[str], list[str]]:
+def start_mode(
+    replicas: int, args: argparse.Namespace, group: ChildGroup, redis_url: str
+) -> tuple[list[str], list[str], list[str]]:
     """Emulators and `replicas` gateways (or, comparing workers, one gateway of `replicas` worker
     processes); (client URLs, prefill URLs, metrics URLs), all ready."""
     run = uuid.uuid4().hex[:8]
@@ -67,12 +68,26 @@ def start_mode(replicas: int, args: argparse.Namespace, group: ChildGroup,
         if replicas > 1:
             shared["share_lessons"] = args.share_lessons == "on"
     else:
-        shared = {"load_share": "redis", "redis_url": redis_url, "replica_id": f"bench-{run}-0",
-                  "load_sync_interval_s": args.sync_interval,
-                  "kv": {"index": "redis", "redis_url": redis_url, "redis_prefix": f"bench:replicas:{run}:kv:"}}
-    spec = ClusterSpec(n_prefill=args.prefill, n_decode=args.decode, pd_protocol="nixl", policy=args.policy,
-                       model=DEFAULT_MODEL, time_scale=1.0, noise=0.05, slo_ttft_s=args.slo_ttft,
-                       slo_tbt_s=args.slo_tbt, gateway_extra=shared, policy_options=json.loads(args.policy_options))
+        shared = {
+            "load_share": "redis",
+            "redis_url": redis_url,
+            "replica_id": f"bench-{run}-0",
+            "load_sync_interval_s": args.sync_interval,
+            "kv": {"index": "redis", "redis_url": redis_url, "redis_prefix": f"bench:replicas:{run}:kv:"},
+        }
+    spec = ClusterSpec(
+        n_prefill=args.prefill,
+        n_decode=args.decode,
+        pd_protocol="nixl",
+        policy=args.policy,
+        model=DEFAULT_MODEL,
+        time_scale=1.0,
+        noise=0.05,
+        slo_ttft_s=args.slo_ttft,
+        slo_tbt_s=args.slo_tbt,
+        gateway_extra=shared,
+        policy_options=json.loads(args.policy_options),
+    )
     cluster = start_cluster(spec, group)
     urls = [cluster.gateway_url]
     if args.compare == "workers":
@@ -121,10 +136,13 @@ class QueueSampler:
         busy = [s for s in self.samples if any(s)]  # idle moments say nothing about balance
         spreads = [max(s) - min(s) for s in busy]
         over = sum(1 for s in busy if max(s) >= 2 and min(s) == 0)
-        return {"peak_waiting": [max((s[i] for s in self.samples), default=0.0) for i in range(len(self.urls))],
-                "mean_spread": sum(spreads) / len(spreads) if spreads else 0.0,
-                "overcommit_share": over / len(busy) if busy else 0.0, "busy_samples": len(busy),
-                "samples": len(self.samples)}
+        return {
+            "peak_waiting": [max((s[i] for s in self.samples), default=0.0) for i in range(len(self.urls))],
+            "mean_spread": sum(spreads) / len(spreads) if spreads else 0.0,
+            "overcommit_share": over / len(busy) if busy else 0.0,
+            "busy_samples": len(busy),
+            "samples": len(self.samples),
+        }
 
 
 async def prompt_tokens(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[float]:
@@ -146,14 +164,18 @@ async def rejection_reasons(session: aiohttp.ClientSession, urls: Sequence[str])
     return out
 
 
-async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], requests: Sequence[SynthRequest],
-                        args: argparse.Namespace, label: str,
-                        metrics_urls: Sequence[str]) -> tuple[LiveResult, dict[str, Any]]:
+async def replay_spread(
+    urls: Sequence[str],
+    prefill_urls: Sequence[str],
+    requests: Sequence[SynthRequest],
+    args: argparse.Namespace,
+    label: str,
+    metrics_urls: Sequence[str],
+) -> tuple[LiveResult, dict[str, Any]]:
     """Send request i to urls[i % len(urls)] at its (sped-up) arrival; the outcomes and the queue figures."""
     loop = asyncio.get_running_loop()
     timeout = aiohttp.ClientTimeout(total=600, sock_connect=10)
-    sessions = [aiohttp.ClientSession(base_url=u, timeout=timeout, connector=aiohttp.TCPConnector(limit=256))
-                for u in urls]
+    sessions = [aiohttp.ClientSession(base_url=u, timeout=timeout, connector=aiohttp.TCPConnector(limit=256)) for u in urls]
     probe = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
     sampler = QueueSampler(prefill_urls)
     try:
@@ -164,8 +186,15 @@ async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], reques
 
         async def one(i: int, item: SynthRequest, due: float) -> LiveOutcome:
             sent = loop.time()
-            body = {"model": DEFAULT_MODEL, "prompt": list(item.prompt), "max_tokens": item.max_tokens,
-                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+            body = {
+                "model": DEFAULT_MODEL,
+                "prompt": list(item.prompt),
+                "max_tokens": item.max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
             http = await stream_completion(sessions[i % len(sessions)], body)
             return LiveOutcome(item.line, due - start, sent - due, len(item.prompt), item.max_tokens, http)
 
@@ -184,8 +213,15 @@ async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], reques
             await s.close()
         await probe.close()
     wall = max(o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes)
-    result = summarize(outcomes, label=label, n_prefill=args.prefill, n_decode=args.decode,
-                       slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, wall_s=wall)
+    result = summarize(
+        outcomes,
+        label=label,
+        n_prefill=args.prefill,
+        n_decode=args.decode,
+        slo_ttft_s=args.slo_ttft,
+        slo_tbt_s=args.slo_tbt,
+        wall_s=wall,
+    )
     queues = sampler.figures()
     computed = [a - b for a, b in zip(tokens_after, tokens_before, strict=True)]
     mean = sum(computed) / len(computed) if computed else 0.0
@@ -195,8 +231,9 @@ async def replay_spread(urls: Sequence[str], prefill_urls: Sequence[str], reques
     return result, queues
 
 
-def run_mode(replicas: int, args: argparse.Namespace, requests: Sequence[SynthRequest], redis_url: str,
-             log_root: Path) -> dict[str, Any]:
+def run_mode(
+    replicas: int, args: argparse.Namespace, requests: Sequence[SynthRequest], redis_url: str, log_root: Path
+) -> dict[str, Any]:
     log_dir = log_root / f"{replicas}-{args.compare}"
     log_dir.mkdir(parents=True, exist_ok=True)
     group = ChildGroup(log_dir)
@@ -211,23 +248,45 @@ def run_mode(replicas: int, args: argparse.Namespace, requests: Sequence[SynthRe
     finally:
         group.stop()
     run = result.run
-    return {"replicas": replicas, "requests": run.requests, "completed": run.completed, "rejected": run.rejected,
-            "errors": sum(result.errors.values()), "slo_met": run.slo_met, "goodput_rps": run.goodput_rps,
-            "ttft_p50_s": run.ttft.p50, "ttft_p99_s": run.ttft.p99, "tbt_p99_s": run.tbt.p99, **queues}
+    return {
+        "replicas": replicas,
+        "requests": run.requests,
+        "completed": run.completed,
+        "rejected": run.rejected,
+        "errors": sum(result.errors.values()),
+        "slo_met": run.slo_met,
+        "goodput_rps": run.goodput_rps,
+        "ttft_p50_s": run.ttft.p50,
+        "ttft_p99_s": run.ttft.p99,
+        "tbt_p99_s": run.tbt.p99,
+        **queues,
+    }
 
 
 def print_table(rows: list[dict[str, Any]], compare: str) -> None:
     one, three = rows
     names = ("one process", "--workers 2") if compare == "workers" else ("one gateway", "three replicas")
-    fields = [("requests", "{:d}"), ("completed", "{:d}"), ("rejected", "{:d}"), ("errors", "{:d}"),
-              ("slo_met", "{:d}"), ("goodput_rps", "{:.3f}"), ("ttft_p50_s", "{:.3f}"), ("ttft_p99_s", "{:.3f}"),
-              ("tbt_p99_s", "{:.4f}"), ("mean_spread", "{:.2f}"), ("overcommit_share", "{:.1%}"),
-              ("prompt_tokens_max_over_mean", "{:.2f}")]
+    fields = [
+        ("requests", "{:d}"),
+        ("completed", "{:d}"),
+        ("rejected", "{:d}"),
+        ("errors", "{:d}"),
+        ("slo_met", "{:d}"),
+        ("goodput_rps", "{:.3f}"),
+        ("ttft_p50_s", "{:.3f}"),
+        ("ttft_p99_s", "{:.3f}"),
+        ("tbt_p99_s", "{:.4f}"),
+        ("mean_spread", "{:.2f}"),
+        ("overcommit_share", "{:.1%}"),
+        ("prompt_tokens_max_over_mean", "{:.2f}"),
+    ]
     print(f"\n{'figure':<30}{names[0]:>16}{names[1]:>16}")
     for name, fmt in fields:
         print(f"{name:<30}{fmt.format(one[name]):>16}{fmt.format(three[name]):>16}")
-    print(f"{'peak waiting per prefill':<30}{[int(x) for x in one['peak_waiting']]!s:>16}"
-          f"{[int(x) for x in three['peak_waiting']]!s:>16}")
+    print(
+        f"{'peak waiting per prefill':<30}{[int(x) for x in one['peak_waiting']]!s:>16}"
+        f"{[int(x) for x in three['peak_waiting']]!s:>16}"
+    )
     print(f"{'rejections by reason':<30}{one['rejections_by_reason']!s:>16}{three['rejections_by_reason']!s:>16}")
     ratio = three["goodput_rps"] / one["goodput_rps"] if one["goodput_rps"] else 0.0
     verdict = "PASS" if ratio >= 0.95 else "MISS"
@@ -247,12 +306,20 @@ def main() -> None:
     ap.add_argument("--slo-tbt", type=float, default=0.04)
     ap.add_argument("--sync-interval", type=float, default=0.1, help="load_sync_interval_s of every replica")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy-options", default="{}", help='JSON, e.g. \'{"ttft_bound_shift_s": 0.2}\'')
+    ap.add_argument("--policy-options", default="{}", help="JSON, e.g. '{\"ttft_bound_shift_s\": 0.2}'")
     ap.add_argument("--json", dest="json_out", default=None, metavar="FILE")
-    ap.add_argument("--share-lessons", choices=("on", "off"), default="on",
-                    help="--compare workers: whether the workers learn from each other's outcomes")
-    ap.add_argument("--compare", choices=("replicas", "workers"), default="replicas",
-                    help="three Redis-sharing replicas, or one gateway of two worker processes, against one")
+    ap.add_argument(
+        "--share-lessons",
+        choices=("on", "off"),
+        default="on",
+        help="--compare workers: whether the workers learn from each other's outcomes",
+    )
+    ap.add_argument(
+        "--compare",
+        choices=("replicas", "workers"),
+        default="replicas",
+        help="three Redis-sharing replicas, or one gateway of two worker processes, against one",
+    )
     args = ap.parse_args()
     synth = PromptSynthesizer(args.length_scale, seed=args.seed)
     trace = load_trace(resolve_trace(args.trace), limit=args.requests).requests
@@ -263,8 +330,7 @@ def main() -> None:
     print_table(rows, args.compare)
     print(f"(both runs in {time.monotonic() - started:.0f}s)", file=sys.stderr)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"settings": vars(args), "runs": rows}, indent=2) + "\n",
-                                       encoding="utf-8")
+        Path(args.json_out).write_text(json.dumps({"settings": vars(args), "runs": rows}, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json_out}")
 
 

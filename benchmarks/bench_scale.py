@@ -109,8 +109,9 @@ def memory_index_bytes_per_entry(entries: int, instances: int = 16) -> float:
 # ---- look-ups --------------------------------------------------------------------------------
 
 
-async def lookup_latencies(index: KVIndex, counts: list[int], *, other_blocks: int, reps: int,
-                           seed: int = 2) -> dict[int, dict[str, float]]:
+async def lookup_latencies(
+    index: KVIndex, counts: list[int], *, other_blocks: int, reps: int, seed: int = 2
+) -> dict[int, dict[str, float]]:
     """match() of one 32K-token prompt as instances are added; p50/p99 ms at each count."""
     rng = np.random.default_rng(seed)
     scheme = XxhashKeys(BLOCK)
@@ -123,8 +124,9 @@ async def lookup_latencies(index: KVIndex, counts: list[int], *, other_blocks: i
             if present < len(HOLDERS):
                 await index.insert(name, prompt_keys[: HOLDERS[present]], confirmed=True)
             else:  # another prompt's blocks: its first key is not this prompt's
-                await index.insert(name, scheme.keys(rng.integers(0, 150_000, size=other_blocks * BLOCK).tolist()),
-                                   confirmed=True)
+                await index.insert(
+                    name, scheme.keys(rng.integers(0, 150_000, size=other_blocks * BLOCK).tolist()), confirmed=True
+                )
             present += 1
         got = await index.match(prompt_keys)
         expected = {f"prefill-{i}": n for i, n in enumerate(HOLDERS[:count])}
@@ -152,8 +154,12 @@ def decision_latencies(counts: list[int], budget: int) -> dict[str, dict[int, di
         runs: list[tuple[str, dict[str, object]]] = [("kvcache_aware", {"online": False}), ("round_robin", {})]
         for name, options in runs:
             wall, cpu = measure(name, options, cases)
-            out[name][count] = {"p50_ms": percentile(cpu, 0.5) / 1e3, "p99_ms": percentile(cpu, 0.99) / 1e3,
-                                "wall_p99_ms": percentile(wall, 0.99) / 1e3, "samples": float(len(cpu))}
+            out[name][count] = {
+                "p50_ms": percentile(cpu, 0.5) / 1e3,
+                "p99_ms": percentile(cpu, 0.99) / 1e3,
+                "wall_p99_ms": percentile(wall, 0.99) / 1e3,
+                "samples": float(len(cpu)),
+            }
     return out
 
 
@@ -172,8 +178,12 @@ def paper_calculation(ingest: dict[str, dict[str, float]], instances: int = 1000
     tokens_s = chunk_tokens / profile.prefill_s(chunk_tokens, 0)
     stored_s = tokens_s / BLOCK
     fleet = instances * stored_s * 2
-    out = {"instances": float(instances), "tokens_per_s_per_instance": tokens_s,
-           "stored_blocks_per_s_per_instance": stored_s, "block_events_per_s_fleet": fleet}
+    out = {
+        "instances": float(instances),
+        "tokens_per_s_per_instance": tokens_s,
+        "stored_blocks_per_s_per_instance": stored_s,
+        "block_events_per_s_fleet": fleet,
+    }
     for backend, row in ingest.items():
         out[f"indexers_needed_{backend}"] = fleet / row["block_events_per_s"]
     return out
@@ -193,18 +203,27 @@ async def _memory() -> tuple[KVIndex, Callable[[], Awaitable[None]]]:
 
 def _redis_factory(url: str) -> IndexFactory:
     async def make() -> tuple[KVIndex, Callable[[], Awaitable[None]]]:
-        index = RedisIndex(url, prefix=f"bench:scale:{uuid.uuid4().hex[:8]}:", limits=_limits(),
-                           timeout_s=10.0, write_timeout_s=10.0)
+        index = RedisIndex(
+            url, prefix=f"bench:scale:{uuid.uuid4().hex[:8]}:", limits=_limits(), timeout_s=10.0, write_timeout_s=10.0
+        )
 
         async def done() -> None:
             await index.clear()
             await index.close()
+
         return index, done
+
     return make
 
 
-async def run_backend(report: Report, label: str, factory: IndexFactory, args: argparse.Namespace,
-                      payloads: dict[str, list[bytes]], used_memory: Callable[[], int] | None) -> None:
+async def run_backend(
+    report: Report,
+    label: str,
+    factory: IndexFactory,
+    args: argparse.Namespace,
+    payloads: dict[str, list[bytes]],
+    used_memory: Callable[[], int] | None,
+) -> None:
     """Ingest (both key modes), then look-ups on a fresh index, and (servers) memory per entry held."""
     for translate in (True, False):
         index, done = await factory()
@@ -218,8 +237,9 @@ async def run_backend(report: Report, label: str, factory: IndexFactory, args: a
     index, done = await factory()
     try:
         before = used_memory() if used_memory else 0
-        report.lookup[label] = await lookup_latencies(index, args.instances, other_blocks=args.other_blocks,
-                                                      reps=args.lookup_reps)
+        report.lookup[label] = await lookup_latencies(
+            index, args.instances, other_blocks=args.other_blocks, reps=args.lookup_reps
+        )
         if used_memory:
             entries = (await index.stats()).blocks
             report.memory[label] = {"bytes_per_block": (used_memory() - before) / entries, "entries": float(entries)}
@@ -242,13 +262,20 @@ async def run_cluster(report: Report, args: argparse.Namespace, payloads: dict[s
         return
     cluster = start_redis_cluster()
     try:
+
         async def make() -> tuple[KVIndex, Callable[[], Awaitable[None]]]:
-            index = RedisClusterIndex(cluster.urls, prefix=f"bench:scale:{uuid.uuid4().hex[:8]}:", limits=_limits(),
-                                      timeout_s=10.0, write_timeout_s=10.0)
+            index = RedisClusterIndex(
+                cluster.urls,
+                prefix=f"bench:scale:{uuid.uuid4().hex[:8]}:",
+                limits=_limits(),
+                timeout_s=10.0,
+                write_timeout_s=10.0,
+            )
 
             async def done() -> None:
                 await index.clear()
                 await index.close()
+
             return index, done
 
         def used_memory() -> int:  # the masters' (one copy of the data; replicas hold another)
@@ -264,19 +291,24 @@ async def run_all(args: argparse.Namespace) -> Report:
     t0 = time.perf_counter()
     # caches fill halfway through, so the second half runs in the steady state (a removal per store)
     payloads, _ = event_payloads(args.publishers, args.batches, cache_blocks=args.batches * 512 // 2)
-    print(f"workload: {args.publishers} instances x {args.batches} batches built in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
+    print(
+        f"workload: {args.publishers} instances x {args.batches} batches built in {time.perf_counter() - t0:.1f}s",
+        file=sys.stderr,
+    )
     entries = memory_index_bytes_per_entry(args.memory_entries)
-    report.memory["memory"] = {"bytes_per_block": entries, "budget_bytes_per_block": float(ENTRY_BYTES),
-                               "hash_map_bytes_per_block": float(MAPPED_ENTRY_BYTES)}
+    report.memory["memory"] = {
+        "bytes_per_block": entries,
+        "budget_bytes_per_block": float(ENTRY_BYTES),
+        "hash_map_bytes_per_block": float(MAPPED_ENTRY_BYTES),
+    }
     await run_backend(report, "memory", _memory, args, payloads, None)
     if args.redis_url == "private":
         with PrivateRedis() as server:
-            await run_backend(report, "redis", _redis_factory(server.url), args, payloads,
-                              lambda: redis_used_memory(server.url))
+            await run_backend(report, "redis", _redis_factory(server.url), args, payloads, lambda: redis_used_memory(server.url))
     elif args.redis_url:
-        await run_backend(report, "redis", _redis_factory(args.redis_url), args, payloads,
-                          lambda: redis_used_memory(args.redis_url))
+        await run_backend(
+            report, "redis", _redis_factory(args.redis_url), args, payloads, lambda: redis_used_memory(args.redis_url)
+        )
     else:
         report.unavailable["redis"] = "skipped (--redis-url '')"
     if args.cluster:
@@ -311,12 +343,18 @@ def judge(report: Report, args: argparse.Namespace) -> list[dict[str, Any]]:
     add("ingest into Redis Cluster >= 100,000 block events/s", rate("redis-cluster"), GOALS["ingest_cluster"], True, "/s")
     top = max(args.instances)
     for backend, rows in report.lookup.items():
-        add(f"look-up p99 <= 5 ms, 32K tokens, {top} instances ({backend})", rows[top]["p99_ms"] if top in rows else None,
-            GOALS["lookup_p99_ms"], False, "ms")
+        add(
+            f"look-up p99 <= 5 ms, 32K tokens, {top} instances ({backend})",
+            rows[top]["p99_ms"] if top in rows else None,
+            GOALS["lookup_p99_ms"],
+            False,
+            "ms",
+        )
     mid = 256 if 256 in args.instances else None
     kv = report.decision["kvcache_aware"].get(mid) if mid else None
-    add("kvcache_aware decision p99 <= 2 ms at 256 instances", kv["p99_ms"] if kv else None,
-        GOALS["decision_p99_ms"], False, "ms")
+    add(
+        "kvcache_aware decision p99 <= 2 ms at 256 instances", kv["p99_ms"] if kv else None, GOALS["decision_p99_ms"], False, "ms"
+    )
     return goals
 
 
@@ -331,8 +369,10 @@ def print_table(report: Report, args: argparse.Namespace) -> None:
     for key, row in report.memory.items():
         extra = ""
         if "budget_bytes_per_block" in row:
-            extra = (f"   (budget figure {row['budget_bytes_per_block']:.0f};"
-                     f" xxhash mode adds a map pair of {row['hash_map_bytes_per_block']:.0f} per mapped block)")
+            extra = (
+                f"   (budget figure {row['budget_bytes_per_block']:.0f};"
+                f" xxhash mode adds a map pair of {row['hash_map_bytes_per_block']:.0f} per mapped block)"
+            )
         print(f"{'index memory per block, ' + key + ' (bytes)':<52}{row['bytes_per_block']:>12.1f}{extra}")
     for backend, rows in report.lookup.items():
         for q in ("p50_ms", "p99_ms"):
@@ -343,28 +383,42 @@ def print_table(report: Report, args: argparse.Namespace) -> None:
             label = f"decision {policy} {q[:3]} (ms CPU, N/2 P + N/2 D)"
             print(f"{label:<52}" + "".join(f"{rows[c][q]:>12.3f}" for c in counts))
     p = report.paper
-    print(f"\npaper: {p['instances']:,.0f} prefill instances, Qwen3-8B on H800 (= H100 compute; the bundled profile),"
-          f" a cold {8192}-token prefill each:")
-    print(f"  {p['tokens_per_s_per_instance']:,.0f} tokens/s per instance = {p['stored_blocks_per_s_per_instance']:,.0f}"
-          f" blocks/s stored (block size {BLOCK}), x2 with removals once caches are full")
+    print(
+        f"\npaper: {p['instances']:,.0f} prefill instances, Qwen3-8B on H800 (= H100 compute; the bundled profile),"
+        f" a cold {8192}-token prefill each:"
+    )
+    print(
+        f"  {p['tokens_per_s_per_instance']:,.0f} tokens/s per instance = {p['stored_blocks_per_s_per_instance']:,.0f}"
+        f" blocks/s stored (block size {BLOCK}), x2 with removals once caches are full"
+    )
     print(f"  fleet: {p['block_events_per_s_fleet']:,.0f} block events/s, the worst case (a small model, no cache hits)")
     for key, value in p.items():
         if key.startswith("indexers_needed_"):
             print(f"  indexers needed at the measured {key.removeprefix('indexers_needed_')} ingest rate: {value:.1f}")
     print("\ngoals:")
     for g in report.goals:
-        shown = "n/a" if g["measured"] is None else (f"{g['measured']:,.0f}{g['unit']}" if g["unit"] == "/s"
-                                                     else f"{g['measured']:.3f} {g['unit']}")
+        shown = (
+            "n/a"
+            if g["measured"] is None
+            else (f"{g['measured']:,.0f}{g['unit']}" if g["unit"] == "/s" else f"{g['measured']:.3f} {g['unit']}")
+        )
         print(f"  {g['verdict']:<5} {g['goal']:<66} measured {shown}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a ~30 s run: fewer batches, samples and instances' blocks")
-    ap.add_argument("--instances", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 256, 1024],
-                    help="instance counts for look-ups and decisions, comma-separated")
-    ap.add_argument("--redis-url", default="private",
-                    help="'private' starts a redis-server of its own on a free port; a URL uses that server; '' skips")
+    ap.add_argument(
+        "--instances",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[16, 64, 256, 1024],
+        help="instance counts for look-ups and decisions, comma-separated",
+    )
+    ap.add_argument(
+        "--redis-url",
+        default="private",
+        help="'private' starts a redis-server of its own on a free port; a URL uses that server; '' skips",
+    )
     ap.add_argument("--no-cluster", dest="cluster", action="store_false", help="skip the Redis Cluster rows")
     ap.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="write every figure as JSON")
     args = ap.parse_args()
@@ -377,9 +431,16 @@ def main() -> None:
     report = asyncio.run(run_all(args))
     print_table(report, args)
     if args.json_out:
-        doc = {"settings": {k: v for k, v in vars(args).items() if k != "json_out"}, "goals": report.goals,
-               "ingest": report.ingest, "memory": report.memory, "lookup": report.lookup,
-               "decision": report.decision, "paper": report.paper, "unavailable": report.unavailable}
+        doc = {
+            "settings": {k: v for k, v in vars(args).items() if k != "json_out"},
+            "goals": report.goals,
+            "ingest": report.ingest,
+            "memory": report.memory,
+            "lookup": report.lookup,
+            "decision": report.decision,
+            "paper": report.paper,
+            "unavailable": report.unavailable,
+        }
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json_out}")
 

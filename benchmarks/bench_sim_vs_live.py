@@ -59,8 +59,12 @@ MODEL = "tiny"
 
 def scaled_requests(requests: list[TraceRequest], synth: PromptSynthesizer) -> list[TraceRequest]:
     """The requests as the live replay sends them: scaled lengths, same blocks, same arrivals."""
-    return [dataclasses.replace(r, input_length=synth.input_length(r), output_length=synth.output_length(r),
-                                block_tokens=synth.block_tokens(r)) for r in requests]
+    return [
+        dataclasses.replace(
+            r, input_length=synth.input_length(r), output_length=synth.output_length(r), block_tokens=synth.block_tokens(r)
+        )
+        for r in requests
+    ]
 
 
 def policy_options(spec: PolicySpec, peer_pull: bool = False) -> dict[str, object]:
@@ -75,39 +79,64 @@ def policy_options(spec: PolicySpec, peer_pull: bool = False) -> dict[str, objec
 
 def run_sim(args: argparse.Namespace, requests: list[TraceRequest], spec: PolicySpec) -> RunResult:
     config = SimConfig(
-        n_prefill=args.prefill, n_decode=args.decode, truth=truth_from_emulator(load_profile(), args.time_scale),
-        slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt), speedup=args.speedup, noise=args.noise, seed=args.seed,
-        model=MODEL, pull="staged" if args.peer_pull else "none",
+        n_prefill=args.prefill,
+        n_decode=args.decode,
+        truth=truth_from_emulator(load_profile(), args.time_scale),
+        slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt),
+        speedup=args.speedup,
+        noise=args.noise,
+        seed=args.seed,
+        model=MODEL,
+        pull="staged" if args.peer_pull else "none",
     )
     return simulate(load_policy(spec.name, policy_options(spec, args.peer_pull)), requests, config)
 
 
-def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: PromptSynthesizer,
-             spec: PolicySpec) -> RunResult:
+def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: PromptSynthesizer, spec: PolicySpec) -> RunResult:
     options = policy_options(spec, args.peer_pull)
     options.pop("allow_pull", None)  # the gateway derives what it can pull from its protocol
     # --peer-pull: every emulator bidirectional, prefills on priority scheduling, the gateway stages
     # prefill-to-prefill pulls (conductor/peer_pull.py); without it, pulls off on both sides
-    extra = {"pd_peer_pull": "on", "pd_peer_pull_priority": -1, "pd_readback": "off",
-             "kv": {"forward_token_ids": True}} if args.peer_pull else {"pd_peer_pull": "off"}
+    extra = (
+        {"pd_peer_pull": "on", "pd_peer_pull_priority": -1, "pd_readback": "off", "kv": {"forward_token_ids": True}}
+        if args.peer_pull
+        else {"pd_peer_pull": "off"}
+    )
     cluster_spec = ClusterSpec(
-        n_prefill=args.prefill, n_decode=args.decode, pd_protocol="nixl", policy=spec.name, model=MODEL,
-        time_scale=args.time_scale, noise=args.noise, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
-        policy_options=options, gateway_extra=extra,
+        n_prefill=args.prefill,
+        n_decode=args.decode,
+        pd_protocol="nixl",
+        policy=spec.name,
+        model=MODEL,
+        time_scale=args.time_scale,
+        noise=args.noise,
+        slo_ttft_s=args.slo_ttft,
+        slo_tbt_s=args.slo_tbt,
+        policy_options=options,
+        gateway_extra=extra,
         # (the decodes are bidirectional so that they free the prefills' pins; their own pins, unused
         # with pd_readback off, expire at once)
         emulator_extra=("--bidirectional-kv-xfer", "--scheduling-policy", "priority", "--decoder-kv-blocks-ttl", "1")
-        if args.peer_pull else (),
+        if args.peer_pull
+        else (),
     )
     with tempfile.TemporaryDirectory(prefix="sim-vs-live-") as tmp:
         group = ChildGroup(Path(tmp))
         try:
             cluster = start_cluster(cluster_spec, group)
             wait_ready(cluster, group)
-            result = asyncio.run(replay_live(
-                cluster.gateway_url, requests, time_scale=args.speedup, slo_ttft_s=args.slo_ttft,
-                slo_tbt_s=args.slo_tbt, synthesizer=synth, model=MODEL, label="live",
-            ))
+            result = asyncio.run(
+                replay_live(
+                    cluster.gateway_url,
+                    requests,
+                    time_scale=args.speedup,
+                    slo_ttft_s=args.slo_ttft,
+                    slo_tbt_s=args.slo_tbt,
+                    synthesizer=synth,
+                    model=MODEL,
+                    label="live",
+                )
+            )
             if args.peer_pull:
                 print("live prefill-to-prefill pulls: " + pull_counts(cluster.gateway_url), file=sys.stderr)
             if options.get("local_prefill_tokens"):
@@ -144,9 +173,11 @@ def local_prefills(gateway_url: str) -> int:
 
 
 def _row(name: str, r: RunResult) -> str:
-    return (f"{name:>5}  {r.requests:>8}  {r.completed:>9}  {r.rejected:>8}  {r.slo_met:>7}  {r.goodput_rps:>9.3f}  "
-            f"{r.ttft.p50:>8.3f}  {r.ttft.p99:>8.3f}  {r.tbt.mean * 1e3:>8.2f}  "
-            f"{r.prefix_hit_local + r.prefix_hit_remote:>6.0%}")
+    return (
+        f"{name:>5}  {r.requests:>8}  {r.completed:>9}  {r.rejected:>8}  {r.slo_met:>7}  {r.goodput_rps:>9.3f}  "
+        f"{r.ttft.p50:>8.3f}  {r.ttft.p99:>8.3f}  {r.tbt.mean * 1e3:>8.2f}  "
+        f"{r.prefix_hit_local + r.prefix_hit_remote:>6.0%}"
+    )
 
 
 def main() -> int:
@@ -160,15 +191,22 @@ def main() -> int:
     ap.add_argument("--slo-tbt", type=float, default=0.025)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma, emulators and simulator")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-scale", type=float, default=1.0,
-                    help="the workers' durations x this, live and simulated; the policy's predictors still start "
-                         "from the bundled profile (x1), as a gateway in front of slower workers does: scale the "
-                         "SLOs with it")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the workers' durations x this, live and simulated; the policy's predictors still start "
+        "from the bundled profile (x1), as a gateway in front of slower workers does: scale the "
+        "SLOs with it",
+    )
     ap.add_argument("--prefill", type=int, default=2, help="prefill instances (emulated, and simulated)")
     ap.add_argument("--decode", type=int, default=2, help="decode instances")
-    ap.add_argument("--peer-pull", action="store_true",
-                    help="prefix pulls between prefills, staged on the holder with priority: over NIXL live "
-                         "(pd_peer_pull), modelled in the simulator (--pull staged)")
+    ap.add_argument(
+        "--peer-pull",
+        action="store_true",
+        help="prefix pulls between prefills, staged on the holder with priority: over NIXL live "
+        "(pd_peer_pull), modelled in the simulator (--pull staged)",
+    )
     args = ap.parse_args()
     try:
         specs = parse_specs(args.policies)
@@ -179,9 +217,12 @@ def main() -> int:
     synth = PromptSynthesizer(args.length_scale, seed=args.seed)
     requests = scaled_requests(raw, synth)
     span = (raw[-1].arrival_s - raw[0].arrival_s) / args.speedup
-    print(f"{len(raw)} requests of {args.trace}, lengths x{args.length_scale:g}, {args.speedup:g}x faster "
-          f"({span:.0f} s of arrivals); {args.prefill}P+{args.decode}D, SLO TTFT {args.slo_ttft} s / TBT {args.slo_tbt} s, "
-          f"noise {args.noise}, workers' time scale {args.time_scale:g}", file=sys.stderr)
+    print(
+        f"{len(raw)} requests of {args.trace}, lengths x{args.length_scale:g}, {args.speedup:g}x faster "
+        f"({span:.0f} s of arrivals); {args.prefill}P+{args.decode}D, SLO TTFT {args.slo_ttft} s / TBT {args.slo_tbt} s, "
+        f"noise {args.noise}, workers' time scale {args.time_scale:g}",
+        file=sys.stderr,
+    )
     pairs = []
     for spec in specs:
         t0 = time.perf_counter()
@@ -191,19 +232,27 @@ def main() -> int:
         live = run_live(args, raw, synth, spec)
         t_live = time.perf_counter() - t0
         pairs.append((spec, sim, live))
-        print(f"\n{spec.label or spec.name}\n{'':>5}  {'requests':>8}  {'completed':>9}  {'rejected':>8}  "
-              f"{'SLO met':>7}  {'goodput/s':>9}  {'TTFT p50':>8}  {'TTFT p99':>8}  {'TBT ms':>8}  {'hit':>6}")
+        print(
+            f"\n{spec.label or spec.name}\n{'':>5}  {'requests':>8}  {'completed':>9}  {'rejected':>8}  "
+            f"{'SLO met':>7}  {'goodput/s':>9}  {'TTFT p50':>8}  {'TTFT p99':>8}  {'TBT ms':>8}  {'hit':>6}"
+        )
         print(_row("sim", sim))
         print(_row("live", live))
         if args.peer_pull:  # the live count (staged) was printed as the run ended, on stderr
-            print(f"simulated prefill-to-prefill pulls: {sim.extra.get('peer_pulls', 0):.0f} served requests "
-                  f"({sim.prefix_hit_remote:.1%} of their prompt tokens)")
+            print(
+                f"simulated prefill-to-prefill pulls: {sim.extra.get('peer_pulls', 0):.0f} served requests "
+                f"({sim.prefix_hit_remote:.1%} of their prompt tokens)"
+            )
         ratio = sim.goodput_rps / live.goodput_rps if live.goodput_rps > 0 else float("inf")
-        print(f"goodput sim / live = {ratio:.3f} (target 0.90-1.10); rejections sim {dict(sim.rejections)}, "
-              f"live {dict(live.rejections)}; wall: sim {t_sim:.1f} s, live {t_live:.1f} s")
+        print(
+            f"goodput sim / live = {ratio:.3f} (target 0.90-1.10); rejections sim {dict(sim.rejections)}, "
+            f"live {dict(live.rejections)}; wall: sim {t_sim:.1f} s, live {t_live:.1f} s"
+        )
         if "local_prefills" in live.extra:
-            print(f"prefills on a decode instance (local prefill): sim {sim.extra['local_prefills']:.0f}, "
-                  f"live {live.extra['local_prefills']:.0f}")
+            print(
+                f"prefills on a decode instance (local prefill): sim {sim.extra['local_prefills']:.0f}, "
+                f"live {live.extra['local_prefills']:.0f}"
+            )
     if len(pairs) > 1:
         first_sim, first_live = pairs[0][1].goodput_rps, pairs[0][2].goodput_rps
         print(f"\ngoodput / {pairs[0][0].label or pairs[0][0].name}:")

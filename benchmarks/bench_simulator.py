@@ -82,28 +82,33 @@ def bench_speed() -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         res = run_job(SimJob(PolicySpec(name), config, "conversation"), reqs)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        print(f"{name:>20}: {cpu:6.2f} s CPU, {wall:6.2f} s wall (target {SIM_TARGET_S} s, ratio "
-              f"{cpu / SIM_TARGET_S:.2f}), {res.completed} completed, {res.extra['events']:.0f} events, "
-              f"load {_load()}")
+        print(
+            f"{name:>20}: {cpu:6.2f} s CPU, {wall:6.2f} s wall (target {SIM_TARGET_S} s, ratio "
+            f"{cpu / SIM_TARGET_S:.2f}), {res.completed} completed, {res.extra['events']:.0f} events, "
+            f"load {_load()}"
+        )
 
 
 def bench_sweep() -> None:
-    print(f"== speed: 15-split sweep of the conversation trace on 16 nodes, kvcache_aware, --paper, "
-          f"{default_workers()} worker processes; target <= {SWEEP_TARGET_S} s")
+    print(
+        f"== speed: 15-split sweep of the conversation trace on 16 nodes, kvcache_aware, --paper, "
+        f"{default_workers()} worker processes; target <= {SWEEP_TARGET_S} s"
+    )
     t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu_s()
     result = sweep("conversation", 16, PolicySpec("kvcache_aware"), _args("--paper"))
     wall, cpu, workers = time.perf_counter() - t0, time.process_time() - c0, _children_cpu_s() - k0
     print(format_sweep(result))
-    print(f"sweep wall time {wall:.1f} s (target {SWEEP_TARGET_S} s, ratio {wall / SWEEP_TARGET_S:.2f}); CPU "
-          f"{workers:.1f} s in the workers, {cpu:.1f} s in this process (trace load, fork, results); load {_load()}")
+    print(
+        f"sweep wall time {wall:.1f} s (target {SWEEP_TARGET_S} s, ratio {wall / SWEEP_TARGET_S:.2f}); CPU "
+        f"{workers:.1f} s in the workers, {cpu:.1f} s in this process (trace load, fork, results); load {_load()}"
+    )
 
 
 def bench_fig5() -> None:
     config = config_from_args(_args("--paper"), 8, 8)
     print("== FAST'25 Fig. 5: mean TTFT by prefill scheduler, conversation trace, no admission control; needs --paper")
     print(f"   {describe(config)}")
-    names = ["random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "llmd",
-             "kvcache_aware:admission=none"]
+    names = ["random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "llmd", "kvcache_aware:admission=none"]
     results = {r.policy: r for r in run_jobs([SimJob(PolicySpec.parse(n), config, "conversation") for n in names])}
     ours_ref = results["kvcache_aware:admission=none"].ttft.mean
     print(f"{'policy':>30}  {'sim TTFT':>9}  {'paper':>7}  {'sim/ours':>8}  {'paper/ours':>10}  {'hit local+pulled':>16}")
@@ -126,8 +131,10 @@ def bench_fig15() -> None:
     best, pick = result.best, result.pick
     edges = max(result.results[0].goodput_rps, result.results[-1].goodput_rps)
     ratio = best.goodput_rps / max(edges, 1e-9)
-    print(f"best {best.n_prefill}:{best.n_decode}, recommended {pick.n_prefill}:{pick.n_decode} (paper ~8:8); "
-          f"best/edge goodput ratio {ratio:.1f}")
+    print(
+        f"best {best.n_prefill}:{best.n_decode}, recommended {pick.n_prefill}:{pick.n_decode} (paper ~8:8); "
+        f"best/edge goodput ratio {ratio:.1f}"
+    )
 
 
 # The setting where judging the decode load *at arrival* matters (arXiv 7.3-7.4): decode-bound (the
@@ -143,8 +150,9 @@ DECODE_BOUND_40 = ("--slo-ttft", "30", "--slo-tbt", "0.04")
 DECODE_BOUND_PD = (8, 4)
 
 
-def _table3_run(seed: int, extra: tuple[str, ...], pd: tuple[int, int], options: dict[str, object],
-                limit: int | None = None) -> dict[str, RunResult]:
+def _table3_run(
+    seed: int, extra: tuple[str, ...], pd: tuple[int, int], options: dict[str, object], limit: int | None = None
+) -> dict[str, RunResult]:
     config = config_from_args(_args("--paper", "--speedup", "2", "--seed", str(seed), *extra), *pd)
     specs = [PolicySpec("kvcache_aware", {"admission": m, **options}, m) for m in ("none", "early", "predicted")]
     return {r.policy: r for r in run_jobs([SimJob(s, config, "conversation", limit) for s in specs])}
@@ -155,10 +163,15 @@ def bench_table3() -> None:
     print("   replayed 23,000 on 8P+8D). 'none' = no SLO admission (the simulator's bounded queue rejects).")
     print("   Reproduces only in the tuned decode-bound setting (8P+4D, TBT SLO 45 ms); elsewhere it is shown for contrast.")
     print("   prefill-bound: the --paper defaults on 8P+8D (decode never binds: early == predicted);")
-    print(f"   decode-bound: {DECODE_BOUND_PD[0]}P+{DECODE_BOUND_PD[1]}D, " + " ".join(DECODE_BOUND)
-          + " (SLO TTFT 30 s as in the report's 8.1.3), tbt_quantile 0.8; 'slice' = first 3,000 requests")
-    print(f"{'scenario':>14}  {'seed':>4}  {'mode':>9}  {'rejected':>8}  {'paper':>6}  {'SLO met':>7}  "
-          f"{'rej/early':>9}  {'paper ratio':>11}  {'met/early':>9}")
+    print(
+        f"   decode-bound: {DECODE_BOUND_PD[0]}P+{DECODE_BOUND_PD[1]}D, "
+        + " ".join(DECODE_BOUND)
+        + " (SLO TTFT 30 s as in the report's 8.1.3), tbt_quantile 0.8; 'slice' = first 3,000 requests"
+    )
+    print(
+        f"{'scenario':>14}  {'seed':>4}  {'mode':>9}  {'rejected':>8}  {'paper':>6}  {'SLO met':>7}  "
+        f"{'rej/early':>9}  {'paper ratio':>11}  {'met/early':>9}"
+    )
     runs: list[tuple[str, int, tuple[str, ...], tuple[int, int], dict[str, object], int | None]] = [
         ("prefill-bound", 0, (), (8, 8), {}, None),
         ("decode-bound", 0, DECODE_BOUND, DECODE_BOUND_PD, {"tbt_quantile": 0.8}, None),
@@ -172,9 +185,11 @@ def bench_table3() -> None:
         early = res["early"]
         for mode in ("none", "early", "predicted"):
             r = res[mode]
-            print(f"{scenario:>14}  {seed:>4}  {mode:>9}  {r.rejected:>8}  {TABLE3_PAPER[mode]:>6}  {r.slo_met:>7}  "
-                  f"{r.rejected / max(1, early.rejected):9.2f}  {TABLE3_PAPER[mode] / TABLE3_PAPER['early']:11.2f}  "
-                  f"{r.slo_met / max(1, early.slo_met):9.2f}")
+            print(
+                f"{scenario:>14}  {seed:>4}  {mode:>9}  {r.rejected:>8}  {TABLE3_PAPER[mode]:>6}  {r.slo_met:>7}  "
+                f"{r.rejected / max(1, early.rejected):9.2f}  {TABLE3_PAPER[mode] / TABLE3_PAPER['early']:11.2f}  "
+                f"{r.slo_met / max(1, early.slo_met):9.2f}"
+            )
 
 
 def bench_fair() -> None:
@@ -186,8 +201,10 @@ def bench_fair() -> None:
     results = run_jobs([SimJob(s, config, "conversation") for s in specs])
     print(f"{'policy':>26}  {'rejected':>8}  {'SLO met':>7}  {'goodput':>8}  {'TTFT mean':>9}  {'TTFT pred err':>13}")
     for r in results:
-        print(f"{r.policy:>26}  {r.rejected:>8}  {r.slo_met:>7}  {r.goodput_rps:8.2f}  {r.ttft.mean:8.2f}s  "
-              f"{r.ttft_prediction.mean_rel:13.1%}")
+        print(
+            f"{r.policy:>26}  {r.rejected:>8}  {r.slo_met:>7}  {r.goodput_rps:8.2f}  {r.ttft.mean:8.2f}s  "
+            f"{r.ttft_prediction.mean_rel:13.1%}"
+        )
 
 
 # Speed-ups where the best baseline (fitted predictors, predicted admission) met 80-90% and 60-70%
@@ -210,8 +227,10 @@ def _hit(r: RunResult) -> float:
 
 
 def bench_ratios(pull: str = "both") -> None:
-    how = {"both": "peer pulls read directly", "staged": "peer pulls staged on the holder with priority, as the "
-           "gateway drives them over vLLM NIXL (--pull staged)"}[pull]
+    how = {
+        "both": "peer pulls read directly",
+        "staged": "peer pulls staged on the holder with priority, as the gateway drives them over vLLM NIXL (--pull staged)",
+    }[pull]
     print("== kvcache_aware against the best baseline, equal fitted predictors and predicted admission,")
     print(f"   at the loads where the best baseline meets 80-90% and 60-70% of both SLOs; 8P+8D --paper, {how}")
     print("   'Algorithm 1' is kvcache_aware as the paper states it: lowest predicted TTFT, blind to prefixes in")
@@ -222,9 +241,11 @@ def bench_ratios(pull: str = "both") -> None:
     print("   attainment, TBT ms: its mean TBT, local: prefills it ran on decodes. The baselines never do")
     print("   hit: prefix-cache hit rate of the served prompts (local + pulled), best baseline / kvcache_aware;")
     print("   reusable: the trace's own bound on any policy's hit rate (traces.formats.reusable_prefix_share)")
-    head = (f"{'workload':>13}  {'speed-up':>8}  {'best baseline':>18}  {'its SLO met':>11}  {'goodput':>7}  "
-            f"{'kvcache_aware':>13}  {'ratio':>5}  {'Algorithm 1':>11}  {'ratio':>5}  {'+local':>7}  {'ratio':>5}  "
-            f"{'met':>5}  {'TBT ms':>6}  {'local':>6}  {'hit':>9}  {'reusable':>8}")
+    head = (
+        f"{'workload':>13}  {'speed-up':>8}  {'best baseline':>18}  {'its SLO met':>11}  {'goodput':>7}  "
+        f"{'kvcache_aware':>13}  {'ratio':>5}  {'Algorithm 1':>11}  {'ratio':>5}  {'+local':>7}  {'ratio':>5}  "
+        f"{'met':>5}  {'TBT ms':>6}  {'local':>6}  {'hit':>9}  {'reusable':>8}"
+    )
     print(head)
     wins: dict[str, list[float]] = {}
     local_wins: dict[str, list[float]] = {}
@@ -234,41 +255,55 @@ def bench_ratios(pull: str = "both") -> None:
         for speedup in loads:
             config = config_from_args(_args("--paper", "--speedup", str(speedup), "--pull", pull), 8, 8)
             specs = [PolicySpec(n, {"fit_predictors": True}, n) for n in RATIO_BASELINES]
-            specs += [PolicySpec("kvcache_aware"),
-                      PolicySpec("kvcache_aware", {"ttft_slack": None, "inflight_prefixes": False}, "algorithm1"),
-                      PolicySpec("kvcache_aware", LOCAL_PREFILL, "local")]
+            specs += [
+                PolicySpec("kvcache_aware"),
+                PolicySpec("kvcache_aware", {"ttft_slack": None, "inflight_prefixes": False}, "algorithm1"),
+                PolicySpec("kvcache_aware", LOCAL_PREFILL, "local"),
+            ]
             results = run_jobs([SimJob(spec, config, trace) for spec in specs])
-            best = max(results[:len(RATIO_BASELINES)], key=lambda r: r.goodput_rps)
-            ours, alg1, local = results[len(RATIO_BASELINES):]
+            best = max(results[: len(RATIO_BASELINES)], key=lambda r: r.goodput_rps)
+            ours, alg1, local = results[len(RATIO_BASELINES) :]
             ratio, local_ratio = ours.goodput_rps / best.goodput_rps, local.goodput_rps / best.goodput_rps
             wins.setdefault(trace, []).append(ratio)
             local_wins.setdefault(trace, []).append(local_ratio)
             why.append((trace, speedup, best, ours))
-            print(f"{trace:>13}  {speedup:>7.1f}x  {best.policy:>18}  {best.slo_attainment:>10.0%}  "
-                  f"{best.goodput_rps:7.2f}  {ours.goodput_rps:13.2f}  {ratio:5.2f}  {alg1.goodput_rps:11.2f}  "
-                  f"{alg1.goodput_rps / best.goodput_rps:5.2f}  {local.goodput_rps:7.2f}  {local_ratio:5.2f}  "
-                  f"{local.slo_attainment:5.0%}  {local.tbt.mean * 1e3:5.1f}  {local.extra['local_prefills']:6.0f}  "
-                  f"{_hit(best):.0%} / {_hit(ours):.0%}  {reusable:8.0%}")
+            print(
+                f"{trace:>13}  {speedup:>7.1f}x  {best.policy:>18}  {best.slo_attainment:>10.0%}  "
+                f"{best.goodput_rps:7.2f}  {ours.goodput_rps:13.2f}  {ratio:5.2f}  {alg1.goodput_rps:11.2f}  "
+                f"{alg1.goodput_rps / best.goodput_rps:5.2f}  {local.goodput_rps:7.2f}  {local_ratio:5.2f}  "
+                f"{local.slo_attainment:5.0%}  {local.tbt.mean * 1e3:5.1f}  {local.extra['local_prefills']:6.0f}  "
+                f"{_hit(best):.0%} / {_hit(ours):.0%}  {reusable:8.0%}"
+            )
     print("   why: prefill s per served request (its prompt mix and its reuse), best baseline / kvcache_aware, and")
     print("   the prefills' busy share. Where both keep the prefills busy, goodput is prefill capacity over that cost,")
     print("   so the goodput ratio is about the cost ratio; reuse beyond the trace's bound is not available to it")
     for trace, speedup, best, ours in why:
         b, o = best.extra, ours.extra
-        print(f"{trace:>13}  {speedup:>7.1f}x  cost {b['prefill_s_per_served']:.3f} / {o['prefill_s_per_served']:.3f} s "
-              f"(ratio {b['prefill_s_per_served'] / o['prefill_s_per_served']:.2f})  served prompt "
-              f"{b['served_prompt_mean']:,.0f} / {o['served_prompt_mean']:,.0f} tokens  prefills busy "
-              f"{b['prefill_busy']:.0%} / {o['prefill_busy']:.0%}")
+        print(
+            f"{trace:>13}  {speedup:>7.1f}x  cost {b['prefill_s_per_served']:.3f} / {o['prefill_s_per_served']:.3f} s "
+            f"(ratio {b['prefill_s_per_served'] / o['prefill_s_per_served']:.2f})  served prompt "
+            f"{b['served_prompt_mean']:,.0f} / {o['served_prompt_mean']:,.0f} tokens  prefills busy "
+            f"{b['prefill_busy']:.0%} / {o['prefill_busy']:.0%}"
+        )
     for label, table in (("kvcache_aware, P/D only", wins), ("kvcache_aware with local prefills", local_wins)):
         reached = [t for t, rs in table.items() if min(rs) >= RATIO_GOAL]
         floor = min(r for rs in table.values() for r in rs)
-        print(f"goal ({label}): >= {RATIO_GOAL}x at both loads on at least two workloads, never below 1.0x: "
-              f"{len(reached)} of {len(table)} workloads reach it ({', '.join(reached) or 'none'}), "
-              f"lowest ratio {floor:.2f}x")
+        print(
+            f"goal ({label}): >= {RATIO_GOAL}x at both loads on at least two workloads, never below 1.0x: "
+            f"{len(reached)} of {len(table)} workloads reach it ({', '.join(reached) or 'none'}), "
+            f"lowest ratio {floor:.2f}x"
+        )
 
 
 SECTIONS: dict[str, Callable[[], None]] = {
-    "speed": bench_speed, "sweep": bench_sweep, "fig5": bench_fig5, "fig15": bench_fig15, "table3": bench_table3,
-    "fair": bench_fair, "ratios": bench_ratios, "ratios-staged": lambda: bench_ratios("staged"),
+    "speed": bench_speed,
+    "sweep": bench_sweep,
+    "fig5": bench_fig5,
+    "fig15": bench_fig15,
+    "table3": bench_table3,
+    "fair": bench_fair,
+    "ratios": bench_ratios,
+    "ratios-staged": lambda: bench_ratios("staged"),
 }
 
 

@@ -44,8 +44,13 @@ def prompt(rng: random.Random) -> str:
 
 
 async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, statuses: Counter[int]) -> None:
-    body = {"model": "soak", "prompt": prompt(rng), "max_tokens": rng.randint(8, 48), "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "soak",
+        "prompt": prompt(rng),
+        "max_tokens": rng.randint(8, 48),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with session.post(url, json=body) as resp:
             async for _ in resp.content.iter_any():
@@ -82,8 +87,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="conductor-soak-") as tmp:
         group = ChildGroup(Path(tmp))
         try:
-            spec = ClusterSpec(n_prefill=2, n_decode=2, pd_protocol="nixl", policy="kvcache_aware", model="soak",
-                               time_scale=args.time_scale, noise=0.05, slo_ttft_s=2.0, slo_tbt_s=0.1)
+            spec = ClusterSpec(
+                n_prefill=2,
+                n_decode=2,
+                pd_protocol="nixl",
+                policy="kvcache_aware",
+                model="soak",
+                time_scale=args.time_scale,
+                noise=0.05,
+                slo_ttft_s=2.0,
+                slo_tbt_s=0.1,
+            )
             cluster = start_cluster(spec, group)
             wait_ready(cluster, group)
             gateway = next(c for c in group.children if c.name == "gateway")
@@ -100,14 +114,18 @@ def main() -> int:
                 asyncio.run(drive(url, args.rate, chunk, 2 + int(elapsed), statuses))
                 elapsed += chunk
                 samples.append((elapsed, *proc_figures(gateway.pid)))
-                print(f"  t={elapsed:6.0f}s  RSS {samples[-1][1]:7.1f} MB  fds {samples[-1][2]:4d}  "
-                      f"statuses {dict(statuses)}", file=sys.stderr)
+                print(
+                    f"  t={elapsed:6.0f}s  RSS {samples[-1][1]:7.1f} MB  fds {samples[-1][2]:4d}  statuses {dict(statuses)}",
+                    file=sys.stderr,
+                )
             rss1, fds1 = proc_figures(gateway.pid)
         finally:
             group.stop()
     errors = sum(n for s, n in statuses.items() if s not in (200, 429))
-    print(f"\nsoak: {args.seconds:g} s at {args.rate:g} req/s after {args.warmup:g} s warm-up "
-          f"(2P+2D emulators, kvcache_aware, KV index on)")
+    print(
+        f"\nsoak: {args.seconds:g} s at {args.rate:g} req/s after {args.warmup:g} s warm-up "
+        f"(2P+2D emulators, kvcache_aware, KV index on)"
+    )
     print(f"requests {sum(statuses.values())}: {dict(sorted(statuses.items()))}; errors {errors}")
     print(f"gateway RSS  after warm-up {rss0:7.1f} MB   end {rss1:7.1f} MB   growth {rss1 - rss0:+6.1f} MB (goal < 50)")
     print(f"gateway fds  after warm-up {fds0:7d}      end {fds1:7d}      growth {fds1 - fds0:+6d}")

@@ -92,8 +92,19 @@ class PrivateRedis:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> PrivateRedis:
-        argv = [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--protected-mode", "no"]
+        argv = [
+            self._binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+        ]
         self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -118,8 +129,9 @@ class PrivateRedis:
 # ---- workloads of bench_scale.py ------------------------------------------------------------
 
 
-def event_payloads(n_instances: int, batches: int, *, block: int = 16, blocks_per_batch: int = 512, cache_blocks: int = 8192,
-                   seed: int = 0) -> tuple[dict[str, list[bytes]], int]:
+def event_payloads(
+    n_instances: int, batches: int, *, block: int = 16, blocks_per_batch: int = 512, cache_blocks: int = 8192, seed: int = 0
+) -> tuple[dict[str, list[bytes]], int]:
     """Per instance, `batches` encoded EventBatches; and the block events they carry in all."""
     # imported here: the other benchmarks import this module without the project's packages
     import msgspec

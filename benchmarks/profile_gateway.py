@@ -31,24 +31,49 @@ from common import Processes, free_port, wait_http
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("metrics (prometheus_client)", ("prometheus_client/", "conductor/metrics.py", "conductor/loop_metrics.py")),
     ("logging", ("/logging/", "conductor/logs.py")),
-    ("tokenize + block keys", ("adapters/tokenizers.py", "conductor/core/block_keys.py",
-                               "conductor/core/tokenization.py", "conductor/core/vllm_hash.py")),
+    (
+        "tokenize + block keys",
+        (
+            "adapters/tokenizers.py",
+            "conductor/core/block_keys.py",
+            "conductor/core/tokenization.py",
+            "conductor/core/vllm_hash.py",
+        ),
+    ),
     ("index look-up", ("adapters/index/",)),
-    ("prompt analysis (KV awareness)", ("conductor/kv_awareness.py", "conductor/analysis.py",
-                                        "conductor/kv_agreement.py")),
+    ("prompt analysis (KV awareness)", ("conductor/kv_awareness.py", "conductor/analysis.py", "conductor/kv_agreement.py")),
     ("decision (policy, predictors)", ("policies/", "predictors/")),
     ("request parsing + validation", ("conductor/requests.py", "pydantic", "msgspec")),
     # the server side first: "adapters/http1" below would take its frames too
-    ("HTTP server (adapters/http1_server, uvicorn, httptools)", (
-        "adapters/http1_server.py", "adapters/http1_exchange.py", "uvicorn/", "httptools", "starlette/", "fastapi/",
-        "conductor/app.py")),
+    (
+        "HTTP server (adapters/http1_server, uvicorn, httptools)",
+        (
+            "adapters/http1_server.py",
+            "adapters/http1_exchange.py",
+            "uvicorn/",
+            "httptools",
+            "starlette/",
+            "fastapi/",
+            "conductor/app.py",
+        ),
+    ),
     ("upstream client (HTTP/1.1, P/D legs)", ("adapters/http1", "adapters/upstream.py", "adapters/pd/")),
-    ("relay + response streaming", ("conductor/relay.py", "conductor/batch_relay.py", "conductor/proxy.py",
-                                    "conductor/http_errors.py")),
-    ("gateway bookkeeping (load, deadlines)", ("conductor/gateway.py", "conductor/instances.py",
-                                               "conductor/deadlines.py", "adapters/load_share.py",
-                                               "adapters/shm_load_share.py", "conductor/readback.py",
-                                               "conductor/tracing.py")),
+    (
+        "relay + response streaming",
+        ("conductor/relay.py", "conductor/batch_relay.py", "conductor/proxy.py", "conductor/http_errors.py"),
+    ),
+    (
+        "gateway bookkeeping (load, deadlines)",
+        (
+            "conductor/gateway.py",
+            "conductor/instances.py",
+            "conductor/deadlines.py",
+            "adapters/load_share.py",
+            "adapters/shm_load_share.py",
+            "conductor/readback.py",
+            "conductor/tracing.py",
+        ),
+    ),
     ("event loop (asyncio, uvloop)", ("asyncio/", "uvloop")),
 )
 FRAME = re.compile(r"\((?P<file>[^():]+)(?::\d+)?\)")
@@ -79,19 +104,52 @@ def breakdown(raw: Path) -> tuple[collections.Counter[str], collections.Counter[
     return counts, frames
 
 
-def profile_one(w: dict[str, str], pd: bool, policy: str, script: Path, conc: int, seconds: int,
-                out: Path) -> tuple[tuple[collections.Counter[str], collections.Counter[tuple[str, str]]], float, int]:
+def profile_one(
+    w: dict[str, str], pd: bool, policy: str, script: Path, conc: int, seconds: int, out: Path
+) -> tuple[tuple[collections.Counter[str], collections.Counter[tuple[str, str]]], float, int]:
     with Processes() as procs:
         port = free_port()
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
-        gw = procs.start([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy,
-                          "--model", "tiny", "--log-level", "warning", *inst], quiet=True)
+        gw = procs.start(
+            [
+                sys.executable,
+                "-m",
+                "conductor",
+                "serve",
+                "--port",
+                str(port),
+                "--policy",
+                policy,
+                "--model",
+                "tiny",
+                "--log-level",
+                "warning",
+                *inst,
+            ],
+            quiet=True,
+        )
         wait_http(f"http://127.0.0.1:{port}/ready")
         url = f"http://127.0.0.1:{port}/v1/completions"
         wrk(url, script, conc, 1, None)  # warm up
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(gw.pid), "--format", "raw", "--rate", "200",
-                                "--duration", str(seconds), "--nonblocking", "-o", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spy = subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "--pid",
+                str(gw.pid),
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--duration",
+                str(seconds),
+                "--nonblocking",
+                "-o",
+                str(out),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         before = tree_cpu(gw.pid)
         load = wrk(url, script, conc, seconds, None)
         cpu_us = (tree_cpu(gw.pid) - before) / max(load.requests, 1) * 1e6
@@ -116,14 +174,17 @@ def main() -> int:
         w = start_workers(procs)
         for mode in args.modes.split(","):
             for body in ("non-stream", "stream32"):
-                (counts, frames), cpu_us, n = profile_one(w, mode == "pd", args.policy, lua[body], args.concurrency,
-                                                args.seconds, Path(tmp) / f"{mode}-{body}.txt")
+                (counts, frames), cpu_us, n = profile_one(
+                    w, mode == "pd", args.policy, lua[body], args.concurrency, args.seconds, Path(tmp) / f"{mode}-{body}.txt"
+                )
                 total = sum(counts.values()) or 1
-                print(f"\n{mode} {body}, concurrency {args.concurrency}, {args.policy}: {n} requests, "
-                      f"{cpu_us:.0f} us CPU per request, {total} samples")
+                print(
+                    f"\n{mode} {body}, concurrency {args.concurrency}, {args.policy}: {n} requests, "
+                    f"{cpu_us:.0f} us CPU per request, {total} samples"
+                )
                 for stage, k in counts.most_common():
                     print(f"  {stage:<42} {100 * k / total:5.1f}%  {cpu_us * k / total:6.1f} us")
-                    top = [(f, c) for (st, f), c in frames.most_common() if st == stage][:args.detail]
+                    top = [(f, c) for (st, f), c in frames.most_common() if st == stage][: args.detail]
                     for frame, c in top:
                         print(f"      {100 * c / total:5.1f}%  {frame[:110]}")
     return 0

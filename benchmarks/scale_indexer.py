@@ -36,9 +36,17 @@ def _serve_indexer(port: int, count: int, other_blocks: int) -> None:
     from conductor.indexer_api import create_indexer_app
     from conductor.settings import load_settings
 
-    settings = load_settings(environ={}, overrides={"block_size": BLOCK, "kv": {"index_memory_bytes": 8 << 30},
-                                                    "mixed": [{"url": f"http://127.0.0.1:9/w{i}", "name": f"prefill-{i}",
-                                                               "kv_events_endpoint": "tcp://*:9"} for i in range(count)]})
+    settings = load_settings(
+        environ={},
+        overrides={
+            "block_size": BLOCK,
+            "kv": {"index_memory_bytes": 8 << 30},
+            "mixed": [
+                {"url": f"http://127.0.0.1:9/w{i}", "name": f"prefill-{i}", "kv_events_endpoint": "tcp://*:9"}
+                for i in range(count)
+            ],
+        },
+    )
     service = IndexerService(settings)
 
     async def no_feeds() -> None:
@@ -57,8 +65,9 @@ def _serve_indexer(port: int, count: int, other_blocks: int) -> None:
                 keys = scheme.keys(rng.integers(0, 150_000, size=other_blocks * BLOCK).tolist())
             await service.index.insert(f"prefill-{present}", keys, confirmed=True)
         service.gc_freezer.freeze_now()  # as the indexer's freezer does every gc_freeze_interval_s
-        config = uvicorn.Config(create_indexer_app(service), host="127.0.0.1", port=port, log_level="warning",
-                                access_log=False, lifespan="on")
+        config = uvicorn.Config(
+            create_indexer_app(service), host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on"
+        )
         await uvicorn.Server(config).serve()
 
     asyncio.run(main())
@@ -80,7 +89,8 @@ async def indexer_lookups(args: argparse.Namespace) -> dict[int, dict[str, float
     for count in sorted(args.instances):
         port = free_port()
         proc = multiprocessing.get_context("spawn").Process(
-            target=_serve_indexer, args=(port, count, args.other_blocks), daemon=True)
+            target=_serve_indexer, args=(port, count, args.other_blocks), daemon=True
+        )
         proc.start()
         client = IndexerClient(f"http://127.0.0.1:{port}", _limits(), timeout_s=10.0, block_size=BLOCK)
         try:
@@ -95,13 +105,14 @@ async def indexer_lookups(args: argparse.Namespace) -> dict[int, dict[str, float
                 await client.match(prompt_keys)
                 times.append((time.perf_counter() - t) * 1e3)
             times.sort()
-            rows[count] = {"p50_ms": percentile(times, 0.5), "p99_ms": percentile(times, 0.99),
-                           "samples": float(args.lookup_reps)}
+            rows[count] = {
+                "p50_ms": percentile(times, 0.5),
+                "p99_ms": percentile(times, 0.99),
+                "samples": float(args.lookup_reps),
+            }
         finally:
             await client.close()
             proc.terminate()
             proc.join(10)
     print("  look-ups indexer-http: done", file=sys.stderr)
     return rows
-
-

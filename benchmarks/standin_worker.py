@@ -27,8 +27,9 @@ def main() -> None:
     p.add_argument("--role", default="mixed")
     p.add_argument("--port", type=int, required=True)
     a = p.parse_args()
-    uvicorn.run(_Lean(role=a.role), host="127.0.0.1", port=a.port, log_level="warning", access_log=False,
-                http="httptools", loop="uvloop")
+    uvicorn.run(
+        _Lean(role=a.role), host="127.0.0.1", port=a.port, log_level="warning", access_log=False, http="httptools", loop="uvloop"
+    )
 
 
 if __name__ == "__main__":

@@ -85,8 +85,7 @@ def check_token_ids(prompt: Any, vocab_size: int | None) -> Any:
     for i, ids in enumerate(prompt if batch else [prompt]):
         where = f"prompt[{i}]" if batch else "prompt"
         if not isinstance(ids, list) or not ids:
-            raise BadRequest(f"invalid '{where}': a list of lists of token ids needs a non-empty list here",
-                             param="prompt")
+            raise BadRequest(f"invalid '{where}': a list of lists of token ids needs a non-empty list here", param="prompt")
         try:
             try:
                 msgspec.convert(ids, _token_ids_type(limit))
@@ -96,8 +95,11 @@ def check_token_ids(prompt: Any, vocab_size: int | None) -> Any:
                 ids = _integral(ids)  # the rare client that writes ids as floats: check them again
                 msgspec.convert(ids, _token_ids_type(limit))
         except msgspec.ValidationError as exc:
-            bound = f"the tokenizer's vocabulary has {vocab_size} tokens" if limit == vocab_size \
+            bound = (
+                f"the tokenizer's vocabulary has {vocab_size} tokens"
+                if limit == vocab_size
                 else f"token ids are below {MAX_TOKEN_ID}"
+            )
             detail = str(exc).replace("`$", f"`{where}")
             raise BadRequest(f"invalid token ids in '{where}': {detail} ({bound})", param="prompt") from None
         checked.append(ids)

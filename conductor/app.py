@@ -56,25 +56,32 @@ class FastPath:
 _ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["message", "type", "param", "code"],
-        "properties": {
-            "message": {"type": "string"},
-            "type": {"type": "string"},
-            "param": {"type": ["string", "null"]},
-            "code": {"type": ["string", "integer", "null"]},
-        },
-    }},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
 }
 _RETRY_HEADERS = {
     "Retry-After": {"description": "seconds to wait before trying again", "schema": {"type": "integer"}},
-    "x-should-retry": {"description": "whether a retry can succeed (the OpenAI SDKs obey it)",
-                       "schema": {"type": "string", "enum": ["true", "false"]}},
+    "x-should-retry": {
+        "description": "whether a retry can succeed (the OpenAI SDKs obey it)",
+        "schema": {"type": "string", "enum": ["true", "false"]},
+    },
 }
 _ERRORS = {
-    400: ("The body is malformed: not JSON, nested too deeply, a field of the wrong type, an empty "
-          "prompt, a token id outside the vocabulary, or an SLO header that is not a number", None),
+    400: (
+        "The body is malformed: not JSON, nested too deeply, a field of the wrong type, an empty "
+        "prompt, a token id outside the vocabulary, or an SLO header that is not a number",
+        None,
+    ),
     401: ("No API key or an unknown one (only when the gateway is configured with keys)", None),
     404: ("The model is not served", None),
     413: ("The body exceeds max_body_bytes", None),
@@ -83,38 +90,46 @@ _ERRORS = {
     503: ("No healthy instance, or the gateway holds max_inflight_requests already", _RETRY_HEADERS),
     504: ("A worker did not answer in time", None),
 }
-_COMPLETION_SCHEMA = {"type": "object", "description": "an OpenAI completion object, as the worker wrote it",
-                      "properties": {"id": {"type": "string"}, "object": {"type": "string"},
-                                     "choices": {"type": "array"}}}
+_COMPLETION_SCHEMA = {
+    "type": "object",
+    "description": "an OpenAI completion object, as the worker wrote it",
+    "properties": {"id": {"type": "string"}, "object": {"type": "string"}, "choices": {"type": "array"}},
+}
 
 
 def _slo_header(name: str, what: str) -> dict[str, Any]:
-    return {"name": name, "in": "header", "required": False,
-            "description": f"this request's {what} SLO in milliseconds, over the configured one",
-            "schema": {"type": "number", "exclusiveMinimum": 0}}
+    return {
+        "name": name,
+        "in": "header",
+        "required": False,
+        "description": f"this request's {what} SLO in milliseconds, over the configured one",
+        "schema": {"type": "number", "exclusiveMinimum": 0},
+    }
 
 
 def _operation(kind: str, schema_ref: str, secured: bool) -> dict[str, Any]:
-    responses: dict[str, Any] = {"200": {
-        "description": "the worker's answer, relayed as it arrives",
-        "content": {"application/json": {"schema": _COMPLETION_SCHEMA},
-                    "text/event-stream": {"schema": {"type": "string"}}},
-    }}
+    responses: dict[str, Any] = {
+        "200": {
+            "description": "the worker's answer, relayed as it arrives",
+            "content": {"application/json": {"schema": _COMPLETION_SCHEMA}, "text/event-stream": {"schema": {"type": "string"}}},
+        }
+    }
     for status, (description, headers) in _ERRORS.items():
         if status == 401 and not secured:
             continue
-        response: dict[str, Any] = {"description": description, "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        response: dict[str, Any] = {
+            "description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+        }
         if headers:
             response["headers"] = headers
         responses[str(status)] = response
     operation: dict[str, Any] = {
         "summary": f"Create a {'chat ' if kind == 'chat' else ''}completion",
         "description": "Validated, routed by the configured policy and forwarded to the workers. Fields "
-                       "not named in the schema are passed to the workers as they are.",
+        "not named in the schema are passed to the workers as they are.",
         "operationId": f"create_{'chat_' if kind == 'chat' else ''}completion",
-        "parameters": [_slo_header(SLO_TTFT_HEADER, "time-to-first-token"),
-                       _slo_header(SLO_TBT_HEADER, "time-between-tokens")],
+        "parameters": [_slo_header(SLO_TTFT_HEADER, "time-to-first-token"), _slo_header(SLO_TBT_HEADER, "time-between-tokens")],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": schema_ref}}}},
         "responses": responses,
     }
@@ -126,10 +141,15 @@ def _operation(kind: str, schema_ref: str, secured: bool) -> dict[str, Any]:
 def openapi_document(app: FastAPI, gateway: Gateway) -> dict[str, Any]:
     """FastAPI's document of its own routes, plus the two plain ASGI POST routes it cannot see,
     their bodies described by the very models `conductor.requests.parse_request` enforces."""
-    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                      description="OpenAI-compatible, KV-cache-aware gateway in front of vLLM workers")
-    refs, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
-                                    ref_template="#/components/schemas/{model}")
+    doc = get_openapi(
+        title=app.title,
+        version=app.version,
+        routes=app.routes,
+        description="OpenAI-compatible, KV-cache-aware gateway in front of vLLM workers",
+    )
+    refs, defs = models_json_schema(
+        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")], ref_template="#/components/schemas/{model}"
+    )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(defs.get("$defs", {}))
     schemas["ErrorResponse"] = _ERROR_SCHEMA
@@ -143,10 +163,12 @@ def openapi_document(app: FastAPI, gateway: Gateway) -> dict[str, Any]:
     schemas["PassThroughRequest"] = _PASS_THROUGH_SCHEMA
     for path, kind in PASS_THROUGH_ROUTES:
         op = _operation(kind, "#/components/schemas/PassThroughRequest", secured)
-        op.update(summary=f"Create {'embeddings' if kind == 'embeddings' else 'a response'} (mixed workers)",
-                  operationId=f"create_{kind}",
-                  description="Forwarded as it is to a mixed worker chosen by the policy; 400 when the gateway "
-                              "routes to prefill/decode pairs. Fields other than model and input are the worker's.")
+        op.update(
+            summary=f"Create {'embeddings' if kind == 'embeddings' else 'a response'} (mixed workers)",
+            operationId=f"create_{kind}",
+            description="Forwarded as it is to a mixed worker chosen by the policy; 400 when the gateway "
+            "routes to prefill/decode pairs. Fields other than model and input are the worker's.",
+        )
         doc.setdefault("paths", {}).setdefault(path, {})["post"] = op
     return doc
 
@@ -192,8 +214,11 @@ def _health_routes(gateway: Gateway) -> APIRouter:
 def _metrics_route(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/metrics", response_class=Response,
-                responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
         m = gateway.metrics
         for state in gateway.registry.states.values():
@@ -224,8 +249,14 @@ def create_app(gateway: Gateway) -> FastPath:
             await gateway.close()
 
     public_docs = gateway.settings.admin_port is None
-    app = FastAPI(title="Conductor", version="0.1.0", lifespan=lifespan, redoc_url=None,
-                  openapi_url="/openapi.json" if public_docs else None, docs_url="/docs" if public_docs else None)
+    app = FastAPI(
+        title="Conductor",
+        version="0.1.0",
+        lifespan=lifespan,
+        redoc_url=None,
+        openapi_url="/openapi.json" if public_docs else None,
+        docs_url="/docs" if public_docs else None,
+    )
     app.state.gateway = gateway
     http_errors.install(app)
     hot: dict[str, CompletionsEndpoint] = {}
@@ -238,11 +269,14 @@ def create_app(gateway: Gateway) -> FastPath:
     async def models(request: Request) -> JSONResponse:
         gateway.authorize(request.headers.get("authorization"))
         created = int(time.time())
-        return JSONResponse({
-            "object": "list",
-            "data": [{"id": m, "object": "model", "created": created, "owned_by": "conductor"}
-                     for m in gateway.known_models()],
-        })
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": m, "object": "model", "created": created, "owned_by": "conductor"} for m in gateway.known_models()
+                ],
+            }
+        )
 
     app.include_router(_health_routes(gateway))
     if public_docs:
@@ -285,9 +319,18 @@ def admin_server(config: uvicorn.Config, gateway: Gateway) -> uvicorn.Server | N
     if port is None:
         return None
     public = config.app if isinstance(config.app, FastPath) else create_app(gateway)
-    return uvicorn.Server(uvicorn.Config(
-        create_admin_app(gateway, public), host=config.host, port=port, log_level=config.log_level,
-        access_log=False, loop=config.loop, http=config.http, lifespan="off"))
+    return uvicorn.Server(
+        uvicorn.Config(
+            create_admin_app(gateway, public),
+            host=config.host,
+            port=port,
+            log_level=config.log_level,
+            access_log=False,
+            loop=config.loop,
+            http=config.http,
+            lifespan="off",
+        )
+    )
 
 
 def run(config: uvicorn.Config, gateway: Gateway, sockets: list[socket.socket] | None = None) -> None:

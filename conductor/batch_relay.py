@@ -67,7 +67,12 @@ async def _chunks(exchange: Exchange) -> AsyncIterator[bytes]:
 
 
 async def run_batch_attempt(
-    gw: Gateway, routed: Routed, out: Outgoing, bodies: list[dict[str, Any]], send: Send, client: ClientState,
+    gw: Gateway,
+    routed: Routed,
+    out: Outgoing,
+    bodies: list[dict[str, Any]],
+    send: Send,
+    client: ClientState,
     arrived: float,
 ) -> int:
     """Serve a batch on the decision's instances; the HTTP status sent."""
@@ -96,8 +101,13 @@ async def run_batch_attempt(
                 status, payload, ctype = failed.status, failed.body, failed.content_type
             else:
                 status, payload, ctype = 200, merge_replies([r.body for r in replies if r is not None]), "application/json"
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", ctype.encode()), *id_headers(out)]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", ctype.encode()), *id_headers(out)],
+                }
+            )
             client.response_started = client.response_done = True
             await send({"type": "http.response.body", "body": payload})
             stats.first_token = loop.time()
@@ -106,8 +116,13 @@ async def run_batch_attempt(
             options = out.body.get("stream_options")
             include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
             merger = StreamMerger([_chunks(ex) for ex in exchanges], include_usage=include_usage)
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *id_headers(out)]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *id_headers(out)],
+                }
+            )
             client.response_started = True
             try:
                 async for chunk in merger:
@@ -139,16 +154,19 @@ async def run_batch_attempt(
         d.end(gw)
         prefill_cached = [ex.prefill_cached_tokens for ex in exchanges if ex.prefill_cached_tokens is not None]
         prefill_times = [ex.prefill_s for ex in exchanges if ex.prefill_s is not None]
-        gw.observe(routed, Observation(
-            request_id=out.request_id,
-            prefill=prefill.name,
-            decode=decision.decode,
-            prompt_tokens=analysis.prompt_tokens,
-            cached_tokens=sum(prefill_cached) if prefill_cached else cached_reported,
-            predicted_cached_tokens=predicted_cached,
-            # the prompts ran as separate prefills: no single leg time to learn the model from
-            queue_and_prefill_s=max(prefill_times) if len(prefill_times) == 1 else None,
-            ttft_s=None,
-            output_tokens=stats.tokens,
-            ok=ok,
-        ))
+        gw.observe(
+            routed,
+            Observation(
+                request_id=out.request_id,
+                prefill=prefill.name,
+                decode=decision.decode,
+                prompt_tokens=analysis.prompt_tokens,
+                cached_tokens=sum(prefill_cached) if prefill_cached else cached_reported,
+                predicted_cached_tokens=predicted_cached,
+                # the prompts ran as separate prefills: no single leg time to learn the model from
+                queue_and_prefill_s=max(prefill_times) if len(prefill_times) == 1 else None,
+                ttft_s=None,
+                output_tokens=stats.tokens,
+                ok=ok,
+            ),
+        )

@@ -136,7 +136,7 @@ class _SseBuffer:
                 return events
             cut, width = (crlf, 4) if crlf >= 0 and (lf < 0 or crlf < lf) else (lf, 2)
             events.append(bytes(self._buf[:cut]))
-            del self._buf[:cut + width]
+            del self._buf[: cut + width]
             self._scanned = 0
 
     def rest(self) -> bytes | None:

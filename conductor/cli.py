@@ -41,38 +41,65 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML settings file")
     p.add_argument("--host", help=f"listen address (default: {_default('host')})")
     p.add_argument("--port", type=int, help=f"listen port (default: {_default('port')})")
-    p.add_argument("--admin-port", type=int, help="serve /metrics, /openapi.json and /docs only on this port "
-                   "(same host), not on --port (default: none, all on --port)")
-    p.add_argument("--prefill", nargs="+", action="append", metavar=("URL", "BOOTSTRAP_PORT"),
-                   help="prefill instance, repeatable: --prefill URL [BOOTSTRAP_PORT]")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve /metrics, /openapi.json and /docs only on this port "
+        "(same host), not on --port (default: none, all on --port)",
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="prefill instance, repeatable: --prefill URL [BOOTSTRAP_PORT]",
+    )
     p.add_argument("--decode", action="append", metavar="URL", help="decode instance, repeatable")
     p.add_argument("--mixed", action="append", metavar="URL", help="non-disaggregated instance, repeatable")
-    p.add_argument("--pd-protocol", choices=["nixl", "mooncake", "sglang"],
-                   help=f"P/D handshake (default: {_default('pd_protocol')})")
-    p.add_argument("--mooncake-schema", help="MooncakeConnector field names: transfer_id | engine_id | bootstrap_server"
-                   f" (default: {_default('mooncake_schema')})")
-    p.add_argument("--policy", help="scheduling policy (entry point name in group conductor.policies)"
-                   f" (default: {_default('policy')})")
-    p.add_argument("--model", action="append", dest="models",
-                   help="served model name, repeatable (default: the workers' /v1/models)")
+    p.add_argument(
+        "--pd-protocol", choices=["nixl", "mooncake", "sglang"], help=f"P/D handshake (default: {_default('pd_protocol')})"
+    )
+    p.add_argument(
+        "--mooncake-schema",
+        help="MooncakeConnector field names: transfer_id | engine_id | bootstrap_server"
+        f" (default: {_default('mooncake_schema')})",
+    )
+    p.add_argument(
+        "--policy", help=f"scheduling policy (entry point name in group conductor.policies) (default: {_default('policy')})"
+    )
+    p.add_argument(
+        "--model", action="append", dest="models", help="served model name, repeatable (default: the workers' /v1/models)"
+    )
     p.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds (default: none)")
     p.add_argument("--slo-tbt", type=float, help="TBT SLO in seconds (default: none)")
     p.add_argument("--api-key", action="append", dest="api_keys", help="accepted client key, repeatable (default: no auth)")
     p.add_argument("--upstream-api-key", help="key sent to the workers (default: none)")
     p.add_argument("--max-body-bytes", type=int, help=f"largest request body (default: {_default('max_body_bytes')})")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {_default('log_level')})")
-    p.add_argument("--workers", type=int, help="gateway processes on --port, scheduling as one; more than one "
-                   f"needs --admin-port, worker i serving its /metrics on admin port + i (default: {_default('workers')})")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="gateway processes on --port, scheduling as one; more than one "
+        f"needs --admin-port, worker i serving its /metrics on admin port + i (default: {_default('workers')})",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
     from conductor.settings import load_settings
 
     overrides: dict[str, Any] = {
-        "host": args.host, "port": args.port, "admin_port": args.admin_port, "pd_protocol": args.pd_protocol,
-        "mooncake_schema": args.mooncake_schema, "policy": args.policy,
-        "models": args.models, "api_keys": args.api_keys, "upstream_api_key": args.upstream_api_key,
-        "max_body_bytes": args.max_body_bytes, "log_level": args.log_level, "workers": args.workers,
+        "host": args.host,
+        "port": args.port,
+        "admin_port": args.admin_port,
+        "pd_protocol": args.pd_protocol,
+        "mooncake_schema": args.mooncake_schema,
+        "policy": args.policy,
+        "models": args.models,
+        "api_keys": args.api_keys,
+        "upstream_api_key": args.upstream_api_key,
+        "max_body_bytes": args.max_body_bytes,
+        "log_level": args.log_level,
+        "workers": args.workers,
     }
     if args.prefill:
         overrides["prefill"] = [_prefill_arg(v) for v in args.prefill]
@@ -110,8 +137,10 @@ def _import_failed(command: str, exc: ImportError, verbose: bool) -> int:
     package = _missing_package(exc)
     if package is not None:
         extra = OPTIONAL_PACKAGES[package]
-        print(f"conductor {command}: needs the optional package {package!r}: "
-              f"pip install 'conductor-scheduler[{extra}]'", file=sys.stderr)
+        print(
+            f"conductor {command}: needs the optional package {package!r}: pip install 'conductor-scheduler[{extra}]'",
+            file=sys.stderr,
+        )
     else:
         print(f"conductor {command}: cannot start, an import failed: {exc}", file=sys.stderr)
     if verbose:
@@ -145,15 +174,18 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[str, list[str], bool], int]]] = {
     "fit": ("fit predictor parameters from a profile CSV", _delegate("predictors.cli", "fit_main")),
     "replay": ("replay a trace: simulated, or live against a gateway", _delegate("traces.replay_cli", "replay_main")),
     "tune-pd": ("sweep P:D splits of N nodes on a trace", _delegate("traces.tune", "tune_main")),
-    "indexer": ("ingest every worker's KV events and answer cache look-ups (Mooncake RFC 1403 API)",
-                _delegate("conductor.indexer_cli", "indexer_main")),
+    "indexer": (
+        "ingest every worker's KV events and answer cache look-ups (Mooncake RFC 1403 API)",
+        _delegate("conductor.indexer_cli", "indexer_main"),
+    ),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="conductor", description="KVCache-aware P/D gateway and scheduler",
-                                     formatter_class=DefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="conductor", description="KVCache-aware P/D gateway and scheduler", formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"conductor {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full errors (import errors, tracebacks)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

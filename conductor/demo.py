@@ -65,17 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=DEFAULT_TRACE, help="bundled trace name or path")
     p.add_argument("--prefill", type=int, default=2, help="prefill emulators")
     p.add_argument("--decode", type=int, default=2, help="decode emulators")
-    p.add_argument("--policy", default="kvcache_aware",
-                   help="scheduling policy: a registered name, options after colons "
-                        "(kvcache_aware:ttft_slack=null:inflight_prefixes=false)")
-    p.add_argument("--compare", default=None, metavar="POLICY[,POLICY]",
-                   help="then replay the same requests through these policies too, each on a fresh cluster "
-                        "of the same shape, and print the runs side by side")
+    p.add_argument(
+        "--policy",
+        default="kvcache_aware",
+        help="scheduling policy: a registered name, options after colons (kvcache_aware:ttft_slack=null:inflight_prefixes=false)",
+    )
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="POLICY[,POLICY]",
+        help="then replay the same requests through these policies too, each on a fresh cluster "
+        "of the same shape, and print the runs side by side",
+    )
     p.add_argument("--pd-protocol", default="nixl", choices=["nixl", "mooncake", "sglang"], help="P/D handshake")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply the emulators' modelled durations")
     p.add_argument("--speedup", type=float, default=1.5, help="replay trace arrivals this many times faster")
-    p.add_argument("--length-scale", type=float, default=0.125,
-                   help="scale prompt/output lengths (and the 512-token block) by this factor, 0 < f <= 1")
+    p.add_argument(
+        "--length-scale",
+        type=float,
+        default=0.125,
+        help="scale prompt/output lengths (and the 512-token block) by this factor, 0 < f <= 1",
+    )
     p.add_argument("--slo-ttft", type=float, default=0.5, help="TTFT SLO in seconds (admission and goodput)")
     p.add_argument("--slo-tbt", type=float, default=0.04, help="TBT SLO in seconds (admission and goodput)")
     p.add_argument("--noise", type=float, default=0.05, help="emulators' timing noise (lognormal sigma)")
@@ -84,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--keep-logs", default=None, metavar="DIR", help="write the children's logs here and keep them")
-    p.add_argument("--no-kv-index", action="store_true",
-                   help="route without the gateway's KV-cache index (no tokenizing, no KV events)")
+    p.add_argument(
+        "--no-kv-index", action="store_true", help="route without the gateway's KV-cache index (no tokenizing, no KV events)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
@@ -211,8 +222,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     children = [c for g in groups for c in g.children]
     pids = " ".join(str(c.pid) for c in children)
-    print(f"demo: stopped {len(children)} processes ({pids}) after {time.monotonic() - started:.1f}s",
-          file=sys.stderr)
+    print(f"demo: stopped {len(children)} processes ({pids}) after {time.monotonic() - started:.1f}s", file=sys.stderr)
     if ok and not args.keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
     elif not ok:
@@ -220,8 +230,14 @@ def demo_main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _run(args: argparse.Namespace, chosen: PolicySpec, requests: Sequence[TraceRequest], group: ChildGroup,
-         log_dir: Path, started: float) -> LiveResult:
+def _run(
+    args: argparse.Namespace,
+    chosen: PolicySpec,
+    requests: Sequence[TraceRequest],
+    group: ChildGroup,
+    log_dir: Path,
+    started: float,
+) -> LiveResult:
     """Start a cluster routed by `chosen`, replay the requests through it, return what happened."""
     from traces.live import TextProgress, replay_live
     from traces.synth import PromptSynthesizer
@@ -231,27 +247,48 @@ def _run(args: argparse.Namespace, chosen: PolicySpec, requests: Sequence[TraceR
     if chosen.name == "kvcache_aware" and args.time_scale != 1.0 and "predictor_params" not in options:
         options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
     spec = ClusterSpec(
-        n_prefill=args.prefill, n_decode=args.decode, pd_protocol=args.pd_protocol, policy=chosen.name,
-        model=args.model, time_scale=args.time_scale, noise=args.noise, slo_ttft_s=args.slo_ttft,
-        slo_tbt_s=args.slo_tbt, policy_options=options, kv_index=not args.no_kv_index,
+        n_prefill=args.prefill,
+        n_decode=args.decode,
+        pd_protocol=args.pd_protocol,
+        policy=chosen.name,
+        model=args.model,
+        time_scale=args.time_scale,
+        noise=args.noise,
+        slo_ttft_s=args.slo_ttft,
+        slo_tbt_s=args.slo_tbt,
+        policy_options=options,
+        kv_index=not args.no_kv_index,
     )
     cluster = start_cluster(spec, group)
     for child in group.children:
         print(f"demo: {child.name} pid {child.pid} on {child.url}", file=sys.stderr)
     wait_ready(cluster, group)
-    print(f"demo: {args.prefill}P{args.decode}D ({args.pd_protocol}) ready after "
-          f"{time.monotonic() - started:.1f}s; replaying {len(requests)} requests of {args.trace} "
-          f"(lengths x{args.length_scale:g}, {args.speedup:g}x faster) through {policy} at "
-          f"{cluster.gateway_url}", file=sys.stderr)
+    print(
+        f"demo: {args.prefill}P{args.decode}D ({args.pd_protocol}) ready after "
+        f"{time.monotonic() - started:.1f}s; replaying {len(requests)} requests of {args.trace} "
+        f"(lengths x{args.length_scale:g}, {args.speedup:g}x faster) through {policy} at "
+        f"{cluster.gateway_url}",
+        file=sys.stderr,
+    )
     bar = None if args.no_progress else TextProgress()
     try:
-        result = asyncio.run(_interruptible(replay_live(
-            cluster.gateway_url, requests, time_scale=args.speedup, concurrency_limit=args.concurrency,
-            slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, progress=bar,
-            # the same seed for every policy: the same prompts, token for token
-            synthesizer=PromptSynthesizer(args.length_scale, seed=args.seed), model=args.model,
-            label=policy,
-        )))
+        result = asyncio.run(
+            _interruptible(
+                replay_live(
+                    cluster.gateway_url,
+                    requests,
+                    time_scale=args.speedup,
+                    concurrency_limit=args.concurrency,
+                    slo_ttft_s=args.slo_ttft,
+                    slo_tbt_s=args.slo_tbt,
+                    progress=bar,
+                    # the same seed for every policy: the same prompts, token for token
+                    synthesizer=PromptSynthesizer(args.length_scale, seed=args.seed),
+                    model=args.model,
+                    label=policy,
+                )
+            )
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -280,19 +317,28 @@ def _report(args: argparse.Namespace, results: Sequence[LiveResult], groups: Seq
     else:
         print_comparison(results)
     if args.json_out:
-        doc = {"trace": args.trace, "results": [r.run.as_dict() for r in results],
-               "live": results[0].as_dict() if len(results) == 1 else [r.as_dict() for r in results],
-               "processes": {(f"{r.run.policy}/" if len(results) > 1 else "") + c.name: c.pid
-                             for r, g in zip(results, groups, strict=False) for c in g.children},
-               "settings": {k: v for k, v in vars(args).items() if k != "json_out"}}
+        doc = {
+            "trace": args.trace,
+            "results": [r.run.as_dict() for r in results],
+            "live": results[0].as_dict() if len(results) == 1 else [r.as_dict() for r in results],
+            "processes": {
+                (f"{r.run.policy}/" if len(results) > 1 else "") + c.name: c.pid
+                for r, g in zip(results, groups, strict=False)
+                for c in g.children
+            },
+            "settings": {k: v for k, v in vars(args).items() if k != "json_out"},
+        }
         Path(args.json_out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         print(f"wrote {args.json_out}")
     ok = True
     for result in results:
         failed = sum(result.errors.values())
         if failed:  # emulators do not fail requests: something is broken, and the logs say what
-            print(f"conductor demo: {result.run.policy}: {failed} of {result.run.requests} requests failed "
-                  f"({', '.join(f'{k}={v}' for k, v in sorted(result.errors.items()))})", file=sys.stderr)
+            print(
+                f"conductor demo: {result.run.policy}: {failed} of {result.run.requests} requests failed "
+                f"({', '.join(f'{k}={v}' for k, v in sorted(result.errors.items()))})",
+                file=sys.stderr,
+            )
             for reason, message in _first_failures(result).items():
                 print(f"conductor demo:   first {reason}: {message}", file=sys.stderr)
             ok = False

@@ -82,15 +82,19 @@ class ChildGroup:
     children: list[Child] = field(default_factory=list)
     _logs: list[IO[bytes]] = field(default_factory=list)
 
-    def start(self, name: str, argv: Sequence[str], url: str | None = None,
-              env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: Sequence[str], url: str | None = None, env: dict[str, str] | None = None) -> Child:
         log_path = self.log_dir / f"{name}.log"
         log = log_path.open("wb")
         self._logs.append(log)
         preexec: Callable[[], None] | None = _die_with_parent if sys.platform.startswith("linux") else None
         proc = subprocess.Popen(
-            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=preexec, env={**os.environ, **(env or {})},
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=preexec,
+            env={**os.environ, **(env or {})},
         )
         child = Child(name, proc, log_path, url)
         self.children.append(child)
@@ -172,11 +176,33 @@ def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
     for role, count, target in (("prefill", spec.n_prefill, prefill_cfg), ("decode", spec.n_decode, decode_cfg)):
         for i in range(count):
             port, events_port, side_port = next(ports), next(ports), next(ports)
-            argv = _python("-m", "adapters.emulator", "--role", role, "--pd-protocol", spec.pd_protocol,
-                           "--port", str(port), "--model", spec.model, "--block-size", str(spec.block_size),
-                           "--time-scale", repr(spec.time_scale), "--noise", repr(spec.noise),
-                           "--seed", str(len(group.children)), "--engine-id", f"demo-{role}-{i}",
-                           "--side-channel-port", str(side_port), "--log-level", "warning", *spec.emulator_extra)
+            argv = _python(
+                "-m",
+                "adapters.emulator",
+                "--role",
+                role,
+                "--pd-protocol",
+                spec.pd_protocol,
+                "--port",
+                str(port),
+                "--model",
+                spec.model,
+                "--block-size",
+                str(spec.block_size),
+                "--time-scale",
+                repr(spec.time_scale),
+                "--noise",
+                repr(spec.noise),
+                "--seed",
+                str(len(group.children)),
+                "--engine-id",
+                f"demo-{role}-{i}",
+                "--side-channel-port",
+                str(side_port),
+                "--log-level",
+                "warning",
+                *spec.emulator_extra,
+            )
             entry: dict[str, Any] = {"url": f"http://127.0.0.1:{port}", "name": f"{role}-{i}"}
             if spec.kv_events:
                 # as vLLM's --kv-events-config has it: "*" means the worker binds and the gateway
@@ -190,11 +216,19 @@ def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
             group.start(f"{role}-{i}", argv, entry["url"])
             target.append(entry)
     settings: dict[str, Any] = {
-        "host": "127.0.0.1", "port": gw_port, "log_level": "warning", "pd_protocol": spec.pd_protocol,
-        "policy": spec.policy, "policy_options": spec.policy_options, "models": [spec.model],
-        "prefill": prefill_cfg, "decode": decode_cfg, "health_interval_s": 1.0,
+        "host": "127.0.0.1",
+        "port": gw_port,
+        "log_level": "warning",
+        "pd_protocol": spec.pd_protocol,
+        "policy": spec.policy,
+        "policy_options": spec.policy_options,
+        "models": [spec.model],
+        "prefill": prefill_cfg,
+        "decode": decode_cfg,
+        "health_interval_s": 1.0,
         "slo": {k: v for k, v in (("ttft_s", spec.slo_ttft_s), ("tbt_s", spec.slo_tbt_s)) if v is not None},
-        "block_size": spec.block_size, **spec.gateway_extra,
+        "block_size": spec.block_size,
+        **spec.gateway_extra,
     }
     if spec.kv_index:
         # the built-in byte tokenizer is the emulators' too; keys are the gateway's own xxhash
@@ -204,8 +238,7 @@ def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
     config_path.write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
     gw_url = f"http://127.0.0.1:{gw_port}"
     group.start("gateway", _python("-m", "conductor", "serve", "--config", str(config_path)), gw_url)
-    return StartedCluster(gw_url, tuple(p["url"] for p in prefill_cfg), tuple(d["url"] for d in decode_cfg),
-                          config_path)
+    return StartedCluster(gw_url, tuple(p["url"] for p in prefill_cfg), tuple(d["url"] for d in decode_cfg), config_path)
 
 
 def _get_ok(url: str) -> bool:
@@ -224,8 +257,7 @@ def wait_ready(cluster: StartedCluster, group: ChildGroup, timeout_s: float = 90
     while pending:
         dead = group.dead()
         if dead:
-            raise RuntimeError(f"{dead[0].name} (pid {dead[0].pid}) exited with {dead[0].proc.returncode}:\n"
-                               f"{dead[0].log_tail()}")
+            raise RuntimeError(f"{dead[0].name} (pid {dead[0].pid}) exited with {dead[0].proc.returncode}:\n{dead[0].log_tail()}")
         if time.monotonic() > deadline:
             names = ", ".join(c.name for c in pending)
             raise RuntimeError(f"not ready after {timeout_s:.0f}s: {names}")

@@ -102,17 +102,24 @@ class Gateway:
         )
         if getattr(self.policy, "local", None) is not None and self.protocol.name == "sglang":
             # an SGLang decode server takes requests with a bootstrap room only: it cannot prefill one
-            raise ConfigError("local_prefill_tokens (prefills on decode instances) needs decodes that compute a "
-                              "request without a KV transfer (vLLM nixl or mooncake), not pd_protocol sglang")
+            raise ConfigError(
+                "local_prefill_tokens (prefills on decode instances) needs decodes that compute a "
+                "request without a KV transfer (vLLM nixl or mooncake), not pd_protocol sglang"
+            )
         # decode readbacks (NIXL bidirectional KV transfer): only where block keys say which prefix matches
-        self.readback = ReadbackTable(ttl_s=settings.pd_readback_ttl_s, max_handles=settings.pd_readback_max_handles) \
-            if self.protocol.name == "nixl" and settings.pd_readback == "auto" and settings.kv.enabled else None
+        self.readback = (
+            ReadbackTable(ttl_s=settings.pd_readback_ttl_s, max_handles=settings.pd_readback_max_handles)
+            if self.protocol.name == "nixl" and settings.pd_readback == "auto" and settings.kv.enabled
+            else None
+        )
         # prefill-to-prefill pulls (conductor/peer_pull.py): possible where the settings allow them,
         # active from the start ("on") or once a decode has shown the cluster runs bidirectional NIXL
         self.peer_pull = peer_pull_possible(settings)
         if settings.pd_peer_pull == "on" and not self.peer_pull:
-            raise ConfigError("pd_peer_pull 'on' needs the gateway's token ids to be the workers' own: a model "
-                              "tokenizer for kv.tokenizer, or kv.forward_token_ids true")
+            raise ConfigError(
+                "pd_peer_pull 'on' needs the gateway's token ids to be the workers' own: a model "
+                "tokenizer for kv.tokenizer, or kv.forward_token_ids true"
+            )
         self.deadlines = Deadlines(settings.request_timeout_s)  # request_timeout_s, swept (conductor/deadlines.py)
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
@@ -136,8 +143,11 @@ class Gateway:
             self.lessons.start(self._learner.learn)
         log.info(
             "gateway ready: %d prefill, %d decode, %d mixed; protocol %s; policy %s",
-            len(self.settings.prefill), len(self.settings.decode), len(self.settings.mixed),
-            self.protocol.name, self.policy.name,
+            len(self.settings.prefill),
+            len(self.settings.decode),
+            len(self.settings.mixed),
+            self.protocol.name,
+            self.policy.name,
         )
 
     async def close(self) -> None:
@@ -192,21 +202,35 @@ class Gateway:
             tbt = _slo_ms(SLO_TBT_HEADER, tbt_header)
         return Slo(ttft_s=ttft, tbt_s=tbt)
 
-    def decide(self, request_id: str, model: str, max_tokens: int, stream: bool, slo: Slo,
-               analysis: PromptAnalysis, exclude: frozenset[str] = frozenset()) -> Routed:
+    def decide(
+        self,
+        request_id: str,
+        model: str,
+        max_tokens: int,
+        stream: bool,
+        slo: Slo,
+        analysis: PromptAnalysis,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Routed:
         """Ask the policy; `exclude`: instances this request already failed on (a failover)."""
         started = time.perf_counter()
         offer = None
         if self.readback is not None and analysis.block_keys:
             states = self.registry.states
             offer = self.readback.offer(
-                analysis.block_keys, lambda name: name not in exclude and name in states and states[name].healthy)
+                analysis.block_keys, lambda name: name not in exclude and name in states and states[name].healthy
+            )
         sources = pull_sources(offer, analysis.prompt_tokens, self.settings.block_size)
         queued: frozenset[str] = frozenset()
         if analysis.cached and analysis.token_ids is not None and self.peer_pull_active():
             states = self.registry.states
-            peers = peer_sources(analysis, states, lambda name: name not in exclude and self.protocol.ready(
-                states[name].target), self.settings.block_size, self.settings.pd_pull_min_tokens)
+            peers = peer_sources(
+                analysis,
+                states,
+                lambda name: name not in exclude and self.protocol.ready(states[name].target),
+                self.settings.block_size,
+                self.settings.pd_pull_min_tokens,
+            )
             if peers:
                 sources, queued = {**peers, **sources}, frozenset(peers)
         view = RequestView(
@@ -239,8 +263,9 @@ class Gateway:
             self.metrics.rejections.labels(rejection.reason).inc()
             if rejection.reason == NO_INSTANCE:
                 raise NoHealthyInstance(rejection.message)
-            raise Rejected(rejection.message, reason=rejection.reason, retry_after_s=rejection.retry_after_s,
-                           retryable=rejection.retryable)
+            raise Rejected(
+                rejection.message, reason=rejection.reason, retry_after_s=rejection.retry_after_s, retryable=rejection.retryable
+            )
         self.metrics.decisions.labels(decision.policy, decision.prefill or "", decision.decode or "").inc()
         if decision.predicted_ttft_s is not None:
             self.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
@@ -314,8 +339,13 @@ def peer_pull_possible(settings: Settings) -> bool:
     """Whether prefill-to-prefill pulls can be staged at all: NIXL P/D, KV awareness on (block keys
     say who holds what), and the gateway's token ids the workers' own (a model tokenizer, or
     kv.forward_token_ids set): the staging request names the prefix by them."""
-    return (settings.pd_peer_pull != "off" and settings.disaggregated and settings.pd_protocol == "nixl"
-            and settings.kv.enabled and _forwards_token_ids(settings.kv))
+    return (
+        settings.pd_peer_pull != "off"
+        and settings.disaggregated
+        and settings.pd_protocol == "nixl"
+        and settings.kv.enabled
+        and _forwards_token_ids(settings.kv)
+    )
 
 
 def _forwards_token_ids(kv: KVAwarenessSettings) -> bool:
@@ -335,9 +365,13 @@ def _load_share(settings: Settings, metrics: GatewayMetrics | None = None) -> Lo
     """The load share the settings ask for; its breaker's metrics go on `metrics.registry` when given."""
     if settings.load_share == "redis":
         replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{id(settings):x}"
-        return RedisLoadShare(settings.redis_url, replica, interval_s=settings.load_sync_interval_s,
-                              timeout_s=settings.load_share_timeout_s,
-                              failures_to_open=settings.load_share_breaker_failures,
-                              open_s=settings.load_share_breaker_open_s,
-                              registry=metrics.registry if metrics is not None else None)
+        return RedisLoadShare(
+            settings.redis_url,
+            replica,
+            interval_s=settings.load_sync_interval_s,
+            timeout_s=settings.load_share_timeout_s,
+            failures_to_open=settings.load_share_breaker_failures,
+            open_s=settings.load_share_breaker_open_s,
+            registry=metrics.registry if metrics is not None else None,
+        )
     return NoLoadShare()

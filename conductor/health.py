@@ -78,7 +78,7 @@ class InstanceHealth:
         self.errors_in_a_row += 1
         if self.ejected or self.errors_in_a_row < rules.consecutive_errors or not may_eject:
             return False
-        period = min(rules.max_ejection_s, rules.ejection_s * (2 ** self.ejections_in_a_row))
+        period = min(rules.max_ejection_s, rules.ejection_s * (2**self.ejections_in_a_row))
         self.ejected, self.ejected_until = True, now + period
         self.ejections_in_a_row += 1
         self.ejections_total += 1

@@ -139,19 +139,24 @@ class IndexerMetrics:
     """The indexer's own series (the feeds' are `conductor_kv_events_*`, the memory `conductor_kv_memory_*`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.events = Counter("conductor_indexer_events_ingested", "KV events applied to the index (all kinds)",
-                              registry=registry)
-        self.block_events = Counter("conductor_indexer_block_events_ingested",
-                                    "Blocks named by applied BlockStored / BlockRemoved events", ["kind"],
-                                    registry=registry)
-        self.blocks_held = Gauge("conductor_indexer_blocks_held", "Entries the index holds (block x holder)",
-                                 registry=registry)
-        self.lookups = Counter("conductor_indexer_lookups", "Cache look-ups answered", ["route", "outcome"],
-                               registry=registry)
-        self.lookup_seconds = Histogram(
-            "conductor_indexer_lookup_seconds", "Time to answer a look-up, body read to answer encoded", ["route"],
+        self.events = Counter(
+            "conductor_indexer_events_ingested", "KV events applied to the index (all kinds)", registry=registry
+        )
+        self.block_events = Counter(
+            "conductor_indexer_block_events_ingested",
+            "Blocks named by applied BlockStored / BlockRemoved events",
+            ["kind"],
             registry=registry,
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+        )
+        self.blocks_held = Gauge("conductor_indexer_blocks_held", "Entries the index holds (block x holder)", registry=registry)
+        self.lookups = Counter("conductor_indexer_lookups", "Cache look-ups answered", ["route", "outcome"], registry=registry)
+        self.lookup_seconds = Histogram(
+            "conductor_indexer_lookup_seconds",
+            "Time to answer a look-up, body read to answer encoded",
+            ["route"],
+            registry=registry,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+        )
 
 
 class IndexerService:
@@ -171,11 +176,16 @@ class IndexerService:
         self.models = frozenset(settings.models)
         self.registry = registry or CollectorRegistry()
         self.metrics = IndexerMetrics(self.registry)
-        self.scheme: BlockKeyScheme = make_scheme(kv.key_mode, kv.block_size, seed=kv.hash_seed,
-                                                  algo=kv.vllm_hash_algo, vllm_seed=kv.vllm_hash_seed)
+        self.scheme: BlockKeyScheme = make_scheme(
+            kv.key_mode, kv.block_size, seed=kv.hash_seed, algo=kv.vllm_hash_algo, vllm_seed=kv.vllm_hash_seed
+        )
         self.index = TieredHolders(make_index(kv, self.registry))
-        self.feeder = IndexFeeder(self.index, self.scheme, translate=kv.key_mode == "xxhash",
-                                  max_mapped_per_instance=mapped_within(kv.hash_map_memory_bytes_per_instance))
+        self.feeder = IndexFeeder(
+            self.index,
+            self.scheme,
+            translate=kv.key_mode == "xxhash",
+            max_mapped_per_instance=mapped_within(kv.hash_map_memory_bytes_per_instance),
+        )
         register_kv_memory(self.registry, self.index.memory, self.feeder.map_memory)
         specs = {spec.name: spec for spec in settings.instances()}
         unknown = sorted(set(kv.kv_events) - set(specs))
@@ -192,11 +202,17 @@ class IndexerService:
                 feed = Feed(iid if ep.data_parallel_size == 1 else f"{iid}#dp{rank}", iid, rank)
                 self.feeds[feed.name] = feed
                 replay = None if ep.replay_endpoint is None else offset_endpoint(ep.replay_endpoint, rank)
-                source = EventSource.for_instance(feed.name, spec.url, offset_endpoint(ep.endpoint, rank), replay,
-                                                  ep.topic, rank)
-                self.subscribers.append(EventSubscriber(
-                    source, self._on_batch, self.feeder.on_resync, context=self._ctx,
-                    replay_timeout_s=kv.replay_timeout_s, catch_up=kv.replay_on_start))
+                source = EventSource.for_instance(feed.name, spec.url, offset_endpoint(ep.endpoint, rank), replay, ep.topic, rank)
+                self.subscribers.append(
+                    EventSubscriber(
+                        source,
+                        self._on_batch,
+                        self.feeder.on_resync,
+                        context=self._ctx,
+                        replay_timeout_s=kv.replay_timeout_s,
+                        catch_up=kv.replay_on_start,
+                    )
+                )
         if not self.subscribers:
             self._ctx.destroy(linger=0)
             raise ConfigError("no KV event feeds: give prefill/mixed instances a kv_events_endpoint (or kv.kv_events)")
@@ -217,8 +233,13 @@ class IndexerService:
         await asyncio.gather(*(sub.start() for sub in self.subscribers))
         self.gc_freezer.start()
         self._started = True
-        log.info("indexer: %d feeds from %d instances, %d-token blocks, %s keys", len(self.subscribers),
-                 len(self.instances), self.block_size, "xxhash" if self.feeder.translate else "vllm")
+        log.info(
+            "indexer: %d feeds from %d instances, %d-token blocks, %s keys",
+            len(self.subscribers),
+            len(self.instances),
+            self.block_size,
+            "xxhash" if self.feeder.translate else "vllm",
+        )
 
     async def close(self) -> None:
         await self.gc_freezer.close()
@@ -263,7 +284,7 @@ class IndexerService:
             tiers[parsed[1]] = max(tiers.get(parsed[1], 0), n)
             ranks[feed.rank] = max(ranks[feed.rank], n)
         out: dict[str, dict[str, object]] = {}
-        for iid in (per_rank if holders_only else self.instances):
+        for iid in per_rank if holders_only else self.instances:
             if iid not in per_rank:  # holds nothing: every rank at 0
                 per_tier[iid], per_rank[iid] = {}, dict.fromkeys(self.instances[iid], 0)
             tiers, ranks = per_tier[iid], per_rank[iid]
@@ -296,10 +317,8 @@ class IndexerService:
             return None  # ipc / inproc: nothing to probe from here
         started = time.monotonic()
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, parts.port),
-                                               READY_PROBE_TIMEOUT_S)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, parts.port), READY_PROBE_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
             return f"KV events publisher {sub.address} unreachable after {time.monotonic() - started:.2f}s: {exc!r}"
         writer.close()
         return None
-

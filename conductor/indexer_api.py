@@ -123,11 +123,9 @@ class QueryHandler:
 
     def _check(self, body: QueryBody) -> None:
         if self.service.models and body.model not in self.service.models:
-            raise ModelNotFound(f"model {body.model!r} is not served here; served: {sorted(self.service.models)}",
-                                param="model")
+            raise ModelNotFound(f"model {body.model!r} is not served here; served: {sorted(self.service.models)}", param="model")
         if body.block_size != self.service.block_size:
-            raise BadRequest(f"block_size {body.block_size} is not the indexer's {self.service.block_size}",
-                             param="block_size")
+            raise BadRequest(f"block_size {body.block_size} is not the indexer's {self.service.block_size}", param="block_size")
         if body.instance_id is not None and body.instance_id not in self.service.instances:
             raise NotFound(f"instance {body.instance_id!r} is not tracked by this indexer", param="instance_id")
 
@@ -139,8 +137,9 @@ class QueryHandler:
         tenant = body.tenant_id or DEFAULT_TENANT
         if tenant != DEFAULT_TENANT:
             return {}
-        per_instance = await self.service.match([] if self._unindexed(body) else keys,
-                                                holders_only=body.holders_only and body.instance_id is None)
+        per_instance = await self.service.match(
+            [] if self._unindexed(body) else keys, holders_only=body.holders_only and body.instance_id is None
+        )
         if body.instance_id is not None:
             per_instance = {body.instance_id: per_instance[body.instance_id]}
         if body.holders_only:
@@ -152,8 +151,9 @@ class QueryHandler:
         if body.token_ids is None:
             raise BadRequest("token_ids is required", param="token_ids")
         if len(body.token_ids) > self.limits.max_token_ids:
-            raise PayloadTooLarge(f"{len(body.token_ids)} token ids exceed the limit of {self.limits.max_token_ids}",
-                                  param="token_ids")
+            raise PayloadTooLarge(
+                f"{len(body.token_ids)} token ids exceed the limit of {self.limits.max_token_ids}", param="token_ids"
+            )
         self._check(body)
         keys = [] if self._unindexed(body) else self.service.scheme.keys(body.token_ids)
         return await self.answer(body, keys)
@@ -166,8 +166,7 @@ class QueryHandler:
         if hashes is None:
             raise BadRequest("seq_hashes is required", param="seq_hashes")
         if len(hashes) > self.limits.max_hashes:
-            raise PayloadTooLarge(f"{len(hashes)} hashes exceed the limit of {self.limits.max_hashes}",
-                                  param="seq_hashes")
+            raise PayloadTooLarge(f"{len(hashes)} hashes exceed the limit of {self.limits.max_hashes}", param="seq_hashes")
         for i, h in enumerate(hashes):
             if not -(1 << 63) <= h <= _MASK64:  # msgspec cannot bound beyond int64 itself
                 raise BadRequest(f"seq_hashes[{i}] = {h} is not a 64-bit hash", param="seq_hashes")
@@ -184,20 +183,30 @@ def _ops_routes(app: FastAPI, service: IndexerService, *, with_metrics: bool) ->
     async def ready() -> JSONResponse:
         feeds = await service.ready()
         ok = all(f.reason is None for f in feeds)
-        detail = [{"feed": f.feed.name, "instance": f.feed.instance, "rank": f.feed.rank, "endpoint": f.endpoint,
-                   "batches": f.batches, "last_seq": f.last_seq, "ok": f.reason is None, "reason": f.reason}
-                  for f in feeds]
+        detail = [
+            {
+                "feed": f.feed.name,
+                "instance": f.feed.instance,
+                "rank": f.feed.rank,
+                "endpoint": f.endpoint,
+                "batches": f.batches,
+                "last_seq": f.last_seq,
+                "ok": f.reason is None,
+                "reason": f.reason,
+            }
+            for f in feeds
+        ]
         return JSONResponse({"ready": ok, "feeds": detail}, status_code=200 if ok else 503)
 
     if with_metrics:
+
         @app.get("/metrics", response_class=Response)
         async def metrics() -> Response:
             await service.refresh_gauges()
             return Response(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_indexer_app(service: IndexerService, limits: QueryLimits | None = None, *,
-                       with_metrics: bool = True) -> FastAPI:
+def create_indexer_app(service: IndexerService, limits: QueryLimits | None = None, *, with_metrics: bool = True) -> FastAPI:
     """The indexer's app; its lifespan starts and stops `service`. `with_metrics=False` when an admin
     port serves /metrics instead (`create_indexer_admin_app`)."""
 

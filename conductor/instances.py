@@ -85,8 +85,9 @@ class InstanceState:
         """Requests of this gateway on the instance (a mixed one counts once)."""
         return len(self.prefills.keys() | self.decodes.keys())
 
-    def view(self, now: float, remote: RemoteEntry | None = None, excluded: bool = False,
-             remote_end: float | None = None) -> InstanceView:
+    def view(
+        self, now: float, remote: RemoteEntry | None = None, excluded: bool = False, remote_end: float | None = None
+    ) -> InstanceView:
         """`remote`: other replicas' work here; `remote_end`: when one of theirs last ended here."""
         queue = tuple(self.prefills.values())
         if queue:  # only the head of an FCFS queue has run; its elapsed time is the one that matters
@@ -156,8 +157,7 @@ class InstanceRegistry:
             self._probe_task.cancel()
         for task in (*self._drains.values(), *([self._reaper] if self._reaper else [])):
             task.cancel()
-        await asyncio.gather(*self._drains.values(), *([self._reaper] if self._reaper else []),
-                             return_exceptions=True)
+        await asyncio.gather(*self._drains.values(), *([self._reaper] if self._reaper else []), return_exceptions=True)
         await self.load_share.close()
         for upstream in self._own_upstreams.values():
             await upstream.close()
@@ -172,8 +172,9 @@ class InstanceRegistry:
             raise InstanceExists(f"an instance named {spec.name!r} exists already", param="name")
         if any(s.spec.url.rstrip("/") == url for s in self.states.values()):
             raise InstanceExists(f"an instance at {spec.url} exists already", param="url")
-        upstream = Upstream(spec.name, spec.url, timeouts=self.pool.timeouts,
-                            max_connections=self._settings.max_connections_per_upstream)
+        upstream = Upstream(
+            spec.name, spec.url, timeouts=self.pool.timeouts, max_connections=self._settings.max_connections_per_upstream
+        )
         await upstream.start()
         self._own_upstreams[spec.name] = upstream
         target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
@@ -326,8 +327,12 @@ class InstanceRegistry:
         remote = self.load_share.remote()
         ends = self.load_share.prefill_ends() if remote else {}
         # a draining instance is no candidate at all (not even a "down" one a policy might count)
-        return ClusterSnapshot(now=now, instances=tuple(
-            s.view(now, remote.get(n), n in exclude, ends.get(n)) for n, s in self.states.items() if not s.draining))
+        return ClusterSnapshot(
+            now=now,
+            instances=tuple(
+                s.view(now, remote.get(n), n in exclude, ends.get(n)) for n, s in self.states.items() if not s.draining
+            ),
+        )
 
     def _state(self, name: str) -> InstanceState | None:
         """A member's bookkeeping, or a removed one's while its requests still run."""

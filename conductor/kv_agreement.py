@@ -92,49 +92,91 @@ def _tokenizer_name(setup: HashSetup) -> str:
     return "the built-in byte tokenizer" if setup.tokenizer == "builtin" else f"kv.tokenizer {setup.tokenizer!r}"
 
 
-def diagnose(setup: HashSetup, instance: str, samples: Iterable[Sample], ev: FeedEvidence,
-             served: int) -> list[tuple[str, str]]:
+def diagnose(setup: HashSetup, instance: str, samples: Iterable[Sample], ev: FeedEvidence, served: int) -> list[tuple[str, str]]:
     """Likely causes of a disagreement, most likely first: (tag, explanation) pairs. The tags are
     stable (block_size, hash_seed, tokenizer, no_events, late_start, unknown)."""
     causes: list[tuple[str, str]] = []
     if ev.block_size_mismatched:
-        causes.append(("block_size", f"{ev.block_size_mismatched} blocks from {instance} came in KV events of "
-                       f"another block size than block_size {setup.block_size}: set it to the workers' --block-size"))
+        causes.append(
+            (
+                "block_size",
+                f"{ev.block_size_mismatched} blocks from {instance} came in KV events of "
+                f"another block size than block_size {setup.block_size}: set it to the workers' --block-size",
+            )
+        )
     if ev.hash_checked and 2 * ev.hash_mismatched >= ev.hash_checked:
         seed = "unset (workers without PYTHONHASHSEED)" if setup.seed is None else repr(setup.seed)
-        last = "" if ev.last_mismatch is None else \
-            f" (last: worker {ev.last_mismatch[0]:#018x}, gateway {ev.last_mismatch[1]:#018x})"
-        causes.append(("hash_seed", f"{ev.hash_mismatched} of {ev.hash_checked} KV events from {instance} that start "
-                       f"a prompt carry a block hash other than the gateway's vLLM hash of their own token ids{last}: "
-                       f"kv.vllm_hash_algo {setup.algo!r} / kv.vllm_hash_seed {seed} do not match the workers' "
-                       "--prefix-caching-hash-algo / PYTHONHASHSEED (the gateway's own PYTHONHASHSEED is never used)"))
+        last = (
+            ""
+            if ev.last_mismatch is None
+            else f" (last: worker {ev.last_mismatch[0]:#018x}, gateway {ev.last_mismatch[1]:#018x})"
+        )
+        causes.append(
+            (
+                "hash_seed",
+                f"{ev.hash_mismatched} of {ev.hash_checked} KV events from {instance} that start "
+                f"a prompt carry a block hash other than the gateway's vLLM hash of their own token ids{last}: "
+                f"kv.vllm_hash_algo {setup.algo!r} / kv.vllm_hash_seed {seed} do not match the workers' "
+                "--prefix-caching-hash-algo / PYTHONHASHSEED (the gateway's own PYTHONHASHSEED is never used)",
+            )
+        )
     lengths = [s.lengths for s in samples if s.lengths is not None]
     differing = [pair for pair in lengths if pair[0] != pair[1]]
     if lengths and 2 * len(differing) >= len(lengths):
         gw, worker = differing[-1]
-        causes.append(("tokenizer", f"the workers counted another prompt length than the gateway in {len(differing)} "
-                       f"of {len(lengths)} recent requests (e.g. gateway {gw} vs worker {worker} tokens): "
-                       f"{_tokenizer_name(setup)} is not the model's; set kv.tokenizer to the model's tokenizer "
-                       "directory or 'worker'"))
+        causes.append(
+            (
+                "tokenizer",
+                f"the workers counted another prompt length than the gateway in {len(differing)} "
+                f"of {len(lengths)} recent requests (e.g. gateway {gw} vs worker {worker} tokens): "
+                f"{_tokenizer_name(setup)} is not the model's; set kv.tokenizer to the model's tokenizer "
+                "directory or 'worker'",
+            )
+        )
     if not ev.configured:
-        causes.append(("no_events", f"no KV events endpoint is configured for {instance}: the index knows only this "
-                       "gateway's dispatches, forgotten after kv.unconfirmed_ttl_s; give it a kv_events_endpoint"))
+        causes.append(
+            (
+                "no_events",
+                f"no KV events endpoint is configured for {instance}: the index knows only this "
+                "gateway's dispatches, forgotten after kv.unconfirmed_ttl_s; give it a kv_events_endpoint",
+            )
+        )
     elif ev.batches == 0:
-        causes.append(("no_events", f"no KV event has arrived from {instance} ({ev.endpoint}) while {served} "
-                       "requests were served there: check the worker's --kv-events-config and that the gateway "
-                       "reaches that endpoint"))
+        causes.append(
+            (
+                "no_events",
+                f"no KV event has arrived from {instance} ({ev.endpoint}) while {served} "
+                "requests were served there: check the worker's --kv-events-config and that the gateway "
+                "reaches that endpoint",
+            )
+        )
     if ev.orphans:
-        causes.append(("late_start", f"{ev.orphans} blocks from {instance} were stored under blocks the gateway never "
-                       "saw stored: the worker cached those prefixes before the gateway listened (or events were "
-                       "lost) and no replay reached back; give the instance a replay endpoint or reset its prefix cache"))
+        causes.append(
+            (
+                "late_start",
+                f"{ev.orphans} blocks from {instance} were stored under blocks the gateway never "
+                "saw stored: the worker cached those prefixes before the gateway listened (or events were "
+                "lost) and no replay reached back; give the instance a replay endpoint or reset its prefix cache",
+            )
+        )
     if not causes and setup.tokenizer == "builtin" and not lengths:
-        causes.append(("tokenizer", "the gateway tokenizes with the built-in byte tokenizer, which only emulated "
-                       "workers share; against a real model set kv.tokenizer (not confirmed: the workers' prompt "
-                       "lengths were not reported)"))
+        causes.append(
+            (
+                "tokenizer",
+                "the gateway tokenizes with the built-in byte tokenizer, which only emulated "
+                "workers share; against a real model set kv.tokenizer (not confirmed: the workers' prompt "
+                "lengths were not reported)",
+            )
+        )
     if not causes:
-        causes.append(("unknown", "no evidence points at one cause: check block_size against --block-size, "
-                       "kv.key_mode / kv.vllm_hash_algo / kv.vllm_hash_seed against --prefix-caching-hash-algo / "
-                       "PYTHONHASHSEED, kv.tokenizer against the model, and that KV events arrive"))
+        causes.append(
+            (
+                "unknown",
+                "no evidence points at one cause: check block_size against --block-size, "
+                "kv.key_mode / kv.vllm_hash_algo / kv.vllm_hash_seed against --prefix-caching-hash-algo / "
+                "PYTHONHASHSEED, kv.tokenizer against the model, and that KV events arrive",
+            )
+        )
     return causes
 
 
@@ -156,9 +198,17 @@ class _Instance:
 class HashAgreement:
     """Predicted vs worker-reported cached tokens over sliding windows, both ways, per instance."""
 
-    def __init__(self, registry: CollectorRegistry, *, window: int = 200, min_samples: int = 20,
-                 alarm_below: float = 0.2, coverage_alarm_below: float = 0.8, setup: HashSetup = HashSetup(),
-                 evidence: EvidenceSource | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        window: int = 200,
+        min_samples: int = 20,
+        alarm_below: float = 0.2,
+        coverage_alarm_below: float = 0.8,
+        setup: HashSetup = HashSetup(),
+        evidence: EvidenceSource | None = None,
+    ) -> None:
         self._window_size = window
         self._window: deque[Sample] = deque(maxlen=window)
         self._instances: dict[str, _Instance] = {}
@@ -166,30 +216,57 @@ class HashAgreement:
         self._thresholds: dict[Direction, float] = {"over": alarm_below, "under": coverage_alarm_below}
         self._setup = setup
         self._evidence = evidence or (lambda _: FeedEvidence(configured=True, batches=1))
-        self._ratio = Gauge("conductor_kv_hash_agreement",
-                            "Share of the cached prompt tokens the index predicted that the workers reported, over the "
-                            "recent window (1 = no over-prediction; low: the gateway's block keys do not match)",
-                            registry=registry)
-        self._coverage = Gauge("conductor_kv_hash_coverage",
-                               "Share of the cached prompt tokens the workers reported that the index had predicted, "
-                               "over the recent window (1 = no hit missed; low: events missing, wrong seed, late start)",
-                               registry=registry)
-        self._inst_ratio = Gauge("conductor_kv_instance_hash_agreement", "conductor_kv_hash_agreement per prefill "
-                                 "instance", ["instance"], registry=registry)
-        self._inst_coverage = Gauge("conductor_kv_instance_hash_coverage", "conductor_kv_hash_coverage per prefill "
-                                    "instance", ["instance"], registry=registry)
-        self._alarm = Gauge("conductor_kv_hash_alarm", "1 while the agreement (direction over) or coverage "
-                            "(direction under) alarm is raised on an instance, labelled with the likely cause",
-                            ["instance", "direction", "cause"], registry=registry)
-        self._predicted = Counter("conductor_kv_predicted_cached_tokens",
-                                  "Cached prompt tokens the index predicted on the chosen prefill instance",
-                                  registry=registry)
-        self._reported = Counter("conductor_kv_reported_cached_tokens",
-                                 "Cached prompt tokens the workers reported", registry=registry)
-        self._length_checks = Counter("conductor_kv_prompt_length_checks", "Requests whose prompt length the worker "
-                                      "reported, to compare with the gateway's tokenizer", ["instance"], registry=registry)
-        self._length_mismatches = Counter("conductor_kv_prompt_length_mismatches", "Requests whose prompt length the "
-                                          "worker counted unlike the gateway's tokenizer", ["instance"], registry=registry)
+        self._ratio = Gauge(
+            "conductor_kv_hash_agreement",
+            "Share of the cached prompt tokens the index predicted that the workers reported, over the "
+            "recent window (1 = no over-prediction; low: the gateway's block keys do not match)",
+            registry=registry,
+        )
+        self._coverage = Gauge(
+            "conductor_kv_hash_coverage",
+            "Share of the cached prompt tokens the workers reported that the index had predicted, "
+            "over the recent window (1 = no hit missed; low: events missing, wrong seed, late start)",
+            registry=registry,
+        )
+        self._inst_ratio = Gauge(
+            "conductor_kv_instance_hash_agreement",
+            "conductor_kv_hash_agreement per prefill instance",
+            ["instance"],
+            registry=registry,
+        )
+        self._inst_coverage = Gauge(
+            "conductor_kv_instance_hash_coverage",
+            "conductor_kv_hash_coverage per prefill instance",
+            ["instance"],
+            registry=registry,
+        )
+        self._alarm = Gauge(
+            "conductor_kv_hash_alarm",
+            "1 while the agreement (direction over) or coverage "
+            "(direction under) alarm is raised on an instance, labelled with the likely cause",
+            ["instance", "direction", "cause"],
+            registry=registry,
+        )
+        self._predicted = Counter(
+            "conductor_kv_predicted_cached_tokens",
+            "Cached prompt tokens the index predicted on the chosen prefill instance",
+            registry=registry,
+        )
+        self._reported = Counter(
+            "conductor_kv_reported_cached_tokens", "Cached prompt tokens the workers reported", registry=registry
+        )
+        self._length_checks = Counter(
+            "conductor_kv_prompt_length_checks",
+            "Requests whose prompt length the worker reported, to compare with the gateway's tokenizer",
+            ["instance"],
+            registry=registry,
+        )
+        self._length_mismatches = Counter(
+            "conductor_kv_prompt_length_mismatches",
+            "Requests whose prompt length the worker counted unlike the gateway's tokenizer",
+            ["instance"],
+            registry=registry,
+        )
         self._ratio.set(1.0)
         self._coverage.set(1.0)
 
@@ -214,8 +291,15 @@ class HashAgreement:
     def coverage(self) -> float:
         return coverage(self._window)
 
-    def observe(self, predicted: int, reported: int | None, *, instance: str = "",
-                prompt_tokens: int | None = None, reported_prompt_tokens: int | None = None) -> None:
+    def observe(
+        self,
+        predicted: int,
+        reported: int | None,
+        *,
+        instance: str = "",
+        prompt_tokens: int | None = None,
+        reported_prompt_tokens: int | None = None,
+    ) -> None:
         """One finished request: what the index predicted cached on `instance`, what its worker reported;
         `prompt_tokens` (the gateway's exact count) and `reported_prompt_tokens` (the worker's) when known."""
         inst = self._instance(instance)
@@ -256,10 +340,14 @@ class HashAgreement:
         ev = self._evidence(name)
         if ev.configured and ev.batches == 0:
             inst.silent_warned = True
-            log.warning("KV EVENTS MISSING from %s: %d requests were served there but no KV event arrived from %s; "
-                        "the index knows only this gateway's own dispatches. Check the worker's --kv-events-config "
-                        "(enable_kv_cache_events, publisher zmq, endpoint) and that the gateway reaches it.",
-                        name, inst.served, ev.endpoint)
+            log.warning(
+                "KV EVENTS MISSING from %s: %d requests were served there but no KV event arrived from %s; "
+                "the index knows only this gateway's own dispatches. Check the worker's --kv-events-config "
+                "(enable_kv_cache_events, publisher zmq, endpoint) and that the gateway reaches it.",
+                name,
+                inst.served,
+                ev.endpoint,
+            )
 
     def _check(self, name: str, inst: _Instance, direction: Direction) -> None:
         over = direction == "over"
@@ -290,11 +378,26 @@ class HashAgreement:
         confirmed = sum(min(s.predicted, s.reported) for s in inst.window)
         revised = "" if raised is None else f" (cause revised, was [{raised}])"
         if direction == "over":
-            log.warning("KV HASH AGREEMENT COLLAPSED on %s%s: over the last %d requests the index predicted %d cached "
-                        "tokens there but the worker reported %d of them (%.0f%%). %s", name, revised, len(inst.window),
-                        sum(s.predicted for s in inst.window), confirmed, 100 * figure, _explain(causes))
+            log.warning(
+                "KV HASH AGREEMENT COLLAPSED on %s%s: over the last %d requests the index predicted %d cached "
+                "tokens there but the worker reported %d of them (%.0f%%). %s",
+                name,
+                revised,
+                len(inst.window),
+                sum(s.predicted for s in inst.window),
+                confirmed,
+                100 * figure,
+                _explain(causes),
+            )
         else:
-            log.warning("KV CACHE HITS UNPREDICTED on %s%s: over the last %d requests the worker reported %d cached "
-                        "tokens but the index had predicted %d of them (%.0f%% coverage): routing misses cache hits. %s",
-                        name, revised, len(inst.window), sum(s.reported for s in inst.window), confirmed, 100 * figure,
-                        _explain(causes))
+            log.warning(
+                "KV CACHE HITS UNPREDICTED on %s%s: over the last %d requests the worker reported %d cached "
+                "tokens but the index had predicted %d of them (%.0f%% coverage): routing misses cache hits. %s",
+                name,
+                revised,
+                len(inst.window),
+                sum(s.reported for s in inst.window),
+                confirmed,
+                100 * figure,
+                _explain(causes),
+            )

@@ -103,14 +103,24 @@ class KVAwareAnalyzer:
         if events is not None:
             if self._ctx is None:  # no instance had events at start-up
                 self._ctx = zmq.asyncio.Context()
-            subs = [EventSubscriber(
-                EventSource.for_instance(
-                    name, url, offset_endpoint(events.endpoint, rank),
-                    None if events.replay_endpoint is None else offset_endpoint(events.replay_endpoint, rank),
-                    events.topic, rank),
-                self.feeder.on_batch, self.feeder.on_resync, context=self._ctx,
-                replay_timeout_s=self._replay_timeout_s, catch_up=self._replay_on_start)
-                for rank in range(events.data_parallel_size)]
+            subs = [
+                EventSubscriber(
+                    EventSource.for_instance(
+                        name,
+                        url,
+                        offset_endpoint(events.endpoint, rank),
+                        None if events.replay_endpoint is None else offset_endpoint(events.replay_endpoint, rank),
+                        events.topic,
+                        rank,
+                    ),
+                    self.feeder.on_batch,
+                    self.feeder.on_resync,
+                    context=self._ctx,
+                    replay_timeout_s=self._replay_timeout_s,
+                    catch_up=self._replay_on_start,
+                )
+                for rank in range(events.data_parallel_size)
+            ]
             if self._started:  # else start() starts them with the others
                 await asyncio.gather(*(sub.start() for sub in subs))
         self.subscribers = (*self.subscribers, *subs)
@@ -200,8 +210,7 @@ class KVAwareAnalyzer:
         except Exception as exc:  # noqa: BLE001  # a shared index being down must not fail requests
             self._index_failures += 1
             if self._index_failures & (self._index_failures - 1) == 0:  # 1st, 2nd, 4th, 8th...: not a flood
-                log.warning("KV index lookup failed (%d so far), routing without cache knowledge: %r",
-                            self._index_failures, exc)
+                log.warning("KV index lookup failed (%d so far), routing without cache knowledge: %r", self._index_failures, exc)
             match = PrefixMatch()
         store_tokens = 0
         if self.store is not None and keys:
@@ -251,19 +260,28 @@ class KVAwareAnalyzer:
         # what the chosen instance holds after the pull the gateway carried out (relay.dispatch: its
         # own cache, or that plus a readback or a staged peer pull; its own alone when the pull failed)
         predicted = observation.predicted_cached_tokens
-        self.agreement.observe(predicted, observation.cached_tokens, instance=observation.prefill or "",
-                               prompt_tokens=analysis.prompt_tokens if analysis.exact else None,
-                               reported_prompt_tokens=observation.reported_prompt_tokens)
+        self.agreement.observe(
+            predicted,
+            observation.cached_tokens,
+            instance=observation.prefill or "",
+            prompt_tokens=analysis.prompt_tokens if analysis.exact else None,
+            reported_prompt_tokens=observation.reported_prompt_tokens,
+        )
 
     def evidence(self, instance: str) -> FeedEvidence:
         """What the KV event feed of `instance` has shown, for the agreement diagnosis."""
         subs = [sub for sub in self.subscribers if sub.source.instance == instance]
         feed = self.feeder.instance(instance)
         return FeedEvidence(
-            configured=bool(subs), endpoint=subs[0].address if subs else None,
-            batches=sum(sub.stats.batches for sub in subs), hash_checked=feed.hash_checked,
-            hash_mismatched=feed.hash_mismatched, last_mismatch=feed.last_mismatch, orphans=feed.orphans,
-            block_size_mismatched=feed.block_size_mismatched)
+            configured=bool(subs),
+            endpoint=subs[0].address if subs else None,
+            batches=sum(sub.stats.batches for sub in subs),
+            hash_checked=feed.hash_checked,
+            hash_mismatched=feed.hash_mismatched,
+            last_mismatch=feed.last_mismatch,
+            orphans=feed.orphans,
+            block_size_mismatched=feed.block_size_mismatched,
+        )
 
     async def _watch(self) -> None:
         """Drop instances whose events stopped and whose /health fails; they come back with events."""
@@ -281,8 +299,11 @@ class KVAwareAnalyzer:
                     if inst in self._gone or inst not in self.instances:
                         continue
                     if not await _healthy(client, self.instances[inst][2]):
-                        log.warning("instance %s: no KV events for %.0fs and /health fails: dropped from the "
-                                    "index", inst, self.events_silence_s)
+                        log.warning(
+                            "instance %s: no KV events for %.0fs and /health fails: dropped from the index",
+                            inst,
+                            self.events_silence_s,
+                        )
                         self._gone.add(inst)
                         await self.feeder.on_resync(inst, "instance gone")
 
@@ -324,11 +345,14 @@ def build_analyzer(
 ) -> PromptAnalyzer:
     """The analyzer the settings describe. `instances` are (id, role, base URL); call `start()` next."""
     s = options if isinstance(options, KVAwarenessSettings) else KVAwarenessSettings.model_validate(options)
-    scheme = make_scheme(s.key_mode, s.block_size, seed=s.hash_seed, algo=s.vllm_hash_algo,
-                         vllm_seed=s.vllm_hash_seed)
+    scheme = make_scheme(s.key_mode, s.block_size, seed=s.hash_seed, algo=s.vllm_hash_algo, vllm_seed=s.vllm_hash_seed)
     index = make_index(s, registry)
-    feeder = IndexFeeder(index, scheme, translate=s.key_mode == "xxhash",
-                         max_mapped_per_instance=mapped_within(s.hash_map_memory_bytes_per_instance))
+    feeder = IndexFeeder(
+        index,
+        scheme,
+        translate=s.key_mode == "xxhash",
+        max_mapped_per_instance=mapped_within(s.hash_map_memory_bytes_per_instance),
+    )
     if registry is not None:
         register_kv_memory(registry, _index_memory(index), feeder.map_memory)
     urls = {iid: url for iid, _, url in instances}
@@ -340,24 +364,50 @@ def build_analyzer(
     subscribers = [
         EventSubscriber(
             EventSource.for_instance(
-                iid, urls[iid], offset_endpoint(ep.endpoint, rank),
-                None if ep.replay_endpoint is None else offset_endpoint(ep.replay_endpoint, rank), ep.topic, rank),
-            feeder.on_batch, feeder.on_resync, context=ctx, replay_timeout_s=s.replay_timeout_s,
-            catch_up=s.replay_on_start)
+                iid,
+                urls[iid],
+                offset_endpoint(ep.endpoint, rank),
+                None if ep.replay_endpoint is None else offset_endpoint(ep.replay_endpoint, rank),
+                ep.topic,
+                rank,
+            ),
+            feeder.on_batch,
+            feeder.on_resync,
+            context=ctx,
+            replay_timeout_s=s.replay_timeout_s,
+            catch_up=s.replay_on_start,
+        )
         for iid, ep in s.kv_events.items()
         for rank in range(ep.data_parallel_size)
         if ctx is not None
     ]
     store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None
     setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
-    agreement = HashAgreement(registry or CollectorRegistry(), window=s.agreement_window,
-                              min_samples=s.agreement_min_samples, alarm_below=s.agreement_alarm_below,
-                              coverage_alarm_below=s.agreement_coverage_alarm_below, setup=setup)
-    analyzer = KVAwareAnalyzer(tokenizer=_make_tokenizer(s, instances), scheme=scheme, index=index, feeder=feeder,
-                               agreement=agreement, subscribers=subscribers, store=store, instances=instances,
-                               forward_token_ids=s.forward_token_ids, events_silence_s=s.events_silence_s,
-                               zmq_context=ctx, replay_timeout_s=s.replay_timeout_s, replay_on_start=s.replay_on_start,
-                               prefix_memo=_prefix_memo(s, scheme), keep_token_ids=s.keep_token_ids)
+    agreement = HashAgreement(
+        registry or CollectorRegistry(),
+        window=s.agreement_window,
+        min_samples=s.agreement_min_samples,
+        alarm_below=s.agreement_alarm_below,
+        coverage_alarm_below=s.agreement_coverage_alarm_below,
+        setup=setup,
+    )
+    analyzer = KVAwareAnalyzer(
+        tokenizer=_make_tokenizer(s, instances),
+        scheme=scheme,
+        index=index,
+        feeder=feeder,
+        agreement=agreement,
+        subscribers=subscribers,
+        store=store,
+        instances=instances,
+        forward_token_ids=s.forward_token_ids,
+        events_silence_s=s.events_silence_s,
+        zmq_context=ctx,
+        replay_timeout_s=s.replay_timeout_s,
+        replay_on_start=s.replay_on_start,
+        prefix_memo=_prefix_memo(s, scheme),
+        keep_token_ids=s.keep_token_ids,
+    )
     if s.index != "indexer":  # the feeds' evidence is the indexer's there, not ours
         agreement.set_evidence(analyzer.evidence)
     if registry is not None:

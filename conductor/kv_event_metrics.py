@@ -58,41 +58,52 @@ class KVEventsCollector(Collector):
         return self._families(empty=False)
 
     def _families(self, *, empty: bool) -> list[Metric]:
-        configured = GaugeMetricFamily("conductor_kv_events_configured", "1 when the instance has a KV events endpoint",
-                                       labels=_INST)
+        configured = GaugeMetricFamily(
+            "conductor_kv_events_configured", "1 when the instance has a KV events endpoint", labels=_INST
+        )
         sub_counters = {
-            "batches": CounterMetricFamily("conductor_kv_events_batches", "KV event batches applied, live and replayed",
-                                           labels=_SUB),
+            "batches": CounterMetricFamily(
+                "conductor_kv_events_batches", "KV event batches applied, live and replayed", labels=_SUB
+            ),
             "gaps": CounterMetricFamily("conductor_kv_events_gaps", "Sequence gaps seen on the live feed", labels=_SUB),
-            "replay_requests": CounterMetricFamily("conductor_kv_events_replay_requests",
-                                                   "Requests sent to the replay socket", labels=_SUB),
-            "replayed": CounterMetricFamily("conductor_kv_events_replayed_batches",
-                                            "Batches applied from the replay socket", labels=_SUB),
-            "resyncs": CounterMetricFamily("conductor_kv_events_resyncs",
-                                           "Times the index forgot the instance and refilled from events", labels=_SUB),
+            "replay_requests": CounterMetricFamily(
+                "conductor_kv_events_replay_requests", "Requests sent to the replay socket", labels=_SUB
+            ),
+            "replayed": CounterMetricFamily(
+                "conductor_kv_events_replayed_batches", "Batches applied from the replay socket", labels=_SUB
+            ),
+            "resyncs": CounterMetricFamily(
+                "conductor_kv_events_resyncs", "Times the index forgot the instance and refilled from events", labels=_SUB
+            ),
         }
-        last_seq = GaugeMetricFamily("conductor_kv_events_last_seq", "Last sequence number applied (-1 before any)",
-                                     labels=_SUB)
-        silence = GaugeMetricFamily("conductor_kv_events_silence_seconds",
-                                    "Seconds since the last batch (since the feed started when none came yet)",
-                                    labels=_SUB)
-        delay = GaugeMetricFamily("conductor_kv_events_delay_seconds",
-                                  "Receive time minus the worker's publish time of the last batch (clock skew included)",
-                                  labels=_SUB)
+        last_seq = GaugeMetricFamily("conductor_kv_events_last_seq", "Last sequence number applied (-1 before any)", labels=_SUB)
+        silence = GaugeMetricFamily(
+            "conductor_kv_events_silence_seconds",
+            "Seconds since the last batch (since the feed started when none came yet)",
+            labels=_SUB,
+        )
+        delay = GaugeMetricFamily(
+            "conductor_kv_events_delay_seconds",
+            "Receive time minus the worker's publish time of the last batch (clock skew included)",
+            labels=_SUB,
+        )
         feed_counters = {
-            "stored": CounterMetricFamily("conductor_kv_events_blocks_stored", "Blocks indexed from BlockStored",
-                                          labels=_INST),
-            "removed": CounterMetricFamily("conductor_kv_events_blocks_removed", "Blocks removed by BlockRemoved",
-                                           labels=_INST),
-            "skipped": CounterMetricFamily("conductor_kv_events_blocks_skipped",
-                                           "Blocks not indexable (LoRA, extra keys, other group or block size)",
-                                           labels=_INST),
-            "orphans": CounterMetricFamily("conductor_kv_events_orphan_blocks",
-                                           "Blocks stored under a parent the gateway never saw stored", labels=_INST),
-            "hash_checked": CounterMetricFamily("conductor_kv_events_hash_checked",
-                                                "Prompt-start blocks whose vLLM hash the gateway recomputed", labels=_INST),
-            "hash_mismatched": CounterMetricFamily("conductor_kv_events_hash_mismatched",
-                                                   "Recomputed vLLM hashes that differed from the worker's", labels=_INST),
+            "stored": CounterMetricFamily("conductor_kv_events_blocks_stored", "Blocks indexed from BlockStored", labels=_INST),
+            "removed": CounterMetricFamily("conductor_kv_events_blocks_removed", "Blocks removed by BlockRemoved", labels=_INST),
+            "skipped": CounterMetricFamily(
+                "conductor_kv_events_blocks_skipped",
+                "Blocks not indexable (LoRA, extra keys, other group or block size)",
+                labels=_INST,
+            ),
+            "orphans": CounterMetricFamily(
+                "conductor_kv_events_orphan_blocks", "Blocks stored under a parent the gateway never saw stored", labels=_INST
+            ),
+            "hash_checked": CounterMetricFamily(
+                "conductor_kv_events_hash_checked", "Prompt-start blocks whose vLLM hash the gateway recomputed", labels=_INST
+            ),
+            "hash_mismatched": CounterMetricFamily(
+                "conductor_kv_events_hash_mismatched", "Recomputed vLLM hashes that differed from the worker's", labels=_INST
+            ),
         }
         out: list[Metric] = [configured, *sub_counters.values(), last_seq, silence, delay, *feed_counters.values()]
         if empty:

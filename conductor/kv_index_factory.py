@@ -33,9 +33,15 @@ def make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KV
         from adapters.index.remote import IndexerClient
 
         assert s.indexer_url is not None  # the settings' validator says so
-        return IndexerClient(s.indexer_url, local, s.indexer_timeout_s, block_size=s.block_size,
-                             model=s.indexer_model or "default", breaker_failures=s.redis_breaker_failures,
-                             breaker_open_s=s.redis_breaker_open_s)
+        return IndexerClient(
+            s.indexer_url,
+            local,
+            s.indexer_timeout_s,
+            block_size=s.block_size,
+            model=s.indexer_model or "default",
+            breaker_failures=s.redis_breaker_failures,
+            breaker_open_s=s.redis_breaker_open_s,
+        )
     from adapters.index.redis import RedisIndex
 
     shared = IndexLimits(max_blocks=s.max_blocks or REDIS_MAX_BLOCKS, **unconfirmed)
@@ -43,15 +49,31 @@ def make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KV
     if s.index == "redis_cluster":  # redis_url: the cluster's startup node(s), comma-separated
         from adapters.index.redis_cluster import RedisClusterIndex
 
-        primary = RedisClusterIndex(s.redis_url, prefix=s.redis_prefix, limits=shared, timeout_s=s.redis_timeout_s,
-                                    write_timeout_s=s.redis_write_timeout_s)
+        primary = RedisClusterIndex(
+            s.redis_url,
+            prefix=s.redis_prefix,
+            limits=shared,
+            timeout_s=s.redis_timeout_s,
+            write_timeout_s=s.redis_write_timeout_s,
+        )
     else:
-        primary = RedisIndex(s.redis_url, prefix=s.redis_prefix, limits=shared, timeout_s=s.redis_timeout_s,
-                             write_timeout_s=s.redis_write_timeout_s)
-    breaker = CircuitBreaker("KV index Redis", failures_to_open=s.redis_breaker_failures,
-                             open_s=s.redis_breaker_open_s, logger=log)
-    index = GuardedIndex(primary, breaker, fallback=MemoryIndex(local) if s.redis_fallback == "memory" else None,
-                         lookup_timeout_s=s.redis_timeout_s, write_timeout_s=s.redis_write_timeout_s)
+        primary = RedisIndex(
+            s.redis_url,
+            prefix=s.redis_prefix,
+            limits=shared,
+            timeout_s=s.redis_timeout_s,
+            write_timeout_s=s.redis_write_timeout_s,
+        )
+    breaker = CircuitBreaker(
+        "KV index Redis", failures_to_open=s.redis_breaker_failures, open_s=s.redis_breaker_open_s, logger=log
+    )
+    index = GuardedIndex(
+        primary,
+        breaker,
+        fallback=MemoryIndex(local) if s.redis_fallback == "memory" else None,
+        lookup_timeout_s=s.redis_timeout_s,
+        write_timeout_s=s.redis_write_timeout_s,
+    )
     if registry is not None:
         register_breaker(breaker, registry, "conductor_kv_index_redis")
         register_guard(registry, index)

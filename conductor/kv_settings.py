@@ -118,19 +118,32 @@ class KVAwarenessSettings(_Model):
 def warn_about_setup(s: KVAwarenessSettings, instances: Sequence[tuple[str, Role, str]]) -> None:
     """Say at start-up what will make the index disagree with the workers, before it does."""
     if s.key_mode == "vllm" and not seed_is_reproducible(s.vllm_hash_algo, s.vllm_hash_seed):
-        log.warning("VLLM HASH SEED UNSET with kv.vllm_hash_algo %r: vLLM seeds its xxhash block hashes with random "
-                    "bytes in every worker process when PYTHONHASHSEED is unset, so no gateway can compute them and no "
-                    "cache hit will be predicted. Start the workers with PYTHONHASHSEED=<n> and set kv.vllm_hash_seed "
-                    "to the same value, or use kv.key_mode xxhash (it translates the events' hashes).", s.vllm_hash_algo)
+        log.warning(
+            "VLLM HASH SEED UNSET with kv.vllm_hash_algo %r: vLLM seeds its xxhash block hashes with random "
+            "bytes in every worker process when PYTHONHASHSEED is unset, so no gateway can compute them and no "
+            "cache hit will be predicted. Start the workers with PYTHONHASHSEED=<n> and set kv.vllm_hash_seed "
+            "to the same value, or use kv.key_mode xxhash (it translates the events' hashes).",
+            s.vllm_hash_algo,
+        )
     own = os.environ.get("PYTHONHASHSEED")
     if s.key_mode == "vllm" and s.vllm_hash_seed is None and own is not None:
-        log.warning("kv.vllm_hash_seed is unset, so the workers are taken to run without PYTHONHASHSEED (vLLM's seed %r "
-                    "for sha256*); the gateway's own PYTHONHASHSEED=%s is NOT used. If the workers run with "
-                    "PYTHONHASHSEED, set kv.vllm_hash_seed to their value.", DEFAULT_NONE_HASH_SEED, own)
+        log.warning(
+            "kv.vllm_hash_seed is unset, so the workers are taken to run without PYTHONHASHSEED (vLLM's seed %r "
+            "for sha256*); the gateway's own PYTHONHASHSEED=%s is NOT used. If the workers run with "
+            "PYTHONHASHSEED, set kv.vllm_hash_seed to their value.",
+            DEFAULT_NONE_HASH_SEED,
+            own,
+        )
     if s.tokenizer == "builtin":
-        log.info("kv.tokenizer is 'builtin' (UTF-8 bytes): its keys match only emulated workers; against a real "
-                 "model set kv.tokenizer to the model's tokenizer directory or 'worker'")
+        log.info(
+            "kv.tokenizer is 'builtin' (UTF-8 bytes): its keys match only emulated workers; against a real "
+            "model set kv.tokenizer to the model's tokenizer directory or 'worker'"
+        )
     silent = [iid for iid, role, _ in instances if role != Role.DECODE and iid not in s.kv_events]
     if silent and s.index != "indexer":  # with an indexer, it subscribes, not this gateway
-        log.info("no KV events endpoint for %s: the index knows their caches only from this gateway's dispatches, "
-                 "forgotten after kv.unconfirmed_ttl_s (%.0fs)", ", ".join(silent), s.unconfirmed_ttl_s)
+        log.info(
+            "no KV events endpoint for %s: the index knows their caches only from this gateway's dispatches, "
+            "forgotten after kv.unconfirmed_ttl_s (%.0fs)",
+            ", ".join(silent),
+            s.unconfirmed_ttl_s,
+        )

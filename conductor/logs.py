@@ -18,7 +18,9 @@ ACCESS_LOG = logging.getLogger("conductor.access")
 
 # LogRecord attributes that are not a call's `extra=` fields
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "taskName",
+    "message",
+    "asctime",
+    "taskName",
     "color_message",  # uvicorn's ANSI-coloured copy of the message
 }
 
@@ -55,5 +57,11 @@ def configure_logging(level: str, log_format: str, access_log: bool) -> None:
 def log_access(**fields: Any) -> None:
     """One access-log line (only when the access log is on: the check costs one comparison)."""
     if ACCESS_LOG.isEnabledFor(logging.INFO):
-        ACCESS_LOG.info("%s %s %s %.1fms", fields.get("method", "POST"), fields.get("path"), fields.get("status"),
-                        fields.get("duration_ms", 0.0), extra=fields)
+        ACCESS_LOG.info(
+            "%s %s %s %.1fms",
+            fields.get("method", "POST"),
+            fields.get("path"),
+            fields.get("status"),
+            fields.get("duration_ms", 0.0),
+            extra=fields,
+        )

@@ -68,8 +68,9 @@ class LoopMetric(Collector, Generic[C]):
     """What the counter and the histogram share: a name, help, label names, children by label
     tuple; without label names the metric's own child counts (`_own`)."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str] = (), registry: CollectorRegistry | None = None
+    ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
@@ -136,8 +137,15 @@ class LoopCounter(LoopMetric[CounterChild]):
 class LoopHistogram(LoopMetric[HistogramChild]):
     """A Histogram for one thread, with fixed finite bucket bounds (+Inf is implied)."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
-                 buckets: Sequence[float], registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         bounds = tuple(float(b) for b in buckets if b != float("inf"))
         if not bounds or list(bounds) != sorted(set(bounds)):
             raise ValueError("buckets must be increasing")

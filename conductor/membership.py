@@ -68,8 +68,10 @@ class Membership:
         self.discovery: DnsDiscovery | None = None
         self.live = False  # the gateway's parts have started: a new instance is started by us
         if d.sources():
-            sources = [DnsSource(role, s.name, s.port, s.scheme, s.kv_events_port, s.kv_events_replay_port,
-                                 s.bootstrap_port) for role, s in d.sources().items()]
+            sources = [
+                DnsSource(role, s.name, s.port, s.scheme, s.kv_events_port, s.kv_events_replay_port, s.bootstrap_port)
+                for role, s in d.sources().items()
+            ]
             resolver = DnsResolver(d.nameserver, d.nameserver_port, d.timeout_s)
             self.discovery = DnsDiscovery(sources, resolver, self.apply_dns, d.interval_s)
 
@@ -106,9 +108,14 @@ class Membership:
                 continue
             if d.url in urls or d.name in registry.retired:
                 continue  # listed already (settings, API) or its old requests still end
-            spec = InstanceSpec(url=d.url, role=role, name=d.name, bootstrap_port=d.bootstrap_port,
-                                kv_events_endpoint=d.kv_events_endpoint,
-                                kv_events_replay_endpoint=d.kv_events_replay_endpoint)
+            spec = InstanceSpec(
+                url=d.url,
+                role=role,
+                name=d.name,
+                bootstrap_port=d.bootstrap_port,
+                kv_events_endpoint=d.kv_events_endpoint,
+                kv_events_replay_endpoint=d.kv_events_replay_endpoint,
+            )
             await registry.add(spec, origin="dns")
         for state in list(registry.states.values()):
             if state.origin == "dns" and state.spec.role is role and state.name not in names and not state.draining:
@@ -124,8 +131,7 @@ class Membership:
         if isinstance(gw.analyzer, KVAwareAnalyzer):
             events = gw.settings.kv.kv_events.get(spec.name)
             if events is None and spec.kv_events_endpoint:
-                events = KVEventsEndpoint(endpoint=spec.kv_events_endpoint,
-                                          replay_endpoint=spec.kv_events_replay_endpoint)
+                events = KVEventsEndpoint(endpoint=spec.kv_events_endpoint, replay_endpoint=spec.kv_events_replay_endpoint)
             await gw.analyzer.add_instance(spec.name, spec.role, spec.url, events)
         state = gw.registry.states[spec.name]
         if self.live and spec.role in (Role.PREFILL, Role.MIXED) and not gw.protocol.ready(state.target):
@@ -176,11 +182,13 @@ class Membership:
             raise BadRequest(f"{where}: {err['msg']}" if where else err["msg"], param=where) from None
         settings = self.gateway.settings
         if (spec.role is Role.MIXED) == settings.disaggregated:
-            raise BadRequest(f"a {spec.role.value} instance does not fit this gateway "
-                             f"({'prefill/decode' if settings.disaggregated else 'mixed'} workers)", param="role")
+            raise BadRequest(
+                f"a {spec.role.value} instance does not fit this gateway "
+                f"({'prefill/decode' if settings.disaggregated else 'mixed'} workers)",
+                param="role",
+            )
         if spec.role is Role.PREFILL and settings.pd_protocol in ("mooncake", "sglang") and spec.bootstrap_port is None:
-            raise BadRequest(f"pd_protocol {settings.pd_protocol} needs a bootstrap_port for a prefill",
-                             param="bootstrap_port")
+            raise BadRequest(f"pd_protocol {settings.pd_protocol} needs a bootstrap_port for a prefill", param="bootstrap_port")
         if spec.name is not None and not _NAME.fullmatch(spec.name):
             raise BadRequest("name must be 1-63 letters, digits, '.', '_' or '-'", param="name")
         if spec.name is None:
@@ -203,9 +211,16 @@ def describe(state: InstanceState, ready: bool = True) -> dict[str, Any]:
     """One instance as GET /admin/instances lists it."""
     condition = "draining" if state.draining else "healthy" if state.healthy and ready else "unhealthy"
     spec = state.spec
-    return {"name": state.name, "role": spec.role.value, "url": spec.url, "state": condition,
-            "inflight": state.inflight, "origin": state.origin, "bootstrap_port": spec.bootstrap_port,
-            "kv_events_endpoint": spec.kv_events_endpoint}
+    return {
+        "name": state.name,
+        "role": spec.role.value,
+        "url": spec.url,
+        "state": condition,
+        "inflight": state.inflight,
+        "origin": state.origin,
+        "bootstrap_port": spec.bootstrap_port,
+        "kv_events_endpoint": spec.kv_events_endpoint,
+    }
 
 
 def admin_routes(membership: Membership) -> APIRouter:
@@ -214,7 +229,8 @@ def admin_routes(membership: Membership) -> APIRouter:
     gw = membership.gateway
     errors: dict[int | str, dict[str, Any]] = {
         401: {"description": "no admin key or an unknown one"},
-        403: {"description": "the admin API is disabled (no admin key configured)"}}
+        403: {"description": "the admin API is disabled (no admin key configured)"},
+    }
 
     def listed(state: InstanceState) -> dict[str, Any]:
         return describe(state, gw.protocol.ready(state.target) or state.spec.role is not Role.PREFILL)
@@ -224,8 +240,15 @@ def admin_routes(membership: Membership) -> APIRouter:
         membership.authorize(request.headers.get("authorization"))
         return JSONResponse({"object": "list", "data": [listed(s) for s in gw.registry.states.values()]})
 
-    @router.post("", status_code=201, responses={**errors, 400: {"description": "a malformed instance"},
-                                                 409: {"description": "the name or URL is a member already"}})
+    @router.post(
+        "",
+        status_code=201,
+        responses={
+            **errors,
+            400: {"description": "a malformed instance"},
+            409: {"description": "the name or URL is a member already"},
+        },
+    )
     async def add_instance(request: Request) -> JSONResponse:
         membership.authorize(request.headers.get("authorization"))
         try:

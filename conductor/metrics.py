@@ -29,32 +29,40 @@ class GatewayMetrics:
             "conductor_rejections", "Requests refused before forwarding, by reason", ["reason"], registry=r
         )
         self.decisions = LoopCounter(
-            "conductor_decisions", "Routing decisions, by policy and chosen instances",
-            ["policy", "prefill", "decode"], registry=r,
+            "conductor_decisions",
+            "Routing decisions, by policy and chosen instances",
+            ["policy", "prefill", "decode"],
+            registry=r,
         )
         self.upstream_errors = LoopCounter(
             "conductor_upstream_errors", "Failed upstream legs, by instance and kind", ["instance", "kind"], registry=r
         )
         self.readback = LoopCounter(
-            "conductor_pd_readback", "Decode readbacks (NIXL bidirectional KV transfer): handles recorded from decode "
+            "conductor_pd_readback",
+            "Decode readbacks (NIXL bidirectional KV transfer): handles recorded from decode "
             "answers, unusable ones, pulls handed to a prefill, handles another request took first, and pulls that failed "
             "(the prefill then computed the prefix itself)",
-            ["event"], registry=r,
+            ["event"],
+            registry=r,
         )
         for event in ("recorded", "unusable", "pulled", "lost", "failed"):
             self.readback.labels(event)
         self.peer_pull = LoopCounter(
-            "conductor_pd_peer_pull", "Prefill-to-prefill pulls (conductor/peer_pull.py): staging requests whose "
+            "conductor_pd_peer_pull",
+            "Prefill-to-prefill pulls (conductor/peer_pull.py): staging requests whose "
             "holder pinned the prefix (staged), that failed or answered no usable blocks (stage_failed: the prefill "
             "computed the prefix itself), pulls planned and not staged (skipped: below pd_pull_min_tokens, or "
             "predicted to outlast the holder's lease), and staged pulls whose prefill failed to read (failed)",
-            ["event"], registry=r,
+            ["event"],
+            registry=r,
         )
         for event in ("staged", "stage_failed", "skipped", "failed"):
             self.peer_pull.labels(event)
         self.peer_pull_stage = LoopHistogram(
-            "conductor_pd_peer_pull_stage_seconds", "Staging requests of prefill-to-prefill pulls: sent to the "
-            "holder to answered (its queue, one token, the pin)", buckets=_LATENCY_BUCKETS, registry=r,
+            "conductor_pd_peer_pull_stage_seconds",
+            "Staging requests of prefill-to-prefill pulls: sent to the holder to answered (its queue, one token, the pin)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.cancelled = LoopCounter(
             "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r
@@ -63,61 +71,85 @@ class GatewayMetrics:
             "conductor_ttft_seconds", "Time to first token at the gateway (streams)", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.predicted_ttft = LoopHistogram(
-            "conductor_predicted_ttft_seconds", "TTFT the policy predicted for admitted requests",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "conductor_predicted_ttft_seconds",
+            "TTFT the policy predicted for admitted requests",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.prefill_leg = LoopHistogram(
-            "conductor_prefill_leg_seconds", "Prefill leg duration (queue + prefill) by instance", ["instance"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "conductor_prefill_leg_seconds",
+            "Prefill leg duration (queue + prefill) by instance",
+            ["instance"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.tbt = LoopHistogram(
             "conductor_tbt_seconds", "Mean time between tokens of each stream", buckets=_TBT_BUCKETS, registry=r
         )
-        self.e2e = LoopHistogram(
-            "conductor_request_seconds", "Arrival to last byte", buckets=_LATENCY_BUCKETS, registry=r
-        )
+        self.e2e = LoopHistogram("conductor_request_seconds", "Arrival to last byte", buckets=_LATENCY_BUCKETS, registry=r)
         self.decision_time = LoopHistogram(
-            "conductor_decision_seconds", "Time to analyse a prompt and decide",
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05), registry=r,
+            "conductor_decision_seconds",
+            "Time to analyse a prompt and decide",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
+            registry=r,
         )
         self.instance_healthy = Gauge(
             "conductor_instance_healthy", "1 if the instance answers its health probe", ["instance", "role"], registry=r
         )
         self.queued_prefill_tokens = Gauge(
-            "conductor_instance_queued_prefill_tokens", "Prefill tokens this gateway has in flight per instance",
-            ["instance"], registry=r,
+            "conductor_instance_queued_prefill_tokens",
+            "Prefill tokens this gateway has in flight per instance",
+            ["instance"],
+            registry=r,
         )
         self.running_decodes = Gauge(
-            "conductor_instance_running_decodes", "Decode streams this gateway has in flight per instance",
-            ["instance"], registry=r,
+            "conductor_instance_running_decodes",
+            "Decode streams this gateway has in flight per instance",
+            ["instance"],
+            registry=r,
         )
         self.prediction_mape = Gauge(
-            "conductor_prediction_mape", "Mean absolute percentage error of a predictor over its recent window",
-            ["component", "instance"], registry=r,
+            "conductor_prediction_mape",
+            "Mean absolute percentage error of a predictor over its recent window",
+            ["component", "instance"],
+            registry=r,
         )
         self.prediction_coverage = Gauge(
-            "conductor_prediction_p90_coverage", "Fraction of actuals at or under the predicted p90 (ideal 0.9)",
-            ["component", "instance"], registry=r,
+            "conductor_prediction_p90_coverage",
+            "Fraction of actuals at or under the predicted p90 (ideal 0.9)",
+            ["component", "instance"],
+            registry=r,
         )
         self.prediction_samples = Gauge(
-            "conductor_prediction_samples", "Observations in a predictor's error window",
-            ["component", "instance"], registry=r,
+            "conductor_prediction_samples",
+            "Observations in a predictor's error window",
+            ["component", "instance"],
+            registry=r,
         )
         self.failovers = LoopCounter(
-            "conductor_failovers", "Requests decided again on another instance after a leg failed before any byte "
-            "reached the client, by the instance that failed and why", ["instance", "reason"], registry=r,
+            "conductor_failovers",
+            "Requests decided again on another instance after a leg failed before any byte "
+            "reached the client, by the instance that failed and why",
+            ["instance", "reason"],
+            registry=r,
         )
         self.ejections = LoopCounter(
-            "conductor_instance_ejections", "Times an instance was ejected as an outlier (consecutive failures)",
-            ["instance"], registry=r,
+            "conductor_instance_ejections",
+            "Times an instance was ejected as an outlier (consecutive failures)",
+            ["instance"],
+            registry=r,
         )
         self.late_prefill_failures = LoopCounter(
-            "conductor_late_prefill_failures", "Concurrent prefill legs that failed or were cut after their decode "
-            "had already answered the client in full", ["instance"], registry=r,
+            "conductor_late_prefill_failures",
+            "Concurrent prefill legs that failed or were cut after their decode had already answered the client in full",
+            ["instance"],
+            registry=r,
         )
         self.cached_tokens = LoopCounter(
-            "conductor_prompt_tokens", "Prompt tokens routed, by whether the worker reported them cached",
-            ["source"], registry=r,
+            "conductor_prompt_tokens",
+            "Prompt tokens routed, by whether the worker reported them cached",
+            ["source"],
+            registry=r,
         )
 
 
@@ -136,8 +168,11 @@ class LessonMetrics:
         self._share = share
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily("conductor_worker_lessons", "Predictor lessons shared between the "
-                                     "gateway's worker processes, by event", labels=["event"])
+        family = CounterMetricFamily(
+            "conductor_worker_lessons",
+            "Predictor lessons shared between the gateway's worker processes, by event",
+            labels=["event"],
+        )
         for event in self.EVENTS:
             family.add_metric([event], self._share.counts[event])
         yield family

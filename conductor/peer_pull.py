@@ -59,8 +59,9 @@ class StagedKvParams(msgspec.Struct, forbid_unknown_fields=False):
     pp_size: int = 1
 
 
-def peer_sources(analysis: PromptAnalysis, holders: Mapping[str, Any], usable: Callable[[str], bool],
-                 block_size: int, min_tokens: int) -> dict[str, int]:
+def peer_sources(
+    analysis: PromptAnalysis, holders: Mapping[str, Any], usable: Callable[[str], bool], block_size: int, min_tokens: int
+) -> dict[str, int]:
     """Prefill instances a prefill could pull this prompt's prefix from: instance id -> tokens.
 
     `holders`: instance id -> its registry state (role and health); `usable`: also ready and not
@@ -120,19 +121,28 @@ async def stage(gw: Gateway, holder: str, out: Outgoing, analysis: PromptAnalysi
     # the holder computes one token for it and pins the prefix: other decisions see that load
     gw.registry.add_prefill(holder, stage_id, 1, tokens)
     try:
-        answer, elapsed = await stage(state.target, out, ids[:tokens + 1], gw.settings.pd_peer_pull_priority)
+        answer, elapsed = await stage(state.target, out, ids[: tokens + 1], gw.settings.pd_peer_pull_priority)
     except UpstreamError as exc:
         gw.metrics.peer_pull.labels("stage_failed").inc()
-        log.warning("request %s: staging %d tokens on %s failed (%s); the prefill computes them", out.request_id,
-                    tokens, holder, exc.message)
+        log.warning(
+            "request %s: staging %d tokens on %s failed (%s); the prefill computes them",
+            out.request_id,
+            tokens,
+            holder,
+            exc.message,
+        )
         return None
     finally:
         gw.registry.end_prefill(holder, stage_id)
     params = pull_params(answer, tokens, gw.settings.block_size)
     if params is None:
         gw.metrics.peer_pull.labels("stage_failed").inc()
-        log.warning("request %s: %s answered the staging request without usable kv_transfer_params (is it a "
-                    "NIXL prefill?); the prefill computes the prefix", out.request_id, holder)
+        log.warning(
+            "request %s: %s answered the staging request without usable kv_transfer_params (is it a "
+            "NIXL prefill?); the prefill computes the prefix",
+            out.request_id,
+            holder,
+        )
         return None
     gw.metrics.peer_pull.labels("staged").inc()
     gw.metrics.peer_pull_stage.observe(elapsed)

@@ -85,8 +85,9 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: Cl
 
 
 # request headers the gateway reads (without tracing): everything else is passed over undecoded
-_READ_HEADERS = frozenset(name.encode() for name in (
-    "authorization", "content-length", "x-request-id", SLO_TTFT_HEADER, SLO_TBT_HEADER))
+_READ_HEADERS = frozenset(
+    name.encode() for name in ("authorization", "content-length", "x-request-id", SLO_TTFT_HEADER, SLO_TBT_HEADER)
+)
 
 
 class CompletionsEndpoint:
@@ -126,12 +127,25 @@ class CompletionsEndpoint:
             task.uncancel()
             self.gateway.metrics.cancelled.inc()
             self.gateway.metrics.requests.labels(self.path, "499").inc()
-            log_access(path=self.path, status=499, request_id=request_id, client_request_id=client_id,
-                       prefill=state.prefill, decode=state.decode)
+            log_access(
+                path=self.path,
+                status=499,
+                request_id=request_id,
+                client_request_id=client_id,
+                prefill=state.prefill,
+                decode=state.decode,
+            )
 
     async def _serve(
-        self, headers: dict[str, str], request_id: str, client_id: str, receive: Receive, send: Send,
-        state: ClientState, task: asyncio.Task[Any], on_disconnect: Callable[[Callable[[], None]], None] | None,
+        self,
+        headers: dict[str, str],
+        request_id: str,
+        client_id: str,
+        receive: Receive,
+        send: Send,
+        state: ClientState,
+        task: asyncio.Task[Any],
+        on_disconnect: Callable[[Callable[[], None]], None] | None,
     ) -> None:
         gw = self.gateway
         loop = asyncio.get_running_loop()
@@ -141,13 +155,14 @@ class CompletionsEndpoint:
         try:
             gw.authorize(headers.get("authorization"))
             length = headers.get("content-length")
-            raw = await read_body(receive, int(length) if length and length.isdigit() else None,
-                                  gw.settings.max_body_bytes)
+            raw = await read_body(receive, int(length) if length and length.isdigit() else None, gw.settings.max_body_bytes)
             if self.kind in PASS_THROUGH_KINDS:
                 body = parse_pass_through(raw, self.kind)
                 if gw.settings.disaggregated:
-                    raise BadRequest(f"{self.path} is served by mixed (non-disaggregated) workers only; "
-                                     "this gateway routes to prefill/decode pairs")
+                    raise BadRequest(
+                        f"{self.path} is served by mixed (non-disaggregated) workers only; "
+                        "this gateway routes to prefill/decode pairs"
+                    )
             else:
                 body = parse_request(raw, self.kind, vocab_size=vocab_size_of(gw.analyzer))  # type: ignore[arg-type]
             check_model(body["model"], gw.known_models())
@@ -159,15 +174,20 @@ class CompletionsEndpoint:
             slo = gw.slo_for(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TBT_HEADER))
             if self.kind in PASS_THROUGH_KINDS:  # no tokenizer path for these inputs: sized, not keyed
                 analysis = PromptAnalysis(prompt_tokens=estimate_input_tokens(body), exact=False)
-                max_tokens = 1 if self.kind == "embeddings" else int(
-                    body.get("max_output_tokens") or gw.settings.default_max_tokens)
+                max_tokens = (
+                    1 if self.kind == "embeddings" else int(body.get("max_output_tokens") or gw.settings.default_max_tokens)
+                )
             else:
                 with gw.tracing.child("conductor.analyse") if gw.tracing else contextlib.nullcontext() as span:
                     analysis = await gw.analyzer.analyse(self.kind, body)  # type: ignore[arg-type]
                     if span is not None:  # tokenize, block keys, index look-up
-                        span.set_attributes({"conductor.prompt_tokens": analysis.prompt_tokens,
-                                             "conductor.exact": analysis.exact,
-                                             "conductor.blocks": len(analysis.block_keys)})
+                        span.set_attributes(
+                            {
+                                "conductor.prompt_tokens": analysis.prompt_tokens,
+                                "conductor.exact": analysis.exact,
+                                "conductor.blocks": len(analysis.block_keys),
+                            }
+                        )
                 max_tokens = max_tokens_of(body, gw.settings.default_max_tokens)
             stream = bool(body.get("stream", False))
             if gw.inflight >= gw.settings.max_inflight_requests:
@@ -190,8 +210,15 @@ class CompletionsEndpoint:
         elapsed = loop.time() - arrived
         gw.metrics.requests.labels(self.path, str(status)).inc()
         gw.metrics.e2e.observe(elapsed)
-        log_access(path=self.path, status=status, duration_ms=round(elapsed * 1000, 2), request_id=request_id,
-                   client_request_id=client_id, prefill=state.prefill, decode=state.decode)
+        log_access(
+            path=self.path,
+            status=status,
+            duration_ms=round(elapsed * 1000, 2),
+            request_id=request_id,
+            client_request_id=client_id,
+            prefill=state.prefill,
+            decode=state.decode,
+        )
 
     async def _fail(self, exc: BaseException, send: Send, state: ClientState, client_id: str) -> int:
         status, payload, extra = render(exc)
@@ -221,12 +248,21 @@ class CompletionsEndpoint:
             gw.tracing.inject(headers)  # the workers' spans join this request's trace
         if gw.upstream_key:
             headers["Authorization"] = f"Bearer {gw.upstream_key}"
-        return Outgoing(path=self.path, body=body, headers=headers, request_id=request_id, stream=stream,
-                        client_request_id=client_id)
+        return Outgoing(
+            path=self.path, body=body, headers=headers, request_id=request_id, stream=stream, client_request_id=client_id
+        )
 
     async def _forward(
-        self, routed: Routed, out: Outgoing, slo: Slo, max_tokens: int, analysis: PromptAnalysis,
-        send: Send, state: ClientState, arrived: float, task: asyncio.Task[Any],
+        self,
+        routed: Routed,
+        out: Outgoing,
+        slo: Slo,
+        max_tokens: int,
+        analysis: PromptAnalysis,
+        send: Send,
+        state: ClientState,
+        arrived: float,
+        task: asyncio.Task[Any],
     ) -> int:
         """Attempts on the chosen instances, failing over while nothing reached the client, all
         within the request's deadline."""
@@ -249,11 +285,13 @@ class CompletionsEndpoint:
                     assert exc.instance is not None
                     failed.add(exc.instance)
                     gw.metrics.failovers.labels(exc.instance, reason).inc()
-                    log.info("request %s: %s on %s, deciding again (attempt %d)", out.request_id, reason,
-                             exc.instance, attempt + 1)
+                    log.info(
+                        "request %s: %s on %s, deciding again (attempt %d)", out.request_id, reason, exc.instance, attempt + 1
+                    )
                     try:
-                        routed = gw.decide(out.request_id, out.body["model"], max_tokens, out.stream, slo,
-                                           analysis, exclude=frozenset(failed))
+                        routed = gw.decide(
+                            out.request_id, out.body["model"], max_tokens, out.stream, slo, analysis, exclude=frozenset(failed)
+                        )
                     except NoHealthyInstance:
                         raise exc from None  # no other instance to try: the failure itself is the answer
             raise AssertionError("unreachable: the last attempt returns or raises")

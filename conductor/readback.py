@@ -88,8 +88,17 @@ def parse_decode_params(instance: str, params: Any, prompt_blocks: int, now_s: f
     blocks = min(prompt_blocks, len(ids))
     if blocks <= 0 or not 0 < p.remote_port < 65536 or any(i < 0 for i in ids[:blocks]):
         return None
-    return Handle(instance, array("q", ids[:blocks]), blocks, p.remote_engine_id, p.remote_request_id,
-                  p.remote_host, p.remote_port, p.tp_size, now_s)
+    return Handle(
+        instance,
+        array("q", ids[:blocks]),
+        blocks,
+        p.remote_engine_id,
+        p.remote_request_id,
+        p.remote_host,
+        p.remote_port,
+        p.tp_size,
+        now_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +113,14 @@ class Offer:
 class ReadbackTable:
     """Handles by the block key of the last full prompt block they cover (see module doc)."""
 
-    def __init__(self, *, ttl_s: float, max_handles: int = 100_000, max_block_ids: int = 4_000_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        ttl_s: float,
+        max_handles: int = 100_000,
+        max_block_ids: int = 4_000_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_handles = max_handles
         self.max_block_ids = max_block_ids

@@ -136,8 +136,9 @@ class Dispatch:
             gw.registry.report_result(self.decode.name, True)
 
 
-async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientState, output_tokens: int,
-                   *, may_pull: bool = True) -> Dispatch:
+async def dispatch(
+    gw: Gateway, routed: Routed, request_id: str, client: ClientState, output_tokens: int, *, may_pull: bool = True
+) -> Dispatch:
     """Check the chosen prefill can take it, then account its load (prefill work, a decode stream
     of `output_tokens` at most) and tell the analyzer; `Dispatch.end` undoes the accounting.
     `may_pull`: the exchange can carry the decision's pull (a batch's per-prompt legs cannot)."""
@@ -180,17 +181,16 @@ async def dispatch(gw: Gateway, routed: Routed, request_id: str, client: ClientS
         else:
             stage = (source, tokens)
             predicted = tokens
-    d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, predicted, pull,
-                 local_cached, stage, local)
+    d = Dispatch(
+        request_id, prefill, decode, decode.name if decode else prefill.name, predicted, pull, local_cached, stage, local
+    )
     gw.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted)
     gw.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
     await gw.analyzer.on_dispatch(analysis, decision)
     return d
 
 
-async def run_attempt(
-    gw: Gateway, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float
-) -> int:
+async def run_attempt(gw: Gateway, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float) -> int:
     """Serve `routed` on its instances; the HTTP status sent. Raises UpstreamError when a leg
     fails (before or after bytes reached the client: the caller looks at `client`)."""
     request_id = out.request_id
@@ -205,8 +205,12 @@ async def run_attempt(
                 staged = await stage_prefix(gw, d.stage[0], out, analysis, d.stage[1])
         except TimeoutError:
             gw.metrics.peer_pull.labels("stage_failed").inc()
-            log.warning("request %s: staging on %s took over %.1f s; the prefill computes the prefix", request_id,
-                        d.stage[0], gw.settings.pd_peer_pull_lease_s / 2)
+            log.warning(
+                "request %s: staging on %s took over %.1f s; the prefill computes the prefix",
+                request_id,
+                d.stage[0],
+                gw.settings.pd_peer_pull_lease_s / 2,
+            )
             staged = None
         if staged is None:
             predicted_cached = d.local_cached
@@ -232,8 +236,13 @@ async def run_attempt(
             # the request there, vLLM's default kv_load_failure_policy): not the prefill's fault, and
             # nothing was computed, so the same prefill computes the prefix itself instead
             (gw.metrics.peer_pull if d.stage is not None else gw.metrics.readback).labels("failed").inc()
-            log.warning("request %s: %s could not pull the prefix from %s (%s); computing it there instead",
-                        request_id, prefill.name, routed.decision.pull_from, exc)
+            log.warning(
+                "request %s: %s could not pull the prefix from %s (%s); computing it there instead",
+                request_id,
+                prefill.name,
+                routed.decision.pull_from,
+                exc,
+            )
             out = replace(out, pull=None)
             predicted_cached = d.local_cached
             try:
@@ -245,12 +254,18 @@ async def run_attempt(
             gw.registry.end_prefill(prefill.name, request_id)
             gw.registry.mark_decoding(decode_name, request_id)
             gw.metrics.prefill_leg.labels(prefill.name).observe(exchange.prefill_s)
-            gw.observe_prefill_leg(PrefillLeg(request_id, prefill.name, analysis.prompt_tokens,
-                                              exchange.prefill_cached_tokens, exchange.prefill_s))
+            gw.observe_prefill_leg(
+                PrefillLeg(request_id, prefill.name, analysis.prompt_tokens, exchange.prefill_cached_tokens, exchange.prefill_s)
+            )
         if exchange.reply is not None:
             reply = exchange.reply
-            await send({"type": "http.response.start", "status": reply.status, "headers": [
-                (b"content-type", reply.content_type.encode()), *id_headers(out)]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": reply.status,
+                    "headers": [(b"content-type", reply.content_type.encode()), *id_headers(out)],
+                }
+            )
             client.response_started = client.response_done = True
             await send({"type": "http.response.body", "body": reply.body})
             stats.first_token = loop.time()
@@ -270,8 +285,17 @@ async def run_attempt(
         else:
             assert exchange.stream is not None
             upstream = exchange.stream
-            await send({"type": "http.response.start", "status": upstream.status, "headers": [
-                (b"content-type", upstream.content_type.encode()), (b"cache-control", b"no-cache"), *id_headers(out)]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": upstream.status,
+                    "headers": [
+                        (b"content-type", upstream.content_type.encode()),
+                        (b"cache-control", b"no-cache"),
+                        *id_headers(out),
+                    ],
+                }
+            )
             client.response_started = True
             unaccounted = 0  # tokens relayed and not yet added to the stream's context in the registry
             async for chunk in upstream.chunks():
@@ -312,25 +336,27 @@ async def run_attempt(
         d.end(gw)
         if gw.tracing is not None:
             trace_legs(gw, exchange, started_ns, prefill.name, decode.name if decode else None, ok)
-        reported = exchange.prefill_cached_tokens if exchange and exchange.prefill_cached_tokens is not None \
-            else cached_reported
+        reported = exchange.prefill_cached_tokens if exchange and exchange.prefill_cached_tokens is not None else cached_reported
         output = stats.usage_completion_tokens if stats.usage_completion_tokens is not None else stats.tokens
-        gw.observe(routed, Observation(
-            request_id=request_id,
-            prefill=prefill.name,
-            decode=decode.name if decode else None,
-            prompt_tokens=analysis.prompt_tokens,
-            cached_tokens=reported,
-            predicted_cached_tokens=predicted_cached,
-            queue_and_prefill_s=exchange.prefill_s if exchange else None,
-            ttft_s=(stats.first_token - arrived) if (stats.first_token is not None and out.stream) else None,
-            token_intervals_s=tuple(stats.intervals),
-            output_tokens=output,
-            decode_batch=batch,
-            decode_resident_kv_tokens=resident,
-            ok=ok,
-            reported_prompt_tokens=stats.usage_prompt_tokens,  # the worker's count: tells a tokenizer mismatch
-        ))
+        gw.observe(
+            routed,
+            Observation(
+                request_id=request_id,
+                prefill=prefill.name,
+                decode=decode.name if decode else None,
+                prompt_tokens=analysis.prompt_tokens,
+                cached_tokens=reported,
+                predicted_cached_tokens=predicted_cached,
+                queue_and_prefill_s=exchange.prefill_s if exchange else None,
+                ttft_s=(stats.first_token - arrived) if (stats.first_token is not None and out.stream) else None,
+                token_intervals_s=tuple(stats.intervals),
+                output_tokens=output,
+                decode_batch=batch,
+                decode_resident_kv_tokens=resident,
+                ok=ok,
+                reported_prompt_tokens=stats.usage_prompt_tokens,  # the worker's count: tells a tokenizer mismatch
+            ),
+        )
 
 
 def pull_failed(out: Outgoing, exc: UpstreamError, prefill: str) -> bool:
@@ -375,8 +401,7 @@ async def settle_prefill(gw: Gateway, exchange: Exchange, prefill: str) -> None:
         gw.metrics.late_prefill_failures.labels(prefill).inc()
 
 
-def trace_legs(gw: Gateway, exchange: Exchange | None, started_ns: int, prefill: str, decode: str | None,
-               ok: bool) -> None:
+def trace_legs(gw: Gateway, exchange: Exchange | None, started_ns: int, prefill: str, decode: str | None, ok: bool) -> None:
     """The legs as spans, timed from what the exchange measured: sequential (nixl) prefill then
     decode; concurrent (mooncake, sglang) both from dispatch; mixed: one leg."""
     assert gw.tracing is not None
@@ -384,8 +409,12 @@ def trace_legs(gw: Gateway, exchange: Exchange | None, started_ns: int, prefill:
     prefill_s = exchange.prefill_s if exchange is not None else None
     prefill_end = started_ns + int(prefill_s * 1e9) if prefill_s is not None else end
     concurrent = gw.protocol.name in ("mooncake", "sglang")
-    gw.tracing.leg("conductor.prefill_leg" if decode else "conductor.leg", prefill, started_ns,
-                   prefill_end if decode else end, {"conductor.ok": ok, "conductor.prefill_s": prefill_s})
+    gw.tracing.leg(
+        "conductor.prefill_leg" if decode else "conductor.leg",
+        prefill,
+        started_ns,
+        prefill_end if decode else end,
+        {"conductor.ok": ok, "conductor.prefill_s": prefill_s},
+    )
     if decode is not None:
-        gw.tracing.leg("conductor.decode_leg", decode, started_ns if concurrent else prefill_end, end,
-                       {"conductor.ok": ok})
+        gw.tracing.leg("conductor.decode_leg", decode, started_ns if concurrent else prefill_end, end, {"conductor.ok": ok})

@@ -52,8 +52,7 @@ def _integral(value: Any) -> Any:
 # the bounds go before the validator, or pydantic writes them into the JSON schema as "ge"/"le"
 GenerationTokens = Annotated[int, Field(ge=1, le=MAX_GENERATION_TOKENS), BeforeValidator(_integral)]
 Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), BeforeValidator(_integral)]
-_TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1,
-                     "items": {"type": "integer", "minimum": 0, "exclusiveMaximum": MAX_TOKEN_ID}}
+_TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "exclusiveMaximum": MAX_TOKEN_ID}}
 
 
 def _list_of_ids(value: Any) -> Any:
@@ -79,8 +78,12 @@ Prompt = Annotated[
     Annotated[Text, Tag("string")]
     | Annotated[Annotated[list[Text], Field(min_length=1, fail_fast=True)], Tag("strings")]
     | Annotated[Any, PlainValidator(_list_of_ids), WithJsonSchema(_TOKEN_IDS_SCHEMA), Tag("ids")]
-    | Annotated[Any, PlainValidator(_list_of_ids),
-                WithJsonSchema({"type": "array", "minItems": 1, "items": _TOKEN_IDS_SCHEMA}), Tag("id-lists")],
+    | Annotated[
+        Any,
+        PlainValidator(_list_of_ids),
+        WithJsonSchema({"type": "array", "minItems": 1, "items": _TOKEN_IDS_SCHEMA}),
+        Tag("id-lists"),
+    ],
     Discriminator(_prompt_form),
 ]
 
@@ -172,7 +175,7 @@ _EXPECTED = {
     "model": "a non-empty string",
     "prompt": "a non-empty string, a list of strings, a list of token ids or a list of lists of token ids",
     "messages": "a non-empty list of objects with a string 'role' and a 'content' that is a string, "
-                "null or a list of content parts (a text part's 'text' is a string)",
+    "null or a list of content parts (a text part's 'text' is a string)",
     "max_tokens": f"an integer from 1 to {MAX_GENERATION_TOKENS}",
     "max_completion_tokens": f"an integer from 1 to {MAX_GENERATION_TOKENS}",
     "n": f"an integer from 1 to {MAX_CHOICES}",
@@ -211,7 +214,7 @@ def nesting_depth(raw: bytes, limit: int = MAX_DEPTH) -> int:
     data = np.frombuffer(raw, dtype=np.uint8)
     depth = deepest = in_string = 0
     for start in range(0, data.size, _CHUNK):
-        chunk = data[start:start + _CHUNK]
+        chunk = data[start : start + _CHUNK]
         # parity of the quotes so far: 1 from an opening quote up to its closing one
         inside = np.bitwise_xor.accumulate((chunk == _QUOTE).view(np.uint8)) ^ in_string
         in_string = int(inside[-1])

@@ -68,10 +68,16 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
     from conductor.app import create_app
 
     return uvicorn.Config(
-        create_app(gateway), host=settings.host, port=settings.port, log_level=settings.log_level,
+        create_app(gateway),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
         # uvicorn runs the sockets, lifespan and shutdown; each connection is the gateway's own
         # protocol (adapters/http1_server.py: one write per non-streamed answer, no watcher task)
-        access_log=False, loop="auto", http=HttpServerConnection, lifespan="on",
+        access_log=False,
+        loop="auto",
+        http=HttpServerConnection,
+        lifespan="on",
         # nothing reads the client's address, so uvicorn's X-Forwarded-For rewriting (a middleware
         # every request passes through) is left out
         proxy_headers=False,
@@ -102,8 +108,10 @@ def check_workers(settings: Settings) -> None:
     if n == 1:
         return
     if admin is None:
-        raise ConfigError("workers > 1 needs admin_port: worker i serves its own /metrics on admin_port + i "
-                          "(counters of several processes on one port cannot be scraped consistently)")
+        raise ConfigError(
+            "workers > 1 needs admin_port: worker i serves its own /metrics on admin_port + i "
+            "(counters of several processes on one port cannot be scraped consistently)"
+        )
     if admin <= settings.port < admin + n:
         raise ConfigError(f"port {settings.port} collides with the workers' admin ports {admin}..{admin + n - 1}")
 
@@ -158,8 +166,15 @@ def run_worker(settings: Settings, slot: int, workers: int, segment: str, lesson
     lessons = UnixLessonShare(lessons_dir, slot, workers) if settings.share_lessons else None
     gateway = Gateway(settings, load_share=share, lesson_share=lessons)
     sock = listening_socket(settings.host, settings.port)
-    log.info("worker %d of %d (pid %d) on %s:%d, admin port %s", slot, workers, os.getpid(),
-             settings.host, settings.port, settings.admin_port)
+    log.info(
+        "worker %d of %d (pid %d) on %s:%d, admin port %s",
+        slot,
+        workers,
+        os.getpid(),
+        settings.host,
+        settings.port,
+        settings.admin_port,
+    )
     run(uvicorn_config(settings, gateway), gateway, sockets=[sock])
 
 
@@ -177,8 +192,9 @@ class Supervisor:
         self._lessons_dir = ""  # the workers' lesson sockets (mode 0700), made in run()
 
     def _start(self, slot: int, segment: str) -> None:
-        proc = self._ctx.Process(target=run_worker, args=(self.settings, slot, self.n, segment, self._lessons_dir),
-                                 name=f"conductor-worker-{slot}")
+        proc = self._ctx.Process(
+            target=run_worker, args=(self.settings, slot, self.n, segment, self._lessons_dir), name=f"conductor-worker-{slot}"
+        )
         proc.start()
         self._procs[slot], self._started_at[slot] = proc, time.monotonic()
 
@@ -197,8 +213,13 @@ class Supervisor:
         try:
             for slot in range(self.n):
                 self._start(slot, shm.name)
-            log.info("%d workers on %s:%d (pids %s)", self.n, self.settings.host, self.settings.port,
-                     [p.pid for p in self._procs if p is not None])
+            log.info(
+                "%d workers on %s:%d (pids %s)",
+                self.n,
+                self.settings.host,
+                self.settings.port,
+                [p.pid for p in self._procs if p is not None],
+            )
             while not self._stopping:
                 sentinels = {p.sentinel: slot for slot, p in enumerate(self._procs) if p is not None}
                 for ready in wait(list(sentinels), timeout=0.5):
@@ -231,8 +252,7 @@ class Supervisor:
         now = time.monotonic()
         lived = now - self._started_at[slot]
         if not started and lived < STARTUP_S:
-            log.error("worker %d exited with %s %.1fs after it started: it cannot start; stopping", slot,
-                      exitcode, lived)
+            log.error("worker %d exited with %s %.1fs after it started: it cannot start; stopping", slot, exitcode, lived)
             return 1
         self._deaths.append(now)
         while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:

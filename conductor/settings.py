@@ -97,8 +97,11 @@ class DiscoverySettings(_Model):
     nameserver_port: int = Field(default=53, gt=0, lt=65536)
 
     def sources(self) -> dict[Role, DnsSource]:
-        return {role: src for role, src in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode),
-                                            (Role.MIXED, self.mixed)) if src is not None}
+        return {
+            role: src
+            for role, src in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode), (Role.MIXED, self.mixed))
+            if src is not None
+        }
 
 
 class SloSettings(_Model):
@@ -254,8 +257,10 @@ class Settings(_Model):
         if "block_size" in self.kv.model_fields_set and self.kv.block_size != self.block_size:
             raise ValueError(f"kv.block_size {self.kv.block_size} differs from block_size {self.block_size}: set block_size only")
         if self.pd_peer_pull == "on" and not (self.pd_protocol == "nixl" and self.kv.enabled and self.decode):
-            raise ValueError("pd_peer_pull 'on' needs --pd-protocol nixl, decode instances and kv.enabled "
-                             "(the staging request names the prefix by the gateway's token ids)")
+            raise ValueError(
+                "pd_peer_pull 'on' needs --pd-protocol nixl, decode instances and kv.enabled "
+                "(the staging request names the prefix by the gateway's token ids)"
+            )
         if self.pd_protocol in ("mooncake", "sglang"):
             missing = [p.url for p in self.prefill if p.bootstrap_port is None]
             if missing:
@@ -320,9 +325,7 @@ def _with_roles(data: dict[str, Any]) -> dict[str, Any]:
     for role in ("prefill", "decode", "mixed"):
         if role in data and data[role] is not None:
             items = data[role] if isinstance(data[role], list | tuple) else [data[role]]
-            data[role] = [
-                {"url": it, "role": role} if isinstance(it, str) else {"role": role, **it} for it in items
-            ]
+            data[role] = [{"url": it, "role": role} if isinstance(it, str) else {"role": role, **it} for it in items]
     return data
 
 
@@ -377,7 +380,5 @@ def load_settings(
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from exc

@@ -33,8 +33,7 @@ class _Source(EnvSettingsSource):
         return {k.lower(): v for k, v in self._environ.items()}
 
 
-def env_values(model: type[BaseModel], environ: Mapping[str, str], prefix: str,
-               no_decode: Iterable[str] = ()) -> dict[str, Any]:
+def env_values(model: type[BaseModel], environ: Mapping[str, str], prefix: str, no_decode: Iterable[str] = ()) -> dict[str, Any]:
     """The values the environment gives for `model`'s fields, decoded as its types say (still to be
     validated by the model). Raises ValueError naming the variable when a value cannot be decoded."""
     raw = set(no_decode)

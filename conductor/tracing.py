@@ -48,8 +48,9 @@ class Tracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
-        provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
-                                  sampler=ParentBasedTraceIdRatio(sample_ratio))
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}), sampler=ParentBasedTraceIdRatio(sample_ratio)
+        )
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         return cls(provider)
 
@@ -63,7 +64,9 @@ class Tracing:
         """The request's span, a child of the client's `traceparent` if it sent one."""
         parent = self.propagator.extract(carrier=dict(headers))
         with self.tracer.start_as_current_span(
-            "conductor.request", context=parent, kind=self._server,
+            "conductor.request",
+            context=parent,
+            kind=self._server,
             attributes={"http.route": path, "conductor.request_id": request_id},
         ) as span:
             yield span
@@ -79,8 +82,9 @@ class Tracing:
 
     def leg(self, name: str, instance: str, start_ns: int, end_ns: int, attrs: Attrs | None = None) -> None:
         """A leg measured after the fact (the P/D exchange runs both legs inside one call)."""
-        span = self.tracer.start_span(name, kind=self._client, start_time=start_ns,
-                                      attributes=_clean({"conductor.instance": instance, **(attrs or {})}))
+        span = self.tracer.start_span(
+            name, kind=self._client, start_time=start_ns, attributes=_clean({"conductor.instance": instance, **(attrs or {})})
+        )
         span.end(end_time=max(end_ns, start_ns))
 
 

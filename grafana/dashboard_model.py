@@ -87,8 +87,16 @@ class _Layout:
 
     def row(self, title: str) -> None:
         self.newline()
-        self.out.append({"type": "row", "title": title, "id": self.new_id(), "collapsed": False,
-                         "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []})
+        self.out.append(
+            {
+                "type": "row",
+                "title": title,
+                "id": self.new_id(),
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
+                "panels": [],
+            }
+        )
         self.y += 1
 
     def newline(self) -> None:
@@ -108,8 +116,13 @@ class _Layout:
 def _panel_json(p: Panel, panel_id: int) -> dict[str, Any]:
     targets = []
     for n, t in enumerate(p.targets):
-        target: dict[str, Any] = {"refId": chr(ord("A") + n), "datasource": DATASOURCE, "expr": t.expr,
-                                  "legendFormat": t.legend or "__auto", "range": True}
+        target: dict[str, Any] = {
+            "refId": chr(ord("A") + n),
+            "datasource": DATASOURCE,
+            "expr": t.expr,
+            "legendFormat": t.legend or "__auto",
+            "range": True,
+        }
         if t.heatmap:
             target["format"] = "heatmap"
         targets.append(target)
@@ -117,35 +130,81 @@ def _panel_json(p: Panel, panel_id: int) -> dict[str, Any]:
     if p.mappings:
         defaults["mappings"] = list(p.mappings)
     if p.kind == "timeseries":
-        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if not p.stack else 40,
-                              "showPoints": "never", "spanNulls": True,
-                              "stacking": {"mode": "normal" if p.stack else "none", "group": "A"}}
+        defaults["custom"] = {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10 if not p.stack else 40,
+            "showPoints": "never",
+            "spanNulls": True,
+            "stacking": {"mode": "normal" if p.stack else "none", "group": "A"},
+        }
     options: dict[str, Any]
     if p.kind == "timeseries":
-        options = {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
-                   "tooltip": {"mode": "multi", "sort": "desc"}}
+        options = {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
     elif p.kind == "heatmap":
-        options = {"calculate": False, "yAxis": {"unit": p.unit}, "cellGap": 1,
-                   "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
-                   "tooltip": {"mode": "single", "yHistogram": True}}
+        options = {
+            "calculate": False,
+            "yAxis": {"unit": p.unit},
+            "cellGap": 1,
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+            "tooltip": {"mode": "single", "yHistogram": True},
+        }
     else:
-        options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                   "colorMode": "background", "graphMode": "none", "textMode": "value_and_name"}
-    return {"type": p.kind, "title": p.title, "description": p.description, "id": panel_id,
-            "datasource": DATASOURCE, "targets": targets,
-            "fieldConfig": {"defaults": defaults, "overrides": []}, "options": options}
+        options = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "background",
+            "graphMode": "none",
+            "textMode": "value_and_name",
+        }
+    return {
+        "type": p.kind,
+        "title": p.title,
+        "description": p.description,
+        "id": panel_id,
+        "datasource": DATASOURCE,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": options,
+    }
 
 
 def _templating() -> dict[str, Any]:
     namespace_query = "label_values(conductor_instance_healthy, namespace)"  # present from the first scrape
-    return {"list": [
-        {"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource", "query": "prometheus",
-         "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
-        {"name": "namespace", "label": "Namespace", "type": "query", "datasource": DATASOURCE,
-         "query": {"query": namespace_query, "refId": "namespace"}, "definition": namespace_query,
-         "includeAll": True, "allValue": ".*", "multi": False, "refresh": 2, "sort": 1,
-         "current": {}, "hide": 0, "options": [], "regex": ""},
-    ]}
+    return {
+        "list": [
+            {
+                "name": "DS_PROMETHEUS",
+                "label": "Prometheus",
+                "type": "datasource",
+                "query": "prometheus",
+                "current": {},
+                "hide": 0,
+                "refresh": 1,
+                "regex": "",
+                "options": [],
+            },
+            {
+                "name": "namespace",
+                "label": "Namespace",
+                "type": "query",
+                "datasource": DATASOURCE,
+                "query": {"query": namespace_query, "refId": "namespace"},
+                "definition": namespace_query,
+                "includeAll": True,
+                "allValue": ".*",
+                "multi": False,
+                "refresh": 2,
+                "sort": 1,
+                "current": {},
+                "hide": 0,
+                "options": [],
+                "regex": "",
+            },
+        ]
+    }
 
 
 def dashboard(uid: str, title: str, description: str, rows: tuple[Row, ...]) -> dict[str, Any]:
@@ -156,11 +215,32 @@ def dashboard(uid: str, title: str, description: str, rows: tuple[Row, ...]) -> 
         for p in row.panels:
             layout.place(_panel_json(p, layout.new_id()), p.width, p.height)
     return {
-        "uid": uid, "title": title, "description": description, "tags": ["conductor", "llm", "vllm"],
-        "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1, "refresh": "30s",
-        "time": {"from": "now-1h", "to": "now"}, "timepicker": {}, "timezone": "browser",
-        "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                                  "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
-                                  "name": "Annotations & Alerts", "type": "dashboard"}]},
-        "templating": _templating(), "panels": layout.out, "links": [],
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["conductor", "llm", "vllm"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "templating": _templating(),
+        "panels": layout.out,
+        "links": [],
     }

@@ -111,10 +111,17 @@ def decided(
     unlisted: int = 0,
 ) -> Decision:
     if rejection is not None:
-        return Decision(request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates,
-                        unlisted_candidates=unlisted)
-    return Decision(request_id=request.request_id, policy=policy, prefill=prefill, decode=decode, candidates=candidates,
-                    unlisted_candidates=unlisted)
+        return Decision(
+            request_id=request.request_id, policy=policy, rejection=rejection, candidates=candidates, unlisted_candidates=unlisted
+        )
+    return Decision(
+        request_id=request.request_id,
+        policy=policy,
+        prefill=prefill,
+        decode=decode,
+        candidates=candidates,
+        unlisted_candidates=unlisted,
+    )
 
 
 def check_listed(listed_candidates: int | None) -> int | None:
@@ -134,7 +141,7 @@ def mixed_choice(ttfts: Sequence[float], tbt_bound: Callable[[int], float], slo_
     order = sorted(range(len(ttfts)), key=ttfts.__getitem__)  # stable: equals in pool order
     pick = order[0] if slo_s is None else next((i for i in order if tbt_bound(i) <= slo_s), order[0])
     ttft, bound = ttfts[pick], tbt_bound(pick)
-    for i in order[order.index(pick) + 1:]:
+    for i in order[order.index(pick) + 1 :]:
         if ttfts[i] != ttft:
             break
         other = tbt_bound(i)
@@ -157,8 +164,9 @@ def mixed_least_stall(
     those; given `fits`, only workers where `fits(i)` holds. None when no worker fits (the caller
     falls back on mixed_choice). The candidates are tried best first, so the TBT bound and `fits`,
     which walk a worker's streams, are asked of as few workers as it takes."""
-    order = sorted((i for i in range(len(ttfts)) if ttfts[i] <= ttft_limit_s),
-                   key=lambda i: (stalled_s[i], ttfts[i]))  # stable: pool order among equals
+    order = sorted(
+        (i for i in range(len(ttfts)) if ttfts[i] <= ttft_limit_s), key=lambda i: (stalled_s[i], ttfts[i])
+    )  # stable: pool order among equals
     for i in order:
         if (slo_s is None or tbt_bound(i) <= slo_s) and (fits is None or fits(i)):
             return i

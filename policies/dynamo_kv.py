@@ -100,9 +100,8 @@ class DynamoKvPolicy(BasePolicy):
         if disaggregated:
             d_i = self.pick(d_costs, request, 1)
             d, listed_d = decode[d_i].id, listed_indices(d_costs, keep, d_i)
-        candidates = tuple(CandidateScore(prefill[k].id, prefill[k].role, p_costs[k])
-                           for k in listed_indices(p_costs, keep, p_i)) + tuple(
-            CandidateScore(decode[k].id, decode[k].role, d_costs[k]) for k in listed_d
-        )
+        candidates = tuple(
+            CandidateScore(prefill[k].id, prefill[k].role, p_costs[k]) for k in listed_indices(p_costs, keep, p_i)
+        ) + tuple(CandidateScore(decode[k].id, decode[k].role, d_costs[k]) for k in listed_d)
         unlisted = len(prefill) + len(decode) - len(candidates)
         return decided(request, self.name, p, d, candidates, self._guard.check(request, cluster, p, d), unlisted)

@@ -159,12 +159,19 @@ def staging_waits(pred: Predictors, request: RequestView, prefills: Sequence[Ins
     request, i.e. its prefill queue now (only the prefill running there when staging requests jump
     the queue) plus computing the one token the staging request adds."""
     queued, head = request.queued_pull_sources, request.staging_jumps_queue
-    return {inst.id: pred.queue_s(inst.prefill_queue[:1] if head else inst.prefill_queue)
-            + pred.prefill_s(1, request.prompt_tokens) for inst in prefills if inst.id in queued}
+    return {
+        inst.id: pred.queue_s(inst.prefill_queue[:1] if head else inst.prefill_queue) + pred.prefill_s(1, request.prompt_tokens)
+        for inst in prefills
+        if inst.id in queued
+    }
 
 
 def prefix_plan(
-    pred: Predictors, n: int, local: int, sources: Sequence[tuple[int, str, str]], own_id: str | None,
+    pred: Predictors,
+    n: int,
+    local: int,
+    sources: Sequence[tuple[int, str, str]],
+    own_id: str | None,
     waits: Mapping[str, float] | None = None,
 ) -> tuple[float, float, int, int, str | None]:
     """(transfer_s, prefill_s, prefix reused, tokens pulled, source) of the cheapest way to prefill

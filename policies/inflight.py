@@ -81,7 +81,7 @@ class InflightPrefixes:
         self._keys += filed
         by_key = self._by_key
         # every key when a block is a stride or more (the traces' 512-token blocks): one C-level update
-        by_key.update(dict.fromkeys(block_keys if stride == 1 else block_keys[stride - 1::stride], number))
+        by_key.update(dict.fromkeys(block_keys if stride == 1 else block_keys[stride - 1 :: stride], number))
         if len(block_keys) % stride:
             by_key[block_keys[-1]] = number
         while self._keys > self.max_keys:
@@ -98,7 +98,7 @@ class InflightPrefixes:
         by_key = self._by_key
         get = by_key.get
         # stride 1 files every key, the last among them: no slice and no tuple to build
-        for key in block_keys if stride == 1 else (*block_keys[stride - 1::stride], block_keys[-1]):
+        for key in block_keys if stride == 1 else (*block_keys[stride - 1 :: stride], block_keys[-1]):
             if get(key) == number:
                 del by_key[key]
 

@@ -205,8 +205,13 @@ class KvCacheAwarePolicy(BasePolicy):
         self.tbt_quantile = tbt_quantile
         self.forecast_joins = forecast_joins
         if predictors is None:
-            cfg = OnlineConfig(enabled=online, window=window, refit_every=refit_every,
-                               ttft_bound_shift_s=ttft_bound_shift_s, track_errors=track_errors)
+            cfg = OnlineConfig(
+                enabled=online,
+                window=window,
+                refit_every=refit_every,
+                ttft_bound_shift_s=ttft_bound_shift_s,
+                track_errors=track_errors,
+            )
             fitted = Predictors.from_file(predictor_params, cfg) if predictor_params else None
             predictors = fitted or Predictors.from_bundled_profile(cfg)
         self.predictors = predictors
@@ -220,8 +225,11 @@ class KvCacheAwarePolicy(BasePolicy):
             raise ValueError(f"ttft_slack must be in (0, 1] or None, not {ttft_slack!r}")
         self.ttft_slack = ttft_slack
         self.inflight = InflightPrefixes(max_inflight_keys) if inflight_prefixes else None
-        self.local = (LocalPrefill(local_prefill_tokens, max_duty=local_prefill_duty, gain=local_prefill_gain)
-                      if local_prefill_tokens else None)
+        self.local = (
+            LocalPrefill(local_prefill_tokens, max_duty=local_prefill_duty, gain=local_prefill_gain)
+            if local_prefill_tokens
+            else None
+        )
         self.mixed_tbt_quantile = mixed_tbt_quantile
         if mixed_ttft_slack is not None and not 0.0 < mixed_ttft_slack <= 1.0:
             raise ValueError(f"mixed_ttft_slack must be in (0, 1] or None, not {mixed_ttft_slack!r}")
@@ -253,15 +261,21 @@ class KvCacheAwarePolicy(BasePolicy):
         if disaggregated and not decodes:
             return no_instance(request, self.name, Role.DECODE)
         sources = []
-        if self.pull_links and only_p is None and (request.cached or request.store_cached_tokens
-                                                       or request.pull_sources):
+        if self.pull_links and only_p is None and (request.cached or request.store_cached_tokens or request.pull_sources):
             sources = [s for s in remote_sources(request) if s[2] in self.pull_links]
         # every instance is weighed (the same predictions, bit for bit, as estimating each in full);
         # full estimates are built only for the few a decision lists (see listed_indices). A prefix
         # in flight counts as its instance's own, not as a source: nothing can pull it yet
         waits = staging_waits(pred, request, prefills) if sources and request.queued_pull_sources else None
-        weighed = PoolPrefillEstimates(pred, with_inflight(self.inflight, request), prefills, sources,
-                                       allow_pull=bool(sources), disaggregated=disaggregated, waits=waits)
+        weighed = PoolPrefillEstimates(
+            pred,
+            with_inflight(self.inflight, request),
+            prefills,
+            sources,
+            allow_pull=bool(sources),
+            disaggregated=disaggregated,
+            waits=waits,
+        )
         ttfts, keep = weighed.ttfts, self.listed_candidates
         predicted = self.admission is AdmissionMode.PREDICTED
         # the TBT bound admission judges is the prediction times this ratio (mixed workers: their own quantile)
@@ -275,8 +289,9 @@ class KvCacheAwarePolicy(BasePolicy):
             # not depend on the prefill chosen, so it comes first: the slack needs its TBT
             tbts, batches, kvs = decode_loads_now(pred, request, decodes)
             chosen_d = _lowest_load(tbts, batches)
-            d_listed = {i: DecodeEstimate(decodes[i], tbts[i], batches[i], kvs[i], 0.0)
-                        for i in listed_indices(tbts, keep, chosen_d)}
+            d_listed = {
+                i: DecodeEstimate(decodes[i], tbts[i], batches[i], kvs[i], 0.0) for i in listed_indices(tbts, keep, chosen_d)
+            }
             chosen_decode: DecodeEstimate | None = d_listed[chosen_d]
             d_ests = list(d_listed.values())
             # the first of the best by placement_rank (policies.inflight), as min() of estimates
@@ -310,6 +325,7 @@ class KvCacheAwarePolicy(BasePolicy):
             slo_tbt = request.slo.tbt_s
             protect = None
             if self.mixed_protect_streams and slo_tbt is not None and self.admission is not AdmissionMode.NONE:
+
                 def protect(i: int) -> bool:  # its streams absorb the request's prefill (stall_fits)
                     return stall_fits(prefills[i], works[i], slo_tbt - bound(i))
 
@@ -363,8 +379,7 @@ class KvCacheAwarePolicy(BasePolicy):
             pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound, tbt_bound_s=tbt_bound
         )
         if rejection is None and unabsorbed_s is not None:
-            rejection = stall_rejection(request, best.instance, unabsorbed_s,
-                                        chosen_decode.tbt_s if chosen_decode else 0.0)
+            rejection = stall_rejection(request, best.instance, unabsorbed_s, chosen_decode.tbt_s if chosen_decode else 0.0)
         if disaggregated:
             p_candidates = tuple(prefill_candidate(e) for e in ests)
         else:  # the decision log shows what the mixed placement ranked by
@@ -372,10 +387,14 @@ class KvCacheAwarePolicy(BasePolicy):
         candidates = p_candidates + tuple(decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests)
         if self.local is not None and disaggregated and only_p is None:
             plan = self.local.plan(pred, request, decodes, tbts, cluster.now)
-            if plan is not None and self.local.worth_it(plan, ttft, rejection is not None, best.cached_tokens,
-                                                                 request.prompt_tokens) and (
+            if (
+                plan is not None
+                and self.local.worth_it(plan, ttft, rejection is not None, best.cached_tokens, request.prompt_tokens)
+                and (
                     # a margin, not the calibrated bound: that is learned from disaggregated legs
-                    request.slo.ttft_s is None or plan.ttft_s <= request.slo.ttft_s * 0.9):
+                    request.slo.ttft_s is None or plan.ttft_s <= request.slo.ttft_s * 0.9
+                )
+            ):
                 return local_decision(plan, request, self.name, candidates, unlisted)
         if rejection is not None and self.probe_after is not None and self._rejected_in_a_row >= self.probe_after:
             rejection = None  # a probe: let one through so the predictors see what really happens

@@ -100,5 +100,4 @@ class LlmdPolicy(BasePolicy):
             d_id = d.id
         candidates = tuple(p_cands) + tuple(d_cands)
         unlisted = len(prefill) + len(decode) - len(candidates)
-        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id),
-                       unlisted)
+        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id), unlisted)

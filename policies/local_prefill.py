@@ -55,8 +55,9 @@ class LocalPlan:
 
 
 class LocalPrefill:
-    def __init__(self, max_tokens: int, *, max_duty: float = 0.15, window_s: float = 30.0, gain: float = 0.8,
-                 max_entries: int = 4096) -> None:
+    def __init__(
+        self, max_tokens: int, *, max_duty: float = 0.15, window_s: float = 30.0, gain: float = 0.8, max_entries: int = 4096
+    ) -> None:
         if max_tokens < 1:
             raise ValueError(f"local_prefill_tokens must be at least 1 (0 turns local prefills off), not {max_tokens}")
         if not 0.0 < max_duty < 1.0:
@@ -81,8 +82,9 @@ class LocalPrefill:
             return 0.0
         return sum(s for _, s in sent)
 
-    def plan(self, pred: Predictors, request: RequestView, decodes: Sequence[InstanceView], tbts: Sequence[float],
-             now: float) -> LocalPlan | None:
+    def plan(
+        self, pred: Predictors, request: RequestView, decodes: Sequence[InstanceView], tbts: Sequence[float], now: float
+    ) -> LocalPlan | None:
         """The decode with the lowest predicted TTFT for a local prefill of `request`, or None.
         `tbts[i]`: the predicted TBT of `decodes[i]` once the request joins (its load now)."""
         new = request.prompt_tokens
@@ -104,8 +106,14 @@ class LocalPrefill:
                 best = LocalPlan(d, queue_s, prefill_s, ttft, stretched, duty)
         return best
 
-    def worth_it(self, plan: LocalPlan, disaggregated_ttft_s: float, disaggregated_rejected: bool,
-                 disaggregated_cached: int, prompt_tokens: int) -> bool:
+    def worth_it(
+        self,
+        plan: LocalPlan,
+        disaggregated_ttft_s: float,
+        disaggregated_rejected: bool,
+        disaggregated_cached: int,
+        prompt_tokens: int,
+    ) -> bool:
         """Take the local prefill: the disaggregated placement is rejected, or slower by 1/gain; never
         where that placement reuses half the prompt or more (computing it all on the decode would
         cost more than the prefill pool saves, and the prefix's holder is where it belongs)."""
@@ -122,17 +130,37 @@ class LocalPrefill:
             sent.popleft()
 
 
-def local_decision(plan: LocalPlan, request: RequestView, policy: str, weighed: tuple[CandidateScore, ...],
-                   unlisted: int) -> Decision:
+def local_decision(
+    plan: LocalPlan, request: RequestView, policy: str, weighed: tuple[CandidateScore, ...], unlisted: int
+) -> Decision:
     """The decision for a local prefill: `prefill` and `decode` both name the decode instance; the
     local candidate comes first, then what the disaggregated placement weighed (for the log)."""
     d = plan.decode
-    local = CandidateScore(d.id, d.role, plan.ttft_s, plan.ttft_s, plan.tbt_s, {
-        "queue_s": plan.queue_s, "transfer_s": 0.0, "prefill_s": plan.prefill_s, "cached_tokens": 0.0,
-        "handoff_s": 0.0, "local_prefill_duty": plan.duty})
-    return Decision(request_id=request.request_id, policy=policy, prefill=d.id, decode=d.id,
-                    predicted_ttft_s=plan.ttft_s, predicted_tbt_s=plan.tbt_s, candidates=(local, *weighed),
-                    unlisted_candidates=unlisted)
+    local = CandidateScore(
+        d.id,
+        d.role,
+        plan.ttft_s,
+        plan.ttft_s,
+        plan.tbt_s,
+        {
+            "queue_s": plan.queue_s,
+            "transfer_s": 0.0,
+            "prefill_s": plan.prefill_s,
+            "cached_tokens": 0.0,
+            "handoff_s": 0.0,
+            "local_prefill_duty": plan.duty,
+        },
+    )
+    return Decision(
+        request_id=request.request_id,
+        policy=policy,
+        prefill=d.id,
+        decode=d.id,
+        predicted_ttft_s=plan.ttft_s,
+        predicted_tbt_s=plan.tbt_s,
+        candidates=(local, *weighed),
+        unlisted_candidates=unlisted,
+    )
 
 
 def local_prefill_s(decision: Decision) -> float:

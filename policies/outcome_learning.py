@@ -119,7 +119,9 @@ class OutcomeLearner:
                 pred.bound("ttft", ttft, 0.9),
                 pred.bound("queue_and_prefill", leg, 0.9),
                 pred.bound("tbt_at_decision", tbt, 0.9) if tbt is not None else 0.0,
-            ) if pred.tracks_errors else _NO_BOUNDS,
+            )
+            if pred.tracks_errors
+            else _NO_BOUNDS,
             judged_tbt_s=judged_tbt,
             generation=pred.generation,
         )

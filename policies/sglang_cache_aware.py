@@ -92,8 +92,15 @@ class SglangCacheAwarePolicy(BasePolicy):
             )
             for k in listed_indices(loads, self.listed_candidates, chosen_i)
         )
-        return decided(request, self.name, chosen.id, d, candidates, self._guard.check(request, cluster, chosen.id, d),
-                       len(prefill) - len(candidates))
+        return decided(
+            request,
+            self.name,
+            chosen.id,
+            d,
+            candidates,
+            self._guard.check(request, cluster, chosen.id, d),
+            len(prefill) - len(candidates),
+        )
 
     def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
         """The one state it keeps: each worker's approximate radix-tree size (tokens routed there

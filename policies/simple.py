@@ -44,8 +44,9 @@ def decode_load(inst: InstanceView) -> tuple[int, int]:
 class LeastLoadedPolicy(BasePolicy):
     name = "least_loaded"
 
-    def __init__(self, admission: str = "none", predictor_params: str | None = None,
-                 listed_candidates: int | None = None) -> None:
+    def __init__(
+        self, admission: str = "none", predictor_params: str | None = None, listed_candidates: int | None = None
+    ) -> None:
         """`listed_candidates`: how many instances of each pool a decision lists in `candidates`
         (policies.base.check_listed; None: every one)."""
         self.listed_candidates = check_listed(listed_candidates)
@@ -61,15 +62,16 @@ class LeastLoadedPolicy(BasePolicy):
         p_i = min(range(len(prefill)), key=p_loads.__getitem__)  # the first of equals, as min(prefill, ...)
         p = prefill[p_i]
         p_scores = [float(load[0]) for load in p_loads]
-        candidates = tuple(CandidateScore(prefill[k].id, prefill[k].role, p_scores[k])
-                           for k in listed_indices(p_scores, keep, p_i))
+        candidates = tuple(
+            CandidateScore(prefill[k].id, prefill[k].role, p_scores[k]) for k in listed_indices(p_scores, keep, p_i)
+        )
         d_id = None
         if disaggregated:
             d_i = min(range(len(decode)), key=lambda k: decode_load(decode[k]))
             d_id = decode[d_i].id
             d_scores = [float(len(i.decodes)) for i in decode]
-            candidates += tuple(CandidateScore(decode[k].id, decode[k].role, d_scores[k])
-                                for k in listed_indices(d_scores, keep, d_i))
+            candidates += tuple(
+                CandidateScore(decode[k].id, decode[k].role, d_scores[k]) for k in listed_indices(d_scores, keep, d_i)
+            )
         unlisted = len(prefill) + len(decode) - len(candidates)
-        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id),
-                       unlisted)
+        return decided(request, self.name, p.id, d_id, candidates, self._guard.check(request, cluster, p.id, d_id), unlisted)

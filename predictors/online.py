@@ -405,8 +405,7 @@ class Predictors:
             return True
         return False
 
-    def _adapt_interval(self, win: _Samples, x: np.ndarray, y: np.ndarray, current: LinearModel,
-                        fitted: LinearModel) -> None:
+    def _adapt_interval(self, win: _Samples, x: np.ndarray, y: np.ndarray, current: LinearModel, fitted: LinearModel) -> None:
         """Back a window's refits off while they change nothing; back to refit_every on a change.
 
         The move is the largest relative change of the model's prediction over the window's own

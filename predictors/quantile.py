@@ -108,8 +108,9 @@ class RatioWindows:
     """RatioWindow per named quantity ("ttft", "queue_and_prefill", "tbt_at_decision"); `shifts`
     names the quantities whose windows are shifted, and by how much (seconds)."""
 
-    def __init__(self, window: int = 256, min_samples: int = 20, max_keys: int = 16,
-                 shifts: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self, window: int = 256, min_samples: int = 20, max_keys: int = 16, shifts: Mapping[str, float] | None = None
+    ) -> None:
         self._window = window
         self._shifts = dict(shifts or {})
         self._min = min_samples

@@ -33,13 +33,30 @@ ALLOWED: dict[str, frozenset[str]] = {
     "core": frozenset({"core"}),
 }
 # live replay drives a running gateway over HTTP: it may use the adapters' upstream client, nothing else
-EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
-    {("traces.live", "adapters.http1"), ("traces.live_client", "adapters.http1")}
-)
+EXCEPTIONS: frozenset[tuple[str, str]] = frozenset({("traces.live", "adapters.http1"), ("traces.live_client", "adapters.http1")})
 PURE_LAYERS = frozenset({"core", "policies", "predictors"})
 IO_LIBRARIES = frozenset(
-    {"asyncio", "socket", "selectors", "ssl", "subprocess", "httpx", "aiohttp", "httptools", "h11", "redis", "zmq",
-     "fastapi", "starlette", "uvicorn", "requests", "urllib", "http", "uvloop", "msgspec"}
+    {
+        "asyncio",
+        "socket",
+        "selectors",
+        "ssl",
+        "subprocess",
+        "httpx",
+        "aiohttp",
+        "httptools",
+        "h11",
+        "redis",
+        "zmq",
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "requests",
+        "urllib",
+        "http",
+        "uvloop",
+        "msgspec",
+    }
 )
 
 

@@ -138,14 +138,18 @@ def generate(workload: AgentWorkload = AgentWorkload()) -> list[AgentRecord]:
         t = float(start)
         for step in range(steps):
             last = step == steps - 1
-            out = (int(rng.integers(*w.answer_tokens)) if last else
-                   _lognormal_int(rng, w.call_tokens_median, 0.6, 16, 1500))
+            out = int(rng.integers(*w.answer_tokens)) if last else _lognormal_int(rng, w.call_tokens_median, 0.6, 16, 1500)
             length = sum(n for _, n in prompt)
             if length + out > w.max_prompt_tokens:
                 break
-            calls = ([prompt] if last or rng.random() >= w.fanout_probability else
-                     [[*prompt, fresh(int(rng.integers(*w.fanout_suffix_tokens)))]
-                      for _ in range(int(rng.integers(w.fanout[0], w.fanout[1] + 1)))])
+            calls = (
+                [prompt]
+                if last or rng.random() >= w.fanout_probability
+                else [
+                    [*prompt, fresh(int(rng.integers(*w.fanout_suffix_tokens)))]
+                    for _ in range(int(rng.integers(w.fanout[0], w.fanout[1] + 1)))
+                ]
+            )
             for i, call in enumerate(calls):
                 at = t + (0.0 if i == 0 else float(rng.uniform(0.0, 0.2)))
                 records.append(AgentRecord(int(at * 1000), sum(n for _, n in call), out, blocks.of(call), session, step, i))
@@ -158,8 +162,17 @@ def generate(workload: AgentWorkload = AgentWorkload()) -> list[AgentRecord]:
 
 def mooncake_lines(records: list[AgentRecord]) -> Iterator[str]:
     for r in records:
-        yield json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
-                          "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
+        yield (
+            json.dumps(
+                {
+                    "timestamp": r.timestamp_ms,
+                    "input_length": r.input_length,
+                    "output_length": r.output_length,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+        )
 
 
 def write(path: Path, records: list[AgentRecord]) -> None:

@@ -29,7 +29,6 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _MAX_ERRORS_KEPT = 1000  # a garbage file must not fill memory with error strings
 
 
-
 class TraceLineError(ValueError):
     """One line of a trace is malformed; the message says what is wrong (no line number)."""
 
@@ -246,8 +245,9 @@ class TraceRecorder:
         outcome: RecordedOutcome,
     ) -> None:
         """Append one request; `arrival_s` is on the same clock as `start_s`."""
-        req = TraceRequest(max(0.0, arrival_s - self.start_s), input_length, output_length,
-                           tuple(block_keys), self.written + 1, block_size)
+        req = TraceRequest(
+            max(0.0, arrival_s - self.start_s), input_length, output_length, tuple(block_keys), self.written + 1, block_size
+        )
         self.write(RecordedRequest(req, outcome))
 
     def write(self, rec: RecordedRequest) -> None:

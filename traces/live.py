@@ -69,8 +69,9 @@ class TextProgress:
     When the stream is not a terminal (a log file, a pipe) it writes a plain line every
     `pipe_interval_s` instead, so logs do not fill with carriage returns."""
 
-    def __init__(self, stream: IO[str] | None = None, width: int = 30, interval_s: float = 0.1,
-                 pipe_interval_s: float = 5.0) -> None:
+    def __init__(
+        self, stream: IO[str] | None = None, width: int = 30, interval_s: float = 0.1, pipe_interval_s: float = 5.0
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         isatty = getattr(self.stream, "isatty", None)
@@ -90,8 +91,9 @@ class TextProgress:
         self._shown = p
         filled = self.width * p.done // max(1, p.total)
         bar = "#" * filled + "." * (self.width - filled)
-        text = (f"[{bar}] {p.done}/{p.total} ok {p.ok} 429 {p.rejected} err {p.errors} "
-                f"in flight {p.sent - p.done} {p.elapsed_s:.1f}s")
+        text = (
+            f"[{bar}] {p.done}/{p.total} ok {p.ok} 429 {p.rejected} err {p.errors} in flight {p.sent - p.done} {p.elapsed_s:.1f}s"
+        )
         self.stream.write(f"\r{text} " if self.tty else f"{text}\n")
         self.stream.flush()
 
@@ -144,15 +146,13 @@ async def replay_live(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=concurrency_limit, force_close=False)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=10.0)
-    async with aiohttp.ClientSession(base_url=base, connector=connector, timeout=timeout,
-                                     headers=headers) as session:
+    async with aiohttp.ClientSession(base_url=base, connector=connector, timeout=timeout, headers=headers) as session:
         model = model or await _first_model(session)
         ready = await fetch_json(session, "/ready")
         healthy = ready.get("healthy", {}) if isinstance(ready, Mapping) else {}
         metrics_before = await scrape_metrics(session)
         before = cached_counts(metrics_before)
-        outcomes = await _run_schedule(session, items, synth, model, time_scale, concurrency_limit, progress,
-                                       text_prompts)
+        outcomes = await _run_schedule(session, items, synth, model, time_scale, concurrency_limit, progress, text_prompts)
         metrics_after = await scrape_metrics(session)
     after = cached_counts(metrics_after)
     wall = max((o.scheduled_s + o.lag_s + o.http.elapsed_s for o in outcomes), default=0.0)
@@ -160,10 +160,16 @@ async def replay_live(
     if before is not None and after is not None:
         delta = (after[0] - before[0], after[1] - before[1])
     return summarize(
-        outcomes, label=label, n_prefill=int(healthy.get("prefill", 0) or healthy.get("mixed", 0)),
-        n_decode=int(healthy.get("decode", 0)), slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
-        wall_s=wall, gateway_cached=delta if delta and sum(delta) > 0 else None,
-        predictions=prediction_errors(metrics_after), kv_index=_kv_index_figures(metrics_before, metrics_after),
+        outcomes,
+        label=label,
+        n_prefill=int(healthy.get("prefill", 0) or healthy.get("mixed", 0)),
+        n_decode=int(healthy.get("decode", 0)),
+        slo_ttft_s=slo_ttft_s,
+        slo_tbt_s=slo_tbt_s,
+        wall_s=wall,
+        gateway_cached=delta if delta and sum(delta) > 0 else None,
+        predictions=prediction_errors(metrics_after),
+        kv_index=_kv_index_figures(metrics_before, metrics_after),
     )
 
 
@@ -179,8 +185,7 @@ def _kv_index_figures(before: str | None, after: str | None) -> dict[str, float]
     if agreement is None:
         return out
     out["gateway_kv_hash_agreement"] = agreement
-    for key, name in (("gateway_kv_predicted_cached_tokens", _KV_PREDICTED),
-                      ("gateway_kv_reported_cached_tokens", _KV_REPORTED)):
+    for key, name in (("gateway_kv_predicted_cached_tokens", _KV_PREDICTED), ("gateway_kv_reported_cached_tokens", _KV_REPORTED)):
         out[key] = (sample_value(after, name) or 0.0) - (sample_value(before, name) or 0.0)
     return out
 
@@ -194,8 +199,14 @@ async def _first_model(session: aiohttp.ClientSession) -> str:
 
 
 async def _run_schedule(
-    session: aiohttp.ClientSession, items: Sequence[TraceRequest | SynthRequest], synth: PromptSynthesizer,
-    model: str, time_scale: float, limit: int, progress: ProgressSink | None, text_prompts: bool = False,
+    session: aiohttp.ClientSession,
+    items: Sequence[TraceRequest | SynthRequest],
+    synth: PromptSynthesizer,
+    model: str,
+    time_scale: float,
+    limit: int,
+    progress: ProgressSink | None,
+    text_prompts: bool = False,
 ) -> list[LiveOutcome]:
     loop = asyncio.get_running_loop()
     gate = asyncio.Semaphore(limit)
@@ -205,8 +216,17 @@ async def _run_schedule(
 
     def report() -> None:
         if progress is not None:
-            progress(LiveProgress(len(items), counts["sent"], counts["done"], counts["ok"], counts["rejected"],
-                                  counts["error"], loop.time() - start))
+            progress(
+                LiveProgress(
+                    len(items),
+                    counts["sent"],
+                    counts["done"],
+                    counts["ok"],
+                    counts["rejected"],
+                    counts["error"],
+                    loop.time() - start,
+                )
+            )
 
     async def one(source: TraceRequest | SynthRequest, due: float) -> LiveOutcome:
         async with gate:  # at most `limit` prompts exist at once
@@ -214,8 +234,15 @@ async def _run_schedule(
             sent = loop.time()
             counts["sent"] += 1
             prompt = text_prompt(item.prompt) if text_prompts else list(item.prompt)
-            body = {"model": model, "prompt": prompt, "max_tokens": item.max_tokens, "stream": True,
-                    "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": item.max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
             http = await stream_completion(session, body)
         counts["done"] += 1
         counts[http.status if http.status in counts else "error"] += 1
@@ -240,8 +267,12 @@ async def _run_schedule(
 def add_live_args(parser: argparse.ArgumentParser) -> None:
     """Options of `conductor replay --live` (added to traces.replay_cli's parser)."""
     g = parser.add_argument_group("live replay (--live URL)")
-    g.add_argument("--length-scale", type=float, default=1.0,
-                   help="scale prompt and output lengths (and the 512-token block) by this factor, 0 < f <= 1")
+    g.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="scale prompt and output lengths (and the 512-token block) by this factor, 0 < f <= 1",
+    )
     g.add_argument("--concurrency", type=int, default=256, help="most requests in flight (and connections)")
     g.add_argument("--model", default=None, help="model name to send (default: the gateway's first)")
     g.add_argument("--api-key", default=None, help="sent as a Bearer token")
@@ -263,12 +294,22 @@ def run_live(args: argparse.Namespace) -> int:
     bar = None if getattr(args, "no_progress", False) else TextProgress()
     try:
         synth = PromptSynthesizer(getattr(args, "length_scale", 1.0), seed=getattr(args, "seed", 0) or 0)
-        result = asyncio.run(replay_live(
-            args.live, loaded.requests, time_scale=args.speedup, concurrency_limit=getattr(args, "concurrency", 256),
-            slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt, progress=bar, synthesizer=synth,
-            model=getattr(args, "model", None), api_key=getattr(args, "api_key", None),
-            label=getattr(args, "label", "live"), request_timeout_s=getattr(args, "request_timeout", 600.0),
-        ))
+        result = asyncio.run(
+            replay_live(
+                args.live,
+                loaded.requests,
+                time_scale=args.speedup,
+                concurrency_limit=getattr(args, "concurrency", 256),
+                slo_ttft_s=args.slo_ttft,
+                slo_tbt_s=args.slo_tbt,
+                progress=bar,
+                synthesizer=synth,
+                model=getattr(args, "model", None),
+                api_key=getattr(args, "api_key", None),
+                label=getattr(args, "label", "live"),
+                request_timeout_s=getattr(args, "request_timeout", 600.0),
+            )
+        )
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         print(f"\nerror: live replay against {args.live} failed: {exc}", file=sys.stderr)
         return 2

@@ -58,8 +58,7 @@ def _error_reason(body: bytes, status: int) -> tuple[str, str]:
         return str(status), body[:_MAX_ERROR_TEXT].decode("utf-8", "replace")
 
 
-async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any],
-                            path: str = "/v1/completions") -> HttpOutcome:
+async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/completions") -> HttpOutcome:
     """POST a streamed completion and measure it; never raises for HTTP or transport failures."""
     sent = time.perf_counter()
     first: float | None = None
@@ -71,9 +70,18 @@ async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any]
             if resp.status != 200:
                 reason, message = _error_reason(await resp.read(), resp.status)
                 rejected = resp.status == 429
-                return HttpOutcome("rejected" if rejected else "error", resp.status,
-                                   reason if rejected else f"http_{resp.status}", None, None, 0, None, None,
-                                   time.perf_counter() - sent, message)
+                return HttpOutcome(
+                    "rejected" if rejected else "error",
+                    resp.status,
+                    reason if rejected else f"http_{resp.status}",
+                    None,
+                    None,
+                    0,
+                    None,
+                    None,
+                    time.perf_counter() - sent,
+                    message,
+                )
             done = False
             async for raw in resp.content:
                 line = raw.strip()
@@ -87,8 +95,7 @@ async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any]
                 event = _decode(data)
                 if "error" in event:
                     reason, message = _error_reason(data, 200)
-                    return HttpOutcome("error", 200, "stream_error", None, None, chunks, None, None,
-                                       now - sent, message)
+                    return HttpOutcome("error", 200, "stream_error", None, None, chunks, None, None, now - sent, message)
                 choices = event.get("choices") or ()
                 if any(_content_of(c) for c in choices):
                     chunks += 1
@@ -102,17 +109,38 @@ async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any]
                     cached = details.get("cached_tokens") if isinstance(details, dict) else None
             end = time.perf_counter()
             if not done or first is None:
-                return HttpOutcome("error", 200, "truncated_stream", None, None, chunks, prompt_tokens, cached,
-                                   end - sent, "stream ended without [DONE] or without content")
+                return HttpOutcome(
+                    "error",
+                    200,
+                    "truncated_stream",
+                    None,
+                    None,
+                    chunks,
+                    prompt_tokens,
+                    cached,
+                    end - sent,
+                    "stream ended without [DONE] or without content",
+                )
             tbt = (last - first) / (chunks - 1) if chunks > 1 else None
             return HttpOutcome("ok", 200, None, first - sent, tbt, chunks, prompt_tokens, cached, end - sent)
     except TimeoutError:
-        return HttpOutcome("error", None, "timeout", None, None, chunks, None, None, time.perf_counter() - sent,
-                           "request timed out")
+        return HttpOutcome(
+            "error", None, "timeout", None, None, chunks, None, None, time.perf_counter() - sent, "request timed out"
+        )
     except (aiohttp.ClientError, msgspec.DecodeError) as exc:
         kind = "bad_json" if isinstance(exc, msgspec.DecodeError) else "transport"
-        return HttpOutcome("error", None, kind, None, None, chunks, None, None, time.perf_counter() - sent,
-                           f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT])
+        return HttpOutcome(
+            "error",
+            None,
+            kind,
+            None,
+            None,
+            chunks,
+            None,
+            None,
+            time.perf_counter() - sent,
+            f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT],
+        )
 
 
 async def fetch_json(session: aiohttp.ClientSession, path: str) -> Any:

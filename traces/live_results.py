@@ -37,11 +37,22 @@ class LiveResult:
     def as_dict(self) -> dict[str, Any]:
         """The summary, the error kinds and one small record per request (no prompt tokens)."""
         requests = [
-            {"line": o.line, "scheduled_s": round(o.scheduled_s, 6), "lag_s": round(o.lag_s, 6),
-             "prompt_tokens": o.prompt_tokens, "max_tokens": o.max_tokens, "status": o.http.status,
-             "http_status": o.http.http_status, "reason": o.http.reason, "ttft_s": o.http.ttft_s,
-             "tbt_s": o.http.tbt_s, "chunks": o.http.chunks, "cached_tokens": o.http.cached_tokens,
-             "elapsed_s": round(o.http.elapsed_s, 6), "message": o.http.message}
+            {
+                "line": o.line,
+                "scheduled_s": round(o.scheduled_s, 6),
+                "lag_s": round(o.lag_s, 6),
+                "prompt_tokens": o.prompt_tokens,
+                "max_tokens": o.max_tokens,
+                "status": o.http.status,
+                "http_status": o.http.http_status,
+                "reason": o.http.reason,
+                "ttft_s": o.http.ttft_s,
+                "tbt_s": o.http.tbt_s,
+                "chunks": o.http.chunks,
+                "cached_tokens": o.http.cached_tokens,
+                "elapsed_s": round(o.http.elapsed_s, 6),
+                "message": o.http.message,
+            }
             for o in self.outcomes
         ]
         return {"result": self.run.as_dict(), "errors": dict(self.errors), "requests": requests}
@@ -52,8 +63,14 @@ def _share(cached: float, total: float) -> float:
 
 
 def summarize(
-    outcomes: Sequence[LiveOutcome], *, label: str, n_prefill: int, n_decode: int,
-    slo_ttft_s: float | None, slo_tbt_s: float | None, wall_s: float,
+    outcomes: Sequence[LiveOutcome],
+    *,
+    label: str,
+    n_prefill: int,
+    n_decode: int,
+    slo_ttft_s: float | None,
+    slo_tbt_s: float | None,
+    wall_s: float,
     gateway_cached: tuple[float, float] | None = None,
     predictions: Mapping[str, tuple[float, float]] | None = None,
     kv_index: Mapping[str, float] | None = None,
@@ -66,7 +83,8 @@ def summarize(
     rejections = Counter(o.http.reason or "unknown" for o in outcomes if o.http.status == "rejected")
     errors = Counter(o.http.reason or "unknown" for o in outcomes if o.http.status == "error")
     met = sum(
-        1 for o in ok
+        1
+        for o in ok
         if (slo_ttft_s is None or (o.http.ttft_s is not None and o.http.ttft_s <= slo_ttft_s))
         and (slo_tbt_s is None or o.http.tbt_s is None or o.http.tbt_s <= slo_tbt_s)
     )
@@ -93,13 +111,26 @@ def summarize(
         extra[f"gateway_{component}_mape"] = mape
         extra[f"gateway_{component}_samples"] = samples
     run = RunResult(
-        policy=label, mode="live", n_prefill=n_prefill, n_decode=n_decode, requests=len(outcomes),
-        completed=len(ok), rejected=sum(rejections.values()), rejections=dict(rejections),
-        ttft=Dist.of(ttfts), tbt=Dist.of(tbts), slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
-        slo_met=met, slo_attainment=met / len(outcomes) if outcomes else 0.0, goodput_rps=met / duration,
-        duration_s=duration, makespan_s=makespan,
+        policy=label,
+        mode="live",
+        n_prefill=n_prefill,
+        n_decode=n_decode,
+        requests=len(outcomes),
+        completed=len(ok),
+        rejected=sum(rejections.values()),
+        rejections=dict(rejections),
+        ttft=Dist.of(ttfts),
+        tbt=Dist.of(tbts),
+        slo_ttft_s=slo_ttft_s,
+        slo_tbt_s=slo_tbt_s,
+        slo_met=met,
+        slo_attainment=met / len(outcomes) if outcomes else 0.0,
+        goodput_rps=met / duration,
+        duration_s=duration,
+        makespan_s=makespan,
         prefix_hit_local=gateway_share if gateway_share is not None else client_share,
-        wall_s=wall_s, extra=extra,
+        wall_s=wall_s,
+        extra=extra,
     )
     return LiveResult(run, tuple(outcomes), dict(errors))
 
@@ -115,14 +146,22 @@ def live_rows(result: LiveResult) -> list[tuple[str, str]]:
         ("client send lag p99", f"{extra.get('client_lag_p99_s', 0.0) * 1000:.1f}ms"),
     ]
     if "gateway_kv_hash_agreement" in extra:
-        rows.append(("KV index pred./reported cached",
-                     f"{int(extra['gateway_kv_predicted_cached_tokens'])} / "
-                     f"{int(extra['gateway_kv_reported_cached_tokens'])} tokens "
-                     f"(agreement {extra['gateway_kv_hash_agreement']:.0%})"))
+        rows.append(
+            (
+                "KV index pred./reported cached",
+                f"{int(extra['gateway_kv_predicted_cached_tokens'])} / "
+                f"{int(extra['gateway_kv_reported_cached_tokens'])} tokens "
+                f"(agreement {extra['gateway_kv_hash_agreement']:.0%})",
+            )
+        )
     for component in ("ttft", "tbt"):  # the gateway's own error windows (its recent requests)
         if f"gateway_{component}_mape" in extra:
-            rows.append((f"{component.upper()} pred. MAPE (gateway, n)",
-                         f"{extra[f'gateway_{component}_mape']:.0%}, {int(extra[f'gateway_{component}_samples'])}"))
+            rows.append(
+                (
+                    f"{component.upper()} pred. MAPE (gateway, n)",
+                    f"{extra[f'gateway_{component}_mape']:.0%}, {int(extra[f'gateway_{component}_samples'])}",
+                )
+            )
     return rows
 
 
@@ -140,8 +179,6 @@ def print_comparison(results: Sequence[LiveResult], out: IO[str] | None = None) 
     first = results[0].run
     for r in results[1:]:
         if r.run.goodput_rps > 0:
-            print(f"goodput {first.policy} / {r.run.policy}: {first.goodput_rps / r.run.goodput_rps:.2f}x",
-                  file=stream)
+            print(f"goodput {first.policy} / {r.run.policy}: {first.goodput_rps / r.run.goodput_rps:.2f}x", file=stream)
         else:
-            print(f"goodput {first.policy} / {r.run.policy}: {first.goodput_rps:.3f} req/s against none",
-                  file=stream)
+            print(f"goodput {first.policy} / {r.run.policy}: {first.goodput_rps:.3f} req/s against none", file=stream)

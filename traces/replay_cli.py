@@ -36,10 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--live", metavar="URL", help="replay against a running gateway (traces.live)")
     parser.add_argument("--prefill", type=int, default=8, help="prefill instances (simulation)")
     parser.add_argument("--decode", type=int, default=8, help="decode instances (simulation)")
-    parser.add_argument("--policy", default="round_robin",
-                        help="registered policy name, options as name:key=value:key=value")
-    parser.add_argument("--compare", default=None, metavar="A,B,...",
-                        help="run several policies on the same trace and cluster, side by side")
+    parser.add_argument("--policy", default="round_robin", help="registered policy name, options as name:key=value:key=value")
+    parser.add_argument(
+        "--compare", default=None, metavar="A,B,...", help="run several policies on the same trace and cluster, side by side"
+    )
     parser.add_argument("--jobs", type=int, default=None, help="parallel simulations (default: one per core)")
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write results as JSON")
     add_policy_args(parser)

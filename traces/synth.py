@@ -68,8 +68,7 @@ def scaled_block_tokens(block_tokens: int, length_scale: float, align: int = 16)
 class PromptSynthesizer:
     """Deterministic prompts for trace requests; see the module docstring for the guarantees."""
 
-    def __init__(self, length_scale: float = 1.0, *, seed: int = 0, align: int = 16,
-                 cache_blocks: int = 4096) -> None:
+    def __init__(self, length_scale: float = 1.0, *, seed: int = 0, align: int = 16, cache_blocks: int = 4096) -> None:
         if cache_blocks < 0:
             raise ValueError(f"cache_blocks must be >= 0, got {cache_blocks}")
         scaled_block_tokens(512, length_scale, align)  # validates both

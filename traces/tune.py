@@ -67,8 +67,7 @@ def recommend(results: Sequence[RunResult]) -> RunResult:
     return min(results, key=lambda r: (-r.slo_met, r.ttft.mean, r.n_prefill))
 
 
-def plateau(results: Sequence[RunResult], best: RunResult,
-            tolerance: float = PLATEAU_TOLERANCE) -> tuple[RunResult, ...]:
+def plateau(results: Sequence[RunResult], best: RunResult, tolerance: float = PLATEAU_TOLERANCE) -> tuple[RunResult, ...]:
     """The adjacent splits (in prefill-count order) around `best` whose goodput is at least
     (1 - tolerance) of best's."""
     ordered = sorted(results, key=lambda r: r.n_prefill)
@@ -78,7 +77,7 @@ def plateau(results: Sequence[RunResult], best: RunResult,
         i -= 1
     while j < len(ordered) - 1 and ordered[j + 1].goodput_rps >= floor:
         j += 1
-    return tuple(ordered[i:j + 1])
+    return tuple(ordered[i : j + 1])
 
 
 def robust_point(flat: Sequence[RunResult]) -> RunResult:
@@ -90,8 +89,7 @@ def robust_point(flat: Sequence[RunResult]) -> RunResult:
     return min(middles, key=lambda r: (-r.slo_met, r.ttft.mean, r.n_prefill))
 
 
-def sweep(trace: str, nodes: int, spec: PolicySpec, args: argparse.Namespace, *,
-          workers: int | None = None) -> SweepResult:
+def sweep(trace: str, nodes: int, spec: PolicySpec, args: argparse.Namespace, *, workers: int | None = None) -> SweepResult:
     """Simulate every split of `nodes` and pick the best."""
     if nodes < 2:
         raise ValueError("--nodes must be at least 2 (one prefill and one decode)")
@@ -108,24 +106,35 @@ def format_sweep(s: SweepResult) -> str:
     for r in s.results:
         flags = (("recommended", r is s.pick), ("best", r is s.best), ("plateau", any(r is x for x in s.plateau)))
         notes = [n for n, on in flags if on]
-        rows.append((
-            f"{r.n_prefill}P:{r.n_decode}D", f"{r.goodput_rps:.3f}", f"{r.slo_attainment:.1%}",
-            f"{r.ttft.mean:.2f}s", f"{r.ttft.p90:.2f}s", f"{r.tbt.mean * 1e3:.1f}ms", f"{r.tbt.p90 * 1e3:.1f}ms",
-            str(r.rejected), ("<- " + ", ".join(notes)) if notes else "",
-        ))
+        rows.append(
+            (
+                f"{r.n_prefill}P:{r.n_decode}D",
+                f"{r.goodput_rps:.3f}",
+                f"{r.slo_attainment:.1%}",
+                f"{r.ttft.mean:.2f}s",
+                f"{r.ttft.p90:.2f}s",
+                f"{r.tbt.mean * 1e3:.1f}ms",
+                f"{r.tbt.p90 * 1e3:.1f}ms",
+                str(r.rejected),
+                ("<- " + ", ".join(notes)) if notes else "",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     best, pick = s.best, s.pick
     if s.plateau:
         lo, hi = s.plateau[0], s.plateau[-1]
-        lines.append(f"plateau (goodput within {PLATEAU_TOLERANCE:.0%} of the best, {best.n_prefill}P:{best.n_decode}D "
-                     f"at {best.goodput_rps:.3f} req/s): {lo.n_prefill}P:{lo.n_decode}D .. {hi.n_prefill}P:{hi.n_decode}D "
-                     f"({len(s.plateau)} split{'s' if len(s.plateau) > 1 else ''})")
-    lines.append(f"recommended: {pick.n_prefill} prefill + {pick.n_decode} decode "
-                 f"(goodput {pick.goodput_rps:.3f} req/s, mean TTFT {pick.ttft.mean:.2f}s, "
-                 f"mean TBT {pick.tbt.mean * 1e3:.1f}ms; the plateau's middle)")
+        lines.append(
+            f"plateau (goodput within {PLATEAU_TOLERANCE:.0%} of the best, {best.n_prefill}P:{best.n_decode}D "
+            f"at {best.goodput_rps:.3f} req/s): {lo.n_prefill}P:{lo.n_decode}D .. {hi.n_prefill}P:{hi.n_decode}D "
+            f"({len(s.plateau)} split{'s' if len(s.plateau) > 1 else ''})"
+        )
+    lines.append(
+        f"recommended: {pick.n_prefill} prefill + {pick.n_decode} decode "
+        f"(goodput {pick.goodput_rps:.3f} req/s, mean TTFT {pick.ttft.mean:.2f}s, "
+        f"mean TBT {pick.tbt.mean * 1e3:.1f}ms; the plateau's middle)"
+    )
     return "\n".join(lines)
 
 

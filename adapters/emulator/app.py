@@ -97,24 +97,38 @@ class EmulatorApp:
                 topic=config.kv_events_topic,
                 buffer_steps=config.kv_events_buffer_steps,
             )
-        self.engine = Engine(profile, self.hasher, self.cache, self.metrics, self.publisher,
-                             time_scale=config.time_scale, noise=config.noise, seed=config.seed,
-                             scheduling_policy=config.scheduling_policy)
+        self.engine = Engine(
+            profile,
+            self.hasher,
+            self.cache,
+            self.metrics,
+            self.publisher,
+            time_scale=config.time_scale,
+            noise=config.noise,
+            seed=config.seed,
+            scheduling_policy=config.scheduling_policy,
+        )
         self.registry = TransferRegistry()
         self.nixl = NixlAnswer(config.engine_id, config.advertised_host, config.side_channel_port, config.block_size)
-        self.readback = ReadbackStore(self.engine, self.nixl, config.pin_ttl_s) \
-            if config.serves_readback else None
-        self.puller = KvPuller(self._client, config.block_size, config.kv_recompute_threshold,
-                               self.metrics.kv_load_failures.inc) if config.pulls_readback else None
+        self.readback = ReadbackStore(self.engine, self.nixl, config.pin_ttl_s) if config.serves_readback else None
+        self.puller = (
+            KvPuller(self._client, config.block_size, config.kv_recompute_threshold, self.metrics.kv_load_failures.inc)
+            if config.pulls_readback
+            else None
+        )
         # who tells a prefill its pinned KV was read: the puller, or on a decode one of its own
-        self.notifier = self.puller or (KvPuller(self._client, config.block_size, 0, self.metrics.kv_load_failures.inc)
-                                        if self.readback is not None else None)
+        self.notifier = self.puller or (
+            KvPuller(self._client, config.block_size, 0, self.metrics.kv_load_failures.inc) if self.readback is not None else None
+        )
         self.requests: deque[dict[str, Any]] = deque(maxlen=config.request_log_size)
         self.cancelled: deque[str] = deque(maxlen=config.cancelled_log_size)
         self.created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
-        self.tracing = EmulatorTracing(config.otlp_traces_endpoint, f"vllm-emulator-{config.role.value}") \
-            if config.otlp_traces_endpoint else None
+        self.tracing = (
+            EmulatorTracing(config.otlp_traces_endpoint, f"vllm-emulator-{config.role.value}")
+            if config.otlp_traces_endpoint
+            else None
+        )
 
     # -- lifespan ------------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -146,8 +160,7 @@ class EmulatorApp:
             except Exception:  # never a traceback to the client: a vLLM-shaped 500 instead
                 log.exception("unhandled error on %s", scope.get("path"))
                 with contextlib.suppress(Exception):
-                    await send_bytes(send, 500, error_body(ApiError(500, "Internal server error",
-                                                                     "InternalServerError")))
+                    await send_bytes(send, 500, error_body(ApiError(500, "Internal server error", "InternalServerError")))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -192,16 +205,30 @@ class EmulatorApp:
 
     def _models(self) -> dict[str, Any]:
         model = self.config.model
-        card = {"id": model, "object": "model", "created": self.created, "owned_by": "vllm", "root": model,
-                "parent": None, "max_model_len": self.config.max_model_len, "permission": []}
+        card = {
+            "id": model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+            "permission": [],
+        }
         return {"object": "list", "data": [card]}
 
     def _state(self) -> dict[str, Any]:
-        return {"role": self.config.role.value, "engine_id": self.config.engine_id,
-                "running": len(self.engine.running), "waiting": len(self.engine.waiting),
-                "waiting_for_remote_kv": self.engine.waiting_for_remote,
-                "cached_blocks": len(self.cache), "kv_usage": self.cache.usage(), "steps": self.engine.steps,
-                "pinned_for_readback": self.engine.pinned}
+        return {
+            "role": self.config.role.value,
+            "engine_id": self.config.engine_id,
+            "running": len(self.engine.running),
+            "waiting": len(self.engine.waiting),
+            "waiting_for_remote_kv": self.engine.waiting_for_remote,
+            "cached_blocks": len(self.cache),
+            "kv_usage": self.cache.usage(),
+            "steps": self.engine.steps,
+            "pinned_for_readback": self.engine.pinned,
+        }
 
     async def _read_json(self, receive: Receive, send: Send) -> tuple[bool, Any]:
         try:
@@ -240,9 +267,14 @@ class EmulatorApp:
         self.requests.append(record)
         base_id = header(scope, b"x-request-id") or uuid.uuid4().hex
         try:
-            req = parse_request(chat, body, tokenizer=self.tokenizer, served_model=self.config.model,
-                                max_model_len=self.config.max_model_len,
-                                default_max_tokens=self.config.default_max_tokens)
+            req = parse_request(
+                chat,
+                body,
+                tokenizer=self.tokenizer,
+                served_model=self.config.model,
+                max_model_len=self.config.max_model_len,
+                default_max_tokens=self.config.default_max_tokens,
+            )
         except ApiError as err:
             await send_bytes(send, err.status, error_body(err), headers=[(b"x-request-id", base_id.encode())])
             return
@@ -250,9 +282,14 @@ class EmulatorApp:
         response_id = ("chatcmpl-" if chat else "cmpl-") + base_id
         # vLLM's serving_completion: one engine request per prompt, `{request_id}-{i}` in a batch.
         # Every sub-request gets the request's P/D plan, as every vLLM sub-request gets its params.
-        legs = [Leg(i, f"{response_id}-{i}" if req.batched else response_id,
-                     plan if i == 0 else dataclasses.replace(plan, publish_key=None))
-                for i in range(len(req.prompts))]
+        legs = [
+            Leg(
+                i,
+                f"{response_id}-{i}" if req.batched else response_id,
+                plan if i == 0 else dataclasses.replace(plan, publish_key=None),
+            )
+            for i in range(len(req.prompts))
+        ]
         modelled: list[dict[str, Any] | None] = [None] * len(legs)  # filled at each leg's first token
         record["modelled"] = modelled
         for leg in legs:
@@ -260,13 +297,20 @@ class EmulatorApp:
         pull = self.puller.pull(plan.readback) if self.puller is not None and plan.readback is not None else None
         priority = body.get("priority", 0)
         if type(priority) is not int:
-            await send_bytes(send, 400, error_body(ApiError(400, "priority must be an integer")),
-                             headers=[(b"x-request-id", base_id.encode())])
+            await send_bytes(
+                send, 400, error_body(ApiError(400, "priority must be an integer")), headers=[(b"x-request-id", base_id.encode())]
+            )
             return
         for leg, prompt, max_tokens in zip(legs, req.prompts, req.max_tokens, strict=True):
-            leg.seq = self.engine.submit(leg.request_id, prompt, 1 if plan.force_one_token else max_tokens,
-                                         self._remote_wait(plan), pull=pull, pin_on_finish=self._pins(plan),
-                                         priority=priority)
+            leg.seq = self.engine.submit(
+                leg.request_id,
+                prompt,
+                1 if plan.force_one_token else max_tokens,
+                self._remote_wait(plan),
+                pull=pull,
+                pin_on_finish=self._pins(plan),
+                priority=priority,
+            )
         watcher = asyncio.get_running_loop().create_task(self._watch(receive, legs, base_id))
         renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs))
         extra = [(b"x-request-id", base_id.encode())]
@@ -329,17 +373,29 @@ class EmulatorApp:
         key = leg.plan.publish_key
         if key is not None:
             seq = leg.sequence
-            self.registry.publish(TransferDone(key, "aborted" if aborted else "done", seq.prompt_tokens,
-                                               seq.cached_tokens, self.config.engine_id, seq.kv_seed))
+            self.registry.publish(
+                TransferDone(
+                    key,
+                    "aborted" if aborted else "done",
+                    seq.prompt_tokens,
+                    seq.cached_tokens,
+                    self.config.engine_id,
+                    seq.kv_seed,
+                )
+            )
 
     @staticmethod
     def _usage(seqs: list[Sequence]) -> dict[str, Any]:
         """vLLM sums a batch's usage over its prompts."""
-        return usage(sum(s.prompt_tokens for s in seqs), sum(s.generated for s in seqs),
-                     sum(s.cached_tokens + s.external_tokens for s in seqs))
+        return usage(
+            sum(s.prompt_tokens for s in seqs),
+            sum(s.generated for s in seqs),
+            sum(s.cached_tokens + s.external_tokens for s in seqs),
+        )
 
-    async def _complete(self, send: Send, legs: list[Leg], renderer: Renderer, plan: LegPlan,
-                        extra: list[tuple[bytes, bytes]]) -> None:
+    async def _complete(
+        self, send: Send, legs: list[Leg], renderer: Renderer, plan: LegPlan, extra: list[tuple[bytes, bytes]]
+    ) -> None:
         async with contextlib.aclosing(relay(legs, self._first_token)) as tokens:
             async for _ in tokens:
                 pass
@@ -357,10 +413,16 @@ class EmulatorApp:
         choices = [Choice(seq.kv_seed, seq.generated) for seq in seqs]
         await send_bytes(send, 200, renderer.full(choices, self._usage(seqs), kv_params), headers=extra)
 
-    async def _stream(self, send: Send, legs: list[Leg], req: ParsedRequest, renderer: Renderer,
-                      extra: list[tuple[bytes, bytes]]) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra]})
+    async def _stream(
+        self, send: Send, legs: list[Leg], req: ParsedRequest, renderer: Renderer, extra: list[tuple[bytes, bytes]]
+    ) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra],
+            }
+        )
         async with contextlib.aclosing(relay(legs, self._first_token)) as tokens:
             async for leg, k in tokens:
                 seq = leg.sequence

@@ -106,31 +106,40 @@ class BootstrapApp:
         elif path == "/route":
             rank = query.get("engine_rank", ["-1"])[0]
             if rank == "-1":
-                await send_json(send, 200, {"prefill_attn_tp_size": 1, "prefill_dp_size": 1,
-                                            "prefill_pp_size": 1, "page_size": self.block_size})
+                await send_json(
+                    send,
+                    200,
+                    {"prefill_attn_tp_size": 1, "prefill_dp_size": 1, "prefill_pp_size": 1, "page_size": self.block_size},
+                )
             else:
                 host, _, port = self.worker_addr.rpartition(":")
                 await send_json(send, 200, {"rank_ip": host, "rank_port": int(port)})
         elif path == "/health":
             await send_json(send, 200, {"status": "ok"})
         elif path.startswith("/emulator/transfer/"):
-            key = path[len("/emulator/transfer/"):]
+            key = path[len("/emulator/transfer/") :]
             timeout = min(float(query.get("timeout", ["30"])[0]), 300.0)
             done = await self.registry.wait(key, timeout)
             if done is None:
                 await send_json(send, 408, {"key": key, "status": "pending"})
             else:
-                await send_json(send, 200, {"key": done.key, "status": done.status,
-                                            "prompt_tokens": done.prompt_tokens,
-                                            "cached_tokens": done.cached_tokens, "engine_id": done.engine_id,
-                                            "kv_seed": done.kv_seed})
+                await send_json(
+                    send,
+                    200,
+                    {
+                        "key": done.key,
+                        "status": done.status,
+                        "prompt_tokens": done.prompt_tokens,
+                        "cached_tokens": done.cached_tokens,
+                        "engine_id": done.engine_id,
+                        "kv_seed": done.kv_seed,
+                    },
+                )
         else:
             await send_json(send, 404, {"detail": "Not Found"})
 
 
-async def wait_for_prefill(
-    session: aiohttp.ClientSession, url: str, deadline_s: float, poll_s: float = 30.0
-) -> RemoteKv | None:
+async def wait_for_prefill(session: aiohttp.ClientSession, url: str, deadline_s: float, poll_s: float = 30.0) -> RemoteKv | None:
     """Long-poll the prefill's bootstrap server; the KV it holds once that prefill is done.
 
     None (prefill aborted, unreachable, or not done by the deadline) makes the decode leg prefill
@@ -141,8 +150,9 @@ async def wait_for_prefill(
     while (left := end - time.monotonic()) > 0 and failures < 5:
         timeout = min(poll_s, left)
         try:
-            async with session.get(url, params={"timeout": f"{timeout:.3f}"},
-                                   timeout=aiohttp.ClientTimeout(total=timeout + 10)) as resp:
+            async with session.get(
+                url, params={"timeout": f"{timeout:.3f}"}, timeout=aiohttp.ClientTimeout(total=timeout + 10)
+            ) as resp:
                 if resp.status == 408:
                     continue
                 body: Any = await resp.json(content_type=None)

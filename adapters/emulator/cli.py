@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="listen port")
     p.add_argument("--model", default="emulated", help="served model name")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (vLLM --block-size)")
-    p.add_argument("--bootstrap-port", type=int, default=None,
-                   help="prefill role, mooncake/sglang: serve the bootstrap server on this port")
+    p.add_argument(
+        "--bootstrap-port", type=int, default=None, help="prefill role, mooncake/sglang: serve the bootstrap server on this port"
+    )
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replays")
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
@@ -50,43 +51,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=16, help="output length when a request sets none")
     p.add_argument("--side-channel-port", type=int, default=5600, help="NIXL side channel port reported")
     p.add_argument("--remote-wait-s", type=float, default=120.0, help="longest a decode waits for its remote prefill")
-    p.add_argument("--otlp-traces-endpoint", default=None,
-                   help="OTLP/HTTP traces endpoint: one span per request, a child of its traceparent (as vLLM)")
-    p.add_argument("--bidirectional-kv-xfer", action="store_true",
-                   help="NIXL: a decode's KV can be read back by the next turn's prefill (vLLM 0.32 "
-                        "kv_connector_extra_config bidirectional_kv_xfer), and a prefill's P/D KV by "
-                        "another prefill (a prefill-to-prefill pull); both serve the reads on --side-channel-port")
-    p.add_argument("--kv-recompute-threshold", type=int, default=64,
-                   help="bidirectional prefill: pull from the decode only this many tokens or more")
-    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0,
-                   help="bidirectional decode: seconds a finished request's KV stays pinned unread")
-    p.add_argument("--kv-lease-duration", type=float, default=30.0,
-                   help="bidirectional prefill: seconds a P/D request's KV stays pinned for its reader")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="as vLLM's: priority takes the waiting request of the lowest `priority` first")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OTLP/HTTP traces endpoint: one span per request, a child of its traceparent (as vLLM)",
+    )
+    p.add_argument(
+        "--bidirectional-kv-xfer",
+        action="store_true",
+        help="NIXL: a decode's KV can be read back by the next turn's prefill (vLLM 0.32 "
+        "kv_connector_extra_config bidirectional_kv_xfer), and a prefill's P/D KV by "
+        "another prefill (a prefill-to-prefill pull); both serve the reads on --side-channel-port",
+    )
+    p.add_argument(
+        "--kv-recompute-threshold",
+        type=int,
+        default=64,
+        help="bidirectional prefill: pull from the decode only this many tokens or more",
+    )
+    p.add_argument(
+        "--decoder-kv-blocks-ttl",
+        type=float,
+        default=480.0,
+        help="bidirectional decode: seconds a finished request's KV stays pinned unread",
+    )
+    p.add_argument(
+        "--kv-lease-duration",
+        type=float,
+        default=30.0,
+        help="bidirectional prefill: seconds a P/D request's KV stays pinned for its reader",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="as vLLM's: priority takes the waiting request of the lowest `priority` first",
+    )
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     return EmulatorConfig(
-        role=Role(args.role), pd_protocol=PdProtocol(args.pd_protocol), host=args.host, port=args.port,
-        model=args.model, block_size=args.block_size, bootstrap_port=args.bootstrap_port,
-        kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        kv_events_topic=args.kv_events_topic, profile_path=args.profile, time_scale=args.time_scale,
-        noise=args.noise, seed=args.seed, kv_capacity_tokens=args.kv_capacity_tokens, hash_algo=args.hash_algo,
-        hash_seed=args.hash_seed, engine_id=args.engine_id or _engine_id(), max_model_len=args.max_model_len,
-        default_max_tokens=args.default_max_tokens, max_num_seqs=args.max_num_seqs,
-        side_channel_port=args.side_channel_port, remote_wait_s=args.remote_wait_s,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, bidirectional_kv_xfer=args.bidirectional_kv_xfer,
-        kv_recompute_threshold=args.kv_recompute_threshold, decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
-        kv_lease_duration=args.kv_lease_duration, scheduling_policy=args.scheduling_policy,
+        role=Role(args.role),
+        pd_protocol=PdProtocol(args.pd_protocol),
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        block_size=args.block_size,
+        bootstrap_port=args.bootstrap_port,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        profile_path=args.profile,
+        time_scale=args.time_scale,
+        noise=args.noise,
+        seed=args.seed,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        hash_algo=args.hash_algo,
+        hash_seed=args.hash_seed,
+        engine_id=args.engine_id or _engine_id(),
+        max_model_len=args.max_model_len,
+        default_max_tokens=args.default_max_tokens,
+        max_num_seqs=args.max_num_seqs,
+        side_channel_port=args.side_channel_port,
+        remote_wait_s=args.remote_wait_s,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        bidirectional_kv_xfer=args.bidirectional_kv_xfer,
+        kv_recompute_threshold=args.kv_recompute_threshold,
+        decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
+        kv_lease_duration=args.kv_lease_duration,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
 def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, http="httptools", loop="uvloop", access_log=False,
-                          log_level=log_level, lifespan="on", timeout_keep_alive=30)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http="httptools",
+        loop="uvloop",
+        access_log=False,
+        log_level=log_level,
+        lifespan="on",
+        timeout_keep_alive=30,
+    )
 
 
 class _QuietServer(uvicorn.Server):
@@ -111,10 +161,16 @@ async def serve(config: EmulatorConfig, log_level: str = "warning") -> None:
         beside(BootstrapApp(app.registry, config.engine_id, worker_addr, config.block_size), config.bootstrap_port)
     if app.readback is not None:  # the side channel port a bidirectional engine advertises
         beside(SideChannelApp(app.readback, config.engine_id), config.side_channel_port)
-    log.warning("emulator %s/%s on %s:%d (bootstrap %s, kv events %s, readback side channel %s)", config.role.value,
-                config.pd_protocol.value, config.host, config.port, config.bootstrap_port,
-                app.publisher.bound_endpoint if app.publisher else None,
-                config.side_channel_port if app.readback is not None else None)
+    log.warning(
+        "emulator %s/%s on %s:%d (bootstrap %s, kv events %s, readback side channel %s)",
+        config.role.value,
+        config.pd_protocol.value,
+        config.host,
+        config.port,
+        config.bootstrap_port,
+        app.publisher.bound_endpoint if app.publisher else None,
+        config.side_channel_port if app.readback is not None else None,
+    )
     try:
         await main.serve()
     finally:

@@ -141,12 +141,29 @@ class Engine:
         self._task = None
 
     # -- requests ----------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int, remote_wait: RemoteWait | None = None,
-               *, pull: KvPull | None = None, pin_on_finish: bool = False, priority: int = 0) -> Sequence:
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        remote_wait: RemoteWait | None = None,
+        *,
+        pull: KvPull | None = None,
+        pin_on_finish: bool = False,
+        priority: int = 0,
+    ) -> Sequence:
         loop = asyncio.get_running_loop()
-        seq = Sequence(request_id, prompt, max(1, max_tokens), self.hasher.digests(prompt), loop.time(),
-                       content_seed(prompt), arrival_index=self._arrivals, pin_on_finish=pin_on_finish,
-                       priority=priority)
+        seq = Sequence(
+            request_id,
+            prompt,
+            max(1, max_tokens),
+            self.hasher.digests(prompt),
+            loop.time(),
+            content_seed(prompt),
+            arrival_index=self._arrivals,
+            pin_on_finish=pin_on_finish,
+            priority=priority,
+        )
         self._arrivals += 1
         if self._step_end is not None:  # it waits for the rest of the step running now
             seq.modelled_queue_s = max(0.0, self._step_end - seq.arrival)

@@ -100,7 +100,7 @@ def content_block_ids(prompt: Sequence[int], block_size: int) -> list[int]:
     step = _ITEM * block_size
     ids: list[int] = []
     for start in range(0, len(data), step):
-        h.update(data[start:start + step])
+        h.update(data[start : start + step])
         # a running prefix digest: each id needs the digest so far without ending the hash
         ids.append(_to_id(h.copy().digest()))
     return ids

@@ -37,9 +37,14 @@ def modelled_times(seq: Sequence) -> dict[str, Any]:
     # a prefill that pulled KV back from a decode waited for that transfer before queueing
     before = seq.modelled_queue_s + (seq.modelled_transfer_s or 0.0)
     return {
-        "request_id": seq.request_id, "prompt_tokens": seq.prompt_tokens, "cached_tokens": seq.cached_tokens,
-        "external_tokens": seq.external_tokens, "arrival_index": seq.arrival_index,
-        "prefill_step": seq.prefill_step, "queue_s": seq.modelled_queue_s, "prefill_s": prefill,
+        "request_id": seq.request_id,
+        "prompt_tokens": seq.prompt_tokens,
+        "cached_tokens": seq.cached_tokens,
+        "external_tokens": seq.external_tokens,
+        "arrival_index": seq.arrival_index,
+        "prefill_step": seq.prefill_step,
+        "queue_s": seq.modelled_queue_s,
+        "prefill_s": prefill,
         "transfer_s": seq.modelled_transfer_s,
         "ttft_s": None if prefill is None else before + prefill,
     }

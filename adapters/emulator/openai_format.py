@@ -27,8 +27,24 @@ _encode = msgspec.json.Encoder().encode
 # The generated words. Token k of a sequence is WORDS[word_index(seed, k)], where `seed` is the
 # content seed of the KV the sequence runs on (kv_content.py): the same prompt always gets the same
 # continuation, and a decode given another prompt's KV visibly continues that other prompt.
-WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", " and", " then",
-         " runs", " far", " away", " into", " woods")
+WORDS = (
+    " the",
+    " quick",
+    " brown",
+    " fox",
+    " jumps",
+    " over",
+    " a",
+    " lazy",
+    " dog",
+    " and",
+    " then",
+    " runs",
+    " far",
+    " away",
+    " into",
+    " woods",
+)
 _WORD_JSON = tuple(_encode(w) for w in WORDS)
 _MASK64 = (1 << 64) - 1
 
@@ -98,8 +114,9 @@ def _prompts(value: Any, tokenizer: ByteTokenizer) -> list[list[int]]:
         return [list(p) for p in value]
     if isinstance(value, list) and not value:
         raise ApiError(400, "Prompt cannot be empty.", param="prompt")
-    raise ApiError(400, "prompt must be a string, a list of token ids, a list of strings or a list of "
-                        "token-id lists.", param="prompt")
+    raise ApiError(
+        400, "prompt must be a string, a list of token ids, a list of strings or a list of token-id lists.", param="prompt"
+    )
 
 
 def _max_tokens(raw_max: Any, prompt_len: int, max_model_len: int, default_max_tokens: int) -> int:
@@ -210,8 +227,10 @@ class Renderer:
 
     def role_chunk(self) -> bytes:
         """Chat streams open with the assistant role and empty content."""
-        return (b"data: " + self._common + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}]}\n\n')
+        return (
+            b"data: " + self._common + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}\n\n'
+        )
 
     def chunk(self, seed: int, k: int, last: bool, index: int = 0) -> bytes:
         return self._heads[index] + _WORD_JSON[word_index(seed, k)] + (self._last if last else self._tail)
@@ -225,21 +244,50 @@ class Renderer:
         if self.chat:
             out = []
             for i, c in enumerate(choices):
-                message: dict[str, Any] = {"role": "assistant", "content": generated_text(c.seed, c.n_tokens),
-                                           "refusal": None, "annotations": None, "audio": None,
-                                           "function_call": None, "tool_calls": [], "reasoning_content": None}
-                out.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish,
-                            "stop_reason": None})
-            body = {"id": self.response_id, "object": "chat.completion", **base, "choices": out,
-                    "service_tier": None, "system_fingerprint": None, "usage": use, "prompt_logprobs": None,
-                    "kv_transfer_params": kv_transfer_params}
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": generated_text(c.seed, c.n_tokens),
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                }
+                out.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None})
+            body = {
+                "id": self.response_id,
+                "object": "chat.completion",
+                **base,
+                "choices": out,
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": use,
+                "prompt_logprobs": None,
+                "kv_transfer_params": kv_transfer_params,
+            }
         else:
-            out = [{"index": i, "text": generated_text(c.seed, c.n_tokens), "logprobs": None,
-                    "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None}
-                   for i, c in enumerate(choices)]
-            body = {"id": self.response_id, "object": "text_completion", **base, "choices": out,
-                    "service_tier": None, "system_fingerprint": None, "usage": use,
-                    "kv_transfer_params": kv_transfer_params}
+            out = [
+                {
+                    "index": i,
+                    "text": generated_text(c.seed, c.n_tokens),
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "prompt_logprobs": None,
+                }
+                for i, c in enumerate(choices)
+            ]
+            body = {
+                "id": self.response_id,
+                "object": "text_completion",
+                **base,
+                "choices": out,
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": use,
+                "kv_transfer_params": kv_transfer_params,
+            }
         return _encode(body)
 
 

@@ -118,8 +118,7 @@ def _readback(params: Mapping[str, Any]) -> ReadbackHandle | None:
     f = FIELDS
     ids = params.get(f.remote_block_ids)
     group = ids[-1] if isinstance(ids, list) and ids and isinstance(ids[-1], list) else ids
-    engine, request, host, port = (params.get(k) for k in (f.remote_engine_id, f.remote_request_id,
-                                                           f.remote_host, f.remote_port))
+    engine, request, host, port = (params.get(k) for k in (f.remote_engine_id, f.remote_request_id, f.remote_host, f.remote_port))
     if not isinstance(group, list) or not group or None in (engine, request, host, port):
         return None
     tokens = params.get(f.remote_num_tokens)
@@ -201,8 +200,9 @@ def plan_leg(role: Role, protocol: PdProtocol, body: Mapping[str, Any]) -> LegPl
             ids = params.get(f.remote_block_ids)
             group = ids[-1] if isinstance(ids, list) and ids and isinstance(ids[-1], list) else ids
             block_ids = tuple(group) if isinstance(group, list) and all(type(b) is int for b in group) else None
-            return LegPlan(remote_ready=True, remote_seed=seed_from_block_ids(ids), remote_block_ids=block_ids,
-                           source=_readback(params))
+            return LegPlan(
+                remote_ready=True, remote_seed=seed_from_block_ids(ids), remote_block_ids=block_ids, source=_readback(params)
+            )
     return LegPlan()
 
 
@@ -219,13 +219,13 @@ class NixlAnswer:
         self.port = side_channel_port
         self.block_size = block_size
 
-    def params(self, request_id: str, prompt: list[int], taint: Taint | None = None,
-               cached_tokens: int | None = None) -> dict[str, Any]:
+    def params(
+        self, request_id: str, prompt: list[int], taint: Taint | None = None, cached_tokens: int | None = None
+    ) -> dict[str, Any]:
         """A prefill's answer; `taint`: its KV is not all its prompt's (a wrong readback);
         `cached_tokens`: a bidirectional prefill reports its local hit + pulled tokens."""
         f = FIELDS
-        ids = content_block_ids(prompt, self.block_size) if taint is None else \
-            held_block_ids(prompt, self.block_size, taint)
+        ids = content_block_ids(prompt, self.block_size) if taint is None else held_block_ids(prompt, self.block_size, taint)
         out: dict[str, Any] = {
             f.do_remote_prefill: True,
             f.do_remote_decode: False,

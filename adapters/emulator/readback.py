@@ -124,7 +124,7 @@ class SideChannelApp:
         if scope["method"] != "POST" or not path.startswith(_PATH) or not path.endswith("/read"):
             await send_json(send, 404, {"detail": "Not Found"})
             return
-        request_id = path[len(_PATH):-len("/read")]
+        request_id = path[len(_PATH) : -len("/read")]
         raw = await read_body(receive, 1 << 16)
         try:
             body = msgspec.json.decode(raw or b"{}")
@@ -145,8 +145,9 @@ class SideChannelApp:
 class KvPuller:
     """A bidirectional prefill's side: decides, reads and checks what it pulls from a decode."""
 
-    def __init__(self, session: Callable[[], aiohttp.ClientSession], block_size: int, threshold: int,
-                 on_failure: Callable[[], None]) -> None:
+    def __init__(
+        self, session: Callable[[], aiohttp.ClientSession], block_size: int, threshold: int, on_failure: Callable[[], None]
+    ) -> None:
         self.session = session
         self.block_size = block_size
         self.threshold = threshold
@@ -169,11 +170,12 @@ class KvPuller:
             return None
         ids = await self._read(handle, local // size, end) if handle.num_blocks * size >= end else None
         if ids is None:  # vLLM's kv_load_failure_policy=recompute: the prefill computes it all
-            log.warning("KV readback of %s from %s:%d failed; recomputing %d tokens", handle.request_id,
-                        handle.host, handle.port, count)
+            log.warning(
+                "KV readback of %s from %s:%d failed; recomputing %d tokens", handle.request_id, handle.host, handle.port, count
+            )
             self.on_failure()
             return None
-        own = content_block_ids(seq.prompt[:end], size)[local // size:]
+        own = content_block_ids(seq.prompt[:end], size)[local // size :]
         bad = first_mismatch(ids, own)
         if bad is None:
             return PulledKv(count, seq.kv_taint, seq.kv_seed)
@@ -191,8 +193,7 @@ class KvPuller:
     async def _read(self, handle: ReadbackHandle, first_block: int, num_tokens: int) -> list[int] | None:
         body = {"engine_id": handle.engine_id, "first_block": first_block, "num_tokens": num_tokens}
         try:
-            async with self.session().post(handle.url, json=body,
-                                           timeout=aiohttp.ClientTimeout(total=_READ_TIMEOUT_S)) as resp:
+            async with self.session().post(handle.url, json=body, timeout=aiohttp.ClientTimeout(total=_READ_TIMEOUT_S)) as resp:
                 answer: Any = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("side channel %s unreachable: %s", handle.url, exc)

@@ -28,16 +28,21 @@ class EmulatorTracing:
     @contextmanager
     def request(self, headers: Mapping[str, str], request_id: str, model: str) -> Iterator[Any]:
         parent = self.propagator.extract(carrier={k.lower(): v for k, v in headers.items()})
-        with self.tracer.start_as_current_span("llm_request", context=parent, kind=self.kind, attributes={
-            "gen_ai.request.id": request_id, "gen_ai.response.model": model,
-        }) as span:
+        with self.tracer.start_as_current_span(
+            "llm_request",
+            context=parent,
+            kind=self.kind,
+            attributes={
+                "gen_ai.request.id": request_id,
+                "gen_ai.response.model": model,
+            },
+        ) as span:
             yield span
 
     def shutdown(self) -> None:
         self.provider.shutdown()
 
 
-def request_span(tracing: EmulatorTracing | None, headers: Mapping[str, str], request_id: str,
-                 model: str) -> Any:
+def request_span(tracing: EmulatorTracing | None, headers: Mapping[str, str], request_id: str, model: str) -> Any:
     """The request's span, or a no-op context when tracing is off."""
     return nullcontext() if tracing is None else tracing.request(headers, request_id, model)

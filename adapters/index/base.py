@@ -129,9 +129,7 @@ class KVIndex(Protocol):
 
     limits: IndexLimits
 
-    async def insert(
-        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
-    ) -> None:
+    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
         """Record that `instance` holds `keys` (confirmed by an event, or assumed after a dispatch)."""
         ...
 

@@ -103,8 +103,14 @@ class IndexFeeder:
     # shows in the first events; looking up every parent would double the index traffic
     ORPHAN_CHECKS = 1024
 
-    def __init__(self, index: KVIndex, scheme: BlockKeyScheme, *, translate: bool,
-                 max_mapped_per_instance: int = DEFAULT_MAP_BUDGET_BYTES // MAPPED_ENTRY_BYTES) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        scheme: BlockKeyScheme,
+        *,
+        translate: bool,
+        max_mapped_per_instance: int = DEFAULT_MAP_BUDGET_BYTES // MAPPED_ENTRY_BYTES,
+    ) -> None:
         """translate: True in xxhash mode (vLLM hashes -> own keys), False when keys are vLLM's."""
         self.index = index
         self.scheme = scheme
@@ -126,8 +132,7 @@ class IndexFeeder:
 
     @property
     def stats(self) -> FeedStats:
-        return FeedStats(self._stored, self._removed, self._unmapped, self._skipped, self._cleared,
-                         self._dispatched)
+        return FeedStats(self._stored, self._removed, self._unmapped, self._skipped, self._cleared, self._dispatched)
 
     @property
     def max_mapped_per_instance(self) -> int:
@@ -174,9 +179,13 @@ class IndexFeeder:
             return
         if ev.block_size != self.scheme.block_size:
             if not self._warned_block_size:
-                log.warning("kv events from %s have block_size %d but the gateway keys %d-token blocks:"
-                            " set kv.block_size to the workers' --block-size", instance, ev.block_size,
-                            self.scheme.block_size)
+                log.warning(
+                    "kv events from %s have block_size %d but the gateway keys %d-token blocks:"
+                    " set kv.block_size to the workers' --block-size",
+                    instance,
+                    ev.block_size,
+                    self.scheme.block_size,
+                )
                 self._warned_block_size = True
             self._skipped += n
             feed.skipped += n

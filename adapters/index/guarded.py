@@ -40,8 +40,15 @@ def _false() -> bool:
 class GuardedIndex:
     """KVIndex over another (remote) KVIndex: bounded calls, a breaker and a local fallback."""
 
-    def __init__(self, primary: KVIndex, breaker: CircuitBreaker, *, fallback: MemoryIndex | None = None,
-                 lookup_timeout_s: float = 0.05, write_timeout_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        primary: KVIndex,
+        breaker: CircuitBreaker,
+        *,
+        fallback: MemoryIndex | None = None,
+        lookup_timeout_s: float = 0.05,
+        write_timeout_s: float = 0.25,
+    ) -> None:
         self.primary = primary
         self.breaker = breaker
         self.fallback = fallback
@@ -59,14 +66,15 @@ class GuardedIndex:
         """One bounded call at start-up, so an absent Redis is reported then, not at the first requests."""
         if await self._attempt(self.primary.stats):
             return True
-        log.warning("KV index: the shared index is not reachable (%s); look-ups use %s until it is, and the "
-                    "gateway picks it up when it answers", self.breaker.stats.last_error,
-                    "this replica's local copy" if self.fallback is not None else "no cache knowledge")
+        log.warning(
+            "KV index: the shared index is not reachable (%s); look-ups use %s until it is, and the "
+            "gateway picks it up when it answers",
+            self.breaker.stats.last_error,
+            "this replica's local copy" if self.fallback is not None else "no cache knowledge",
+        )
         return False
 
-    async def insert(
-        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
-    ) -> None:
+    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
         if self.fallback is not None:
             self.fallback.insert_sync(instance, keys, tier=tier, confirmed=confirmed)
         await self._write(instance, lambda: self.primary.insert(instance, keys, tier=tier, confirmed=confirmed))
@@ -86,8 +94,9 @@ class GuardedIndex:
             return PrefixMatch()
         fallbacks = self.fallback_lookups
         started = time.perf_counter()
-        found = await self.breaker.call(lambda: self.primary.match(keys), lambda: self._local_match(keys),
-                                        timeout_s=self.lookup_timeout_s)
+        found = await self.breaker.call(
+            lambda: self.primary.match(keys), lambda: self._local_match(keys), timeout_s=self.lookup_timeout_s
+        )
         if self.fallback_lookups != fallbacks:  # what a look-up cost the request when Redis let it down
             self.slowest_fallback_lookup_s = max(self.slowest_fallback_lookup_s, time.perf_counter() - started)
         self._maybe_reseed()
@@ -161,7 +170,7 @@ class GuardedIndex:
         for tier, bit in TIER_BITS.items():
             keys = [k for k, bits in entries if bits & bit]
             for lo in range(0, len(keys), RESEED_CHUNK):
-                if not await self._attempt(self._inserter(instance, keys[lo: lo + RESEED_CHUNK], tier)):
+                if not await self._attempt(self._inserter(instance, keys[lo : lo + RESEED_CHUNK], tier)):
                     return False
         return True
 

@@ -49,6 +49,7 @@ def blocks_within(budget_bytes: int) -> int:
     """The entry cap an in-process index of `budget_bytes` gets."""
     return entries_within(budget_bytes, ENTRY_BYTES)
 
+
 _RANK_TIER = (Tier.DEVICE, Tier.HOST, Tier.STORE)
 # tier bits -> rank of the fastest tier present (0 device, 1 host, 2 store); index 0 unused
 _RANK_OF_BITS = tuple(0 if b & 1 else 1 if b & 2 else 2 for b in range(ALL_TIER_BITS + 1))
@@ -90,14 +91,10 @@ class MemoryIndex:
         self._total = 0
         self._evictions = 0
 
-    async def insert(
-        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
-    ) -> None:
+    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
         self.insert_sync(instance, keys, tier=tier, confirmed=confirmed)
 
-    def insert_sync(
-        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
-    ) -> None:
+    def insert_sync(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
         h = self._by_instance.get(instance)
         if h is None:
             h = self._by_instance[instance] = _Holdings()

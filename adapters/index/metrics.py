@@ -31,21 +31,21 @@ _LABELS = ("structure", "instance")
 class KVMemoryCollector(Collector):
     """Entries, estimated bytes, caps and evictions of the index and of each instance's hash map."""
 
-    def __init__(self, index_memory: Callable[[], MemoryUse | None],
-                 map_memory: Callable[[], Mapping[str, MemoryUse]]) -> None:
+    def __init__(self, index_memory: Callable[[], MemoryUse | None], map_memory: Callable[[], Mapping[str, MemoryUse]]) -> None:
         self._index_memory = index_memory
         self._map_memory = map_memory
 
     def _families(self, rows: list[tuple[str, str, MemoryUse]]) -> list[Metric]:
-        entries = GaugeMetricFamily("conductor_kv_memory_entries", "Entries held by an in-process KV structure",
-                                    labels=_LABELS)
-        used = GaugeMetricFamily("conductor_kv_memory_bytes",
-                                 "Estimated bytes of an in-process KV structure (entries x measured cost per entry)",
-                                 labels=_LABELS)
-        cap = GaugeMetricFamily("conductor_kv_memory_cap_entries",
-                                "Entries the structure's byte budget allows", labels=_LABELS)
-        evictions = CounterMetricFamily("conductor_kv_memory_evictions",
-                                        "Entries dropped to stay within the byte budget", labels=_LABELS)
+        entries = GaugeMetricFamily("conductor_kv_memory_entries", "Entries held by an in-process KV structure", labels=_LABELS)
+        used = GaugeMetricFamily(
+            "conductor_kv_memory_bytes",
+            "Estimated bytes of an in-process KV structure (entries x measured cost per entry)",
+            labels=_LABELS,
+        )
+        cap = GaugeMetricFamily("conductor_kv_memory_cap_entries", "Entries the structure's byte budget allows", labels=_LABELS)
+        evictions = CounterMetricFamily(
+            "conductor_kv_memory_evictions", "Entries dropped to stay within the byte budget", labels=_LABELS
+        )
         for structure, instance, use in rows:
             labels = [structure, instance]
             entries.add_metric(labels, use.entries)
@@ -74,15 +74,16 @@ class GuardCollector(Collector):
 
     def _families(self, index: GuardedIndex | None) -> list[Metric]:
         rows = (
-            ("conductor_kv_index_fallback_lookups", "KV index look-ups answered without Redis (breaker open or "
-             "Redis failing): from the local copy, or as nothing cached", "fallback_lookups"),
-            ("conductor_kv_index_missed_writes", "KV index writes Redis did not take (failed or not attempted)",
-             "missed_writes"),
-            ("conductor_kv_index_reseeds", "Instances re-seeded into Redis from the local copy after missed writes",
-             "reseeds"),
+            (
+                "conductor_kv_index_fallback_lookups",
+                "KV index look-ups answered without Redis (breaker open or "
+                "Redis failing): from the local copy, or as nothing cached",
+                "fallback_lookups",
+            ),
+            ("conductor_kv_index_missed_writes", "KV index writes Redis did not take (failed or not attempted)", "missed_writes"),
+            ("conductor_kv_index_reseeds", "Instances re-seeded into Redis from the local copy after missed writes", "reseeds"),
         )
-        return [CounterMetricFamily(name, doc, value=0 if index is None else getattr(index, attr))
-                for name, doc, attr in rows]
+        return [CounterMetricFamily(name, doc, value=0 if index is None else getattr(index, attr)) for name, doc, attr in rows]
 
     def describe(self) -> Iterable[Metric]:
         return self._families(None)
@@ -91,8 +92,9 @@ class GuardCollector(Collector):
         return self._families(self.index)
 
 
-def register_kv_memory(registry: CollectorRegistry, index_memory: Callable[[], MemoryUse | None],
-                       map_memory: Callable[[], Mapping[str, MemoryUse]]) -> None:
+def register_kv_memory(
+    registry: CollectorRegistry, index_memory: Callable[[], MemoryUse | None], map_memory: Callable[[], Mapping[str, MemoryUse]]
+) -> None:
     registry.register(KVMemoryCollector(index_memory, map_memory))
 
 

@@ -37,7 +37,9 @@ _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math
 
 # KEYS: instances, lru, evictions, clock. ARGV: prefix, instance, tier bit, confirmed,
 # unconfirmed ttl ms, key ttl ms, cap, packed keys.
-_INSERT = _NOW_MS + """
+_INSERT = (
+    _NOW_MS
+    + """
 local prefix, inst, tbit = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local confirmed, unconf_ms, ttl_ms = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
 local cap, blob = tonumber(ARGV[7]), ARGV[8]
@@ -90,6 +92,7 @@ if excess > 0 then
 end
 return 0
 """
+)
 
 # KEYS: lru. ARGV: prefix, instance, tier mask, packed keys.
 _REMOVE = """
@@ -147,7 +150,10 @@ end
 """
 
 # KEYS: instances. ARGV: prefix, packed keys. Returns [instance, blocks, worst tier rank, confirmed]*.
-_MATCH = _NOW_MS + WALK_CHUNK + """
+_MATCH = (
+    _NOW_MS
+    + WALK_CHUNK
+    + """
 local prefix, blob = ARGV[1], ARGV[2]
 local n = #blob / 8
 local first = string.sub(blob, 1, 8)
@@ -180,6 +186,7 @@ for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+)
 
 
 _RANK_TIER = (Tier.DEVICE, Tier.HOST, Tier.STORE)
@@ -237,9 +244,7 @@ class RedisIndex:
         self._remove = self._redis.register_script(_REMOVE)
         self._match = self._read.register_script(_MATCH)
 
-    async def insert(
-        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
-    ) -> None:
+    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
         if not keys:
             return
         args: list[Any] = [

@@ -86,8 +86,9 @@ def _cluster_client(urls: str | Sequence[str], timeout_s: float) -> RedisCluster
     nodes, extra = startup_nodes(urls)
     # One retry, no back-off: enough to re-read the slot map after a failover; the breaker above
     # (GuardedIndex) decides about anything longer than that.
-    return RedisCluster(startup_nodes=nodes, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                        retry=Retry(NoBackoff(), 1), **extra)
+    return RedisCluster(
+        startup_nodes=nodes, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1), **extra
+    )
 
 
 def _text(value: Any) -> str:
@@ -132,8 +133,14 @@ class RedisClusterIndex:
 
     @staticmethod
     def _scripts() -> dict[str, str]:
-        return {"insert": lua.INSERT, "remove": lua.REMOVE, "drop": lua.DROP, "stats": lua.STATS,
-                "match": lua.MATCH, "clear": lua.CLEAR}
+        return {
+            "insert": lua.INSERT,
+            "remove": lua.REMOVE,
+            "drop": lua.DROP,
+            "stats": lua.STATS,
+            "match": lua.MATCH,
+            "clear": lua.CLEAR,
+        }
 
     def shard_of(self, instance: str) -> int:
         """The shard an instance's keys live in (stable across processes: crc32, not hash())."""
@@ -142,9 +149,7 @@ class RedisClusterIndex:
     def tag(self, shard: int) -> str:
         return self._tags[shard]
 
-    async def insert(
-        self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool
-    ) -> None:
+    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
         if not keys:
             return
         hexpire = await self._uses_hexpire()
@@ -154,13 +159,19 @@ class RedisClusterIndex:
         others = sum(self._counts) - self._counts[shard]
         t = self._tags[shard]
         args: list[Any] = [
-            instance, TIER_BITS[tier], 1 if confirmed else 0, int(self.limits.unconfirmed_ttl_s * 1000),
-            int(self.limits.key_ttl_s * 1000), self.limits.max_blocks, others, 1 if hexpire else 0,
+            instance,
+            TIER_BITS[tier],
+            1 if confirmed else 0,
+            int(self.limits.unconfirmed_ttl_s * 1000),
+            int(self.limits.key_ttl_s * 1000),
+            self.limits.max_blocks,
+            others,
+            1 if hexpire else 0,
             pack_keys(keys),
         ]
-        members, _ = await self._eval(self._write, "insert",
-                                      [f"{t}instances", f"{t}clock", f"{t}evictions", f"{t}i:{instance}",
-                                       f"{t}l:{instance}"], args)
+        members, _ = await self._eval(
+            self._write, "insert", [f"{t}instances", f"{t}clock", f"{t}evictions", f"{t}i:{instance}", f"{t}l:{instance}"], args
+        )
         self._counts[shard] = int(members)
 
     async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
@@ -173,8 +184,7 @@ class RedisClusterIndex:
     async def drop_instance(self, instance: str) -> None:
         shard = self.shard_of(instance)
         t = self._tags[shard]
-        removed = await self._eval(self._write, "drop", [f"{t}instances", f"{t}i:{instance}", f"{t}l:{instance}"],
-                                   [instance])
+        removed = await self._eval(self._write, "drop", [f"{t}instances", f"{t}i:{instance}", f"{t}l:{instance}"], [instance])
         self._counts[shard] = max(0, self._counts[shard] - int(removed))
 
     async def match(self, keys: Sequence[int]) -> PrefixMatch:
@@ -185,8 +195,7 @@ class RedisClusterIndex:
         return match_from_replies(replies)
 
     async def stats(self) -> IndexStats:
-        replies = await self._eval_each(self._write, "stats",
-                                        [([f"{t}instances", f"{t}evictions"], [t]) for t in self._tags])
+        replies = await self._eval_each(self._write, "stats", [([f"{t}instances", f"{t}evictions"], [t]) for t in self._tags])
         names: list[str] = []
         blocks = evictions = 0
         for shard, raw in enumerate(replies):
@@ -201,7 +210,8 @@ class RedisClusterIndex:
     async def clear(self) -> int:
         """Delete every key of this index (tests, an operator's reset); returns how many existed."""
         replies = await self._eval_each(
-            self._write, "clear", [([f"{t}instances", f"{t}clock", f"{t}evictions"], [t]) for t in self._tags])
+            self._write, "clear", [([f"{t}instances", f"{t}clock", f"{t}evictions"], [t]) for t in self._tags]
+        )
         self._counts = [0] * self.shards
         return sum(int(r) for r in replies)
 
@@ -215,11 +225,14 @@ class RedisClusterIndex:
             found = [info["redis_version"] for info in _per_node(infos)]
             oldest = min((_version(v) for v in found), default=(0, 0))
             self._hexpire = oldest >= _HEXPIRE_VERSION
-            log.info("KV index on Redis Cluster: servers run %s; unconfirmed entries expire by %s",
-                     ", ".join(sorted(set(map(_text, found)))),
-                     "per-field TTL (HPEXPIRE)" if self._hexpire
-                     else "the expiry kept in their value (no HPEXPIRE before Redis 7.4; they stay until "
-                          "overwritten, evicted or their instance's keys expire)")
+            log.info(
+                "KV index on Redis Cluster: servers run %s; unconfirmed entries expire by %s",
+                ", ".join(sorted(set(map(_text, found)))),
+                "per-field TTL (HPEXPIRE)"
+                if self._hexpire
+                else "the expiry kept in their value (no HPEXPIRE before Redis 7.4; they stay until "
+                "overwritten, evicted or their instance's keys expire)",
+            )
         return self._hexpire
 
     async def _refresh_counts(self) -> None:
@@ -237,8 +250,7 @@ class RedisClusterIndex:
             # a node that never ran it (new, or a replica promoted by a failover): send the source once
             return await client.execute_command("EVAL", self._scripts()[script], len(keys), *keys, *args)
 
-    async def _eval_each(self, client: RedisCluster, script: str, calls: list[tuple[list[str], list[Any]]]
-                         ) -> list[Any]:
+    async def _eval_each(self, client: RedisCluster, script: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
         """One script per (keys, args), one pipeline per node, nodes in parallel (redis-py's cluster
         pipeline groups by node and gathers); scripts a node lacks are sent again as EVAL."""
         async with client.pipeline() as pipe:
@@ -269,4 +281,3 @@ def _per_node(infos: Any) -> list[dict[str, Any]]:
     if isinstance(infos, dict) and "redis_version" in infos:
         return [infos]
     return [v for v in infos.values() if isinstance(v, dict)] if isinstance(infos, dict) else []
-

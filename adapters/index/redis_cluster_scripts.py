@@ -19,7 +19,9 @@ from adapters.index.redis import _NOW_MS, WALK_CHUNK
 # KEYS[1] instances, KEYS[2] clock, KEYS[3] evictions, KEYS[4] T i:<inst>, KEYS[5] T l:<inst>.
 # ARGV: instance, tier bit, confirmed, unconfirmed ttl ms, key ttl ms, max_blocks, instances in other
 # shards, use HPEXPIRE (server 7.4+), packed keys. Returns {instances in this shard, evicted}.
-INSERT = _NOW_MS + """
+INSERT = (
+    _NOW_MS
+    + """
 local inst, tbit = ARGV[1], tonumber(ARGV[2])
 local confirmed, unconf_ms, ttl_ms = ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_blocks, others, hexpire, blob = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8] == '1', ARGV[9]
@@ -79,6 +81,7 @@ end
 redis.call('INCRBY', KEYS[3], excess)
 return {members, excess}
 """
+)
 
 # KEYS[1] T i:<inst>, KEYS[2] T l:<inst>. ARGV: tier mask, packed keys.
 REMOVE = """
@@ -133,7 +136,10 @@ return deleted + redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3])
 # ends every run at or before it, and the HMGET walk stops at any earlier hole or expired guess, so
 # the answer is exact, yet a run of r blocks costs about r fields plus a few probes (never a
 # whole 4x-overshooting chunk). Field strings are cut from the blob only as far as some run reaches.
-MATCH = _NOW_MS + WALK_CHUNK + """
+MATCH = (
+    _NOW_MS
+    + WALK_CHUNK
+    + """
 local tag, blob = ARGV[1], ARGV[2]
 local n = #blob / 8
 local memo = {}
@@ -185,3 +191,4 @@ for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+)

@@ -77,9 +77,19 @@ def parse_answer(payload: bytes, tenant_id: str, block_size: int) -> PrefixMatch
 class IndexerClient:
     """KVIndex reading a `conductor indexer`, with a local overlay of this gateway's dispatch guesses."""
 
-    def __init__(self, url: str, limits: IndexLimits, timeout_s: float, *, block_size: int = 16,
-                 model: str = "default", tenant_id: str = "default", breaker_failures: int = 3,
-                 breaker_open_s: float = 1.0, max_connections: int = 8) -> None:
+    def __init__(
+        self,
+        url: str,
+        limits: IndexLimits,
+        timeout_s: float,
+        *,
+        block_size: int = 16,
+        model: str = "default",
+        tenant_id: str = "default",
+        breaker_failures: int = 3,
+        breaker_open_s: float = 1.0,
+        max_connections: int = 8,
+    ) -> None:
         if timeout_s <= 0 or block_size <= 0:
             raise ValueError("timeout_s and block_size must be positive")
         self.url = url.rstrip("/")
@@ -89,8 +99,7 @@ class IndexerClient:
         self.model = model
         self.tenant_id = tenant_id
         self.overlay = MemoryIndex(limits)
-        self.breaker = CircuitBreaker("KV indexer", failures_to_open=breaker_failures, open_s=breaker_open_s,
-                                      logger=log)
+        self.breaker = CircuitBreaker("KV indexer", failures_to_open=breaker_failures, open_s=breaker_open_s, logger=log)
         self._max_connections = max_connections
         self._client: httpx.AsyncClient | None = None
         self.remote_lookups = 0  # answered by the indexer
@@ -98,14 +107,20 @@ class IndexerClient:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            limits = httpx.Limits(max_connections=self._max_connections,
-                                  max_keepalive_connections=self._max_connections)
+            limits = httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=self._max_connections)
             self._client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
         return self._client
 
     async def _remote(self, keys: Sequence[int]) -> PrefixMatch:
-        body = _encode({"model": self.model, "block_size": self.block_size, "tenant_id": self.tenant_id,
-                        "seq_hashes": list(keys), "holders_only": True})
+        body = _encode(
+            {
+                "model": self.model,
+                "block_size": self.block_size,
+                "tenant_id": self.tenant_id,
+                "seq_hashes": list(keys),
+                "holders_only": True,
+            }
+        )
         r = await self._http().post("/query_by_hash", content=body, headers={"content-type": "application/json"})
         if r.status_code != 200:
             raise IndexerError(f"HTTP {r.status_code}: {r.text[:300]}")

@@ -148,8 +148,9 @@ def prefill_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any])
 def leg_failed(target: Target, leg: str, status: int, body: bytes) -> UpstreamError:
     """A leg answered an error status: the error keeps the worker's own status and body (a 4xx is
     the client's fault and is passed on as such)."""
-    return UpstreamError(f"{leg} leg on {target.name} answered HTTP {status}", upstream_status=status,
-                         instance=target.name, body=body)
+    return UpstreamError(
+        f"{leg} leg on {target.name} answered HTTP {status}", upstream_status=status, instance=target.name, body=body
+    )
 
 
 def check_leg(reply: UpstreamReply, target: Target, leg: str) -> Any:

@@ -73,12 +73,19 @@ class NixlProtocol(NoBootstrap):
         exchange.prefill_cached_tokens = cached_tokens_of(answer)
         return exchange
 
-    async def stage_prefix(self, holder: Target, out: Outgoing, token_ids: Sequence[int],
-                           priority: int | None = None) -> tuple[Any, float]:
+    async def stage_prefix(
+        self, holder: Target, out: Outgoing, token_ids: Sequence[int], priority: int | None = None
+    ) -> tuple[Any, float]:
         """Have `holder` compute one token after `token_ids` and keep the request's KV for a reader:
         (its JSON answer, seconds from sent to answered). Raises UpstreamError when it fails."""
-        body: dict[str, Any] = {"model": out.body.get("model"), "prompt": list(token_ids), "max_tokens": 1,
-                                "temperature": 0, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
+        body: dict[str, Any] = {
+            "model": out.body.get("model"),
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            "kv_transfer_params": PREFILL_PARAMS,
+        }
         if priority is not None:
             body["priority"] = priority
         if "cache_salt" in out.body:  # part of vLLM's block hashes: without it no block would match

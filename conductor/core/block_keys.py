@@ -144,8 +144,7 @@ class VllmKeys:
 
     def chain(self, state: object | None, token_ids: Sequence[int]) -> tuple[list[int], Sequence[object]]:
         """`ResumableKeys.chain`: the state after a block is its full digest (the chain's link)."""
-        digests = self._hasher.digests([int(t) for t in token_ids],
-                                       parent=state if isinstance(state, bytes) else None)
+        digests = self._hasher.digests([int(t) for t in token_ids], parent=state if isinstance(state, bytes) else None)
         return [int.from_bytes(d, "big") & _MASK64 for d in digests], digests
 
     def digests(self, token_ids: Sequence[int]) -> list[bytes]:
@@ -153,8 +152,9 @@ class VllmKeys:
         return list(self._hasher.digests([int(t) for t in token_ids]))
 
 
-def make_scheme(mode: KeyMode, block_size: int, *, seed: int = 0, algo: str = "sha256",
-                vllm_seed: str | int | None = None) -> BlockKeyScheme:
+def make_scheme(
+    mode: KeyMode, block_size: int, *, seed: int = 0, algo: str = "sha256", vllm_seed: str | int | None = None
+) -> BlockKeyScheme:
     """The scheme named by settings: "xxhash" (own keys) or "vllm" (vLLM's event hashes)."""
     if mode == "xxhash":
         return XxhashKeys(block_size=block_size, seed=seed)

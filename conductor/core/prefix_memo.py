@@ -37,8 +37,9 @@ DEFAULT_MAX_ENTRIES = 32_768
 class PrefixMemo:
     """`keys(token_ids)` equal to `scheme.keys(token_ids)`, computed once per shared prefix."""
 
-    def __init__(self, scheme: ResumableKeys, *, stride_tokens: int = DEFAULT_STRIDE_TOKENS,
-                 max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(
+        self, scheme: ResumableKeys, *, stride_tokens: int = DEFAULT_STRIDE_TOKENS, max_entries: int = DEFAULT_MAX_ENTRIES
+    ) -> None:
         if max_entries <= 0:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
         size = scheme.block_size
@@ -88,7 +89,7 @@ class PrefixMemo:
             keys.extend(chunk.tolist())
             state = entry[1]
             known += 1
-        rest, states = self.scheme.chain(state, token_ids[known * stride:] if known else token_ids)
+        rest, states = self.scheme.chain(state, token_ids[known * stride :] if known else token_ids)
         per = stride // size
         packed = array("Q", rest).tobytes() if strides > known else b""
         width = per * 8

@@ -29,8 +29,9 @@ def message_text(content: Any) -> str:
         return content
     if isinstance(content, list):
         # a part whose text is not a string (null, a number) adds nothing rather than failing
-        return "".join(text for p in content if isinstance(p, Mapping) and p.get("type") == "text"
-                       and isinstance(text := p.get("text"), str))
+        return "".join(
+            text for p in content if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(text := p.get("text"), str)
+        )
     return ""
 
 

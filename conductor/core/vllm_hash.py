@@ -153,8 +153,7 @@ class VllmBlockHasher:
         self.none = none_hash(algo, self.seed)
         self._serialise, self._digest = _ALGOS[algo]
 
-    def digests(self, token_ids: Sequence[int], extra_keys: tuple | None = None,
-                parent: bytes | None = None) -> list[bytes]:
+    def digests(self, token_ids: Sequence[int], extra_keys: tuple | None = None, parent: bytes | None = None) -> list[bytes]:
         """Digests of the full blocks of `token_ids`, first block first (partial tail skipped);
         `parent`: the digest of the block before them (None: they start the prompt)."""
         size = self.block_size

@@ -31,8 +31,7 @@ from tests.support.waiting import wait_for
 NAME = "mixed.conductor.test"
 KEY = "admin-secret"
 
-pytestmark = pytest.mark.skipif(shutil.which("dnsmasq") is None,
-                                reason="dnsmasq not installed (bash .ci/apt.sh dnsmasq-base)")
+pytestmark = pytest.mark.skipif(shutil.which("dnsmasq") is None, reason="dnsmasq not installed (bash .ci/apt.sh dnsmasq-base)")
 
 
 class Dnsmasq:
@@ -46,12 +45,21 @@ class Dnsmasq:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Dnsmasq:
-        args = ["dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", f"--port={self.port}",
-                "--listen-address=127.0.0.1", "--bind-interfaces", f"--addn-hosts={self.hosts}",
-                "--local=/test/",  # names under .test it does not hold are NXDOMAIN, not REFUSED
-                "--pid-file=",  # none: it would need a writable /run
-                # stay the user it runs as: as root it would switch to nobody, who may not read tmp_path
-                f"--user={getpass.getuser()}", "--log-queries"]
+        args = [
+            "dnsmasq",
+            "--no-daemon",
+            "--no-resolv",
+            "--no-hosts",
+            f"--port={self.port}",
+            "--listen-address=127.0.0.1",
+            "--bind-interfaces",
+            f"--addn-hosts={self.hosts}",
+            "--local=/test/",  # names under .test it does not hold are NXDOMAIN, not REFUSED
+            "--pid-file=",  # none: it would need a writable /run
+            # stay the user it runs as: as root it would switch to nobody, who may not read tmp_path
+            f"--user={getpass.getuser()}",
+            "--log-queries",
+        ]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         assert wait_for(lambda: self._answers(), timeout=10), self.log.read_text()
@@ -153,11 +161,21 @@ def test_the_gateway_follows_the_records_without_a_restart(dns: Dnsmasq) -> None
     addresses = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     dns.set(NAME, addresses[:2])
     with _workers(addresses, port) as workers:
-        settings = load_settings(environ={}, overrides={
-            "models": ["tiny"], "health_interval_s": 0.3, "admin_api_keys": [KEY],
-            "discovery": {"mixed": {"name": NAME, "port": port}, "interval_s": 0.2, "timeout_s": 0.5,
-                          "nameserver": "127.0.0.1", "nameserver_port": dns.port},
-        })
+        settings = load_settings(
+            environ={},
+            overrides={
+                "models": ["tiny"],
+                "health_interval_s": 0.3,
+                "admin_api_keys": [KEY],
+                "discovery": {
+                    "mixed": {"name": NAME, "port": port},
+                    "interval_s": 0.2,
+                    "timeout_s": 0.5,
+                    "nameserver": "127.0.0.1",
+                    "nameserver_port": dns.port,
+                },
+            },
+        )
         gateway = Gateway(settings)
         with serve(create_app(gateway)) as g:
             healthy = {"mixed-127-0-0-2": "healthy", "mixed-127-0-0-3": "healthy"}
@@ -185,11 +203,21 @@ def test_a_name_with_no_records_means_no_instances(dns: Dnsmasq) -> None:
     port = free_port()
     dns.set(NAME, ["127.0.0.2"])
     with _workers(["127.0.0.2"], port):
-        settings = load_settings(environ={}, overrides={
-            "models": ["tiny"], "health_interval_s": 0.3, "admin_api_keys": [KEY], "drain_grace_s": 0.5,
-            "discovery": {"mixed": {"name": NAME, "port": port}, "interval_s": 0.2,
-                          "nameserver": "127.0.0.1", "nameserver_port": dns.port},
-        })
+        settings = load_settings(
+            environ={},
+            overrides={
+                "models": ["tiny"],
+                "health_interval_s": 0.3,
+                "admin_api_keys": [KEY],
+                "drain_grace_s": 0.5,
+                "discovery": {
+                    "mixed": {"name": NAME, "port": port},
+                    "interval_s": 0.2,
+                    "nameserver": "127.0.0.1",
+                    "nameserver_port": dns.port,
+                },
+            },
+        )
         with serve(create_app(Gateway(settings))) as g:
             assert wait_for(lambda: _listed(g.url) == {"mixed-127-0-0-2": "healthy"}, timeout=20)
             dns.set(NAME, [])  # the name is gone (NXDOMAIN): drained, then removed
@@ -203,11 +231,20 @@ def test_the_api_overrules_dns_while_dns_lists_the_address(dns: Dnsmasq) -> None
     port = free_port()
     dns.set(NAME, ["127.0.0.2", "127.0.0.3"])
     with _workers(["127.0.0.2", "127.0.0.3"], port) as workers:
-        settings = load_settings(environ={}, overrides={
-            "models": ["tiny"], "health_interval_s": 0.3, "admin_api_keys": [KEY],
-            "discovery": {"mixed": {"name": NAME, "port": port}, "interval_s": 0.2,
-                          "nameserver": "127.0.0.1", "nameserver_port": dns.port},
-        })
+        settings = load_settings(
+            environ={},
+            overrides={
+                "models": ["tiny"],
+                "health_interval_s": 0.3,
+                "admin_api_keys": [KEY],
+                "discovery": {
+                    "mixed": {"name": NAME, "port": port},
+                    "interval_s": 0.2,
+                    "nameserver": "127.0.0.1",
+                    "nameserver_port": dns.port,
+                },
+            },
+        )
         gateway = Gateway(settings)
         with serve(create_app(gateway)) as g:
             assert wait_for(lambda: len(_listed(g.url)) == 2, timeout=20)
@@ -229,9 +266,13 @@ def test_the_api_overrules_dns_while_dns_lists_the_address(dns: Dnsmasq) -> None
 
 
 def test_discovery_settings_come_from_the_environment() -> None:
-    env = {"CONDUCTOR_DISCOVERY__PREFILL__NAME": "p.ns.svc.cluster.local", "CONDUCTOR_DISCOVERY__PREFILL__PORT": "8100",
-           "CONDUCTOR_DISCOVERY__DECODE__NAME": "d.ns.svc.cluster.local", "CONDUCTOR_DISCOVERY__DECODE__PORT": "8200",
-           "CONDUCTOR_DISCOVERY__INTERVAL_S": "5"}
+    env = {
+        "CONDUCTOR_DISCOVERY__PREFILL__NAME": "p.ns.svc.cluster.local",
+        "CONDUCTOR_DISCOVERY__PREFILL__PORT": "8100",
+        "CONDUCTOR_DISCOVERY__DECODE__NAME": "d.ns.svc.cluster.local",
+        "CONDUCTOR_DISCOVERY__DECODE__PORT": "8200",
+        "CONDUCTOR_DISCOVERY__INTERVAL_S": "5",
+    }
     settings = load_settings(environ=env)
     assert settings.disaggregated and settings.discovery.interval_s == 5
     assert set(settings.discovery.sources()) == {Role.PREFILL, Role.DECODE}

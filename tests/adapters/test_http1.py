@@ -153,13 +153,25 @@ async def test_refused_connection_says_nothing_was_sent(pools: list[Pool]) -> No
     assert err.value.maybe_processed is False and err.value.instance == "w0"
 
 
-@pytest.mark.parametrize("headers", [
-    {"X-Request-ID": "a\r\nX-Injected: 1"}, {"X-A": "a\nb"}, {"X-A": "nul\x00"}, {"X-A": "bell\x07"},
-    {"Bad Name": "x"}, {"X:Colon": "x"}, {"": "x"}, {"Content-Length": "3"}, {"Host": "evil"},
-    {"Transfer-Encoding": "chunked"}, {"X-A": "snow \u2603"},
-])
-async def test_bad_headers_are_refused_before_connecting(serve: Callable[..., Awaitable[Server]], pools: list[Pool],
-                                                          headers: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"X-Request-ID": "a\r\nX-Injected: 1"},
+        {"X-A": "a\nb"},
+        {"X-A": "nul\x00"},
+        {"X-A": "bell\x07"},
+        {"Bad Name": "x"},
+        {"X:Colon": "x"},
+        {"": "x"},
+        {"Content-Length": "3"},
+        {"Host": "evil"},
+        {"Transfer-Encoding": "chunked"},
+        {"X-A": "snow \u2603"},
+    ],
+)
+async def test_bad_headers_are_refused_before_connecting(
+    serve: Callable[..., Awaitable[Server]], pools: list[Pool], headers: dict[str, str]
+) -> None:
     server = await serve(keep_alive_ok)
     pool = new_pool(pools, server.port)
     with pytest.raises(InvalidRequest) as info:
@@ -173,11 +185,18 @@ def test_request_head_is_built_from_validated_parts() -> None:
     host = authority("127.0.0.1", 8100, tls=False)
     assert build_head("POST", "/v1/x?a=1", host, {"Content-Type": "application/json", "X-T": "a\tb"}, 2) == (
         b"POST /v1/x?a=1 HTTP/1.1\r\nHost: 127.0.0.1:8100\r\nContent-Type: application/json\r\nX-T: a\tb\r\n"
-        b"Content-Length: 2\r\n\r\n")
+        b"Content-Length: 2\r\n\r\n"
+    )
     assert build_head("GET", "/health", host, {}, 0) == b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:8100\r\n\r\n"
     assert build_head("POST", "/", host, {}, 0).endswith(b"Content-Length: 0\r\n\r\n")
-    for method, target in [("GET /x HTTP/1.1\r\n", "/"), ("GET", "/a b"), ("GET", "/a\r\nX: y"), ("GET", "x"),
-                           ("GET", "/\u00e9"), ("", "/")]:
+    for method, target in [
+        ("GET /x HTTP/1.1\r\n", "/"),
+        ("GET", "/a b"),
+        ("GET", "/a\r\nX: y"),
+        ("GET", "x"),
+        ("GET", "/\u00e9"),
+        ("", "/"),
+    ]:
         with pytest.raises(InvalidRequest):
             build_head(method, target, host, {}, 0)
     assert authority("::1", 8100, tls=False) == b"[::1]:8100"
@@ -211,8 +230,9 @@ async def test_reset_mid_response(serve: Callable[..., Awaitable[Server]], pools
     assert len(server.requests) == 1
 
 
-async def test_connection_dying_after_the_write_is_not_retried(serve: Callable[..., Awaitable[Server]],
-                                                               pools: list[Pool]) -> None:
+async def test_connection_dying_after_the_write_is_not_retried(
+    serve: Callable[..., Awaitable[Server]], pools: list[Pool]
+) -> None:
     # The first request is answered on a keep-alive connection; the second is read in full by the
     # server, which then closes without answering. The client must not send it again anywhere.
     async def handler(peer: Peer) -> None:
@@ -265,8 +285,9 @@ async def test_garbage_status_line_is_a_clear_error(serve: Callable[..., Awaitab
         await new_pool(pools, server.port).request("GET", "/", {})
 
 
-async def test_unfinished_chunked_body_times_out_and_frees_the_slot(serve: Callable[..., Awaitable[Server]],
-                                                                    pools: list[Pool]) -> None:
+async def test_unfinished_chunked_body_times_out_and_frees_the_slot(
+    serve: Callable[..., Awaitable[Server]], pools: list[Pool]
+) -> None:
     async def handler(peer: Peer) -> None:
         await peer.request()
         await peer.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
@@ -343,8 +364,15 @@ async def test_head_and_bodiless_statuses_complete(serve: Callable[..., Awaitabl
 
     server = await serve(handler)
     pool = new_pool(pools, server.port)
-    for method, path, status in [("HEAD", "/", 200), ("GET", "/", 200), ("HEAD", "/", 200), ("GET", "/204", 204),
-                                 ("GET", "/304", 304), ("HEAD", "/", 200), ("GET", "/", 200)]:
+    for method, path, status in [
+        ("HEAD", "/", 200),
+        ("GET", "/", 200),
+        ("HEAD", "/", 200),
+        ("GET", "/204", 204),
+        ("GET", "/304", 304),
+        ("HEAD", "/", 200),
+        ("GET", "/", 200),
+    ]:
         response = await pool.request(method, path, {})
         assert response.status == status
         assert response.header("content-length") in ("1234", "7", "5")
@@ -352,8 +380,7 @@ async def test_head_and_bodiless_statuses_complete(serve: Callable[..., Awaitabl
     assert pool.opened == 1  # each answer ended where it should: the connection stayed in step
 
 
-async def test_error_status_is_relayed_and_connection_reused(serve: Callable[..., Awaitable[Server]],
-                                                             pools: list[Pool]) -> None:
+async def test_error_status_is_relayed_and_connection_reused(serve: Callable[..., Awaitable[Server]], pools: list[Pool]) -> None:
     async def handler(peer: Peer) -> None:
         while await peer.request() is not None:
             await peer.send(b'HTTP/1.1 500 Internal Server Error\r\nContent-Length: 16\r\n\r\n{"error":"boom"}')
@@ -393,8 +420,9 @@ async def test_streamed_body_with_backpressure(serve: Callable[..., Awaitable[Se
     assert up.pool.opened == 1 and len(server.requests[0][1]) == 200_000
 
 
-async def test_pieces_that_arrived_together_are_relayed_as_one(serve: Callable[..., Awaitable[Server]],
-                                                              pools: list[Pool]) -> None:
+async def test_pieces_that_arrived_together_are_relayed_as_one(
+    serve: Callable[..., Awaitable[Server]], pools: list[Pool]
+) -> None:
     pieces = [b"data: %d\n\n" % i for i in range(33)]
     framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
 
@@ -416,8 +444,7 @@ async def test_pieces_that_arrived_together_are_relayed_as_one(serve: Callable[.
 
 
 # ---- keep-alive -------------------------------------------------------------------------------------
-async def test_server_closing_an_idle_connection_is_noticed(serve: Callable[..., Awaitable[Server]],
-                                                            pools: list[Pool]) -> None:
+async def test_server_closing_an_idle_connection_is_noticed(serve: Callable[..., Awaitable[Server]], pools: list[Pool]) -> None:
     closed = asyncio.Event()
 
     async def handler(peer: Peer) -> None:
@@ -478,8 +505,7 @@ async def test_stale_connection_is_replaced_before_the_write(pools: list[Pool]) 
     await asyncio.to_thread(thread.join, 10)  # the loop must run to close the client's socket
 
 
-async def test_reuse_works_for_sockets_past_fd_setsize(serve: Callable[..., Awaitable[Server]],
-                                                       pools: list[Pool]) -> None:
+async def test_reuse_works_for_sockets_past_fd_setsize(serve: Callable[..., Awaitable[Server]], pools: list[Pool]) -> None:
     # A busy gateway holds more than 1024 descriptors; the staleness check must not treat every
     # connection with a high fd number as dead (select() cannot watch those).
     import resource
@@ -629,10 +655,28 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     openssl = shutil.which("openssl")
     if openssl is not None:
         subprocess.run(
-            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key_file), "-out", str(cert_file), "-days", "1", "-subj", "/CN=localhost",
-             "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-            check=True, capture_output=True,
+            [
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                str(key_file),
+                "-out",
+                str(cert_file),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            ],
+            check=True,
+            capture_output=True,
         )
         return cert_file, key_file
     x509 = pytest.importorskip("cryptography.x509", reason="neither the openssl CLI nor cryptography is here")
@@ -647,17 +691,24 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_file, key_file
 
 

@@ -184,10 +184,14 @@ def test_pipelined_requests_are_answered_in_order_one_at_a_time(served: Any) -> 
     assert app.order == ["/slow:start", "/slow:end", "/second:start", "/second:end"]
 
 
-@pytest.mark.parametrize("request_bytes", [
-    b"GET /a HTTP/1.0\r\n\r\n",
-    b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-], ids=["http-1.0", "connection-close"])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /a HTTP/1.0\r\n\r\n",
+        b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    ],
+    ids=["http-1.0", "connection-close"],
+)
 def test_the_connection_closes_when_the_client_asks(served: Any, request_bytes: bytes) -> None:
     _, server = served
     with connect(server) as sock:
@@ -219,14 +223,17 @@ def test_expect_100_continue_is_answered_before_the_body_is_sent(served: Any) ->
     assert body == b"echo:abc"
 
 
-@pytest.mark.parametrize(("request_bytes", "status"), [
-    (b"NOT HTTP AT ALL\r\n\r\n", 400),
-    (b"GET /a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
-    (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
-    (b"GET /a HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", 431),
-], ids=["garbage", "two-lengths", "long-url", "huge-headers"])
-def test_malformed_requests_get_a_status_and_a_closed_connection(served: Any, request_bytes: bytes,
-                                                                 status: int) -> None:
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"NOT HTTP AT ALL\r\n\r\n", 400),
+        (b"GET /a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+        (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"GET /a HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", 431),
+    ],
+    ids=["garbage", "two-lengths", "long-url", "huge-headers"],
+)
+def test_malformed_requests_get_a_status_and_a_closed_connection(served: Any, request_bytes: bytes, status: int) -> None:
     app, server = served
     with connect(server) as sock:
         sock.sendall(request_bytes)

@@ -74,8 +74,16 @@ class WirePublisher:
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], medium: str = "GPU") -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": BS, "lora_id": None, "medium": medium, "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
 
 
 @pytest.fixture
@@ -125,8 +133,7 @@ def test_decode_accepts_array_and_map_forms() -> None:
     b = decode_batch(msgspec.msgpack.encode({"ts": 1.5, "events": [ev, {"type": "AllBlocksCleared"}]}))
     # array_like events of older vLLM versions: [tag, fields in declaration order]
     old = ["BlockStored", [1, 2], None, list(range(2 * BS)), BS, None, "GPU"]
-    c = decode_batch(msgspec.msgpack.encode([1.5, [old, ["BlockRemoved", [b"\x00" * 24 + (2).to_bytes(8, "big")],
-                                                        "GPU"]]]))
+    c = decode_batch(msgspec.msgpack.encode([1.5, [old, ["BlockRemoved", [b"\x00" * 24 + (2).to_bytes(8, "big")], "GPU"]]]))
     assert a.events == b.events and a.events[0] == c.events[0]
     assert a.data_parallel_rank == 0 and b.data_parallel_rank is None
     assert c.events[1].block_hashes == (2,)  # type: ignore[union-attr]  # raw digests fold to low 64 bits
@@ -144,8 +151,9 @@ def make_index(backend: str, tag: str) -> KVIndex:
         return MemoryIndex()
     # generous bounds: this test is about what the index holds, and a starved CI box once took over the
     # 0.5 s request-path default for one lookup
-    return RedisIndex("redis://127.0.0.1:6379/0", prefix=f"test:kvevents:{tag}:{time.monotonic_ns()}:",
-                      timeout_s=10.0, write_timeout_s=10.0)
+    return RedisIndex(
+        "redis://127.0.0.1:6379/0", prefix=f"test:kvevents:{tag}:{time.monotonic_ns()}:", timeout_s=10.0, write_timeout_s=10.0
+    )
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
@@ -156,8 +164,7 @@ async def test_events_build_the_same_index_as_dispatches(ctx: zmq.asyncio.Contex
     from_events, from_dispatch = make_index(backend, "events"), make_index(backend, "dispatch")
     feeder = IndexFeeder(from_events, scheme, translate=mode == "xxhash")
     pub = WirePublisher(ctx, bind=True, replay=False)
-    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}"), feeder.on_batch, feeder.on_resync,
-                          context=ctx)
+    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}"), feeder.on_batch, feeder.on_resync, context=ctx)
     try:
         await connect(pub, sub)
         seen: set[int] = set()
@@ -198,8 +205,7 @@ async def test_subscriber_binds_when_vllm_connects(ctx: zmq.asyncio.Context) -> 
     with socket.socket() as probe:  # a free port for us to bind, as vLLM would be told to connect there
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    sub = EventSubscriber(EventSource("p1", f"tcp://127.0.0.1:{port}"), feeder.on_batch, feeder.on_resync,
-                          context=ctx)
+    sub = EventSubscriber(EventSource("p1", f"tcp://127.0.0.1:{port}"), feeder.on_batch, feeder.on_resync, context=ctx)
     assert sub.binds
     pub = WirePublisher(ctx, bind=False, replay=False, port=port)
     try:
@@ -220,8 +226,9 @@ async def test_sequence_gap_is_repaired_by_replay_or_resync(ctx: zmq.asyncio.Con
     feeder = IndexFeeder(index, scheme, translate=True)
     pub = WirePublisher(ctx, bind=True, replay=replay)
     replay_ep = f"tcp://*:{pub.replay_port}" if replay else None
-    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=replay_ep),
-                          feeder.on_batch, feeder.on_resync, context=ctx)
+    sub = EventSubscriber(
+        EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=replay_ep), feeder.on_batch, feeder.on_resync, context=ctx
+    )
     a, b, c = (list(range(s, s + 2 * BS)) for s in (0, 1000, 2000))
     try:
         await connect(pub, sub)
@@ -259,8 +266,12 @@ async def test_catch_up_at_start_applies_what_the_worker_buffered(ctx: zmq.async
     await pub.publish([stored([1, 2, 3], None, a)])
     await pub.publish([stored([4, 5], None, b)])
     await pub.publish([{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}])
-    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
-                          feeder.on_batch, feeder.on_resync, context=ctx)
+    sub = EventSubscriber(
+        EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+        feeder.on_batch,
+        feeder.on_resync,
+        context=ctx,
+    )
     try:
         await sub.start()  # the catch-up is done when start() returns
         assert index.match_sync(scheme.keys(a)).blocks == {"p0": 2}  # the removal replayed in order
@@ -302,8 +313,12 @@ async def test_batches_lost_while_the_socket_joins_come_from_the_replay(ctx: zmq
     scheme = XxhashKeys(BS)
     feeder = IndexFeeder(index, scheme, translate=True)
     pub = WirePublisher(ctx, bind=True, replay=True)
-    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
-                          feeder.on_batch, feeder.on_resync, context=ctx)
+    sub = EventSubscriber(
+        EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+        feeder.on_batch,
+        feeder.on_resync,
+        context=ctx,
+    )
     lost, live = list(range(0, 2 * BS)), list(range(4000, 4000 + BS))
     try:
         await sub.start()
@@ -346,8 +361,13 @@ async def test_publisher_restart_refills_from_its_replay_buffer(ctx: zmq.asyncio
     scheme = XxhashKeys(BS)
     feeder = IndexFeeder(index, scheme, translate=True)
     pub = WirePublisher(ctx, bind=True, replay=True)
-    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
-                          feeder.on_batch, feeder.on_resync, context=ctx, catch_up=False)
+    sub = EventSubscriber(
+        EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+        feeder.on_batch,
+        feeder.on_resync,
+        context=ctx,
+        catch_up=False,
+    )
     old, new0, new1 = (list(range(s, s + BS)) for s in (0, 3000, 6000))
     try:
         await sub.handle(7, _batch([stored([1], None, old)]))
@@ -369,8 +389,13 @@ async def test_unrepairable_gap_keeps_the_buffered_run_that_reaches_the_live_fee
     scheme = XxhashKeys(BS)
     feeder = IndexFeeder(index, scheme, translate=True)
     pub = WirePublisher(ctx, bind=True, replay=True)
-    sub = EventSubscriber(EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
-                          feeder.on_batch, feeder.on_resync, context=ctx, catch_up=False)
+    sub = EventSubscriber(
+        EventSource("p0", f"tcp://*:{pub.port}", replay_endpoint=f"tcp://*:{pub.replay_port}"),
+        feeder.on_batch,
+        feeder.on_resync,
+        context=ctx,
+        catch_up=False,
+    )
     first, lost, kept, live = (list(range(s, s + BS)) for s in (0, 2000, 4000, 8000))
     try:
         await sub.handle(0, _batch([stored([1], None, first)]))

@@ -60,8 +60,12 @@ async def test_what_is_not_a_lesson_is_refused_and_the_rest_learned(tmp_path: Pa
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as rogue:
             rogue.sendto(b"\xc1 not msgpack", str(slot_path(tmp_path, 1)))
             rogue.sendto(b"\x93\x01\x02\x03", str(slot_path(tmp_path, 1)))  # msgpack, not a list of lists
-            rogue.sendto(msgspec.msgpack.encode([["tbt", 4, 100, float("nan")], ["transfer", "instance", 1e6, 0.01],
-                                                 ["nope", 1], ["tbt", 2, 10, 0.01]]), str(slot_path(tmp_path, 1)))
+            rogue.sendto(
+                msgspec.msgpack.encode(
+                    [["tbt", 4, 100, float("nan")], ["transfer", "instance", 1e6, 0.01], ["nope", 1], ["tbt", 2, 10, 0.01]]
+                ),
+                str(slot_path(tmp_path, 1)),
+            )
         assert await _until(lambda: b.counts["received"] == 2)
         assert pupil.learned == [("transfer", "instance", 1e6, 0.01), ("tbt", 2, 10, 0.01)]
         assert b.counts["refused"] == 4  # two datagrams, two lessons

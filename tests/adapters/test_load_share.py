@@ -51,8 +51,13 @@ async def test_hung_redis_routes_on_local_load_and_the_open_breaker_skips_exchan
     clock = Clock()
     with redis_process() as server:
         registry = CollectorRegistry()
-        a = share(server.url, "a", prefix, registry=registry,
-                  breaker=CircuitBreaker("load share a", failures_to_open=3, open_s=30.0, clock=clock))
+        a = share(
+            server.url,
+            "a",
+            prefix,
+            registry=registry,
+            breaker=CircuitBreaker("load share a", failures_to_open=3, open_s=30.0, clock=clock),
+        )
         b = share(server.url, "b", prefix)
         await a.start(table("d0", 0))
         await b.start(table("d0", 2))

@@ -27,11 +27,20 @@ def master() -> Iterator[tuple[str, str]]:
         pytest.skip(f"mooncake.store does not import: {exc}")
     rpc, metrics, http = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
-        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
-         f"--metrics_port={metrics}", "--enable_http_metadata_server=true",
-         "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-         "--default_kv_lease_ttl=5000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--default_kv_lease_ttl=5000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -51,8 +60,7 @@ async def test_store_probe_reports_leading_blocks_put_into_a_real_store(master: 
     from mooncake.store import MooncakeDistributedStore
 
     rpc, metadata = master
-    settings = MooncakeStoreSettings(master=rpc, metadata_server=metadata, key_scheme="vllm", model="tiny",
-                                     timeout_s=5.0)
+    settings = MooncakeStoreSettings(master=rpc, metadata_server=metadata, key_scheme="vllm", model="tiny", timeout_s=5.0)
     probe = MooncakeStoreProbe(settings)
     await probe.start()
     # an engine-like writer with a segment of its own, naming objects as vLLM's store connector does
@@ -76,8 +84,7 @@ async def test_store_probe_reports_leading_blocks_put_into_a_real_store(master: 
 def test_key_schemes() -> None:
     lm = MooncakeStoreProbe(MooncakeStoreSettings(key_scheme="lmcache", model="m", world_size=2), store=object())
     assert lm.object_names(["ab"]) == ["m@2@0@ab@bfloat16"]
-    custom = MooncakeStoreProbe(MooncakeStoreSettings(key_scheme="custom", key_template="kv/{key}/{hash}"),
-                                store=object())
+    custom = MooncakeStoreProbe(MooncakeStoreSettings(key_scheme="custom", key_template="kv/{key}/{hash}"), store=object())
     assert custom.object_names(["ab"], [255]) == ["kv/00000000000000ff/ab"]
     with pytest.raises(ConfigError):
         MooncakeStoreProbe(MooncakeStoreSettings(key_scheme="custom", key_template="no-hash"))

@@ -48,8 +48,7 @@ def segment() -> Iterator[SharedMemory]:
 
 
 async def test_a_sibling_process_sees_queued_prefills_and_decodes(segment: SharedMemory) -> None:
-    table: LoadTable = {"prefill-0": ([(4096, 0, 1.0e9), (512, 256, 1.0e9 + 1)], []),
-                        "decode-1": ([], [(1000, 200, True)])}
+    table: LoadTable = {"prefill-0": ([(4096, 0, 1.0e9), (512, 256, 1.0e9 + 1)], []), "decode-1": ([], [(1000, 200, True)])}
     stop = multiprocessing.get_context("spawn").Event()
     me = SharedMemoryLoadShare(segment.name, 0, 2, slot_bytes=SLOT_BYTES)
     await me.start(dict)

@@ -58,9 +58,26 @@ def gateway_process() -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
     with serve(StandIn(role="mixed", model="tiny")) as worker:
         port, admin_port = free_port(), free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "conductor", "serve", "--mixed", worker.url, "--model", "tiny",
-             "--port", str(port), "--admin-port", str(admin_port), "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "conductor",
+                "serve",
+                "--mixed",
+                worker.url,
+                "--model",
+                "tiny",
+                "--port",
+                str(port),
+                "--admin-port",
+                str(admin_port),
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         public, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
         try:
             up = wait_for(lambda: _answers(public + "/ready") and _answers(admin + "/health"), timeout=30)
@@ -80,7 +97,8 @@ def _answers(url: str) -> bool:
 
 
 def test_admin_port_serves_metrics_and_docs_and_the_public_port_does_not(
-        gateway_process: tuple[str, str, subprocess.Popen[str]]) -> None:
+    gateway_process: tuple[str, str, subprocess.Popen[str]],
+) -> None:
     public, admin, proc = gateway_process
     for path in ("/metrics", "/openapi.json", "/docs"):
         r = httpx.get(public + path)

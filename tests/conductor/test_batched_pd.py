@@ -49,8 +49,7 @@ def test_batched_prompts_in_pd_equal_one_engine(protocol: str) -> None:
         mixed = stack.enter_context(start_emulator("mixed", protocol, time_scale=0.01, model="tiny"))
         p = stack.enter_context(start_emulator("prefill", protocol, time_scale=0.01, model="tiny"))
         d = stack.enter_context(start_emulator("decode", protocol, time_scale=0.01, model="tiny"))
-        url = _gateway(stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url],
-                       pd_protocol=protocol)
+        url = _gateway(stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url], pd_protocol=protocol)
         body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 6}
         engine = httpx.post(mixed.url + "/v1/completions", json=body, timeout=30).json()
         through = httpx.post(url + "/v1/completions", json=body, timeout=30)

@@ -27,18 +27,20 @@ HEAD = {"id": "cmpl-a", "object": "text_completion", "created": 7, "model": "m"}
 
 
 def chunk(text: str, finish: str | None = None, index: int = 0, head: dict[str, Any] = HEAD) -> dict[str, Any]:
-    return {**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish,
-                                 "stop_reason": None}]}
+    return {**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}]}
 
 
 def usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
     details = None if cached is None else {"cached_tokens": cached}
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-            "prompt_tokens_details": details}
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": details,
+    }
 
 
-def sse(objs: list[dict[str, Any]], use: dict[str, Any] | None, sep: bytes = b"\n\n",
-        head: dict[str, Any] = HEAD) -> bytes:
+def sse(objs: list[dict[str, Any]], use: dict[str, Any] | None, sep: bytes = b"\n\n", head: dict[str, Any] = HEAD) -> bytes:
     """A vLLM completions stream: token chunks, the usage-only chunk when asked, [DONE]."""
     events = [b"data: " + json.dumps(o).encode() for o in objs]
     if use is not None:
@@ -50,7 +52,7 @@ def sse(objs: list[dict[str, Any]], use: dict[str, Any] | None, sep: bytes = b"\
 def awkward_cuts(raw: bytes, seed: int) -> list[bytes]:
     """`raw` in pieces of 1-9 bytes, with a cut between the two bytes of every blank line too."""
     rng = random.Random(seed)
-    cuts = {i + 1 for i in range(len(raw) - 1) if raw[i:i + 2] == b"\n\n" or raw[i:i + 2] == b"\r\n"}
+    cuts = {i + 1 for i in range(len(raw) - 1) if raw[i : i + 2] == b"\n\n" or raw[i : i + 2] == b"\r\n"}
     pos = 0
     while pos < len(raw):
         pos += rng.randint(1, 9)
@@ -96,9 +98,15 @@ async def collect(merger: StreamMerger) -> bytes:
 
 # -- split_prompts --------------------------------------------------------------------------------
 
+
 def test_split_prompts_batches_only() -> None:
-    body = {"model": "m", "prompt": ["hello world", "the cache"], "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "prompt": ["hello world", "the cache"],
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     parts = split_prompts(body)
     assert parts == [{**body, "prompt": "hello world"}, {**body, "prompt": "the cache"}]
     assert body["prompt"] == ["hello world", "the cache"]  # the client's body is left alone
@@ -111,12 +119,22 @@ def test_split_prompts_batches_only() -> None:
 
 # -- merge_replies ----------------------------------------------------------------------------------
 
+
 def reply(i: int, texts: list[str], use: dict[str, Any] | None, **extra: Any) -> bytes:
-    body = {"id": f"cmpl-{i}", "object": "text_completion", "created": 100 + i, "model": "m",
-            "choices": [{"index": j, "text": t, "logprobs": None, "finish_reason": "length", "stop_reason": None}
-                        for j, t in enumerate(texts)],
-            "service_tier": None, "system_fingerprint": None, "usage": use,
-            "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[i]]}, **extra}
+    body = {
+        "id": f"cmpl-{i}",
+        "object": "text_completion",
+        "created": 100 + i,
+        "model": "m",
+        "choices": [
+            {"index": j, "text": t, "logprobs": None, "finish_reason": "length", "stop_reason": None} for j, t in enumerate(texts)
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": use,
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[i]]},
+        **extra,
+    }
     return msgspec.json.encode(body)
 
 
@@ -127,19 +145,38 @@ def test_merge_replies_field_by_field() -> None:
     assert "kv_transfer_params" not in merged
     assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, " a b"), (1, " c d")]
     assert all(c["finish_reason"] == "length" for c in merged["choices"])
-    assert merged["usage"] == {"prompt_tokens": 20, "total_tokens": 24, "completion_tokens": 4,
-                               "prompt_tokens_details": {"cached_tokens": 8}}
+    assert merged["usage"] == {
+        "prompt_tokens": 20,
+        "total_tokens": 24,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
 
 
 def test_merge_replies_n_choices_and_usage_forms() -> None:
-    merged = json.loads(merge_replies([reply(0, ["a", "b"], usage(3, 2, None)), reply(1, ["c", "d"], usage(4, 2, None)),
-                                       reply(2, ["e", "f"], usage(5, 2, None))]))
-    assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "a"), (1, "b"), (2, "c"), (3, "d"),
-                                                                    (4, "e"), (5, "f")]  # i * n + j
-    assert merged["usage"] == {"prompt_tokens": 12, "total_tokens": 18, "completion_tokens": 6,
-                               "prompt_tokens_details": None}
+    merged = json.loads(
+        merge_replies(
+            [
+                reply(0, ["a", "b"], usage(3, 2, None)),
+                reply(1, ["c", "d"], usage(4, 2, None)),
+                reply(2, ["e", "f"], usage(5, 2, None)),
+            ]
+        )
+    )
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [
+        (0, "a"),
+        (1, "b"),
+        (2, "c"),
+        (3, "d"),
+        (4, "e"),
+        (5, "f"),
+    ]  # i * n + j
+    assert merged["usage"] == {"prompt_tokens": 12, "total_tokens": 18, "completion_tokens": 6, "prompt_tokens_details": None}
     assert sum_usage([None, {"prompt_tokens": 2, "completion_tokens": 1}]) == {
-        "prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1}
+        "prompt_tokens": 2,
+        "total_tokens": 3,
+        "completion_tokens": 1,
+    }
     assert sum_usage([None, None]) is None
     assert json.loads(merge_replies([reply(0, ["x"], None)]))["usage"] is None
 
@@ -154,20 +191,34 @@ def test_merge_replies_rejects_what_is_not_a_completion() -> None:
 
 # -- StreamMerger -------------------------------------------------------------------------------------
 
+
 async def test_streams_cut_anywhere_merge_with_indexes_usage_and_one_done() -> None:
     words = [[" the", " quick", " fox"], [" a", " lazy", " dog", " runs"], [" far"]]
     uses = [usage(11, 3, 0), usage(9, 4, 8), usage(30, 1, 16)]
     heads = [{**HEAD, "id": f"cmpl-{i}"} for i in range(3)]
-    raws = [sse([chunk(w, "length" if k == len(ws) - 1 else None, head=heads[i]) for k, w in enumerate(ws)],
-                uses[i], sep=b"\r\n\r\n" if i == 1 else b"\n\n", head=heads[i])
-            for i, ws in enumerate(words)]
+    raws = [
+        sse(
+            [chunk(w, "length" if k == len(ws) - 1 else None, head=heads[i]) for k, w in enumerate(ws)],
+            uses[i],
+            sep=b"\r\n\r\n" if i == 1 else b"\n\n",
+            head=heads[i],
+        )
+        for i, ws in enumerate(words)
+    ]
     merger = StreamMerger([pieces(awkward_cuts(raw, seed=i)) for i, raw in enumerate(raws)], include_usage=True)
     events = parse(await collect(merger))
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     final = events[-2]
-    assert final == {**heads[0], "choices": [], "usage": {"prompt_tokens": 50, "total_tokens": 58,
-                                                          "completion_tokens": 8,
-                                                          "prompt_tokens_details": {"cached_tokens": 24}}}
+    assert final == {
+        **heads[0],
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 50,
+            "total_tokens": 58,
+            "completion_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 24},
+        },
+    }
     tokens = events[:-2]
     assert all(e["choices"] for e in tokens)  # the sub-streams' usage-only chunks are gone
     for i, ws in enumerate(words):
@@ -207,8 +258,10 @@ async def test_events_are_relayed_as_they_arrive_interleaved() -> None:
 
 
 async def test_n_choices_per_prompt_and_a_last_event_without_blank_line() -> None:
-    streams = [pieces([b"data: " + json.dumps(chunk("x", index=j)).encode() + b"\n\n" for j in (0, 1)]),
-               pieces([b"data: " + json.dumps(chunk("y", index=1)).encode()])]  # ends without "\n\n"
+    streams = [
+        pieces([b"data: " + json.dumps(chunk("x", index=j)).encode() + b"\n\n" for j in (0, 1)]),
+        pieces([b"data: " + json.dumps(chunk("y", index=1)).encode()]),
+    ]  # ends without "\n\n"
     events = parse(await collect(StreamMerger(streams, include_usage=True, n=2)))
     assert sorted(e["choices"][0]["index"] for e in events[:-1]) == [0, 1, 3]
     assert events[-1] == "[DONE]"  # no sub-stream reported usage: no usage chunk
@@ -235,8 +288,7 @@ async def test_closing_the_merger_closes_every_stream() -> None:
     assert a.closed and b.closed
     # Cancelling the task that iterates it (a client that went away) closes them too.
     c, d = Feed(), Feed()
-    waiting = asyncio.get_running_loop().create_task(anext(aiter(StreamMerger([c.stream(), d.stream()],
-                                                                             include_usage=False))))
+    waiting = asyncio.get_running_loop().create_task(anext(aiter(StreamMerger([c.stream(), d.stream()], include_usage=False))))
     for _ in range(5):
         await asyncio.sleep(0)  # the merger is now waiting for its streams' first bytes
     waiting.cancel()
@@ -254,23 +306,33 @@ async def test_closing_the_merger_closes_every_stream() -> None:
 
 # -- end to end on emulated vLLM workers -------------------------------------------------------------
 
-NIXL_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+NIXL_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 BATCH = {"model": "emulated", "prompt": ["hello world", "the cache"], "max_tokens": 8}
 
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[tuple[Emulator, Emulator, Emulator]]:
-    with start_emulator("mixed", time_scale=0.01) as m, start_emulator("prefill", "nixl", time_scale=0.01) as p, \
-            start_emulator("decode", "nixl", time_scale=0.01) as d:
+    with (
+        start_emulator("mixed", time_scale=0.01) as m,
+        start_emulator("prefill", "nixl", time_scale=0.01) as p,
+        start_emulator("decode", "nixl", time_scale=0.01) as d,
+    ):
         yield m, p, d
 
 
 async def prefill(client: httpx.AsyncClient, p: Emulator, body: dict[str, Any]) -> Any:
     """vLLM's NIXL prefill leg: one token, not streamed, the connector's request params."""
     leg = {k: v for k, v in body.items() if k != "stream_options"}
-    r = await client.post(p.url + "/v1/completions",
-                          json={**leg, "max_tokens": 1, "stream": False, "kv_transfer_params": NIXL_PREFILL})
+    r = await client.post(
+        p.url + "/v1/completions", json={**leg, "max_tokens": 1, "stream": False, "kv_transfer_params": NIXL_PREFILL}
+    )
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
 
@@ -284,7 +346,8 @@ async def streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
 
 
 async def test_split_legs_merged_equal_the_mixed_engine_and_one_batch_does_not(
-        workers: tuple[Emulator, Emulator, Emulator]) -> None:
+    workers: tuple[Emulator, Emulator, Emulator],
+) -> None:
     m, p, d = workers
     async with httpx.AsyncClient(timeout=30) as client:
         truth = (await client.post(m.url + "/v1/completions", json=BATCH)).json()
@@ -294,8 +357,12 @@ async def test_split_legs_merged_equal_the_mixed_engine_and_one_batch_does_not(
         assert parts is not None
         # The fix: each prompt its own prefill leg, its own params to its own decode leg, merged.
         params = await asyncio.gather(*(prefill(client, p, part) for part in parts))
-        replies = await asyncio.gather(*(client.post(d.url + "/v1/completions", json={**part, "kv_transfer_params": kv})
-                                         for part, kv in zip(parts, params, strict=True)))
+        replies = await asyncio.gather(
+            *(
+                client.post(d.url + "/v1/completions", json={**part, "kv_transfer_params": kv})
+                for part, kv in zip(parts, params, strict=True)
+            )
+        )
         merged = json.loads(merge_replies([r.content for r in replies]))
         assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, texts[0]), (1, texts[1])]
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
@@ -306,8 +373,10 @@ async def test_split_legs_merged_equal_the_mixed_engine_and_one_batch_does_not(
         stream_parts = split_prompts({**BATCH, "stream": True, "stream_options": {"include_usage": True}})
         assert stream_parts is not None
         params = [await prefill(client, p, part) for part in stream_parts]
-        merger = StreamMerger([streamed(client, d.url, {**part, "kv_transfer_params": kv})
-                               for part, kv in zip(stream_parts, params, strict=True)], include_usage=True)
+        merger = StreamMerger(
+            [streamed(client, d.url, {**part, "kv_transfer_params": kv}) for part, kv in zip(stream_parts, params, strict=True)],
+            include_usage=True,
+        )
         events = parse(await collect(merger))
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
         assert events[-2]["usage"]["completion_tokens"] == 16 and events[-2]["usage"]["prompt_tokens"] == 20

@@ -29,16 +29,18 @@ async def _while_busy(url: str) -> tuple[list[tuple[int, bool]], list[int], list
         while not all(t.done() for t in streams):
             ready.append((await client.get(url + "/ready")).status_code)
             await asyncio.sleep(0.25)
-        extra.append((await client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "y",
-                                                                     "max_tokens": 2})).status_code)
+        extra.append(
+            (await client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 2})).status_code
+        )
         return [t.result() for t in streams], ready, extra
 
 
 def test_260_streams_on_one_decode_keep_it_ready() -> None:
     # each stream: 8 tokens 0.5 s apart, so the decode's connection pool is full for ~4 s while
     # probes run every 0.2 s with a 1 s budget: two probes stuck behind the streams would fail it
-    with cluster("nixl", health_interval_s=0.2, health_timeout_s=1.0, unhealthy_after=2,
-                 standin={"decode": {"token_delay_s": 0.5}}) as c:
+    with cluster(
+        "nixl", health_interval_s=0.2, health_timeout_s=1.0, unhealthy_after=2, standin={"decode": {"token_delay_s": 0.5}}
+    ) as c:
         results, ready, extra = asyncio.run(_while_busy(c.url))
         assert [s for s, _ in results] == [200] * STREAMS
         assert all(done for _, done in results)

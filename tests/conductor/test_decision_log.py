@@ -39,8 +39,11 @@ def test_gateway_logs_the_tested_record_for_admitted_and_rejected(caplog: pytest
     with cluster("nixl", policy=policy, n_prefill=2) as c:
         ok = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
         assert ok.status_code == 200
-        rejected = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4},
-                              headers={"x-slo-ttft-ms": "0.001"})
+        rejected = httpx.post(
+            c.url + "/v1/completions",
+            json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4},
+            headers={"x-slo-ttft-ms": "0.001"},
+        )
         assert rejected.status_code == 429
     logged = _logged(caplog)
     assert len(logged) == 2 == len(policy.made)

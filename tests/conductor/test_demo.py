@@ -22,8 +22,14 @@ FAST = ["--speedup", "8", "--length-scale", "0.0625", "--no-progress"]
 
 def _demo(*args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "conductor", "demo", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "conductor", "demo", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _pids(stderr: str) -> dict[str, int]:
@@ -52,8 +58,9 @@ def _seconds(text: str) -> float:
 
 def _with_logs(stderr: str, logs: Path) -> str:
     """The demo's stderr and the end of each process's log: what a failure in CI is read from."""
-    tails = [f"--- {log.name} (last 3,000 characters)\n{log.read_text(errors='replace')[-3000:]}"
-             for log in sorted(logs.glob("*.log"))]
+    tails = [
+        f"--- {log.name} (last 3,000 characters)\n{log.read_text(errors='replace')[-3000:]}" for log in sorted(logs.glob("*.log"))
+    ]
     return "\n".join([stderr, *tails])
 
 
@@ -152,8 +159,7 @@ def test_failed_start_says_where_the_logs_are(tmp_path: Path) -> None:
 
 def test_policy_options_reach_the_gateway_and_a_malformed_spec_starts_nothing(tmp_path: Path) -> None:
     # an option the policy refuses stops the gateway's start-up: so the option got there
-    proc = _demo("--requests", "5", "--policy", "kvcache_aware:listed_candidates=0", "--keep-logs", str(tmp_path),
-                 *FAST)
+    proc = _demo("--requests", "5", "--policy", "kvcache_aware:listed_candidates=0", "--keep-logs", str(tmp_path), *FAST)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "listed_candidates" in (tmp_path / "gateway.log").read_text()
     assert all(_gone(pid) for pid in _pids(stderr).values())

@@ -21,10 +21,24 @@ from tests.support.waiting import wait_for
 def gateway(worker_url: str, grace_s: float) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "conductor", "serve", "--mixed", worker_url, "--port", str(port), "--model", "tiny",
-         "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "conductor",
+            "serve",
+            "--mixed",
+            worker_url,
+            "--port",
+            str(port),
+            "--model",
+            "tiny",
+            "--log-level",
+            "warning",
+        ],
         env={"CONDUCTOR_DRAIN_GRACE_S": str(grace_s), "PATH": "/usr/bin:/bin"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -46,8 +60,12 @@ def _ready(url: str) -> bool:
 def _stream_in_background(url: str, out: list[str]) -> threading.Thread:
     def run() -> None:
         try:
-            with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                              json={"model": "tiny", "prompt": "x", "max_tokens": 6, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                url + "/v1/completions",
+                timeout=120,
+                json={"model": "tiny", "prompt": "x", "max_tokens": 6, "stream": True},
+            ) as r:
                 out.append(r.read().decode())
         except httpx.HTTPError as exc:
             out.append(f"error: {exc!r}")

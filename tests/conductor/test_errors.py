@@ -122,8 +122,13 @@ class _RejectAll(BasePolicy):
     name = "reject_all"
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
-        return Decision(request.request_id, self.name, rejection=Rejection(
-            "ttft_slo", "predicted TTFT 3.20 s exceeds the TTFT SLO of 1.00 s by 2.20 s", 3.2, 1.0, retry_after_s=2.4))
+        return Decision(
+            request.request_id,
+            self.name,
+            rejection=Rejection(
+                "ttft_slo", "predicted TTFT 3.20 s exceeds the TTFT SLO of 1.00 s by 2.20 s", 3.2, 1.0, retry_after_s=2.4
+            ),
+        )
 
 
 def test_rejection_429_with_retry_after() -> None:
@@ -154,8 +159,12 @@ def test_inflight_limit_503_without_queueing() -> None:
     # the first request holds the only slot for as long as this test keeps its stream open (up to
     # 400 tokens at 50 ms: far longer than the test needs, however busy the machine)
     with cluster("nixl", max_inflight_requests=1, standin={"decode": {"token_delay_s": 0.05}}) as c:
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=30,
-                          json={"model": "tiny", "prompt": "x", "max_tokens": 400, "stream": True}) as slow:
+        with httpx.stream(
+            "POST",
+            c.url + "/v1/completions",
+            timeout=30,
+            json={"model": "tiny", "prompt": "x", "max_tokens": 400, "stream": True},
+        ) as slow:
             assert slow.status_code == 200
             chunks = slow.iter_bytes()  # kept: a dropped iterator would close the stream
             next(chunks)  # answering: admitted and in flight

@@ -17,14 +17,19 @@ from tests.support.waiting import wait_for
 
 
 def _post(url: str, body: dict[str, object], headers: dict[str, str] | None = None, timeout: float = 30) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3, **body},
-                      headers=headers or {}, timeout=timeout)
+    return httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 3, **body},
+        headers=headers or {},
+        timeout=timeout,
+    )
 
 
 def _metric(c: Cluster, name: str) -> float:
     text = httpx.get(c.url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or
-               line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 def _nothing_in_flight(c: Cluster) -> bool:
@@ -69,8 +74,9 @@ def test_every_instance_failing_gives_502_after_bounded_attempts() -> None:
 
 def test_stalled_stream_hits_the_request_deadline() -> None:
     with cluster("nixl", request_timeout_s=1.0, standin={"decode": {"token_delay_s": 30.0}}) as c:
-        with httpx.stream("POST", c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3,
-                                                                  "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST", c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}, timeout=30
+        ) as r:
             assert r.status_code == 200
             text = r.read().decode()
         assert '"gateway_timeout"' in text and "request_timeout_s" in text  # an SSE error event, then the end
@@ -79,8 +85,7 @@ def test_stalled_stream_hits_the_request_deadline() -> None:
 
 
 def test_stalled_non_streamed_answer_is_a_504() -> None:
-    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, request_timeout_s=0.5,
-                 standin={"mixed": {"hang": True}}) as c:
+    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, request_timeout_s=0.5, standin={"mixed": {"hang": True}}) as c:
         r = _post(c.url, {})
         assert r.status_code == 504 and r.json()["error"]["code"] == "gateway_timeout"
         assert len(c.mixed[0].requests) == 1  # not retried: the work may be running there
@@ -91,8 +96,9 @@ def test_concurrent_prefill_hanging_after_the_decode_finished() -> None:
     """Mooncake: both legs at once. The decode answers in full while the prefill leg hangs: the
     client gets its answer and [DONE] at once and nothing after it; the prefill leg is closed."""
     with cluster("mooncake", read_timeout_s=0.5, standin={"prefill": {"hang": True}}) as c:
-        with httpx.stream("POST", c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3,
-                                                                  "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST", c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}, timeout=30
+        ) as r:
             text = r.read().decode()
         assert r.status_code == 200
         assert text.rstrip().endswith("data: [DONE]") and "error" not in text
@@ -133,8 +139,11 @@ def test_a_client_id_is_echoed_never_used_as_a_key() -> None:
 def test_client_kv_transfer_params_never_reach_a_worker(protocol: str) -> None:
     mixed = protocol == "mixed"
     opts = {"n_prefill": 0, "n_decode": 0, "n_mixed": 1} if mixed else {}
-    hostile = {"kv_transfer_params": {"remote_host": "169.254.169.254", "remote_port": 80, "do_remote_prefill": True},
-               "bootstrap_host": "169.254.169.254", "bootstrap_room": 7}
+    hostile = {
+        "kv_transfer_params": {"remote_host": "169.254.169.254", "remote_port": 80, "do_remote_prefill": True},
+        "bootstrap_host": "169.254.169.254",
+        "bootstrap_room": 7,
+    }
     with cluster("nixl" if mixed else protocol, **opts) as c:
         assert _post(c.url, hostile).status_code == 200
         workers = c.mixed if mixed else c.prefills + c.decodes
@@ -162,9 +171,12 @@ def test_streams_feed_learning_and_read_to_the_end_are_not_499() -> None:
     policy = _Observing()
     with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, policy=policy, standin={"mixed": {"cached_tokens": 7}}) as c:
         for _ in range(3):
-            with httpx.stream("POST", c.url + "/v1/completions", timeout=30, json={
-                    "model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True,
-                    "stream_options": {"include_usage": True}}) as r:
+            with httpx.stream(
+                "POST",
+                c.url + "/v1/completions",
+                timeout=30,
+                json={"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+            ) as r:
                 lines = [line for line in r.iter_lines() if line.startswith("data:")]
             assert lines[-1] == "data: [DONE]"
         assert wait_for(lambda: len(policy.observed) == 3)

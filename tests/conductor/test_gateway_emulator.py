@@ -30,13 +30,23 @@ def test_pd_through_emulated_workers(protocol: str) -> None:
     with ExitStack() as stack:
         p = stack.enter_context(start_emulator("prefill", protocol, time_scale=0.01, model="tiny"))
         d = stack.enter_context(start_emulator("decode", protocol, time_scale=0.01, model="tiny"))
-        server, _ = _gateway(stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url],
-                             pd_protocol=protocol)
+        server, _ = _gateway(
+            stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url], pd_protocol=protocol
+        )
         prompt = list(range(1, 257))  # 256 token ids: 16 full blocks of 16
         for attempt in range(2):
-            r = httpx.post(server.url + "/v1/completions", timeout=30, headers={"X-Request-ID": f"req-{attempt}"},
-                           json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True,
-                                 "stream_options": {"include_usage": True}})
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=30,
+                headers={"X-Request-ID": f"req-{attempt}"},
+                json={
+                    "model": "tiny",
+                    "prompt": prompt,
+                    "max_tokens": 8,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
             assert r.status_code == 200, r.text
             assert r.text.rstrip().endswith("data: [DONE]")
             assert '"completion_tokens":8' in r.text.replace(" ", "")
@@ -65,8 +75,7 @@ def test_repeated_prefix_reported_cached_through_gateway() -> None:
         prompt = [1 + j % 250 for j in range(320)]
         usage = []
         for _ in range(2):
-            r = httpx.post(server.url + "/v1/completions", timeout=30,
-                           json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+            r = httpx.post(server.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
             assert r.status_code == 200, r.text
             usage.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         assert usage[0] == 0 and usage[1] >= 304  # all full blocks of the second request were cached
@@ -84,8 +93,11 @@ def test_8k_prefill_takes_the_profile_time_through_the_gateway() -> None:
         with httpx.Client(timeout=30) as client:
             for i in range(2):
                 prompt = [(i * 7919 + j) % 250 + 1 for j in range(8192)]  # a new prompt each time: no cache
-                with client.stream("POST", server.url + "/v1/completions",
-                                   json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True}) as r:
+                with client.stream(
+                    "POST",
+                    server.url + "/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": True},
+                ) as r:
                     assert r.status_code == 200
                     for _ in r.iter_raw():
                         pass

@@ -68,8 +68,11 @@ class VllmPublisher:
     @property
     def instance(self) -> dict[str, Any]:
         """As the worker would be configured: it binds (tcp://*), the indexer connects."""
-        return {"url": f"http://127.0.0.1:{free_port()}", "kv_events_endpoint": f"tcp://*:{self.port}",
-                "kv_events_replay_endpoint": f"tcp://*:{self.replay_port}"}
+        return {
+            "url": f"http://127.0.0.1:{free_port()}",
+            "kv_events_endpoint": f"tcp://*:{self.port}",
+            "kv_events_replay_endpoint": f"tcp://*:{self.replay_port}",
+        }
 
     def publish(self, events: list[dict[str, Any]], *, drop: bool = False) -> int:
         payload = self.encode([time.time(), events, self.rank])
@@ -124,8 +127,11 @@ def running_indexer(settings: Settings, limits: QueryLimits | None = None) -> It
 def worker(emu: Emulator) -> dict[str, Any]:
     """An emulator as the config file names it (tcp://*:PORT, as the worker was started: it binds)."""
     assert emu.kv_events_endpoint is not None and emu.kv_events_replay_endpoint is not None
-    return {"url": emu.url, "kv_events_endpoint": "tcp://*:" + emu.kv_events_endpoint.rsplit(":", 1)[1],
-            "kv_events_replay_endpoint": "tcp://*:" + emu.kv_events_replay_endpoint.rsplit(":", 1)[1]}
+    return {
+        "url": emu.url,
+        "kv_events_endpoint": "tcp://*:" + emu.kv_events_endpoint.rsplit(":", 1)[1],
+        "kv_events_replay_endpoint": "tcp://*:" + emu.kv_events_replay_endpoint.rsplit(":", 1)[1],
+    }
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
@@ -145,6 +151,7 @@ def longest(url: str, tokens: list[int], instance: str) -> int:
 def warm_up(pub: VllmPublisher, service: IndexerService) -> None:
     """Publish harmless batches until the subscriber gets one (a SUB misses what is sent before it
     has connected), so that what follows is seen in sequence."""
+
     def received() -> bool:
         pub.publish([{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 0}])
         return all(sub.stats.batches > 0 for sub in service.subscribers if sub.source.rank == pub.rank)
@@ -157,8 +164,12 @@ def test_query_and_query_by_hash_answer_what_each_worker_holds() -> None:
     a = [rng.randrange(1, 250) for _ in range(20 * BS)]
     b = [rng.randrange(1, 250) for _ in range(12 * BS + 5)]  # a partial tail block: not cached
     with ExitStack() as stack:
-        emus = [stack.enter_context(start_emulator("mixed", kv_events=True, kv_events_replay=True, time_scale=0.05,
-                                                   model="tiny", block_size=BS)) for _ in range(2)]
+        emus = [
+            stack.enter_context(
+                start_emulator("mixed", kv_events=True, kv_events_replay=True, time_scale=0.05, model="tiny", block_size=BS)
+            )
+            for _ in range(2)
+        ]
         settings = indexer_settings([worker(e) for e in emus])
         url, _ = stack.enter_context(running_indexer(settings))
         for emu, prompt in ((emus[0], a), (emus[1], b)):
@@ -166,10 +177,12 @@ def test_query_and_query_by_hash_answer_what_each_worker_holds() -> None:
             assert r.status_code == 200, r.text
         assert wait_for(lambda: longest(url, a, "mixed-0") == 20 * BS and longest(url, b, "mixed-1") == 12 * BS, timeout=20)
         answer = query(url, a + [7] * 40).json()
-        assert answer == {"default": {
-            "mixed-0": {"longest_matched": 320, "GPU": 320, "CPU": 0, "DISK": 0, "DP": {"0": 320}},
-            "mixed-1": {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {"0": 0}},
-        }}
+        assert answer == {
+            "default": {
+                "mixed-0": {"longest_matched": 320, "GPU": 320, "CPU": 0, "DISK": 0, "DP": {"0": 320}},
+                "mixed-1": {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {"0": 0}},
+            }
+        }
         # a prompt sharing a's first 5 blocks only
         assert longest(url, a[: 5 * BS] + [9] * (3 * BS), "mixed-0") == 5 * BS
         # by hash: the gateway's own block keys; the older field name too; one instance asked for
@@ -178,13 +191,12 @@ def test_query_and_query_by_hash_answer_what_each_worker_holds() -> None:
         assert r.json()["default"]["mixed-1"]["longest_matched"] == 12 * BS
         assert r.json()["default"]["mixed-0"]["longest_matched"] == 0
         # the extension gateways use: only the holders
-        r = httpx.post(url + "/query_by_hash", json={"model": "m", "block_size": BS, "seq_hashes": keys,
-                                                       "holders_only": True})
+        r = httpx.post(url + "/query_by_hash", json={"model": "m", "block_size": BS, "seq_hashes": keys, "holders_only": True})
         assert list(r.json()["default"]) == ["mixed-1"]
-        r = httpx.post(url + "/query_by_hash", json={"model": "m", "block_size": BS, "block_hash": keys[:3],
-                                                       "instance_id": "mixed-1"})
-        assert r.json() == {"default": {"mixed-1": {"longest_matched": 48, "GPU": 48, "CPU": 0, "DISK": 0,
-                                                     "DP": {"0": 48}}}}
+        r = httpx.post(
+            url + "/query_by_hash", json={"model": "m", "block_size": BS, "block_hash": keys[:3], "instance_id": "mixed-1"}
+        )
+        assert r.json() == {"default": {"mixed-1": {"longest_matched": 48, "GPU": 48, "CPU": 0, "DISK": 0, "DP": {"0": 48}}}}
         metrics = httpx.get(url + "/metrics").text
         assert 'conductor_indexer_lookups_total{outcome="ok",route="query"}' in metrics
         assert "conductor_indexer_lookup_seconds_bucket" in metrics
@@ -199,8 +211,8 @@ def test_a_lost_batch_is_replayed() -> None:
     with publishers(1) as (pub,), running_indexer(indexer_settings([pub.instance])) as (url, service):
         warm_up(pub, service)
         pub.publish([stored([101, 102], None, tokens[: 2 * BS])])
-        pub.publish([stored([103, 104], 102, tokens[2 * BS: 4 * BS])], drop=True)  # never reaches the indexer
-        pub.publish([stored([105, 106], 104, tokens[4 * BS:])])
+        pub.publish([stored([103, 104], 102, tokens[2 * BS : 4 * BS])], drop=True)  # never reaches the indexer
+        pub.publish([stored([105, 106], 104, tokens[4 * BS :])])
         # blocks 3-4 only came from the replay socket; without them 5-6 could not be chained either
         assert wait_for(lambda: longest(url, tokens, "mixed-0") == 6 * BS, timeout=20)
         (sub,) = service.subscribers
@@ -255,28 +267,36 @@ def test_feeds_not_reachable_keep_it_unready_with_the_reason() -> None:
         assert httpx.get(url + "/health").status_code == 200
 
 
-@pytest.mark.parametrize(("path", "body", "status", "says"), [
-    ("/query", b"{not json", 400, "not valid JSON"),
-    ("/query", b"[1, 2]", 400, "Expected `object`"),
-    ("/query", {"block_size": BS, "token_ids": [1]}, 400, "`model`"),
-    ("/query", {"model": "", "block_size": BS, "token_ids": [1]}, 400, "model must not be empty"),
-    ("/query", {"model": "m", "block_size": BS}, 400, "token_ids is required"),
-    ("/query", {"model": "m", "block_size": BS, "token_ids": ["a"]}, 400, "$.token_ids[0]"),
-    ("/query", {"model": "m", "block_size": BS, "token_ids": [-1]}, 400, "$.token_ids[0]"),
-    ("/query", {"model": "m", "block_size": BS, "token_ids": [2 ** 32]}, 400, "$.token_ids[0]"),
-    ("/query", {"model": "m", "block_size": 32, "token_ids": [1]}, 400, "block_size 32"),
-    ("/query", {"model": "m", "block_size": BS, "token_ids": [1] * 101}, 413, "exceed the limit"),
-    ("/query", {"model": "m", "block_size": BS, "token_ids": [1], "instance_id": "nope"}, 404, "'nope'"),
-    ("/query_by_hash", {"model": "m", "block_size": BS}, 400, "seq_hashes is required"),
-    ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [2 ** 64]}, 400, "not a 64-bit hash"),
-    ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [1], "block_hash": [1]}, 400, "not both"),
-    ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [1.5]}, 400, "Expected `int`"),
-    ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [1] * 11}, 413, "exceed the limit"),
-    ("/query_by_hash", b"x" * 5000, 413, "exceeds the limit"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "says"),
+    [
+        ("/query", b"{not json", 400, "not valid JSON"),
+        ("/query", b"[1, 2]", 400, "Expected `object`"),
+        ("/query", {"block_size": BS, "token_ids": [1]}, 400, "`model`"),
+        ("/query", {"model": "", "block_size": BS, "token_ids": [1]}, 400, "model must not be empty"),
+        ("/query", {"model": "m", "block_size": BS}, 400, "token_ids is required"),
+        ("/query", {"model": "m", "block_size": BS, "token_ids": ["a"]}, 400, "$.token_ids[0]"),
+        ("/query", {"model": "m", "block_size": BS, "token_ids": [-1]}, 400, "$.token_ids[0]"),
+        ("/query", {"model": "m", "block_size": BS, "token_ids": [2**32]}, 400, "$.token_ids[0]"),
+        ("/query", {"model": "m", "block_size": 32, "token_ids": [1]}, 400, "block_size 32"),
+        ("/query", {"model": "m", "block_size": BS, "token_ids": [1] * 101}, 413, "exceed the limit"),
+        ("/query", {"model": "m", "block_size": BS, "token_ids": [1], "instance_id": "nope"}, 404, "'nope'"),
+        ("/query_by_hash", {"model": "m", "block_size": BS}, 400, "seq_hashes is required"),
+        ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [2**64]}, 400, "not a 64-bit hash"),
+        ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [1], "block_hash": [1]}, 400, "not both"),
+        ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [1.5]}, 400, "Expected `int`"),
+        ("/query_by_hash", {"model": "m", "block_size": BS, "seq_hashes": [1] * 11}, 413, "exceed the limit"),
+        ("/query_by_hash", b"x" * 5000, 413, "exceeds the limit"),
+    ],
+)
 def test_bad_queries_get_openai_style_errors(path: str, body: bytes | dict[str, Any], status: int, says: str) -> None:
-    with publishers(1) as (pub,), running_indexer(indexer_settings([pub.instance], max_body_bytes=4096),
-                                                  QueryLimits(max_token_ids=100, max_hashes=10)) as (url, _):
+    with (
+        publishers(1) as (pub,),
+        running_indexer(indexer_settings([pub.instance], max_body_bytes=4096), QueryLimits(max_token_ids=100, max_hashes=10)) as (
+            url,
+            _,
+        ),
+    ):
         kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
         r = httpx.post(url + path, **kwargs)
         assert r.status_code == status, r.text
@@ -306,11 +326,16 @@ def test_cli_starts_an_indexer_from_the_config_file(tmp_path: Any) -> None:
         port = free_port()
         config = tmp_path / "conductor.yaml"
         inst = pub.instance
-        config.write_text(f"block_size: {BS}\nmixed:\n  - url: {inst['url']}\n"
-                          f"    kv_events_endpoint: '{inst['kv_events_endpoint']}'\n"
-                          f"    kv_events_replay_endpoint: '{inst['kv_events_replay_endpoint']}'\n")
-        proc = subprocess.Popen([sys.executable, "-m", "conductor", "indexer", "--config", str(config),
-                                 "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        config.write_text(
+            f"block_size: {BS}\nmixed:\n  - url: {inst['url']}\n"
+            f"    kv_events_endpoint: '{inst['kv_events_endpoint']}'\n"
+            f"    kv_events_replay_endpoint: '{inst['kv_events_replay_endpoint']}'\n"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "conductor", "indexer", "--config", str(config), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
 
@@ -348,24 +373,30 @@ def replica(settings: Settings, indexer_url: str) -> Gateway:
 
 def test_a_replica_that_never_saw_a_prefix_routes_it_to_its_holder() -> None:
     with ExitStack() as stack:
-        emus = [stack.enter_context(start_emulator("mixed", kv_events=True, kv_events_replay=True, time_scale=0.05,
-                                                   model="tiny", block_size=BS)) for _ in range(2)]
+        emus = [
+            stack.enter_context(
+                start_emulator("mixed", kv_events=True, kv_events_replay=True, time_scale=0.05, model="tiny", block_size=BS)
+            )
+            for _ in range(2)
+        ]
         settings = indexer_settings(
-            [worker(e) for e in emus],
-            policy="kvcache_aware", kv={"enabled": True, "forward_token_ids": True})
+            [worker(e) for e in emus], policy="kvcache_aware", kv={"enabled": True, "forward_token_ids": True}
+        )
         indexer_url, _ = stack.enter_context(running_indexer(settings))
         first, second = (stack.enter_context(serve_gateway(replica(settings, indexer_url))).url for _ in range(2))
         shared = "You are a helpful assistant. " * 40  # ~1,100 byte tokens: 70 blocks
-        r = httpx.post(first + "/v1/completions", timeout=30,
-                       json={"model": "tiny", "prompt": shared + "First question?", "max_tokens": 2})
+        r = httpx.post(
+            first + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": shared + "First question?", "max_tokens": 2}
+        )
         assert r.status_code == 200, r.text
         counts = [len(httpx.get(e.url + "/emulator/requests").json()) for e in emus]
         holder = counts.index(1)
         prefix = list(shared.encode())[: len(shared) // BS * BS]
         assert wait_for(lambda: longest(indexer_url, prefix, f"mixed-{holder}") == len(prefix), timeout=20)
         for question in ("A different, second question?", "And a third one?"):
-            r = httpx.post(second + "/v1/completions", timeout=30,
-                           json={"model": "tiny", "prompt": shared + question, "max_tokens": 2})
+            r = httpx.post(
+                second + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": shared + question, "max_tokens": 2}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix) - BS
         counts = [len(httpx.get(e.url + "/emulator/requests").json()) for e in emus]

@@ -70,19 +70,27 @@ def test_missing_events_are_reported_before_any_ratio_moves(caplog: pytest.LogCa
 SETUP = HashSetup(key_mode="vllm", algo="sha256_cbor", seed=None, tokenizer="/models/tok", block_size=16)
 
 
-@pytest.mark.parametrize(("evidence", "lengths", "tokenizer", "expected"), [
-    (FeedEvidence(configured=True, batches=5, block_size_mismatched=32), None, "/t", "block_size"),
-    (FeedEvidence(configured=True, batches=5, hash_checked=4, hash_mismatched=4, last_mismatch=(1, 2)), None, "/t",
-     "hash_seed"),
-    (FeedEvidence(configured=True, batches=5), (100, 40), "/t", "tokenizer"),
-    (FeedEvidence(configured=False), None, "/t", "no_events"),
-    (FeedEvidence(configured=True, batches=0), None, "/t", "no_events"),
-    (FeedEvidence(configured=True, batches=5, orphans=3), None, "/t", "late_start"),
-    (FeedEvidence(configured=True, batches=5), None, "builtin", "tokenizer"),  # suspected: no lengths reported
-    (FeedEvidence(configured=True, batches=5), (100, 100), "/t", "unknown"),
-])
-def test_diagnosis_names_the_cause_the_evidence_shows(evidence: FeedEvidence, lengths: tuple[int, int] | None,
-                                                      tokenizer: str, expected: str) -> None:
+@pytest.mark.parametrize(
+    ("evidence", "lengths", "tokenizer", "expected"),
+    [
+        (FeedEvidence(configured=True, batches=5, block_size_mismatched=32), None, "/t", "block_size"),
+        (
+            FeedEvidence(configured=True, batches=5, hash_checked=4, hash_mismatched=4, last_mismatch=(1, 2)),
+            None,
+            "/t",
+            "hash_seed",
+        ),
+        (FeedEvidence(configured=True, batches=5), (100, 40), "/t", "tokenizer"),
+        (FeedEvidence(configured=False), None, "/t", "no_events"),
+        (FeedEvidence(configured=True, batches=0), None, "/t", "no_events"),
+        (FeedEvidence(configured=True, batches=5, orphans=3), None, "/t", "late_start"),
+        (FeedEvidence(configured=True, batches=5), None, "builtin", "tokenizer"),  # suspected: no lengths reported
+        (FeedEvidence(configured=True, batches=5), (100, 100), "/t", "unknown"),
+    ],
+)
+def test_diagnosis_names_the_cause_the_evidence_shows(
+    evidence: FeedEvidence, lengths: tuple[int, int] | None, tokenizer: str, expected: str
+) -> None:
     setup = HashSetup(SETUP.key_mode, SETUP.algo, SETUP.seed, tokenizer, SETUP.block_size)
     causes = diagnose(setup, "p0", [Sample(512, 0, lengths)] * 4, evidence, served=4)
     assert causes[0][0] == expected, causes

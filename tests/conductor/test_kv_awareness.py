@@ -25,15 +25,19 @@ from conductor.kv_awareness import HashAgreement, KVAwareAnalyzer, build_analyze
 from tests.support.emulator import Emulator, start_emulator
 
 WORDS = ["hello", "world", "the", "cache", "is", "warm", "a", "b", "c", "d"]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 # renders tools and documents the way tool-calling templates do (Llama 3.1, Qwen 2.5, Hermes: tojson)
-TOOLS_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n"
-                  "{% endif %}{% for d in documents or [] %}<|system|>\n{{ d['text'] }}</s>\n{% endfor %}"
-                  "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n"
+    "{% endif %}{% for d in documents or [] %}<|system|>\n{{ d['text'] }}</s>\n{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +59,19 @@ def _tokenizer_dir(d: Path, template: str) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": template}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "chat_template": template})
+    )
     return d
 
 
 def test_hf_tokenizer_renders_and_encodes_like_vllm(hf_dir: Path) -> None:
     tok = HFTokenizer(hf_dir)
     assert tok.encode("hello world") == [1, 6, 7]  # text prompts get the BOS the post-processor adds
-    msgs = [{"role": "system", "content": "the cache"},
-            {"role": "user", "content": [{"type": "text", "text": "is"}, {"type": "text", "text": "warm"}]}]
+    msgs = [
+        {"role": "system", "content": "the cache"},
+        {"role": "user", "content": [{"type": "text", "text": "is"}, {"type": "text", "text": "warm"}]},
+    ]
     text = tok.render_chat(msgs)
     assert text == "<s><|system|>\nthe cache</s>\n<|user|>\nis\nwarm</s>\n<|assistant|>\n"
     # the template holds the BOS already: encoded without special tokens, as vLLM does
@@ -80,22 +87,20 @@ async def test_chat_template_gets_the_requests_tools_documents_and_kwargs(tools_
     msgs = [{"role": "user", "content": "hello world"}]
     plain = await tok.encode_chat(msgs, {"messages": msgs})
     with_tools = await tok.encode_chat(msgs, {"messages": msgs, "tools": [TOOL]})
-    assert with_tools[-len(plain) + 1:] == plain[1:] and len(with_tools) > len(plain)  # same ending, longer start
+    assert with_tools[-len(plain) + 1 :] == plain[1:] and len(with_tools) > len(plain)  # same ending, longer start
     # vLLM dumps its tool model: the declared function fields are there, None when left out
     text = tok.hf.render_chat(msgs, **chat_template_arguments({"tools": [TOOL]}))
-    assert '{"type": "function", "function": {"name": "cache", "description": null, "parameters": {"type": ' \
-        '"object"}}}' in text
+    assert '{"type": "function", "function": {"name": "cache", "description": null, "parameters": {"type": "object"}}}' in text
     docs = tok.hf.render_chat(msgs, **chat_template_arguments({"documents": [{"title": "t", "text": "the cache"}]}))
     assert docs.startswith("<s><|system|>\nthe cache</s>\n<|user|>")
     # chat_template_kwargs go on top, as in vLLM; add_generation_prompt from the body too
-    assert not tok.hf.render_chat(msgs, **chat_template_arguments(
-        {"chat_template_kwargs": {"add_generation_prompt": False}})).endswith("<|assistant|>\n")
-    assert not tok.hf.render_chat(msgs, **chat_template_arguments({"add_generation_prompt": False})).endswith(
-        "<|assistant|>\n")
+    assert not tok.hf.render_chat(
+        msgs, **chat_template_arguments({"chat_template_kwargs": {"add_generation_prompt": False}})
+    ).endswith("<|assistant|>\n")
+    assert not tok.hf.render_chat(msgs, **chat_template_arguments({"add_generation_prompt": False})).endswith("<|assistant|>\n")
     # continue_final_message: the prompt ends inside the last message
     cont = [*msgs, {"role": "assistant", "content": "the cache is "}]
-    text = tok.hf.render_chat(cont, **chat_template_arguments({"continue_final_message": True,
-                                                               "add_generation_prompt": False}))
+    text = tok.hf.render_chat(cont, **chat_template_arguments({"continue_final_message": True, "add_generation_prompt": False}))
     assert text.endswith("<|assistant|>\nthe cache is ")
     assert await tok.encode_chat(msgs, {"add_special_tokens": True}) == [1, *plain]  # BOS added once more
 
@@ -109,11 +114,23 @@ async def test_worker_tokenizer_passes_what_shapes_the_chat_prompt() -> None:
 
     tok = WorkerTokenizer("http://w", client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
     msgs = [{"role": "user", "content": "hi"}]
-    body = {"model": "m", "tools": [TOOL], "documents": [{"text": "d"}], "chat_template_kwargs": {"x": 1},
-            "add_generation_prompt": False, "temperature": 0.5}
+    body = {
+        "model": "m",
+        "tools": [TOOL],
+        "documents": [{"text": "d"}],
+        "chat_template_kwargs": {"x": 1},
+        "add_generation_prompt": False,
+        "temperature": 0.5,
+    }
     assert await tok.encode_chat(msgs, body) == [1, 2, 3]
-    assert seen[0] == {"messages": msgs, "add_generation_prompt": False, "model": "m", "tools": [TOOL],
-                       "documents": [{"text": "d"}], "chat_template_kwargs": {"x": 1}}
+    assert seen[0] == {
+        "messages": msgs,
+        "add_generation_prompt": False,
+        "model": "m",
+        "tools": [TOOL],
+        "documents": [{"text": "d"}],
+        "chat_template_kwargs": {"x": 1},
+    }
 
 
 async def test_hf_prompt_tokenizer_and_analyzer_forward_token_ids(hf_dir: Path) -> None:
@@ -136,8 +153,9 @@ async def test_hf_prompt_tokenizer_and_analyzer_forward_token_ids(hf_dir: Path) 
 
 @pytest.fixture(scope="module")
 def emulator() -> Iterator[Emulator]:
-    with start_emulator(role="mixed", kv_events=True, block_size=16, hash_algo="sha256_cbor", hash_seed="0",
-                        time_scale=0.001) as emu:
+    with start_emulator(
+        role="mixed", kv_events=True, block_size=16, hash_algo="sha256_cbor", hash_seed="0", time_scale=0.001
+    ) as emu:
         yield emu
 
 
@@ -160,9 +178,15 @@ async def test_emulator_events_build_the_same_index_as_dispatches(emulator: Emul
     assert emulator.kv_events_endpoint is not None
     port = emulator.kv_events_endpoint.rsplit(":", 1)[1]
     registry = CollectorRegistry()
-    options = {"enabled": True, "tokenizer": "builtin", "block_size": 16, "key_mode": mode,
-               "vllm_hash_algo": "sha256_cbor", "vllm_hash_seed": "0",
-               "kv_events": {"m0": {"endpoint": f"tcp://*:{port}"}}}
+    options = {
+        "enabled": True,
+        "tokenizer": "builtin",
+        "block_size": 16,
+        "key_mode": mode,
+        "vllm_hash_algo": "sha256_cbor",
+        "vllm_hash_seed": "0",
+        "kv_events": {"m0": {"endpoint": f"tcp://*:{port}"}},
+    }
     analyzer = build_analyzer(options, [("m0", Role.MIXED, emulator.url)], registry)
     assert isinstance(analyzer, KVAwareAnalyzer)
     bookkeeping = MemoryIndex()
@@ -175,15 +199,17 @@ async def test_emulator_events_build_the_same_index_as_dispatches(emulator: Emul
             # ZMQ subscriptions take a moment; requests with fresh prompts until events arrive
             while sub.stats.batches == 0:
                 assert time.monotonic() < deadline, "no KV events from the emulator"
-                await client.post(f"{emulator.url}/v1/completions",
-                                  json={"prompt": f"warm-up {time.monotonic()} " * 4, "max_tokens": 1})
+                await client.post(
+                    f"{emulator.url}/v1/completions", json={"prompt": f"warm-up {time.monotonic()} " * 4, "max_tokens": 1}
+                )
                 await asyncio.sleep(0.05)
             first = await analyzer.analyse("completions", {"prompt": prompt})
             assert first.cached == {} and first.forward_token_ids is not None
             await analyzer.on_dispatch(first, _decision("m0"))
             await bookkeeping.insert("m0", first.block_keys, confirmed=True)
-            r = await client.post(f"{emulator.url}/v1/completions",
-                                  json={"prompt": list(first.forward_token_ids), "max_tokens": 1})
+            r = await client.post(
+                f"{emulator.url}/v1/completions", json={"prompt": list(first.forward_token_ids), "max_tokens": 1}
+            )
             assert r.status_code == 200
             blocks = len(first.block_keys)
             deadline = time.monotonic() + 10
@@ -201,14 +227,25 @@ async def test_emulator_events_build_the_same_index_as_dispatches(emulator: Emul
                 assert memo is not None and memo.reused_blocks == 16
             else:
                 assert memo is None
-            r = await client.post(f"{emulator.url}/v1/completions",
-                                  json={"prompt": list(first.forward_token_ids), "max_tokens": 1})
+            r = await client.post(
+                f"{emulator.url}/v1/completions", json={"prompt": list(first.forward_token_ids), "max_tokens": 1}
+            )
             usage = r.json()["usage"]
             reported = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            analyzer.on_result(again, _decision("m0"), Observation(
-                request_id="r", prefill="m0", decode=None, prompt_tokens=again.prompt_tokens,
-                cached_tokens=reported, predicted_cached_tokens=blocks * 16, queue_and_prefill_s=None,
-                ttft_s=None))
+            analyzer.on_result(
+                again,
+                _decision("m0"),
+                Observation(
+                    request_id="r",
+                    prefill="m0",
+                    decode=None,
+                    prompt_tokens=again.prompt_tokens,
+                    cached_tokens=reported,
+                    predicted_cached_tokens=blocks * 16,
+                    queue_and_prefill_s=None,
+                    ttft_s=None,
+                ),
+            )
             assert reported == blocks * 16
             assert registry.get_sample_value("conductor_kv_hash_agreement") == 1.0
     finally:
@@ -226,16 +263,18 @@ def test_hash_agreement_collapse_warns_loudly(caplog: pytest.LogCaptureFixture) 
             agreement.observe(512, 0)
     assert agreement.alarmed
     assert registry.get_sample_value("conductor_kv_hash_agreement") == 0.0
-    assert any("HASH AGREEMENT COLLAPSED" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any("HASH AGREEMENT COLLAPSED" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     # no feed evidence and the built-in tokenizer: that is what the warning suspects
     assert agreement.alarm("", "over") == "tokenizer"
     assert registry.get_sample_value("conductor_kv_predicted_cached_tokens_total") == 80 * 512
 
 
 async def test_silent_unhealthy_instance_is_dropped(unused_tcp_port: int) -> None:
-    options: dict[str, Any] = {"enabled": True, "events_silence_s": 0.2,
-                               "kv_events": {"gone": {"endpoint": f"tcp://*:{unused_tcp_port}"}}}
+    options: dict[str, Any] = {
+        "enabled": True,
+        "events_silence_s": 0.2,
+        "kv_events": {"gone": {"endpoint": f"tcp://*:{unused_tcp_port}"}},
+    }
     # nothing listens on the worker's HTTP port either: /health fails
     analyzer = build_analyzer(options, [("gone", Role.PREFILL, f"http://127.0.0.1:{unused_tcp_port}")])
     assert isinstance(analyzer, KVAwareAnalyzer)
@@ -255,8 +294,14 @@ async def test_silent_unhealthy_instance_is_dropped(unused_tcp_port: int) -> Non
 
 async def test_redis_backed_analyzer_records_dispatches_for_other_replicas() -> None:
     prefix = f"test:kvaware:{time.monotonic_ns()}:"
-    options = {"enabled": True, "index": "redis", "redis_prefix": prefix, "block_size": 16,
-               "redis_timeout_s": 10.0, "redis_write_timeout_s": 10.0}  # about content, not the 50 ms bound
+    options = {
+        "enabled": True,
+        "index": "redis",
+        "redis_prefix": prefix,
+        "block_size": 16,
+        "redis_timeout_s": 10.0,
+        "redis_write_timeout_s": 10.0,
+    }  # about content, not the 50 ms bound
     one = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
     two = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
     assert isinstance(one, KVAwareAnalyzer) and isinstance(two, KVAwareAnalyzer)
@@ -286,7 +331,8 @@ async def test_index_down_degrades_to_no_cache_knowledge() -> None:
 
 
 async def test_gateway_never_takes_the_vllm_seed_from_its_own_environment(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Finding: PYTHONHASHSEED set for the gateway and not for the workers made 0 keys match."""
     monkeypatch.setenv("PYTHONHASHSEED", "123")
     with caplog.at_level(logging.INFO, logger="conductor.kv_awareness"):
@@ -303,5 +349,4 @@ async def test_gateway_never_takes_the_vllm_seed_from_its_own_environment(
     with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"):
         explicit = build_analyzer({"enabled": True, "key_mode": "vllm", "vllm_hash_algo": "xxhash"}, [])
         await explicit.close()
-    assert any(r.getMessage().startswith("VLLM HASH SEED UNSET with kv.vllm_hash_algo 'xxhash'")
-               for r in caplog.records)
+    assert any(r.getMessage().startswith("VLLM HASH SEED UNSET with kv.vllm_hash_algo 'xxhash'") for r in caplog.records)

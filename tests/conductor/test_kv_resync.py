@@ -26,8 +26,16 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Emulator]:
-    with start_emulator("mixed", kv_events=True, kv_events_replay=True, time_scale=0.01, model="tiny",
-                        block_size=BS, hash_algo="sha256_cbor", hash_seed=SEED) as emu:
+    with start_emulator(
+        "mixed",
+        kv_events=True,
+        kv_events_replay=True,
+        time_scale=0.01,
+        model="tiny",
+        block_size=BS,
+        hash_algo="sha256_cbor",
+        hash_seed=SEED,
+    ) as emu:
         yield emu
 
 
@@ -37,16 +45,31 @@ def _port(endpoint: str | None) -> str:
 
 
 def _gateway(worker: Emulator, *, key_mode: str = "xxhash", seed: str | None = SEED, **kv: Any) -> Gateway:
-    settings = load_settings(environ={}, overrides={
-        "mixed": [{"url": worker.url, "name": "m0", "kv_events_endpoint": f"tcp://*:{_port(worker.kv_events_endpoint)}"}],
-        "policy": "kvcache_aware", "block_size": BS, "log_level": "warning",
-        "kv": {"enabled": True, "key_mode": key_mode, "vllm_hash_algo": "sha256_cbor", "vllm_hash_seed": seed,
-               "forward_token_ids": True, "agreement_min_samples": 3,
-               # the replay endpoint is the worker's --kv-events-config replay_endpoint
-               "kv_events": {"m0": {"endpoint": f"tcp://*:{_port(worker.kv_events_endpoint)}",
-                                    "replay_endpoint": f"tcp://*:{_port(worker.kv_events_replay_endpoint)}"}},
-               **kv},
-    })
+    settings = load_settings(
+        environ={},
+        overrides={
+            "mixed": [{"url": worker.url, "name": "m0", "kv_events_endpoint": f"tcp://*:{_port(worker.kv_events_endpoint)}"}],
+            "policy": "kvcache_aware",
+            "block_size": BS,
+            "log_level": "warning",
+            "kv": {
+                "enabled": True,
+                "key_mode": key_mode,
+                "vllm_hash_algo": "sha256_cbor",
+                "vllm_hash_seed": seed,
+                "forward_token_ids": True,
+                "agreement_min_samples": 3,
+                # the replay endpoint is the worker's --kv-events-config replay_endpoint
+                "kv_events": {
+                    "m0": {
+                        "endpoint": f"tcp://*:{_port(worker.kv_events_endpoint)}",
+                        "replay_endpoint": f"tcp://*:{_port(worker.kv_events_replay_endpoint)}",
+                    }
+                },
+                **kv,
+            },
+        },
+    )
     return Gateway(settings)
 
 
@@ -107,8 +130,7 @@ def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def test_late_start_without_catch_up_raises_the_coverage_alarm(worker: Emulator,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_late_start_without_catch_up_raises_the_coverage_alarm(worker: Emulator, caplog: pytest.LogCaptureFixture) -> None:
     prompts = [*_prompts(2), *_prompts(4)]
     _serve_directly(worker, prompts)
     gateway = _gateway(worker, key_mode="vllm", replay_on_start=False)

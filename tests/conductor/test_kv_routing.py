@@ -19,17 +19,32 @@ from tests.support.servers import serve_gateway
 @pytest.mark.parametrize("key_mode", ["xxhash", "vllm"])
 def test_repeated_prefix_goes_back_to_its_instance(key_mode: str) -> None:
     with ExitStack() as stack:
-        emus = [stack.enter_context(start_emulator("mixed", kv_events=True, time_scale=0.05, model="tiny",
-                                                   block_size=16, hash_algo="sha256_cbor", hash_seed="7"))
-                for _ in range(2)]
-        settings = load_settings(environ={}, overrides={
-            # as the workers were configured (tcp://*:PORT: they bind, the gateway connects)
-            "mixed": [{"url": e.url, "kv_events_endpoint": "tcp://*:" + e.kv_events_endpoint.rsplit(":", 1)[1]}
-                      for e in emus],
-            "policy": "kvcache_aware", "block_size": 16,
-            "kv": {"enabled": True, "key_mode": key_mode, "vllm_hash_algo": "sha256_cbor", "vllm_hash_seed": "7",
-                   "forward_token_ids": True},
-        })
+        emus = [
+            stack.enter_context(
+                start_emulator(
+                    "mixed", kv_events=True, time_scale=0.05, model="tiny", block_size=16, hash_algo="sha256_cbor", hash_seed="7"
+                )
+            )
+            for _ in range(2)
+        ]
+        settings = load_settings(
+            environ={},
+            overrides={
+                # as the workers were configured (tcp://*:PORT: they bind, the gateway connects)
+                "mixed": [
+                    {"url": e.url, "kv_events_endpoint": "tcp://*:" + e.kv_events_endpoint.rsplit(":", 1)[1]} for e in emus
+                ],
+                "policy": "kvcache_aware",
+                "block_size": 16,
+                "kv": {
+                    "enabled": True,
+                    "key_mode": key_mode,
+                    "vllm_hash_algo": "sha256_cbor",
+                    "vllm_hash_seed": "7",
+                    "forward_token_ids": True,
+                },
+            },
+        )
         gateway = Gateway(settings)
         url = stack.enter_context(serve_gateway(gateway)).url
         shared = "You are a helpful assistant. " * 40  # ~1,100 byte tokens: 70 blocks

@@ -37,8 +37,13 @@ class LocalWhenAsked(BasePolicy):
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         d = cluster.by_role(Role.DECODE)[0].id
         local = request.prompt_tokens < 400  # the local prompts here are short, the others long
-        decision = Decision(request.request_id, self.name, prefill=d if local else cluster.by_role(Role.PREFILL)[0].id,
-                            decode=d, predicted_ttft_s=0.05)
+        decision = Decision(
+            request.request_id,
+            self.name,
+            prefill=d if local else cluster.by_role(Role.PREFILL)[0].id,
+            decode=d,
+            predicted_ttft_s=0.05,
+        )
         self.decisions.append(decision)
         return decision
 
@@ -57,9 +62,16 @@ def setup() -> Iterator[Setup]:
         prefill = stack.enter_context(start_emulator("prefill", "nixl", **COMMON))
         decode = stack.enter_context(start_emulator("decode", "nixl", **COMMON))
         mixed = stack.enter_context(start_emulator("mixed", "nixl", **COMMON))
-        settings = load_settings(environ={}, overrides={
-            "pd_protocol": "nixl", "block_size": 16, "health_interval_s": 0.5,
-            "prefill": [prefill.url], "decode": [decode.url]})
+        settings = load_settings(
+            environ={},
+            overrides={
+                "pd_protocol": "nixl",
+                "block_size": 16,
+                "health_interval_s": 0.5,
+                "prefill": [prefill.url],
+                "decode": [decode.url],
+            },
+        )
         server = stack.enter_context(serve_gateway(Gateway(settings, policy=LocalWhenAsked())))
         yield Setup(server.url, prefill, decode, mixed)
 
@@ -69,8 +81,11 @@ def bodies(emu: Emulator) -> list[dict[str, Any]]:
 
 
 def completion(url: str, prompt: str, **extra: Any) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=30,
-                      json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, **extra})
+    return httpx.post(
+        url + "/v1/completions",
+        timeout=30,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, **extra},
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -107,7 +122,13 @@ def test_the_others_still_go_through_the_prefill(setup: Setup) -> None:
 
 
 def test_local_prefills_need_decodes_that_can_compute() -> None:
-    settings = load_settings(environ={}, overrides={
-        "pd_protocol": "sglang", "prefill": [{"url": "http://127.0.0.1:9", "bootstrap_port": 8998}], "decode": ["http://127.0.0.1:9"]})
+    settings = load_settings(
+        environ={},
+        overrides={
+            "pd_protocol": "sglang",
+            "prefill": [{"url": "http://127.0.0.1:9", "bootstrap_port": 8998}],
+            "decode": ["http://127.0.0.1:9"],
+        },
+    )
     with pytest.raises(ConfigError, match="local_prefill_tokens"):
         Gateway(settings, policy=KvCacheAwarePolicy(local_prefill_tokens=2048))

@@ -23,13 +23,18 @@ def test_json_logs_with_an_access_line_per_request() -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "conductor", "serve", "--mixed", worker.url, "--port", str(port), "--model", "tiny"],
             env={"CONDUCTOR_LOG_FORMAT": "json", "CONDUCTOR_ACCESS_LOG": "true", "PATH": "/usr/bin:/bin"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         url = f"http://127.0.0.1:{port}"
         try:
             assert wait_for(lambda: _up(url), timeout=30)
-            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": SECRET, "max_tokens": 2},
-                           headers={"X-Request-ID": "client-7"})
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": "tiny", "prompt": SECRET, "max_tokens": 2},
+                headers={"X-Request-ID": "client-7"},
+            )
             assert r.status_code == 200
             assert httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": SECRET}).status_code == 404
         finally:

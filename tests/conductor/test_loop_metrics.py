@@ -26,15 +26,21 @@ def exposition(registry: CollectorRegistry) -> list[str]:
 def test_same_exposition_as_prometheus_client_after_the_same_updates() -> None:
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     pairs = [
-        (LoopCounter("t_requests", "requests", ["route", "status"], registry=ours),
-         Counter("t_requests", "requests", ["route", "status"], registry=theirs)),
+        (
+            LoopCounter("t_requests", "requests", ["route", "status"], registry=ours),
+            Counter("t_requests", "requests", ["route", "status"], registry=theirs),
+        ),
         (LoopCounter("t_plain", "no labels", registry=ours), Counter("t_plain", "no labels", registry=theirs)),
     ]
     hists = [
-        (LoopHistogram("t_latency", "latency", buckets=BUCKETS, registry=ours),
-         Histogram("t_latency", "latency", buckets=BUCKETS, registry=theirs)),
-        (LoopHistogram("t_leg", "by instance", ["instance"], buckets=BUCKETS, registry=ours),
-         Histogram("t_leg", "by instance", ["instance"], buckets=BUCKETS, registry=theirs)),
+        (
+            LoopHistogram("t_latency", "latency", buckets=BUCKETS, registry=ours),
+            Histogram("t_latency", "latency", buckets=BUCKETS, registry=theirs),
+        ),
+        (
+            LoopHistogram("t_leg", "by instance", ["instance"], buckets=BUCKETS, registry=ours),
+            Histogram("t_leg", "by instance", ["instance"], buckets=BUCKETS, registry=theirs),
+        ),
     ]
     rng = random.Random(7)
     for _ in range(2000):

@@ -50,8 +50,14 @@ class Running:
 
 @contextmanager
 def gateway(workers: list[str], **settings: Any) -> Iterator[Running]:
-    overrides: dict[str, Any] = {"mixed": workers, "models": ["tiny"], "health_interval_s": 0.3,
-                                 "admin_api_keys": [KEY], "policy": "round_robin", **settings}
+    overrides: dict[str, Any] = {
+        "mixed": workers,
+        "models": ["tiny"],
+        "health_interval_s": 0.3,
+        "admin_api_keys": [KEY],
+        "policy": "round_robin",
+        **settings,
+    }
     gw = Gateway(load_settings(environ={}, overrides=overrides))
     with serve_gateway(gw) as server:
         yield Running(server.url, gw, server)
@@ -65,8 +71,9 @@ def _complete(url: str, n: int = 1) -> None:
 
 def _stream(url: str, out: list[str]) -> threading.Thread:
     def run() -> None:
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True}) as r:
+        with httpx.stream(
+            "POST", url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True}
+        ) as r:
             out.append(r.read().decode())
 
     thread = threading.Thread(target=run)
@@ -110,20 +117,22 @@ def test_an_instance_added_at_run_time_takes_requests() -> None:
             assert r.status_code == 409 and r.json()["error"]["code"] == "instance_exists", r.text
 
 
-@pytest.mark.parametrize("body", [
-    {"url": "ftp://x:1", "role": "mixed"},  # the same rules as the settings' instances
-    {"url": "http://127.0.0.1:9"},  # no role
-    {"url": "http://127.0.0.1:9", "role": "prefill"},  # a mixed gateway takes no prefill
-    {"url": "http://127.0.0.1:9", "role": "mixed", "name": "a/b"},
-    {"url": "http://127.0.0.1:9", "role": "mixed", "colour": "red"},
-    ["not", "an", "object"],
-    "{not json",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"url": "ftp://x:1", "role": "mixed"},  # the same rules as the settings' instances
+        {"url": "http://127.0.0.1:9"},  # no role
+        {"url": "http://127.0.0.1:9", "role": "prefill"},  # a mixed gateway takes no prefill
+        {"url": "http://127.0.0.1:9", "role": "mixed", "name": "a/b"},
+        {"url": "http://127.0.0.1:9", "role": "mixed", "colour": "red"},
+        ["not", "an", "object"],
+        "{not json",
+    ],
+)
 def test_a_bad_instance_is_a_400(body: Any) -> None:
     with serve(StandIn(model="tiny")) as w, gateway([w.url]) as g:
         if isinstance(body, str):
-            r = httpx.post(g.url + "/admin/instances", headers={**AUTH, "content-type": "application/json"},
-                           content=body)
+            r = httpx.post(g.url + "/admin/instances", headers={**AUTH, "content-type": "application/json"}, content=body)
         else:
             r = httpx.post(g.url + "/admin/instances", headers=AUTH, json=body)
         assert r.status_code == 400, r.text
@@ -192,12 +201,14 @@ def test_a_removed_instance_goes_at_once_without_cutting_its_stream() -> None:
 def test_kv_events_of_an_added_instance_are_followed_and_dropped_with_it() -> None:
     with ExitStack() as stack:
         static = stack.enter_context(start_emulator("mixed", time_scale=0.05, model="tiny", block_size=16))
-        emu = stack.enter_context(start_emulator("mixed", kv_events=True, time_scale=0.05, model="tiny",
-                                                 block_size=16))
+        emu = stack.enter_context(start_emulator("mixed", kv_events=True, time_scale=0.05, model="tiny", block_size=16))
         g = stack.enter_context(gateway([static.url], kv={"enabled": True}, block_size=16, policy="kvcache_aware"))
         port = emu.kv_events_endpoint.rsplit(":", 1)[1] if emu.kv_events_endpoint else ""
-        r = httpx.post(g.url + "/admin/instances", headers=AUTH,
-                       json={"url": emu.url, "role": "mixed", "name": "emu", "kv_events_endpoint": f"tcp://*:{port}"})
+        r = httpx.post(
+            g.url + "/admin/instances",
+            headers=AUTH,
+            json={"url": emu.url, "role": "mixed", "name": "emu", "kv_events_endpoint": f"tcp://*:{port}"},
+        )
         assert r.status_code == 201, r.text
         assert [s.source.instance for s in g.gateway.analyzer.subscribers] == ["emu"]  # type: ignore[attr-defined]
         assert wait_for(lambda: g.instances()["emu"]["state"] == "healthy", timeout=20)
@@ -207,8 +218,11 @@ def test_kv_events_of_an_added_instance_are_followed_and_dropped_with_it() -> No
         probes = iter(range(1000))
 
         def subscribed() -> bool:
-            r = httpx.post(emu.url + "/v1/completions", timeout=30,
-                           json={"model": "tiny", "prompt": f"probe {next(probes)} " * 8, "max_tokens": 1})
+            r = httpx.post(
+                emu.url + "/v1/completions",
+                timeout=30,
+                json={"model": "tiny", "prompt": f"probe {next(probes)} " * 8, "max_tokens": 1},
+            )
             assert r.status_code == 200, r.text
             return wait_for(lambda: sub.stats.batches > 0, timeout=1)
 

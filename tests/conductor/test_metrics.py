@@ -9,11 +9,15 @@ from tests.support.cluster import cluster
 
 
 def test_metrics_after_traffic() -> None:
-    with cluster("nixl", n_prefill=2, n_decode=2, policy=load_policy("kvcache_aware"),
-                 standin={"decode": {"token_delay_s": 0.002}}) as c:
+    with cluster(
+        "nixl", n_prefill=2, n_decode=2, policy=load_policy("kvcache_aware"), standin={"decode": {"token_delay_s": 0.002}}
+    ) as c:
         for i in range(6):
-            r = httpx.post(c.url + "/v1/completions", timeout=20,
-                           json={"model": "tiny", "prompt": "hello " * (i + 1), "max_tokens": 8, "stream": True})
+            r = httpx.post(
+                c.url + "/v1/completions",
+                timeout=20,
+                json={"model": "tiny", "prompt": "hello " * (i + 1), "max_tokens": 8, "stream": True},
+            )
             assert r.status_code == 200
         text = httpx.get(c.url + "/metrics").text
         assert 'conductor_requests_total{route="/v1/completions",status="200"} 6.0' in text

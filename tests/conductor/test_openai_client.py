@@ -23,8 +23,9 @@ def test_completions_non_streamed(client) -> None:
 
 def test_completions_streamed_with_usage(client) -> None:
     oa, _ = client
-    chunks = list(oa.completions.create(model="tiny", prompt="Say hi", max_tokens=6, stream=True,
-                                        stream_options={"include_usage": True}))
+    chunks = list(
+        oa.completions.create(model="tiny", prompt="Say hi", max_tokens=6, stream=True, stream_options={"include_usage": True})
+    )
     texts = [ch.choices[0].text for ch in chunks if ch.choices]
     assert len(texts) == 6
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
@@ -39,8 +40,13 @@ def test_chat_non_streamed(client) -> None:
 
 def test_chat_streamed_with_usage(client) -> None:
     oa, _ = client
-    stream = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                        max_tokens=4, stream=True, stream_options={"include_usage": True})
+    stream = oa.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 4
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
@@ -48,8 +54,9 @@ def test_chat_streamed_with_usage(client) -> None:
 
 def test_streamed_without_usage_has_none(client) -> None:
     oa, _ = client
-    chunks = list(oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                             max_tokens=2, stream=True))
+    chunks = list(
+        oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True)
+    )
     assert all(ch.usage is None for ch in chunks)
 
 

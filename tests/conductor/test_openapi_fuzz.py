@@ -43,8 +43,13 @@ def _gateway(**overrides: Any) -> Iterator[str]:
     with ExitStack() as stack:
         prefill = stack.enter_context(serve(_BriefStandIn(role="prefill", model=MODEL)))
         decode = stack.enter_context(serve(_BriefStandIn(role="decode", model=MODEL)))
-        options = {"prefill": [{"url": prefill.url}], "decode": [decode.url], "models": [MODEL],
-                   "health_interval_s": 0.5, **overrides}
+        options = {
+            "prefill": [{"url": prefill.url}],
+            "decode": [decode.url],
+            "models": [MODEL],
+            "health_interval_s": 0.5,
+            **overrides,
+        }
         gateway = Gateway(load_settings(environ={}, overrides=options))
         yield stack.enter_context(serve_gateway(gateway)).url
 
@@ -68,15 +73,20 @@ def _fuzz(url: str) -> list[str]:
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if takes_input else (GenerationMode.POSITIVE,)
         for mode in modes:
 
-            @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=MAX_EXAMPLES,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=operation.as_strategy(generation_mode=mode))
             def run(case: Any) -> None:
                 _served_model(case)
                 response = case.call(base_url=url, timeout=30)
                 if response.status_code >= 500:
-                    failures.append(f"{response.status_code} {response.text[:300]}\n"
-                                    f"  {case.as_curl_command(base_url=url)}")
+                    failures.append(f"{response.status_code} {response.text[:300]}\n  {case.as_curl_command(base_url=url)}")
 
             run()
     return failures

@@ -26,12 +26,15 @@ def test_embeddings_and_responses_reach_a_mixed_worker_through_the_sdk() -> None
         assert 'conductor_requests_total{route="/v1/embeddings",status="200"} 1.0' in metrics
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/embeddings", {"model": "tiny"}, "input"),
-    ("/v1/embeddings", {"model": "tiny", "input": []}, "input"),
-    ("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
-    ("/v1/responses", {"input": "x"}, "model"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"model": "tiny"}, "input"),
+        ("/v1/embeddings", {"model": "tiny", "input": []}, "input"),
+        ("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ("/v1/responses", {"input": "x"}, "model"),
+    ],
+)
 def test_malformed_pass_through_bodies_are_400(path: str, body: dict[str, object], param: str) -> None:
     with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1) as c:
         r = httpx.post(c.url + path, json=body)

@@ -16,8 +16,16 @@ def _post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx
 
 def test_nixl_prefill_first_then_params_verbatim_to_decode() -> None:
     with cluster("nixl", upstream_api_key="sk-upstream") as c:
-        body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "stream": True, "min_tokens": 2,
-                "stream_options": {"include_usage": True}, "top_k": 7, "custom_field": {"a": 1}}
+        body = {
+            "model": "tiny",
+            "prompt": "hello",
+            "max_tokens": 5,
+            "stream": True,
+            "min_tokens": 2,
+            "stream_options": {"include_usage": True},
+            "top_k": 7,
+            "custom_field": {"a": 1},
+        }
         r = _post(c.url, "/v1/completions", body, {"Authorization": "Bearer client-secret", "X-Request-ID": "rid-1"})
         assert r.status_code == 200
         assert r.text.rstrip().endswith("data: [DONE]")
@@ -26,17 +34,26 @@ def test_nixl_prefill_first_then_params_verbatim_to_decode() -> None:
         gateway_id = p.headers["x-request-id"]  # the gateway's own id; the client's is only echoed
         assert gateway_id != "rid-1" and r.headers["x-request-id"] == "rid-1"
         assert p.body["kv_transfer_params"] == {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
         }
         assert p.body["stream"] is False and p.body["max_tokens"] == 1
         assert "stream_options" not in p.body and "min_tokens" not in p.body
         assert p.body["top_k"] == 7 and p.body["custom_field"] == {"a": 1}  # unknown fields pass untouched
         # the decode leg gets the client's body plus the prefill's answer, verbatim
         assert d.body["kv_transfer_params"] == {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
-            "remote_engine_id": "engine-p0", "remote_request_id": gateway_id, "remote_host": "127.0.0.1",
-            "remote_port": 5600, "tp_size": 1,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [1, 2, 3],
+            "remote_engine_id": "engine-p0",
+            "remote_request_id": gateway_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
         }
         assert {k: v for k, v in d.body.items() if k != "kv_transfer_params"} == body
         assert p.received < d.received  # sequential
@@ -64,20 +81,21 @@ def test_mooncake_transfer_id_schema_concurrent_legs(shape: str) -> None:
     with cluster("mooncake", standin=opts) as c:
         boot_port = c.gateway.settings.prefill[0].bootstrap_port
         assert c.bootstraps[0].queries >= 1  # engine id read from GET /query at start-up
-        r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3},
-                  {"X-Request-ID": "rid-m"})
+        r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3}, {"X-Request-ID": "rid-m"})
         assert r.status_code == 200, r.text
         # concurrent legs: the decode may answer before the prefill leg has even arrived
         assert wait_for(lambda: len(c.prefills[0].requests) == 1)
         [p] = c.prefills[0].requests
         [d] = c.decodes[0].requests
         tid = p.body["kv_transfer_params"]["transfer_id"]
-        assert p.body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
-                                                "transfer_id": tid}
+        assert p.body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
         assert p.body["max_tokens"] == 1 and p.body["stream"] is False
         assert d.body["kv_transfer_params"] == {
-            "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "engine-p0",
-            "remote_bootstrap_addr": f"http://127.0.0.1:{boot_port}", "transfer_id": tid,
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": "engine-p0",
+            "remote_bootstrap_addr": f"http://127.0.0.1:{boot_port}",
+            "transfer_id": tid,
         }
         assert d.body["max_tokens"] == 3
         # concurrent: the decode leg arrived while the prefill leg was still being served
@@ -107,9 +125,12 @@ def test_mooncake_bootstrap_server_schema() -> None:
         assert r.status_code == 200, r.text
         [d] = c.decodes[0].requests
         boot_port = c.gateway.settings.prefill[0].bootstrap_port
-        assert d.body["kv_transfer_params"] == {"do_remote_decode": False, "do_remote_prefill": True,
-                                                "bootstrap_server_host": "127.0.0.1",
-                                                "bootstrap_server_port": boot_port}
+        assert d.body["kv_transfer_params"] == {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "bootstrap_server_host": "127.0.0.1",
+            "bootstrap_server_port": boot_port,
+        }
         assert c.bootstraps[0].queries == 0
 
 

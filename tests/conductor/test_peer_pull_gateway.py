@@ -60,8 +60,15 @@ class AwayFromTheHolder(BasePolicy):
         target = next((iid for iid in prefills if iid != holder), None)
         if target is None:
             target, holder = prefills[0], None
-        return Decision(request.request_id, self.name, prefill=target, decode=decodes[0].id,
-                        pull_from=holder, pull_tokens=sources.get(holder, 0) if holder else 0, predicted_ttft_s=0.05)
+        return Decision(
+            request.request_id,
+            self.name,
+            prefill=target,
+            decode=decodes[0].id,
+            pull_from=holder,
+            pull_tokens=sources.get(holder, 0) if holder else 0,
+            predicted_ttft_s=0.05,
+        )
 
 
 @dataclass
@@ -78,19 +85,33 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup() -> Iterator[Setup]:
     with ExitStack() as stack:
-        prefills = [stack.enter_context(start_emulator("prefill", "nixl", kv_events=True, bidirectional_kv_xfer=True,
-                                                       scheduling_policy="priority", **COMMON)) for _ in range(2)]
+        prefills = [
+            stack.enter_context(
+                start_emulator(
+                    "prefill", "nixl", kv_events=True, bidirectional_kv_xfer=True, scheduling_policy="priority", **COMMON
+                )
+            )
+            for _ in range(2)
+        ]
         decode = stack.enter_context(start_emulator("decode", "nixl", bidirectional_kv_xfer=True, **COMMON))
         mixed = stack.enter_context(start_emulator("mixed", "nixl", **COMMON))
-        settings = load_settings(environ={}, overrides={
-            "pd_protocol": "nixl", "block_size": BLOCK, "health_interval_s": 0.5,
-            "prefill": [{"url": p.url, "kv_events_endpoint": "tcp://*:" + str(p.kv_events_endpoint).rsplit(":", 1)[1]}
-                        for p in prefills],
-            "decode": [decode.url],
-            # the built-in tokenizer is the emulators' own: its token ids are theirs
-            "kv": {"enabled": True, "forward_token_ids": True},
-            "pd_peer_pull": "on", "pd_peer_pull_priority": -1,
-        })
+        settings = load_settings(
+            environ={},
+            overrides={
+                "pd_protocol": "nixl",
+                "block_size": BLOCK,
+                "health_interval_s": 0.5,
+                "prefill": [
+                    {"url": p.url, "kv_events_endpoint": "tcp://*:" + str(p.kv_events_endpoint).rsplit(":", 1)[1]}
+                    for p in prefills
+                ],
+                "decode": [decode.url],
+                # the built-in tokenizer is the emulators' own: its token ids are theirs
+                "kv": {"enabled": True, "forward_token_ids": True},
+                "pd_peer_pull": "on",
+                "pd_peer_pull_priority": -1,
+            },
+        )
         policy = AwayFromTheHolder()
         gateway = Gateway(settings, policy=policy)
         server = stack.enter_context(serve_gateway(gateway))
@@ -98,8 +119,9 @@ def setup() -> Iterator[Setup]:
 
 
 def post(url: str, prompt: str) -> dict[str, Any]:
-    r = httpx.post(url + "/v1/completions", timeout=30,
-                   json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+    r = httpx.post(
+        url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+    )
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -156,8 +178,9 @@ def test_a_prefix_one_prefill_holds_is_pulled_into_the_other(setup: Setup) -> No
     assert (after[0] - before[0], after[1] - before[1]) == (pulled, pulled)
     assert peer_pulls(s.url, "staged") == staged_before + 1
     assert wait_for(lambda: pinned(holder) == 0, 5.0)
-    alone = httpx.post(s.mixed.url + "/v1/completions", timeout=30, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True}).json()
+    alone = httpx.post(
+        s.mixed.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+    ).json()
     assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
 
 
@@ -174,8 +197,15 @@ def test_a_short_shared_prefix_is_not_staged(setup: Setup) -> None:
 def test_a_staging_answer_without_usable_blocks_leaves_the_prefill_to_compute() -> None:
     # stand-ins answer remote_block_ids as a flat list, no layout a pull can name
     policy = AwayFromTheHolder()
-    with cluster("nixl", n_prefill=2, n_decode=1, policy=policy, block_size=BLOCK, pd_peer_pull="on",
-                 kv={"enabled": True, "forward_token_ids": True}) as c:
+    with cluster(
+        "nixl",
+        n_prefill=2,
+        n_decode=1,
+        policy=policy,
+        block_size=BLOCK,
+        pd_peer_pull="on",
+        kv={"enabled": True, "forward_token_ids": True},
+    ) as c:
         prompt = "Tell me about the weather in Lisbon in spring. " * 10
         assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": prompt}).status_code == 200
         # the index records a dispatch beside the request: on a starved box the next request can
@@ -195,8 +225,15 @@ def test_a_staging_answer_without_usable_blocks_leaves_the_prefill_to_compute() 
 
 def test_a_failing_holder_fails_the_staging_not_the_request() -> None:
     policy = AwayFromTheHolder()
-    with cluster("nixl", n_prefill=2, n_decode=1, policy=policy, block_size=BLOCK, pd_peer_pull="on",
-                 kv={"enabled": True, "forward_token_ids": True}) as c:
+    with cluster(
+        "nixl",
+        n_prefill=2,
+        n_decode=1,
+        policy=policy,
+        block_size=BLOCK,
+        pd_peer_pull="on",
+        kv={"enabled": True, "forward_token_ids": True},
+    ) as c:
         prompt = "Summarise the incident report for the on-call engineer. " * 8
         assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": prompt}).status_code == 200
         assert wait_for(lambda: index_holders(c.gateway, c.servers["gateway"], prompt).get("prefill-0", 0) > 0, 10.0)
@@ -212,8 +249,15 @@ def test_a_failing_holder_fails_the_staging_not_the_request() -> None:
 def test_peer_pull_on_without_the_workers_token_ids_fails_start_up() -> None:
     from conductor.core.errors import ConfigError
 
-    settings = load_settings(environ={}, overrides={
-        "pd_protocol": "nixl", "prefill": ["http://127.0.0.1:1"], "decode": ["http://127.0.0.1:2"],
-        "kv": {"enabled": True}, "pd_peer_pull": "on"})
+    settings = load_settings(
+        environ={},
+        overrides={
+            "pd_protocol": "nixl",
+            "prefill": ["http://127.0.0.1:1"],
+            "decode": ["http://127.0.0.1:2"],
+            "kv": {"enabled": True},
+            "pd_peer_pull": "on",
+        },
+    )
     with pytest.raises(ConfigError, match="token ids"):
         Gateway(settings)

@@ -51,20 +51,29 @@ def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
 
 def test_online_refit_learns_a_cluster_slower_than_its_profile() -> None:
     with ExitStack() as stack:
+
         def emu(role: str, seed: int) -> str:
-            return stack.enter_context(start_emulator(role, model="tiny", noise=0.05, seed=seed, time_scale=2.0,
-                                                      log_level="warning")).url
-        settings = load_settings(environ={}, overrides={
-            "prefill": [{"url": emu("prefill", 1)}, {"url": emu("prefill", 2)}],
-            "decode": [{"url": emu("decode", 3)}, {"url": emu("decode", 4)}],
-            "policy": "kvcache_aware", "log_level": "warning",
-        })
+            return stack.enter_context(
+                start_emulator(role, model="tiny", noise=0.05, seed=seed, time_scale=2.0, log_level="warning")
+            ).url
+
+        settings = load_settings(
+            environ={},
+            overrides={
+                "prefill": [{"url": emu("prefill", 1)}, {"url": emu("prefill", 2)}],
+                "decode": [{"url": emu("decode", 3)}, {"url": emu("decode", 4)}],
+                "policy": "kvcache_aware",
+                "log_level": "warning",
+            },
+        )
         gateway = Gateway(settings)
         predictors: Predictors = gateway.policy.predictors  # type: ignore[attr-defined]
         before = predictors.prefill_s(2048)
         url = stack.enter_context(serve_gateway(gateway)).url
-        bodies = [{"model": "tiny", "prompt": p, "max_tokens": 2, "stream": True, "ignore_eos": True}
-                  for p in _prompts(random.Random(7), 48, 512, 2048)]
+        bodies = [
+            {"model": "tiny", "prompt": p, "max_tokens": 2, "stream": True, "ignore_eos": True}
+            for p in _prompts(random.Random(7), 48, 512, 2048)
+        ]
         statuses = asyncio.run(_drive(url + "/v1/completions", bodies, concurrency=4))
         after = predictors.prefill_s(2048)
         refits = predictors.refits
@@ -87,14 +96,20 @@ def _modelled_prefills(url: str) -> list[tuple[int, float]]:
 
 def test_predictors_learn_the_modelled_prefill_times_to_the_accuracy_goal() -> None:
     with ExitStack() as stack:
-        urls = [stack.enter_context(start_emulator("mixed", model="tiny", noise=0.08, seed=s, time_scale=0.5,
-                                                   log_level="warning")).url for s in (11, 12)]
+        urls = [
+            stack.enter_context(
+                start_emulator("mixed", model="tiny", noise=0.08, seed=s, time_scale=0.5, log_level="warning")
+            ).url
+            for s in (11, 12)
+        ]
         rng = random.Random(5)
         prompts = _prompts(rng, 120, 1024, 6144)
 
         async def both() -> list[int]:
-            runs = [_drive(url + "/v1/completions", [{"prompt": p, "max_tokens": 1} for p in prompts[i::2]], 4)
-                    for i, url in enumerate(urls)]
+            runs = [
+                _drive(url + "/v1/completions", [{"prompt": p, "max_tokens": 1} for p in prompts[i::2]], 4)
+                for i, url in enumerate(urls)
+            ]
             return [status for statuses in await asyncio.gather(*runs) for status in statuses]
 
         assert asyncio.run(both()).count(200) == len(prompts)

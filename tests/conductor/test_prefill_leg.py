@@ -37,8 +37,9 @@ def test_each_leg_comes_before_its_observation_with_the_same_figures() -> None:
     policy = _Recording()
     with cluster("nixl", policy=policy, standin={"prefill": {"cached_tokens": 7}}) as c:
         plain = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "abcd" * 20, "max_tokens": 3})
-        streamed = httpx.post(c.url + "/v1/completions",
-                              json={"model": "tiny", "prompt": "wxyz" * 20, "max_tokens": 3, "stream": True})
+        streamed = httpx.post(
+            c.url + "/v1/completions", json={"model": "tiny", "prompt": "wxyz" * 20, "max_tokens": 3, "stream": True}
+        )
         assert plain.status_code == 200 and streamed.status_code == 200
     kinds = [kind for kind, _ in policy.events]
     assert kinds == ["leg", "observation", "leg", "observation"]

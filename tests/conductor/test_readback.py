@@ -20,10 +20,19 @@ class Clock:
 def decode_params(blocks: int = 10, **changes: Any) -> dict[str, Any]:
     """A bidirectional decode's answer params, as vLLM 0.32 wrote them in a real run."""
     params: dict[str, Any] = {
-        "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [list(range(1, blocks + 1))],
-        "remote_engine_id": "39844e1a", "remote_request_id": "cmpl-979be07c-0", "remote_host": "localhost",
-        "remote_port": 50053, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 308,
-        "remote_blocks_expiry_time": 1462.68, "transfer_mode": "pull",
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [list(range(1, blocks + 1))],
+        "remote_engine_id": "39844e1a",
+        "remote_request_id": "cmpl-979be07c-0",
+        "remote_host": "localhost",
+        "remote_port": 50053,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 308,
+        "remote_blocks_expiry_time": 1462.68,
+        "transfer_mode": "pull",
     }
     params.update(changes)
     return params
@@ -39,17 +48,33 @@ def test_a_decode_answer_becomes_a_handle_covering_the_prompt_blocks_only() -> N
     h = handle(prompt_blocks=9)  # 10 blocks pinned (prompt + answer), 9 full prompt blocks
     assert (h.instance, h.prompt_blocks, list(h.block_ids)) == ("d0", 9, list(range(1, 10)))
     assert h.params(4, 32) == {
-        "remote_block_ids": [[1, 2, 3, 4]], "remote_engine_id": "39844e1a", "remote_request_id": "cmpl-979be07c-0",
-        "remote_host": "localhost", "remote_port": 50053, "tp_size": 1, "remote_num_tokens": 128,
+        "remote_block_ids": [[1, 2, 3, 4]],
+        "remote_engine_id": "39844e1a",
+        "remote_request_id": "cmpl-979be07c-0",
+        "remote_host": "localhost",
+        "remote_port": 50053,
+        "tp_size": 1,
+        "remote_num_tokens": 128,
     }
 
 
-@pytest.mark.parametrize("bad", [
-    None, "x", {}, decode_params(do_remote_decode=False), decode_params(remote_block_ids=[[1, 2], [3, 4]]),
-    decode_params(remote_block_ids="1,2"), decode_params(remote_port="50053"), decode_params(remote_port=0),
-    decode_params(remote_host=None), decode_params(remote_block_ids=[[-1, 2]]), decode_params(pp_size=2),
-    decode_params(remote_block_ids=[[]]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        "x",
+        {},
+        decode_params(do_remote_decode=False),
+        decode_params(remote_block_ids=[[1, 2], [3, 4]]),
+        decode_params(remote_block_ids="1,2"),
+        decode_params(remote_port="50053"),
+        decode_params(remote_port=0),
+        decode_params(remote_host=None),
+        decode_params(remote_block_ids=[[-1, 2]]),
+        decode_params(pp_size=2),
+        decode_params(remote_block_ids=[[]]),
+    ],
+)
 def test_anything_else_is_not_a_readback_offer(bad: Any) -> None:
     assert parse_decode_params("d0", bad, 9, 0.0) is None
 

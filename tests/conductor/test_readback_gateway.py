@@ -47,18 +47,29 @@ class Setup:
 def setup() -> Iterator[Setup]:
     with ExitStack() as stack:
         # vLLM reads a decode's KV into a prefill only where the prefill has bidirectional transfer on too
-        prefills = [stack.enter_context(start_emulator("prefill", "nixl", kv_events=True, bidirectional_kv_xfer=True,
-                                                       **COMMON)) for _ in range(2)]
-        decode = stack.enter_context(start_emulator("decode", "nixl", bidirectional_kv_xfer=True,
-                                                    side_channel_port=free_port(), **COMMON))
+        prefills = [
+            stack.enter_context(start_emulator("prefill", "nixl", kv_events=True, bidirectional_kv_xfer=True, **COMMON))
+            for _ in range(2)
+        ]
+        decode = stack.enter_context(
+            start_emulator("decode", "nixl", bidirectional_kv_xfer=True, side_channel_port=free_port(), **COMMON)
+        )
         mixed = stack.enter_context(start_emulator("mixed", "nixl", **COMMON))
-        settings = load_settings(environ={}, overrides={
-            "pd_protocol": "nixl", "policy": "kvcache_aware", "block_size": BLOCK, "health_interval_s": 0.5,
-            "prefill": [{"url": p.url, "kv_events_endpoint": "tcp://*:" + str(p.kv_events_endpoint).rsplit(":", 1)[1]}
-                        for p in prefills],
-            "decode": [decode.url],
-            "kv": {"enabled": True},
-        })
+        settings = load_settings(
+            environ={},
+            overrides={
+                "pd_protocol": "nixl",
+                "policy": "kvcache_aware",
+                "block_size": BLOCK,
+                "health_interval_s": 0.5,
+                "prefill": [
+                    {"url": p.url, "kv_events_endpoint": "tcp://*:" + str(p.kv_events_endpoint).rsplit(":", 1)[1]}
+                    for p in prefills
+                ],
+                "decode": [decode.url],
+                "kv": {"enabled": True},
+            },
+        )
         gateway = Gateway(settings)
         server = stack.enter_context(serve_gateway(gateway))
         url = server.url
@@ -66,8 +77,11 @@ def setup() -> Iterator[Setup]:
 
 
 def post(s: Setup, prompt: str, **body: Any) -> dict[str, Any]:
-    r = httpx.post(s.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
-                                                                "ignore_eos": True, **body})
+    r = httpx.post(
+        s.url + "/v1/completions",
+        timeout=30,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, **body},
+    )
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -157,8 +171,9 @@ def test_turn_two_pulls_turn_ones_prompt_from_the_decode(setup: Setup, decisions
     after = cached_counters(s)
     assert (after[0] - before[0], after[1] - before[1]) == (pulled, pulled)
     assert readbacks(s, "pulled") == 1
-    alone = httpx.post(s.mixed.url + "/v1/completions", timeout=30, json={
-        "model": "tiny", "prompt": turn2, "max_tokens": 4, "ignore_eos": True}).json()
+    alone = httpx.post(
+        s.mixed.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": turn2, "max_tokens": 4, "ignore_eos": True}
+    ).json()
     assert second["choices"][0]["text"] == alone["choices"][0]["text"]
 
 
@@ -174,8 +189,9 @@ def test_a_prompt_that_leaves_the_last_turn_early_gets_no_pull(setup: Setup, dec
     answer = post(s, other)
     assert decisions[-1]["pull_from"] is None
     assert readbacks(s, "pulled") == pulled_before
-    alone = httpx.post(s.mixed.url + "/v1/completions", timeout=30, json={
-        "model": "tiny", "prompt": other, "max_tokens": 4, "ignore_eos": True}).json()
+    alone = httpx.post(
+        s.mixed.url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": other, "max_tokens": 4, "ignore_eos": True}
+    ).json()
     assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
 
 
@@ -183,9 +199,15 @@ def test_a_failed_pull_is_computed_on_the_same_prefill_instead() -> None:
     # stand-ins: a decode that offers readbacks, a prefill whose every pull fails (vLLM answers 500
     # under its default kv_load_failure_policy "fail"); the gateway's own dispatch guesses expire at
     # once, so nothing but the decode holds turn 1's prefix and the policy plans the pull
-    with cluster("nixl", n_prefill=1, n_decode=1, policy=load_policy("kvcache_aware"), standin={
-            "prefill": {"fail_pulls": 500}, "decode": {"bidirectional": True}},
-            block_size=BLOCK, kv={"enabled": True, "unconfirmed_ttl_s": 0.001}) as c:
+    with cluster(
+        "nixl",
+        n_prefill=1,
+        n_decode=1,
+        policy=load_policy("kvcache_aware"),
+        standin={"prefill": {"fail_pulls": 500}, "decode": {"bidirectional": True}},
+        block_size=BLOCK,
+        kv={"enabled": True, "unconfirmed_ttl_s": 0.001},
+    ) as c:
         turn1 = "Tell me about the weather in Lisbon in spring. " * 20
         first = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": turn1, "max_tokens": 4})
         assert first.status_code == 200 and first.json().get("kv_transfer_params") is None

@@ -26,13 +26,22 @@ BODY = {"model": "tiny", "prompt": "a shared system prompt, long enough for a fe
 
 def redis_settings(url: str) -> dict[str, Any]:
     return {
-        "kv": {"enabled": True, "index": "redis", "redis_url": url, "redis_prefix": f"test:outage:{uuid.uuid4().hex}:",
-               "redis_breaker_failures": 3, "redis_breaker_open_s": 1.0,
-               # 250 ms, not the 50 ms default: a starved CI box must not time out a look-up of a live
-               # Redis, and a hung one still opens the breaker after three of them
-               "redis_timeout_s": 0.25},
-        "load_share": "redis", "redis_url": url, "replica_id": f"outage-{uuid.uuid4().hex[:8]}",
-        "load_sync_interval_s": 0.05, "load_share_breaker_open_s": 1.0,
+        "kv": {
+            "enabled": True,
+            "index": "redis",
+            "redis_url": url,
+            "redis_prefix": f"test:outage:{uuid.uuid4().hex}:",
+            "redis_breaker_failures": 3,
+            "redis_breaker_open_s": 1.0,
+            # 250 ms, not the 50 ms default: a starved CI box must not time out a look-up of a live
+            # Redis, and a hung one still opens the breaker after three of them
+            "redis_timeout_s": 0.25,
+        },
+        "load_share": "redis",
+        "redis_url": url,
+        "replica_id": f"outage-{uuid.uuid4().hex[:8]}",
+        "load_sync_interval_s": 0.05,
+        "load_share_breaker_open_s": 1.0,
     }
 
 
@@ -67,9 +76,11 @@ def test_gateway_answers_while_redis_is_hung_and_recovers() -> None:
             metrics = httpx.get(c.url + "/metrics", timeout=10).text
             assert "conductor_kv_index_redis_breaker_opens_total" in metrics
             assert f"conductor_kv_index_fallback_lookups_total {fell_back + 10}.0" in metrics
-            print(f"slowest look-up that fell back: {index.slowest_fallback_lookup_s * 1000:.1f} ms (timeout 250 ms); "
-                  f"slowest failed index call of any kind: {stats.slowest_failure_s * 1000:.1f} ms (background "
-                  f"writes: 250 ms); slowest failed load exchange: {share.breaker.stats.slowest_failure_s * 1000:.1f} ms")
+            print(
+                f"slowest look-up that fell back: {index.slowest_fallback_lookup_s * 1000:.1f} ms (timeout 250 ms); "
+                f"slowest failed index call of any kind: {stats.slowest_failure_s * 1000:.1f} ms (background "
+                f"writes: 250 ms); slowest failed load exchange: {share.breaker.stats.slowest_failure_s * 1000:.1f} ms"
+            )
         finally:
             server.resume()
 

@@ -27,17 +27,27 @@ def test_replicas_share_load_through_redis() -> None:
         d_urls = [stack.enter_context(serve(d)).url for d in decodes]
         gateways = []
         for name in ("replica-a", "replica-b"):
-            settings = load_settings(environ={}, overrides={
-                "prefill": [p_url], "decode": d_urls, "policy": "least_loaded", "load_share": "redis",
-                "replica_id": f"test-{name}-{time.monotonic_ns()}", "load_sync_interval_s": 0.05, "load_share_timeout_s": 5.0})
+            settings = load_settings(
+                environ={},
+                overrides={
+                    "prefill": [p_url],
+                    "decode": d_urls,
+                    "policy": "least_loaded",
+                    "load_share": "redis",
+                    "replica_id": f"test-{name}-{time.monotonic_ns()}",
+                    "load_sync_interval_s": 0.05,
+                    "load_share_timeout_s": 5.0,
+                },
+            )
             gw = Gateway(settings)
             gateways.append((stack.enter_context(serve_gateway(gw)).url, gw))
         (url_a, gw_a), (url_b, gw_b) = gateways
 
         # A long stream through replica A occupies one decode instance
         def stream_a() -> None:
-            httpx.post(url_a + "/v1/completions", timeout=30,
-                       json={"model": "tiny", "prompt": "x", "max_tokens": 40, "stream": True})
+            httpx.post(
+                url_a + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", "max_tokens": 40, "stream": True}
+            )
 
         t = threading.Thread(target=stream_a)
         t.start()
@@ -48,6 +58,7 @@ def test_replicas_share_load_through_redis() -> None:
         def b_sees() -> bool:
             view = {i.id: i for i in gw_b.registry.snapshot().instances}
             return len(view[busy].decodes) == 1
+
         assert wait_for(b_sees)
         assert all(not s.decodes for s in gw_b.registry.states.values())  # B's own table is empty
 

@@ -81,8 +81,11 @@ def _cmdline(pid: int) -> bytes:
 
 def _served(admin_url: str) -> float:
     text = httpx.get(admin_url + "/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("conductor_requests_total{") and 'status="200"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("conductor_requests_total{") and 'status="200"' in line
+    )
 
 
 def test_two_workers_share_the_port_and_see_each_others_streams() -> None:
@@ -101,8 +104,9 @@ def test_two_workers_share_the_port_and_see_each_others_streams() -> None:
         # one long stream occupies decode-0 (least_loaded breaks the tie of an idle cluster by order)
         def stream() -> None:
             with contextlib.suppress(httpx.HTTPError):  # cut short by the shutdown at the end
-                httpx.post(url + "/v1/completions", timeout=120,
-                           json={"model": "tiny", "prompt": "x", "max_tokens": 600, "stream": True})
+                httpx.post(
+                    url + "/v1/completions", timeout=120, json={"model": "tiny", "prompt": "x", "max_tokens": 600, "stream": True}
+                )
 
         threading.Thread(target=stream, daemon=True).start()
         assert wait_for(lambda: len(decodes[0].requests) == 1, timeout=30)
@@ -124,8 +128,11 @@ def test_two_workers_share_the_port_and_see_each_others_streams() -> None:
 def _lessons(admin_url: str) -> dict[str, float]:
     text = httpx.get(admin_url + "/metrics", timeout=5).text
     prefix = 'conductor_worker_lessons_total{event="'
-    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(prefix)}
+    return {
+        line[len(prefix) :].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
 
 
 def test_two_workers_learn_from_each_others_outcomes() -> None:
@@ -135,13 +142,17 @@ def test_two_workers_learn_from_each_others_outcomes() -> None:
         port, admin = free_port(), free_port_run(2)
         while admin <= port <= admin + 1:
             admin = free_port_run(2)
-        proc = stack.enter_context(supervisor(_command(port, admin, 2, "--prefill", p_url, "--decode", d_url,
-                                                       policy="kvcache_aware")))
+        proc = stack.enter_context(
+            supervisor(_command(port, admin, 2, "--prefill", p_url, "--decode", d_url, policy="kvcache_aware"))
+        )
         admins = [f"http://127.0.0.1:{admin + i}" for i in range(2)]
         assert wait_for(lambda: all(_ready(a) for a in admins), timeout=STARTUP_S), _output(proc)
         for i in range(40):  # new connections: the kernel hands them to both workers
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                           json={"model": "tiny", "prompt": f"prompt {i} " * 20, "max_tokens": 2})
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=30,
+                json={"model": "tiny", "prompt": f"prompt {i} " * 20, "max_tokens": 2},
+            )
             assert r.status_code == 200
         assert all(_served(a) > 0 for a in admins)
 
@@ -158,8 +169,7 @@ def test_two_workers_learn_from_each_others_outcomes() -> None:
 
 def _mapped_segments(pid: int) -> set[str]:
     """The shared memory segments (multiprocessing.shared_memory's psm_*) a process has mapped."""
-    return {line.rsplit("/", 1)[1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-            if "/dev/shm/psm_" in line}
+    return {line.rsplit("/", 1)[1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/psm_" in line}
 
 
 def _lesson_dirs() -> set[str]:
@@ -183,8 +193,9 @@ def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment
         assert wait_for(lambda: len(_worker_pids(proc.pid) - workers) == 1, timeout=60)
         assert wait_for(lambda: all(_ready(a) for a in admins), timeout=STARTUP_S)
         assert victim not in _worker_pids(proc.pid)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                       json={"model": "tiny", "prompt": "z", "max_tokens": 1})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", timeout=30, json={"model": "tiny", "prompt": "z", "max_tokens": 1}
+        )
         assert r.status_code == 200
         survivors = _worker_pids(proc.pid)
         # this supervisor's own segment (others' tests may make segments of their own meanwhile)

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.timeout(400)  # the bounds below, on a box busy with vL
 
 
 def test_more_than_one_worker_needs_an_admin_port() -> None:
-    out = subprocess.run(_command(free_port(), None, 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        _command(free_port(), None, 2, "--mixed", "http://127.0.0.1:9"), env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 2
     assert "needs admin_port" in out.stderr
 
@@ -27,8 +28,13 @@ def test_a_port_in_use_is_a_clean_error_not_a_shared_port() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(_command(port, free_port(), 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            _command(port, free_port(), 2, "--mixed", "http://127.0.0.1:9"),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert out.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
 
@@ -39,7 +45,8 @@ def test_a_worker_that_cannot_start_stops_the_supervisor() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         admin = taken.getsockname()[1] - 1
-        out = subprocess.run(_command(port, admin, 2, "--mixed", "http://127.0.0.1:9"), env=_env(),
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            _command(port, admin, 2, "--mixed", "http://127.0.0.1:9"), env=_env(), capture_output=True, text=True, timeout=300
+        )
     assert out.returncode == 1
     assert "cannot start" in out.stdout + out.stderr

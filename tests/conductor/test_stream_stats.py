@@ -13,8 +13,7 @@ def event(text: str) -> bytes:
     return b'data: {"choices":[{"index":0,"text":"' + text.encode() + b'"}]}\n\n'
 
 
-USAGE = (b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,'
-         b'"prompt_tokens_details":{"cached_tokens":4}}}\n\n')
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}}\n\n'
 DONE = b"data: [DONE]\n\n"
 
 

@@ -37,8 +37,10 @@ def test_each_chunk_is_relayed_before_the_next_exists_on_a_kept_alive_connection
                 assert len(events) == 41 and events[-1] == b"data: [DONE]"
                 assert all(b'"text": "x "' in e or b'"text":"x "' in e for e in events[:40])
             # the gateway's end of the client's connection, still open (the client is)
-            nodelay = [conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-                       for conn in c.servers["gateway"].server.server_state.connections]
+            nodelay = [
+                conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                for conn in c.servers["gateway"].server.server_state.connections
+            ]
         assert nodelay and all(nodelay)
         assert len(c.decodes[0].requests) == 5
         ports = {r.client_port for r in c.decodes[0].requests}
@@ -56,8 +58,10 @@ def test_upstream_sockets_have_tcp_nodelay() -> None:
 
 
 def _disconnect_after_two_chunks(url: str, path: str, body: dict) -> None:
-    with httpx.Client(timeout=20) as client, \
-            client.stream("POST", url + path, json=body, headers={"X-Request-ID": "leaver"}) as r:
+    with (
+        httpx.Client(timeout=20) as client,
+        client.stream("POST", url + path, json=body, headers={"X-Request-ID": "leaver"}) as r,
+    ):
         assert r.status_code == 200
         it = r.iter_raw()
         next(it)
@@ -65,14 +69,14 @@ def _disconnect_after_two_chunks(url: str, path: str, body: dict) -> None:
         # leaving the block closes the connection mid-stream
 
 
-
 @pytest.mark.parametrize("server", [None, "httptools"], ids=["own-server", "uvicorn-httptools"])
 def test_client_disconnect_cancels_decode_leg(server: str | None) -> None:
     # the gateway's own server reports the disconnect by callback; under another ASGI server a task
     # waiting in receive() for http.disconnect does
     with cluster("nixl", standin={"decode": {"token_delay_s": 0.05}}, gateway_http=server) as c:
-        _disconnect_after_two_chunks(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 200,
-                                                                 "stream": True})
+        _disconnect_after_two_chunks(
+            c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 200, "stream": True}
+        )
         assert wait_for(lambda: len(c.decodes[0].cancelled) == 1)  # by the gateway's own id
         assert not c.decodes[0].finished
         assert wait_for(lambda: not c.gateway.registry.states["decode-0"].decodes)  # load released
@@ -82,7 +86,8 @@ def test_client_disconnect_cancels_decode_leg(server: str | None) -> None:
 def test_client_disconnect_cancels_both_concurrent_legs() -> None:
     # sglang: the prefill leg is still running (slow) while the decode streams; leaving cancels both
     with cluster("sglang", standin={"prefill": {"prefill_delay_s": 30}, "decode": {"token_delay_s": 0.05}}) as c:
-        _disconnect_after_two_chunks(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 200,
-                                                                 "stream": True})
+        _disconnect_after_two_chunks(
+            c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 200, "stream": True}
+        )
         assert wait_for(lambda: len(c.decodes[0].cancelled) == 1)  # by the gateway's own id
         assert wait_for(lambda: len(c.prefills[0].cancelled) == 1)

@@ -58,18 +58,31 @@ def deployment(load_share: str) -> Iterator[Deployment]:
         d_url = stack.enter_context(serve(StandIn(role="decode"))).url
         gateways = []
         for r in range(REPLICAS):
-            settings = load_settings(environ={}, overrides={
-                "prefill": p_specs, "decode": [{"url": d_url, "name": f"d0-{run}"}], "policy": "kvcache_aware",
-                "load_share": load_share, "replica_id": f"test3-{run}-{r}", "load_sync_interval_s": 0.05,
-                "load_share_timeout_s": 5.0, "health_interval_s": 0.5,
-                "kv": {"enabled": True, "tokenizer": "builtin", "index": "redis",
-                       "redis_prefix": f"test:three-replicas:{run}:kv:", "redis_timeout_s": 5.0,
-                       "redis_write_timeout_s": 5.0}})
+            settings = load_settings(
+                environ={},
+                overrides={
+                    "prefill": p_specs,
+                    "decode": [{"url": d_url, "name": f"d0-{run}"}],
+                    "policy": "kvcache_aware",
+                    "load_share": load_share,
+                    "replica_id": f"test3-{run}-{r}",
+                    "load_sync_interval_s": 0.05,
+                    "load_share_timeout_s": 5.0,
+                    "health_interval_s": 0.5,
+                    "kv": {
+                        "enabled": True,
+                        "tokenizer": "builtin",
+                        "index": "redis",
+                        "redis_prefix": f"test:three-replicas:{run}:kv:",
+                        "redis_timeout_s": 5.0,
+                        "redis_write_timeout_s": 5.0,
+                    },
+                },
+            )
             gw = Gateway(settings)
             # a short grace period: the held requests are ended by closing their sockets first
             gateways.append((stack.enter_context(serve_gateway(gw, timeout_graceful_shutdown=5)).url, gw))
-        assert wait_for(lambda: all(g.registry.healthy_count(Role.PREFILL) == N_PREFILL for _, g in gateways),
-                        timeout=30)
+        assert wait_for(lambda: all(g.registry.healthy_count(Role.PREFILL) == N_PREFILL for _, g in gateways), timeout=30)
         yield Deployment(run, prefills, gateways)
         with redis.Redis() as client:
             keys = list(client.scan_iter(match=f"test:three-replicas:{run}:*", count=1000))
@@ -82,8 +95,10 @@ def open_request(url: str, prompt: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode()
     sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     return sock
 
 

@@ -31,12 +31,16 @@ def _tracing() -> tuple[Tracing, InMemorySpanExporter]:
 def test_one_trace_tree_per_request_across_gateway_and_workers(protocol: str) -> None:
     tracing, exporter = _tracing()
     with cluster(protocol, tracing=tracing, policy_options={}) as c:
-        r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3},
-                       headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+        r = httpx.post(
+            c.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 3},
+            headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+        )
         assert r.status_code == 200
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert {"conductor.request", "conductor.analyse", "conductor.decide", "conductor.prefill_leg",
-            "conductor.decode_leg"} <= set(spans)
+    assert {"conductor.request", "conductor.analyse", "conductor.decide", "conductor.prefill_leg", "conductor.decode_leg"} <= set(
+        spans
+    )
     root = spans["conductor.request"]
     assert f"{root.context.trace_id:032x}" == CLIENT_TRACE  # the client's trace continues here
     assert root.parent is not None and f"{root.parent.span_id:016x}" == CLIENT_SPAN
@@ -59,8 +63,9 @@ def test_decision_span_carries_the_prediction() -> None:
 
     tracing, exporter = _tracing()
     with cluster("nixl", tracing=tracing, policy=KvCacheAwarePolicy(admission="none")) as c:
-        assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 64,
-                                                          "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 64, "max_tokens": 2}).status_code == 200
+        )
     decide = next(s for s in exporter.get_finished_spans() if s.name == "conductor.decide").attributes or {}
     assert decide["conductor.policy"] == "kvcache_aware"
     assert decide["conductor.predicted_ttft_s"] > 0

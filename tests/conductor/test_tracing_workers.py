@@ -25,16 +25,23 @@ def test_trace_tree_spans_gateway_and_workers() -> None:
         endpoint = collector.url + "/v1/traces"
         env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # export the workers' spans within 0.1 s
         with ExitStack() as stack:
-            p = stack.enter_context(start_emulator("prefill", "nixl", time_scale=0.01, model="tiny", env=env,
-                                                   otlp_traces_endpoint=endpoint))
-            d = stack.enter_context(start_emulator("decode", "nixl", time_scale=0.01, model="tiny", env=env,
-                                                   otlp_traces_endpoint=endpoint))
-            settings = load_settings(environ={}, overrides={
-                "prefill": [p.url], "decode": [d.url], "otlp_traces_endpoint": endpoint, "service_name": "gw"})
+            p = stack.enter_context(
+                start_emulator("prefill", "nixl", time_scale=0.01, model="tiny", env=env, otlp_traces_endpoint=endpoint)
+            )
+            d = stack.enter_context(
+                start_emulator("decode", "nixl", time_scale=0.01, model="tiny", env=env, otlp_traces_endpoint=endpoint)
+            )
+            settings = load_settings(
+                environ={},
+                overrides={"prefill": [p.url], "decode": [d.url], "otlp_traces_endpoint": endpoint, "service_name": "gw"},
+            )
             gateway = Gateway(settings)
             with serve_gateway(gateway) as gw:  # closing it flushes the gateway's spans
-                r = httpx.post(gw.url + "/v1/completions", timeout=30,
-                               json={"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True})
+                r = httpx.post(
+                    gw.url + "/v1/completions",
+                    timeout=30,
+                    json={"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True},
+                )
                 assert r.status_code == 200
             assert wait_for(lambda: sum(s.name == "llm_request" for s in receiver.spans) == 2, timeout=15)
     spans = receiver.spans

@@ -106,8 +106,13 @@ def test_messages_name_the_field_and_the_limit(c: Cluster) -> None:
     post = httpx.post
     deep = _assert_400(post(c.url + "/v1/completions", content=DEEP_ARRAY), None)
     assert "1001 levels" in deep and str(MAX_DEPTH) in deep
-    null_text = _assert_400(post(c.url + "/v1/chat/completions", content=_chat(
-        messages=[{"role": "user", "content": [{"type": "text", "text": None}]}])), "messages")
+    null_text = _assert_400(
+        post(
+            c.url + "/v1/chat/completions",
+            content=_chat(messages=[{"role": "user", "content": [{"type": "text", "text": None}]}]),
+        ),
+        "messages",
+    )
     assert "messages[0].content[0].text" in null_text
     bad_id = _assert_400(post(c.url + "/v1/completions", content=_completion(prompt=[[1], [2, -1]])), "prompt")
     assert "prompt[1][1]" in bad_id
@@ -124,16 +129,26 @@ def test_token_ids_outside_the_builtin_vocabulary_are_400_with_kv_on() -> None:
 
 
 def test_fields_the_gateway_does_not_read_pass_through(c: Cluster) -> None:
-    extra = {"seed": 7, "logit_bias": {"5": -100}, "guided_json": {"type": "object", "properties": {"a": {"type": "array"}}},
-             "vendor_field": [None, {"x": [1, 2]}], "stream": None, "stop": None}
+    extra = {
+        "seed": 7,
+        "logit_bias": {"5": -100},
+        "guided_json": {"type": "object", "properties": {"a": {"type": "array"}}},
+        "vendor_field": [None, {"x": [1, 2]}],
+        "stream": None,
+        "stop": None,
+    }
     r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", **extra})
     assert r.status_code == 200, r.text
     sent = c.decodes[0].bodies()[-1]
     assert {k: sent.get(k) for k in extra} == extra
     parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
-    r = httpx.post(c.url + "/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": parts},
-                                      {"role": "assistant", "content": None, "tool_calls": []}]})
+    r = httpx.post(
+        c.url + "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": None, "tool_calls": []}],
+        },
+    )
     assert r.status_code == 200, r.text
     assert c.decodes[0].bodies()[-1]["messages"][0]["content"] == parts
 
@@ -192,9 +207,18 @@ class _Hopeless(BasePolicy):
 
     def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
         self.decided += 1
-        return Decision(request.request_id, self.name, rejection=Rejection(
-            "ttft_slo", "predicted TTFT 9.00 s on an idle cluster exceeds the TTFT SLO of 1.00 s", 9.0, 1.0,
-            retry_after_s=1.0, retryable=False))
+        return Decision(
+            request.request_id,
+            self.name,
+            rejection=Rejection(
+                "ttft_slo",
+                "predicted TTFT 9.00 s on an idle cluster exceeds the TTFT SLO of 1.00 s",
+                9.0,
+                1.0,
+                retry_after_s=1.0,
+                retryable=False,
+            ),
+        )
 
 
 def test_openai_sdk_does_not_retry_a_hopeless_429() -> None:

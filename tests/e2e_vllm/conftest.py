@@ -48,9 +48,12 @@ def mixed_engines(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator
     # xxhash (pickle + XXH3-128) when the engines' venv has it, as .ci/vllm.sh installs it; else the
     # default sha256 (the P/D module covers sha256 with vLLM's default seed)
     algo = "xxhash" if python_imports(vllm_python, "xxhash") is None else "sha256"
-    engines = {f"mixed-{i}": Engine(f"mixed-{i}", vllm_python, tiny_model, e2e_dir / "mixed", core=i,
-                                    hash_algo=algo, hash_seed=HASH_SEED, kv_events=True)
-               for i in range(2)}
+    engines = {
+        f"mixed-{i}": Engine(
+            f"mixed-{i}", vllm_python, tiny_model, e2e_dir / "mixed", core=i, hash_algo=algo, hash_seed=HASH_SEED, kv_events=True
+        )
+        for i in range(2)
+    }
     start_all(list(engines.values()))
     try:
         yield MixedEngines(engines, algo)

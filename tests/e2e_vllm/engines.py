@@ -43,22 +43,28 @@ TIMINGS: list[str] = []  # one line per engine start and model build, printed at
 
 # Engine flags shared by every engine of these tests (see RUNBOOK "vLLM on the CPU").
 COMMON_ARGS = (
-    "--served-model-name", MODEL_NAME,
+    "--served-model-name",
+    MODEL_NAME,
     "--enforce-eager",  # no torch.compile: starts in ~40 s instead of ~75 s
-    "--block-size", str(BLOCK_SIZE),
-    "--max-model-len", "2048",
-    "--max-num-seqs", "16",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "16",
     # float32, not bfloat16: with bf16 KV and 32-token blocks vLLM's CPU attention takes its AMX
     # kernel wherever the CPU advertises AMX, and on a VM that advertises it without enabling it
     # the decode engine dies of SIGILL on its first step after receiving KV (seen on a Sapphire
     # Rapids guest: exit code -4 in cpu_attention_with_kv_cache). float32 takes the AVX kernel
     # everywhere; what these tests check (wire formats, block hashes, cached tokens) is the same.
-    "--dtype", "float32",
+    "--dtype",
+    "float32",
     # 128 MiB of KV cache, 131,072 tokens of this model (4,096 blocks: the tests' prompts use a few
     # hundred). The CPU engine allocates and touches it all at start-up, and a NIXL engine
     # registers it with UCX: 1 GiB (VLLM_CPU_KVCACHE_SPACE=1, the smallest that variable allows)
     # took 37.7 s of "init engine" for a NIXL engine against 3.0 s for 64 MiB on this machine
-    "--kv-cache-memory-bytes", "128M",
+    "--kv-cache-memory-bytes",
+    "128M",
     "--enable-prefix-caching",
     # usage.prompt_tokens_details.cached_tokens: what the gateway's hash agreement compares with
     "--enable-prompt-tokens-details",
@@ -109,13 +115,16 @@ def find_vllm_python() -> VllmPython:
     named = _launch_environ().get(ENV_VAR, "").strip()
     candidate = named or str(DEFAULT_PYTHON)
     if not named and not DEFAULT_PYTHON.exists():
-        _found = VllmPython(None, f"no vLLM: {ENV_VAR} is unset and {DEFAULT_PYTHON} does not exist "
-                                  "(bash .ci/vllm.sh builds it)", False)
+        _found = VllmPython(
+            None, f"no vLLM: {ENV_VAR} is unset and {DEFAULT_PYTHON} does not exist (bash .ci/vllm.sh builds it)", False
+        )
         return _found
     try:
         probe = subprocess.run(
             [candidate, "-c", "import importlib.metadata as m, vllm; print(m.version('vllm-cpu'))"],
-            capture_output=True, text=True, timeout=180,
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         _found = VllmPython(None, f"no vLLM: {candidate} cannot run: {exc!r}", bool(named))
@@ -141,8 +150,13 @@ def make_tiny_model(python: str, out: Path) -> Path:
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     started = time.monotonic()
-    done = subprocess.run([python, str(MAKE_MODEL), str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    done = subprocess.run(
+        [python, str(MAKE_MODEL), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
     if done.returncode != 0:
         raise RuntimeError(f"building the tiny model failed:\n{done.stderr[-3000:]}")
     TIMINGS.append(f"tiny model built in {time.monotonic() - started:.1f} s")
@@ -189,12 +203,32 @@ class Engine:
         return f"tcp://*:{self.replay_port}"
 
     def command(self) -> list[str]:
-        cmd = [self.python, str(LAUNCHER), "serve", str(self.model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), *COMMON_ARGS, "--prefix-caching-hash-algo", self.hash_algo]
+        cmd = [
+            self.python,
+            str(LAUNCHER),
+            "serve",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *COMMON_ARGS,
+            "--prefix-caching-hash-algo",
+            self.hash_algo,
+        ]
         if self.kv_events:
-            cmd += ["--kv-events-config", json.dumps({
-                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events_endpoint,
-                "replay_endpoint": self.replay_endpoint, "topic": "kv-events"})]
+            cmd += [
+                "--kv-events-config",
+                json.dumps(
+                    {
+                        "enable_kv_cache_events": True,
+                        "publisher": "zmq",
+                        "endpoint": self.events_endpoint,
+                        "replay_endpoint": self.replay_endpoint,
+                        "topic": "kv-events",
+                    }
+                ),
+            ]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         return cmd + list(self.extra_args)
@@ -202,16 +236,20 @@ class Engine:
     def environ(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CONDUCTOR_"))}
         env.pop("PYTHONHASHSEED", None)
-        env.update({
-            "VLLM_TARGET_DEVICE": "cpu",  # the CPU platform, whatever the version string says
-            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
-            "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
-            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",  # no usage report leaves the machine
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-            "E2E_VLLM_PARENT_PID": str(os.getpid()),
-        })
+        env.update(
+            {
+                "VLLM_TARGET_DEVICE": "cpu",  # the CPU platform, whatever the version string says
+                "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+                "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
+                "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",  # no usage report leaves the machine
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+                "E2E_VLLM_PARENT_PID": str(os.getpid()),
+            }
+        )
         if self.hash_seed is not None:
             env["PYTHONHASHSEED"] = self.hash_seed
         env.update(self.extra_env)
@@ -223,8 +261,15 @@ class Engine:
         self.started_at = time.monotonic()
         # a new session: the API server, engine core and worker processes can be stopped together
         # (by stop(), or by launch_vllm.py itself should this test process die without its teardown)
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environ(),
-                                     cwd=self.workdir, start_new_session=True, preexec_fn=_yield_cpu)
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.environ(),
+            cwd=self.workdir,
+            start_new_session=True,
+            preexec_fn=_yield_cpu,
+        )
         log.close()
 
     def log_tail(self, lines: int = 40) -> str:
@@ -296,11 +341,13 @@ class Engine:
 
     def prompt_tokens_by_source(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {src: metric_sum(text, "vllm:prompt_tokens_by_source_total", source=src)
-                for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+        return {
+            src: metric_sum(text, "vllm:prompt_tokens_by_source_total", source=src)
+            for src in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -326,13 +373,29 @@ def pd_connector(protocol: str, role: str, **extra: Any) -> tuple[dict[str, Any]
             config["kv_connector_extra_config"] = extra
         # the side channel's host as the engine advertises it in kv_transfer_params (vLLM's default
         # "localhost" leaves the address family to the resolver)
-        return (config, {"VLLM_HOST_IP": "127.0.0.1", "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
-                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-    return ({"kv_connector": "MooncakeConnector", "kv_role": role,
-             "kv_connector_extra_config": {"mooncake_protocol": "tcp", **extra}},
-            {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
-             # the connector asks torch for the accelerator's index; launch_vllm.py answers 0 on a CPU torch
-             "E2E_VLLM_CPU_DEVICE_INDEX": "1"})
+        return (
+            config,
+            {
+                "VLLM_HOST_IP": "127.0.0.1",
+                "UCX_TLS": "tcp,self,sm",
+                "UCX_NET_DEVICES": "lo",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            },
+        )
+    return (
+        {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp", **extra},
+        },
+        {
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port()),
+            # the connector asks torch for the accelerator's index; launch_vllm.py answers 0 on a CPU torch
+            "E2E_VLLM_CPU_DEVICE_INDEX": "1",
+        },
+    )
 
 
 @dataclass
@@ -477,8 +540,7 @@ class EventCollector:
     def snapshot(self) -> EventLog:
         with self._lock:
             log = self.log
-            return EventLog(set(log.held), list(log.stored), log.cleared, log.batches, log.last_seq, log.gaps,
-                            log.restarts)
+            return EventLog(set(log.held), list(log.stored), log.cleared, log.batches, log.last_seq, log.gaps, log.restarts)
 
     def close(self) -> None:
         self._stop.set()
@@ -507,7 +569,7 @@ def choice_outputs(answer: Mapping[str, Any]) -> list[tuple[int, str, list[int] 
 
 def sse_events(raw: str) -> list[str]:
     """The data fields of a server-sent event stream, in order."""
-    return [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
 
 
 def stream_result(raw: str) -> tuple[dict[int, str], dict[str, Any] | None, list[str]]:

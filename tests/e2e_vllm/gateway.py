@@ -121,8 +121,16 @@ def run_gateway(policy: Any = None, **overrides: Any) -> Iterator[GatewayUnderTe
     # health probes every second, but patient ones: on a machine whose cores are saturated (four
     # engines and the tests on two cores) an engine's /health can take seconds to answer, and
     # these tests are not about ejecting engines (nor connect timeouts)
-    settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, "health_timeout_s": 15.0,
-                                                    "unhealthy_after": 4, "connect_timeout_s": 30.0, **overrides})
+    settings = load_settings(
+        environ={},
+        overrides={
+            "health_interval_s": 1.0,
+            "health_timeout_s": 15.0,
+            "unhealthy_after": 4,
+            "connect_timeout_s": 30.0,
+            **overrides,
+        },
+    )
     gateway = Gateway(settings, policy=policy)
     with serve_gateway(gateway) as server:  # yielded once ready: every engine answered a probe
         gut = GatewayUnderTest(url=server.url, gateway=gateway, server=server)

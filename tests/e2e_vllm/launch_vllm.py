@@ -46,6 +46,7 @@ if os.environ.get("E2E_VLLM_CPU_DEVICE_INDEX") == "1":
     import torch
 
     if not torch.accelerator.is_available():
+
         def _device_index(*args: Any, **kwargs: Any) -> int:
             return 0
 

@@ -56,7 +56,8 @@ def write_tokenizer(out: Path) -> None:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2))
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, indent=2)
+    )
 
 
 def write_model(out: Path) -> None:

@@ -40,11 +40,17 @@ def _kv_right(m: MixedEngines, **changes: Any) -> dict[str, Any]:
     """The gateway's kv settings that match the engines (with events from their replay sockets),
     changed as a test plants."""
     kv: dict[str, Any] = {
-        "enabled": True, "key_mode": "vllm", "tokenizer": str(m.engines["mixed-0"].model_dir),
-        "vllm_hash_algo": m.hash_algo, "vllm_hash_seed": HASH_SEED, "agreement_min_samples": MIN_SAMPLES,
+        "enabled": True,
+        "key_mode": "vllm",
+        "tokenizer": str(m.engines["mixed-0"].model_dir),
+        "vllm_hash_algo": m.hash_algo,
+        "vllm_hash_seed": HASH_SEED,
+        "agreement_min_samples": MIN_SAMPLES,
         "events_silence_s": 3600,
-        "kv_events": {name: {"endpoint": e.events_endpoint, "replay_endpoint": e.replay_endpoint,
-                             "topic": "kv-events"} for name, e in m.engines.items()},
+        "kv_events": {
+            name: {"endpoint": e.events_endpoint, "replay_endpoint": e.replay_endpoint, "topic": "kv-events"}
+            for name, e in m.engines.items()
+        },
     }
     kv.update(changes)
     return kv
@@ -79,8 +85,9 @@ def planted_then_gateway(m: MixedEngines, *, events: bool = True, **kv: Any) -> 
     serve: the alarm is per instance); yields the gateway and the first prefix seed."""
     seed = next(_seeds)
     _plant(m, [seed + i for i in range(REQUESTS + MAX_EXTRA)])
-    with run_gateway(mixed=[{"url": e.url} for e in m.engines.values()], policy="round_robin",
-                     block_size=BLOCK_SIZE, kv=kv) as gw:
+    with run_gateway(
+        mixed=[{"url": e.url} for e in m.engines.values()], policy="round_robin", block_size=BLOCK_SIZE, kv=kv
+    ) as gw:
         if events:
             _subscribed(gw, m, seed + 2 * (REQUESTS + MAX_EXTRA))
         yield gw, seed
@@ -159,8 +166,7 @@ def test_no_kv_events_endpoint_is_named(mixed_engines: MixedEngines) -> None:
 
 def test_kv_events_that_never_arrive_are_named(mixed_engines: MixedEngines) -> None:
     # what a worker started without --kv-events-config amounts to: an endpoint nothing publishes on
-    silent = {name: {"endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv-events"}
-              for name in mixed_engines.engines}
+    silent = {name: {"endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv-events"} for name in mixed_engines.engines}
     kv = _kv_right(mixed_engines, kv_events=silent, replay_on_start=False)
     with planted_then_gateway(mixed_engines, events=False, **kv) as (gw, seed):
         _expect_alarm(gw, seed, "no_events")

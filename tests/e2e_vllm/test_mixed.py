@@ -76,8 +76,7 @@ def _sync(m: Mixed) -> None:
             return m.events[n].snapshot().cleared > 0 and not m.gw.confirmed_keys(n)
 
         for attempt in range(30):
-            engine.post("/v1/completions", {"model": MODEL_NAME, "prompt": words(9000 + 31 * attempt, 40),
-                                            "max_tokens": 1})
+            engine.post("/v1/completions", {"model": MODEL_NAME, "prompt": words(9000 + 31 * attempt, 40), "max_tokens": 1})
             if wait_for(subscribed, 2.0):
                 break
         else:
@@ -99,14 +98,20 @@ def mixed(mixed_engines: MixedEngines) -> Iterator[Mixed]:
             mixed=[{"url": e0.url, "kv_events_endpoint": e0.events_endpoint}, {"url": e1.url}],
             policy="kvcache_aware",
             block_size=BLOCK_SIZE,
-            kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(e0.model_dir), "vllm_hash_algo": algo,
+            kv={
+                "enabled": True,
+                "key_mode": "vllm",
+                "tokenizer": str(e0.model_dir),
+                "vllm_hash_algo": algo,
                 "vllm_hash_seed": HASH_SEED,
                 # the silence watchdog (no events and a failed /health: drop the instance) would also
                 # empty a restarting engine's entries; pushed out of the way so that the restart test
                 # proves the event stream's own signal (its sequence numbers start over)
                 "events_silence_s": 3600,
-                "kv_events": {"mixed-1": {"endpoint": e1.events_endpoint, "replay_endpoint": e1.replay_endpoint,
-                                          "topic": "kv-events"}}},
+                "kv_events": {
+                    "mixed-1": {"endpoint": e1.events_endpoint, "replay_endpoint": e1.replay_endpoint, "topic": "kv-events"}
+                },
+            },
         ) as gw:
             m = Mixed(engines, collectors, gw, algo)
             _sync(m)
@@ -120,8 +125,9 @@ def assert_confirmed(gw: GatewayUnderTest, instance: str, token_ids: list[int]) 
     """The gateway's keys for these tokens become event-confirmed entries of `instance`."""
     keys = set(gw.keys_of(token_ids))
     assert keys, "the prompt holds no full block"
-    assert wait_for(lambda: keys <= gw.confirmed_keys(instance), 10.0), \
+    assert wait_for(lambda: keys <= gw.confirmed_keys(instance), 10.0), (
         f"{instance}: the engine's KV events never confirmed the gateway's block keys for the prompt"
+    )
 
 
 def index_is(gw: GatewayUnderTest, keys: list[int], expected: dict[str, int]) -> bool:
@@ -158,8 +164,9 @@ def test_completions_are_the_engines_and_cached_tokens_are_predicted(mixed: Mixe
     direct = engine.post("/v1/completions", body)
     assert choice_outputs(first) == choice_outputs(second) == choice_outputs(direct)
     assert len(direct["choices"][0]["token_ids"]) == GEN["max_tokens"]
-    assert {k: first["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == \
-        {k: direct["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert {k: first["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+        k: direct["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
 
 
 def test_chat_is_the_engines_and_its_template_hashes_match(mixed: Mixed) -> None:
@@ -206,8 +213,9 @@ def test_the_index_holds_what_the_engines_announced(mixed: Mixed) -> None:
             return gw.confirmed_keys(n) == ev.snapshot().held
 
         assert wait_for(arrived, 10.0), f"{name}: the engine never announced the blocks of its prompts"
-        assert wait_for(agree, 10.0), \
+        assert wait_for(agree, 10.0), (
             f"{name}: index {sorted(gw.confirmed_keys(name))[:5]}... != events {sorted(events.snapshot().held)[:5]}..."
+        )
         log = events.snapshot()
         assert not events.errors, events.errors
         assert log.gaps == 0 and log.held
@@ -235,8 +243,9 @@ def test_a_prefix_planted_on_one_engine_draws_its_requests(mixed: Mixed) -> None
         ids = mixed.engines[name].post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})["tokens"]
         keys = gw.keys_of(ids)
         assert len(keys) == 20
-        assert wait_for(partial(index_is, gw, keys, {name: 20}), 10.0), \
+        assert wait_for(partial(index_is, gw, keys, {name: 20}), 10.0), (
             f"{name}: planted blocks never reached the index: {gw.index_match(keys)}"
+        )
 
     # two requests in a row per prefix to the same engine: what round robin can never do
     for name, prompt in planted.items():
@@ -313,12 +322,14 @@ def test_an_engine_restart_empties_its_index_entries(mixed: Mixed) -> None:
     fresh_keys = set(gw.keys_of(engine.post("/tokenize", {"model": MODEL_NAME, "prompt": fresh})["tokens"]))
     events = mixed.events["mixed-1"]
     assert wait_for(lambda: events.snapshot().restarts > 0, 10.0)
-    assert wait_for(lambda: gw.confirmed_keys("mixed-1") == fresh_keys, 10.0), \
+    assert wait_for(lambda: gw.confirmed_keys("mixed-1") == fresh_keys, 10.0), (
         "the index kept blocks of the engine's previous life"
+    )
     assert wait_for(lambda: events.snapshot().held == fresh_keys, 10.0)
     assert gw.index_match(keys) == {}
     # back in rotation before the next test: the gateway's health probe has seen it again
-    assert wait_for(lambda: metric_sum(httpx.get(gw.url + "/metrics").text, "conductor_instance_healthy",
-                                       instance="mixed-1") == 1, 30.0)
+    assert wait_for(
+        lambda: metric_sum(httpx.get(gw.url + "/metrics").text, "conductor_instance_healthy", instance="mixed-1") == 1, 30.0
+    )
     answer, obs = gw.post("/v1/completions", {**GEN, "prompt": prompt})
     assert obs.predicted_cached_tokens == obs.cached_tokens == _cached(answer) == 0

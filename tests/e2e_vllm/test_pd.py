@@ -59,9 +59,19 @@ def pd(request: pytest.FixtureRequest, vllm_python: str, tiny_model: Path, e2e_d
     engines = []
     for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
         config, env = pd_connector(protocol, role)
-        engines.append(Engine(f"{protocol}-{kind}", vllm_python, tiny_model, e2e_dir / protocol, core=core,
-                              hash_algo="sha256", kv_events=kind == "prefill", kv_transfer_config=config,
-                              extra_env=env))
+        engines.append(
+            Engine(
+                f"{protocol}-{kind}",
+                vllm_python,
+                tiny_model,
+                e2e_dir / protocol,
+                core=core,
+                hash_algo="sha256",
+                kv_events=kind == "prefill",
+                kv_transfer_config=config,
+                extra_env=env,
+            )
+        )
     p, d = engines
     start_all(engines)
     try:
@@ -70,10 +80,14 @@ def pd(request: pytest.FixtureRequest, vllm_python: str, tiny_model: Path, e2e_d
             prefill["bootstrap_port"] = int(p.extra_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"])
         # sha256 with vLLM's default seed (no PYTHONHASHSEED on either side): the other half of the
         # hash settings next to the mixed module's xxhash with a seed
-        with run_gateway(pd_protocol=protocol, prefill=[prefill], decode=[d.url], policy="kvcache_aware",
-                         block_size=BLOCK_SIZE,
-                         kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model),
-                             "vllm_hash_algo": "sha256"}) as gw:
+        with run_gateway(
+            pd_protocol=protocol,
+            prefill=[prefill],
+            decode=[d.url],
+            policy="kvcache_aware",
+            block_size=BLOCK_SIZE,
+            kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": "sha256"},
+        ) as gw:
             yield PD(protocol, p, d, gw)
     finally:
         stop_all(engines)
@@ -101,8 +115,10 @@ def test_pd_answers_are_one_engines_and_the_decode_does_not_prefill(pd: PD) -> N
     requests = [
         ("/v1/completions", {**GEN, "prompt": words(1101, 150)}),
         ("/v1/completions", {**GEN, "prompt": words(1102, 400)}),
-        ("/v1/chat/completions", {**GEN, "messages": [{"role": "system", "content": words(1103, 50)},
-                                                      {"role": "user", "content": words(1104, 90)}]}),
+        (
+            "/v1/chat/completions",
+            {**GEN, "messages": [{"role": "system", "content": words(1103, 50)}, {"role": "user", "content": words(1104, 90)}]},
+        ),
     ]
     before = pd.decode.prompt_tokens_by_source()
     answers = []
@@ -164,8 +180,11 @@ def test_pd_batched_prompts_merge_into_the_engines_batch_answer(pd: PD, stream: 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_pd_streams_end_with_usage_then_done(pd: PD, route: str) -> None:
     seed = 1400 if route == "/v1/completions" else 1401
-    body: dict[str, Any] = {**GEN, "prompt": words(seed, 120)} if route == "/v1/completions" else \
-        {**GEN, "messages": [{"role": "user", "content": words(seed, 120)}]}
+    body: dict[str, Any] = (
+        {**GEN, "prompt": words(seed, 120)}
+        if route == "/v1/completions"
+        else {**GEN, "messages": [{"role": "user", "content": words(seed, 120)}]}
+    )
     before = pd.decode.prompt_tokens_by_source()
     raw, obs = pd.gw.stream(route, {**body, "stream": True, "stream_options": {"include_usage": True}})
     texts, usage, data = stream_result(raw)

@@ -67,20 +67,34 @@ def pair(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Pair]:
         pytest.skip(f"nixl: `import nixl._api` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
     extra = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": RECOMPUTE_THRESHOLD}
     engines = []
-    for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"),
-                                         ("prefill-b", "kv_producer"))):
+    for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"), ("prefill-b", "kv_producer"))):
         config, env = pd_connector("nixl", role, **extra)
         producer = role == "kv_producer"
-        engines.append(Engine(f"readback-{kind}", vllm_python, tiny_model, e2e_dir / "readback", core=core % 2,
-                              hash_algo="sha256", kv_events=producer, kv_transfer_config=config, extra_env=env,
-                              extra_args=("--scheduling-policy", "priority") if producer else ()))
+        engines.append(
+            Engine(
+                f"readback-{kind}",
+                vllm_python,
+                tiny_model,
+                e2e_dir / "readback",
+                core=core % 2,
+                hash_algo="sha256",
+                kv_events=producer,
+                kv_transfer_config=config,
+                extra_env=env,
+                extra_args=("--scheduling-policy", "priority") if producer else (),
+            )
+        )
     p, d, p2 = engines
     start_all(engines)
     try:
-        with run_gateway(pd_protocol="nixl", prefill=[{"url": p.url, "kv_events_endpoint": p.events_endpoint}],
-                         decode=[d.url], policy="kvcache_aware", block_size=BLOCK_SIZE,
-                         kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model),
-                             "vllm_hash_algo": "sha256"}) as gw:
+        with run_gateway(
+            pd_protocol="nixl",
+            prefill=[{"url": p.url, "kv_events_endpoint": p.events_endpoint}],
+            decode=[d.url],
+            policy="kvcache_aware",
+            block_size=BLOCK_SIZE,
+            kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": "sha256"},
+        ) as gw:
             yield Pair(p, d, gw, p2)
     finally:
         stop_all(engines)
@@ -110,8 +124,9 @@ def test_the_next_turn_pulls_the_last_turns_kv_from_the_decode(pair: Pair) -> No
         failed_before, recorded_before, pulled_before = (readbacks(gw, e) for e in ("failed", "recorded", "pulled"))
         turn1 = words(2101 + 10 * attempt, 300)  # 301 tokens with BOS: 9 full blocks
         first, obs1 = gw.post("/v1/completions", {**GEN, "prompt": turn1})
-        assert "kv_transfer_params" not in first or first["kv_transfer_params"] is None, \
+        assert "kv_transfer_params" not in first or first["kv_transfer_params"] is None, (
             "the decode's readback params (worker addresses) reached the client"
+        )
         assert readbacks(gw, "recorded") == recorded_before + 1
         forget_on_prefill(pair, turn1)
 
@@ -125,6 +140,7 @@ def test_the_next_turn_pulls_the_last_turns_kv_from_the_decode(pair: Pair) -> No
         if failed:
             assert obs2.predicted_cached_tokens == obs2.cached_tokens == 0  # recomputed, and predicted so
         else:
+
             def arrived(b: dict[str, float] = before) -> bool:  # the counters may trail the answer
                 return pair.prefill.prompt_tokens_by_source()["external_kv_transfer"] - b["external_kv_transfer"] > 0
 
@@ -169,12 +185,17 @@ def test_a_handle_serves_once_and_a_streamed_turn_leaves_none(pair: Pair) -> Non
 def peers(pair: Pair, tiny_model: Path) -> Iterator[tuple[GatewayUnderTest, AwayFromTheHolder]]:
     """A second gateway over both prefills and the decode, its policy scripted to pull."""
     policy = AwayFromTheHolder()
-    with run_gateway(policy=policy, pd_protocol="nixl",
-                     prefill=[{"url": e.url, "kv_events_endpoint": e.events_endpoint} for e in (pair.prefill, pair.second)],
-                     decode=[pair.decode.url], block_size=BLOCK_SIZE, pd_peer_pull="on",
-                     pd_pull_min_tokens=RECOMPUTE_THRESHOLD, pd_peer_pull_priority=-1,
-                     kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model),
-                         "vllm_hash_algo": "sha256"}) as gw:
+    with run_gateway(
+        policy=policy,
+        pd_protocol="nixl",
+        prefill=[{"url": e.url, "kv_events_endpoint": e.events_endpoint} for e in (pair.prefill, pair.second)],
+        decode=[pair.decode.url],
+        block_size=BLOCK_SIZE,
+        pd_peer_pull="on",
+        pd_pull_min_tokens=RECOMPUTE_THRESHOLD,
+        pd_peer_pull_priority=-1,
+        kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": "sha256"},
+    ) as gw:
         yield gw, policy
 
 
@@ -229,6 +250,7 @@ def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tup
         if failed:
             assert obs.predicted_cached_tokens == obs.cached_tokens == 0  # recomputed, and predicted so
         else:
+
             def arrived(b: dict[str, float] = before) -> bool:  # the counters may trail the answer
                 return target.prompt_tokens_by_source()["external_kv_transfer"] - b["external_kv_transfer"] > 0
 
@@ -243,5 +265,7 @@ def test_a_prefix_on_one_prefill_is_pulled_into_the_other(pair: Pair, peers: tup
         assert choice_outputs(answer) == choice_outputs(direct)  # pulled or recomputed: the engine's answer
         if not failed:
             return
-    raise AssertionError("three pulls in a row failed (see the prefill engines' logs: NIXL handshake, or a "
-                         "holder that did not pin the prefix in time)")
+    raise AssertionError(
+        "three pulls in a row failed (see the prefill engines' logs: NIXL handshake, or a "
+        "holder that did not pin the prefix in time)"
+    )

@@ -84,8 +84,9 @@ def _log_tail(log: Path | None) -> str:
     return log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0, status: int = 200,
-              log: Path | None = None) -> httpx.Response:
+def wait_http(
+    url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0, status: int = 200, log: Path | None = None
+) -> httpx.Response:
     """Poll url until it answers `status`; fail at once if the process exits. A failure says what
     the url last answered and, given the process's log file, how that log ends."""
     deadline = time.monotonic() + timeout_s

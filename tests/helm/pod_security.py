@@ -17,23 +17,55 @@ from collections.abc import Iterator
 from typing import Any
 
 # Baseline: capabilities a container may add (Docker's default set).
-BASELINE_CAPABILITIES = frozenset({
-    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
-    "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
-})
+BASELINE_CAPABILITIES = frozenset(
+    {
+        "AUDIT_WRITE",
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "FOWNER",
+        "FSETID",
+        "KILL",
+        "MKNOD",
+        "NET_BIND_SERVICE",
+        "SETFCAP",
+        "SETGID",
+        "SETPCAP",
+        "SETUID",
+        "SYS_CHROOT",
+    }
+)
 # Restricted: the only capability that may be added after dropping ALL.
 RESTRICTED_CAPABILITIES = frozenset({"NET_BIND_SERVICE"})
 # Restricted: the volume types allowed (everything else, hostPath and the in-tree network volumes, is not).
-RESTRICTED_VOLUME_TYPES = frozenset({
-    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
-})
+RESTRICTED_VOLUME_TYPES = frozenset(
+    {
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
+)
 # Baseline: the namespaced sysctls known to be safe.
-SAFE_SYSCTLS = frozenset({
-    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-    "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
-})
+SAFE_SYSCTLS = frozenset(
+    {
+        "kernel.shm_rmid_forced",
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+        "net.ipv4.tcp_rmem",
+        "net.ipv4.tcp_wmem",
+    }
+)
 SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
 SECCOMP_BASELINE = frozenset({"RuntimeDefault", "Localhost"})  # not Unconfined (unset is fine in baseline)
 
@@ -72,8 +104,11 @@ def baseline_violations(metadata: dict[str, Any], spec: dict[str, Any]) -> list[
         if "hostPath" in v:
             out.append(f"HostPath Volumes: volume {v.get('name')}")
     for key, value in (metadata.get("annotations") or {}).items():
-        if key.startswith("container.apparmor.security.beta.kubernetes.io/") and value != "runtime/default" \
-                and not str(value).startswith("localhost/"):
+        if (
+            key.startswith("container.apparmor.security.beta.kubernetes.io/")
+            and value != "runtime/default"
+            and not str(value).startswith("localhost/")
+        ):
             out.append(f"AppArmor: annotation {key}={value}")
     for sysctl in pod_sc.get("sysctls") or []:
         if sysctl.get("name") not in SAFE_SYSCTLS:

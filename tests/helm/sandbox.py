@@ -54,15 +54,15 @@ def available() -> str | None:
         below = [d for d in (*path.parents, path) if hit is not None and hit[0] in d.parents]
         if any(not os.stat(d).st_mode & 0o001 for d in below):
             return f"{path}: more than one directory on the way that others cannot enter"
-    probe = subprocess.run(command(["true"], uid=65534, gid=65534, writable=["/tmp"]), capture_output=True, text=True,
-                           timeout=30)
+    probe = subprocess.run(command(["true"], uid=65534, gid=65534, writable=["/tmp"]), capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         return f"mount namespace refused: {probe.stderr.strip()}"
     return None
 
 
-def command(argv: Sequence[str], *, uid: int, gid: int, writable: Sequence[str], cwd: str = "/",
-            python: bool = True) -> list[str]:
+def command(
+    argv: Sequence[str], *, uid: int, gid: int, writable: Sequence[str], cwd: str = "/", python: bool = True
+) -> list[str]:
     """argv wrapped: read-only root, tmpfs at each writable path, then uid:gid without capabilities.
     python: argv runs on this project's interpreter (see the module docstring)."""
     steps = ["mount -n -o remount,ro,bind /"]
@@ -79,9 +79,13 @@ def command(argv: Sequence[str], *, uid: int, gid: int, writable: Sequence[str],
         for ancestor in dict.fromkeys(a for a, _ in holds):
             steps.append(f"mount -n -t tmpfs -o size=1m,mode=755 tmpfs {shlex.quote(str(ancestor))}")
         for hold, (_, needed) in zip(parked, holds, strict=True):
-            steps += [f"mkdir -p {shlex.quote(str(needed))}", f"mount -n --move {hold} {shlex.quote(str(needed))}",
-                      f"rmdir {hold}"]
+            steps += [
+                f"mkdir -p {shlex.quote(str(needed))}",
+                f"mount -n --move {hold} {shlex.quote(str(needed))}",
+                f"rmdir {hold}",
+            ]
     steps.append(f"cd {shlex.quote(cwd)}")
-    steps.append(f'exec setpriv --reuid={uid} --regid={gid} --clear-groups --no-new-privs --inh-caps=-all '
-                 f'--bounding-set=-all -- "$@"')
+    steps.append(
+        f'exec setpriv --reuid={uid} --regid={gid} --clear-groups --no-new-privs --inh-caps=-all --bounding-set=-all -- "$@"'
+    )
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-ec", " && ".join(steps), "sandbox", *argv]

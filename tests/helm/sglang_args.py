@@ -23,13 +23,19 @@ def _describe(args: argparse.Namespace) -> dict[str, Any]:
     server = ServerArgs.from_cli_args(args)  # runs SGLang's own checks of the combination
     events = KVEventsConfig.from_cli(server.kv_events_config) if server.kv_events_config else None
     return {
-        "model": server.model_path, "served": server.served_model_name, "host": server.host,
-        "port": server.port, "page_size": server.page_size, "tp_size": server.tp_size,
+        "model": server.model_path,
+        "served": server.served_model_name,
+        "host": server.host,
+        "port": server.port,
+        "page_size": server.page_size,
+        "tp_size": server.tp_size,
         "disaggregation_mode": server.disaggregation_mode,
         "bootstrap_port": server.disaggregation_bootstrap_port,
-        "transfer_backend": server.disaggregation_transfer_backend, "metrics": server.enable_metrics,
-        "kv_events": None if events is None else {
-            "publisher": events.publisher, "endpoint": events.endpoint, "topic": events.topic},
+        "transfer_backend": server.disaggregation_transfer_backend,
+        "metrics": server.enable_metrics,
+        "kv_events": None
+        if events is None
+        else {"publisher": events.publisher, "endpoint": events.endpoint, "topic": events.topic},
     }
 
 

@@ -40,27 +40,38 @@ pytestmark = needs_helm
 
 
 def test_lint_default_and_each_protocol() -> None:
-    for sets in ("pdProtocol=nixl", "pdProtocol=mooncake", "pdProtocol=sglang",
-                 "workers.emulator.enabled=true,gateway.kv.mooncakeStore=true,monitoring.serviceMonitor.enabled=true"):
+    for sets in (
+        "pdProtocol=nixl",
+        "pdProtocol=mooncake",
+        "pdProtocol=sglang",
+        "workers.emulator.enabled=true,gateway.kv.mooncakeStore=true,monitoring.serviceMonitor.enabled=true",
+    ):
         out = helm("lint", "--strict", str(CHART), "--set", sets)
         assert "0 chart(s) failed" in out
 
 
 def test_schema_rejects_bad_values() -> None:
     assert HELM is not None
-    for bad, where in (("pdProtocol=tcp", "pdProtocol"), ("gateway.slo.ttftSeconds=soon", "ttftSeconds"),
-                       ("prefill.replicas=-1", "replicas"), ("gateway.replicas=0", "replicas")):
-        done = subprocess.run([HELM, "template", "rel", str(CHART), "--set", bad],
-                              capture_output=True, text=True, timeout=60)
+    for bad, where in (
+        ("pdProtocol=tcp", "pdProtocol"),
+        ("gateway.slo.ttftSeconds=soon", "ttftSeconds"),
+        ("prefill.replicas=-1", "replicas"),
+        ("gateway.replicas=0", "replicas"),
+    ):
+        done = subprocess.run([HELM, "template", "rel", str(CHART), "--set", bad], capture_output=True, text=True, timeout=60)
         assert done.returncode != 0 and where in done.stderr, bad
 
 
-@pytest.mark.parametrize(("protocol", "n_prefill", "n_decode"),
-                         [("nixl", 1, 1), ("mooncake", 3, 2), ("sglang", 2, 3)])
-def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int, n_decode: int,
-                                                     tmp_path: Path) -> None:
-    docs = render(STATIC, f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}", f"decode.replicas={n_decode}",
-                  "gateway.slo.ttftSeconds=2.5", "gateway.config.read_timeout_s=33")
+@pytest.mark.parametrize(("protocol", "n_prefill", "n_decode"), [("nixl", 1, 1), ("mooncake", 3, 2), ("sglang", 2, 3)])
+def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int, n_decode: int, tmp_path: Path) -> None:
+    docs = render(
+        STATIC,
+        f"pdProtocol={protocol}",
+        f"prefill.replicas={n_prefill}",
+        f"decode.replicas={n_decode}",
+        "gateway.slo.ttftSeconds=2.5",
+        "gateway.config.read_timeout_s=33",
+    )
     cfg = gateway_config(docs)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     settings = load_settings(tmp_path / "config.yaml", environ={})  # the gateway accepts it as is
@@ -146,8 +157,7 @@ def test_gateway_deployment_probes_config_mount_and_redis(tmp_path: Path) -> Non
 
     external = render("redis.enabled=false", "redis.externalUrl=redis://cache.infra:6379/2")
     assert not [d for d in external if d["metadata"]["name"] == f"{FULL}-redis"]
-    assert env(container(one(external, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_REDIS_URL"] == \
-        "redis://cache.infra:6379/2"
+    assert env(container(one(external, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_REDIS_URL"] == "redis://cache.infra:6379/2"
     assert gateway_config(external)["kv"]["redis_url"] == "redis://cache.infra:6379/2"
     no_redis = render("redis.enabled=false", "gateway.replicas=1")
     assert gateway_config(no_redis)["kv"]["index"] == "memory"
@@ -224,14 +234,26 @@ CRD_GROUPS = ("monitoring.coreos.com/", "gateway.networking.k8s.io/")
 
 def test_manifests_validate_against_kubernetes_schemas() -> None:
     kv = pytest.importorskip("kubernetes_validate")
-    renders = [render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558")
-               for protocol in ("nixl", "mooncake", "sglang")]
+    renders = [
+        render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558")
+        for protocol in ("nixl", "mooncake", "sglang")
+    ]
     renders.append(render("workers.emulator.enabled=true", "gateway.kv.mooncakeStore=true"))
     # every optional production piece at once: Secret, admin Service, HPA, Ingress, RDMA capability
-    renders.append(render("gateway.apiKeys={sk-1}", "gateway.adminPort=9090", "gateway.autoscaling.enabled=true",
-                          "ingress.enabled=true", "ingress.tls[0].secretName=tls", "ingress.tls[0].hosts[0]=a.example",
-                          "httpRoute.enabled=true", "httpRoute.parentRefs[0].name=gw", "workers.rdma.ipcLock=true",
-                          "monitoring.serviceMonitor.enabled=true"))
+    renders.append(
+        render(
+            "gateway.apiKeys={sk-1}",
+            "gateway.adminPort=9090",
+            "gateway.autoscaling.enabled=true",
+            "ingress.enabled=true",
+            "ingress.tls[0].secretName=tls",
+            "ingress.tls[0].hosts[0]=a.example",
+            "httpRoute.enabled=true",
+            "httpRoute.parentRefs[0].name=gw",
+            "workers.rdma.ipcLock=true",
+            "monitoring.serviceMonitor.enabled=true",
+        )
+    )
     kinds = set()
     for docs in renders:
         for doc in docs:

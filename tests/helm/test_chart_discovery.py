@@ -17,8 +17,13 @@ pytestmark = needs_helm
 
 @pytest.mark.parametrize("protocol", ["nixl", "mooncake"])
 def test_discovery_names_the_headless_services(protocol: str, tmp_path: Path) -> None:
-    docs = render("gateway.discovery.enabled=true", "gateway.discovery.intervalSeconds=3", f"pdProtocol={protocol}",
-                  "prefill.replicas=2", "decode.replicas=1")
+    docs = render(
+        "gateway.discovery.enabled=true",
+        "gateway.discovery.intervalSeconds=3",
+        f"pdProtocol={protocol}",
+        "prefill.replicas=2",
+        "decode.replicas=1",
+    )
     cfg = gateway_config(docs)
     assert "prefill" not in cfg and "decode" not in cfg  # no pod list: DNS says who is there
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -43,8 +48,7 @@ def test_discovery_names_the_headless_services(protocol: str, tmp_path: Path) ->
 
 
 def test_mixed_workers_by_discovery() -> None:
-    cfg = gateway_config(render("gateway.discovery.enabled=true", "prefill.replicas=0", "decode.replicas=0",
-                                "mixed.replicas=2"))
+    cfg = gateway_config(render("gateway.discovery.enabled=true", "prefill.replicas=0", "decode.replicas=0", "mixed.replicas=2"))
     assert set(cfg["discovery"]) == {"mixed", "interval_s"} and "mixed" not in cfg
     assert cfg["kv"]["tokenizer_url"].startswith(f"http://{FULL}-mixed.")
 

@@ -33,8 +33,13 @@ SGLANG_PARSER = Path(__file__).with_name("sglang_args.py")
 
 def _vllm_parse(argv_lists: list[list[str]]) -> dict[str, Any]:
     assert VLLM_PYTHON is not None
-    done = subprocess.run([VLLM_PYTHON, str(PARSER), json.dumps(argv_lists)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    done = subprocess.run(
+        [VLLM_PYTHON, str(PARSER), json.dumps(argv_lists)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     for argv, result in zip(argv_lists, out["results"], strict=True):
@@ -51,8 +56,7 @@ def test_vllm_accepts_the_rendered_worker_command_lines() -> None:
         for role in ("prefill", "decode", "mixed"):
             c = container(one(docs, "StatefulSet", f"{FULL}-{role}"))
             assert c["command"] == ["vllm", "serve"]
-            cases.append((protocol, role, c, {**cfg[role][0], "block_size": cfg["block_size"],
-                                              "models": cfg["models"]}))
+            cases.append((protocol, role, c, {**cfg[role][0], "block_size": cfg["block_size"], "models": cfg["models"]}))
     out = _vllm_parse([c["args"] for _, _, c, _ in cases])
     for (protocol, role, c, spec), parsed in zip(cases, out["results"], strict=True):
         where = f"{protocol}/{role}"
@@ -85,8 +89,13 @@ def test_sglang_accepts_the_rendered_worker_command_lines() -> None:
     containers = [container(one(docs, "StatefulSet", f"{FULL}-{role}")) for role in roles]
     extra = os.environ.get("CHART_SGLANG_PYTHONPATH", "")
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run([SGLANG_PYTHON, str(SGLANG_PARSER), json.dumps([c["args"] for c in containers])],
-                          capture_output=True, text=True, timeout=300, env=environ)
+    done = subprocess.run(
+        [SGLANG_PYTHON, str(SGLANG_PARSER), json.dumps([c["args"] for c in containers])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environ,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
     for role, c, parsed in zip(roles, containers, results, strict=True):

@@ -57,8 +57,10 @@ def test_api_keys_live_in_a_secret_the_gateway_reads(tmp_path: Path) -> None:
     # a new key rolls the gateways
     rotated = one(render("gateway.apiKeys={sk-team-b}"), "Deployment", f"{FULL}-gateway")
     annotation = "checksum/api-keys"
-    assert rotated["spec"]["template"]["metadata"]["annotations"][annotation] != \
-        dep["spec"]["template"]["metadata"]["annotations"][annotation]
+    assert (
+        rotated["spec"]["template"]["metadata"]["annotations"][annotation]
+        != dep["spec"]["template"]["metadata"]["annotations"][annotation]
+    )
     # `helm test` authenticates with the same Secret
     smoke = one(docs, "Pod", f"{FULL}-smoke")["spec"]["containers"][0]
     assert _env_entry(smoke, "API_KEYS")["valueFrom"]["secretKeyRef"] == ref
@@ -89,7 +91,8 @@ def test_admin_port_gets_its_own_service_and_the_scrape(tmp_path: Path) -> None:
     # the public Service (here a load balancer) does not carry /metrics and /docs out of the cluster
     assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
     assert admin["spec"]["type"] == "ClusterIP" and admin["spec"]["ports"] == [
-        {"name": "admin", "port": 9090, "targetPort": "admin"}]
+        {"name": "admin", "port": 9090, "targetPort": "admin"}
+    ]
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9090"
     monitor = one(docs, "ServiceMonitor", f"{FULL}-gateway")
@@ -106,13 +109,17 @@ def test_admin_port_gets_its_own_service_and_the_scrape(tmp_path: Path) -> None:
     assert "must differ" in _refused("gateway.adminPort=8000")
 
 
-@pytest.mark.parametrize(("sets", "drain", "sleep", "margin"), [
-    ((), 30.0, 5, 10),
-    (("gateway.drainGraceSeconds=120", "gateway.shutdown.preStopSleepSeconds=8"), 120.0, 8, 10),
-    (("gateway.config.drain_grace_s=45.5", "gateway.shutdown.marginSeconds=3"), 45.5, 5, 3),
-])
-def test_termination_grace_covers_prestop_and_drain(sets: tuple[str, ...], drain: float, sleep: int, margin: int,
-                                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sets", "drain", "sleep", "margin"),
+    [
+        ((), 30.0, 5, 10),
+        (("gateway.drainGraceSeconds=120", "gateway.shutdown.preStopSleepSeconds=8"), 120.0, 8, 10),
+        (("gateway.config.drain_grace_s=45.5", "gateway.shutdown.marginSeconds=3"), 45.5, 5, 3),
+    ],
+)
+def test_termination_grace_covers_prestop_and_drain(
+    sets: tuple[str, ...], drain: float, sleep: int, margin: int, tmp_path: Path
+) -> None:
     docs = render(*sets)
     assert _settings(docs, tmp_path).drain_grace_s == drain  # the gateway drains this long after SIGTERM
     pod = one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]
@@ -123,8 +130,9 @@ def test_termination_grace_covers_prestop_and_drain(sets: tuple[str, ...], drain
 
 def test_prestop_before_kubernetes_1_30_uses_the_images_sleep() -> None:
     assert HELM is not None
-    out = subprocess.run([HELM, "template", "rel", str(CHART), "--kube-version", "1.29.0"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [HELM, "template", "rel", str(CHART), "--kube-version", "1.29.0"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     dep = one([d for d in yaml.safe_load_all(out) if d], "Deployment", f"{FULL}-gateway")
     assert container(dep)["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
     no_sleep = one(render("gateway.shutdown.preStopSleepSeconds=0"), "Deployment", f"{FULL}-gateway")
@@ -132,15 +140,20 @@ def test_prestop_before_kubernetes_1_30_uses_the_images_sleep() -> None:
 
 
 def test_gateway_autoscaler() -> None:
-    docs = render("gateway.autoscaling.enabled=true", "gateway.autoscaling.minReplicas=3",
-                  "gateway.autoscaling.maxReplicas=12", "gateway.autoscaling.targetCPUUtilizationPercentage=60")
+    docs = render(
+        "gateway.autoscaling.enabled=true",
+        "gateway.autoscaling.minReplicas=3",
+        "gateway.autoscaling.maxReplicas=12",
+        "gateway.autoscaling.targetCPUUtilizationPercentage=60",
+    )
     hpa = one(docs, "HorizontalPodAutoscaler", f"{FULL}-gateway")
     dep = one(docs, "Deployment", f"{FULL}-gateway")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"]}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
-    assert hpa["spec"]["metrics"] == [{"type": "Resource", "resource": {
-        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 60}}}]
+    assert hpa["spec"]["metrics"] == [
+        {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 60}}}
+    ]
     # utilization is relative to the request, which must be there
     assert container(dep)["resources"]["requests"]["cpu"]
     # the autoscaler owns the count; an upgrade must not reset it
@@ -152,28 +165,44 @@ def test_gateway_autoscaler() -> None:
     assert env(container(one(single, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_LOAD_SHARE"] == "redis"
     assert not [d for d in single if d["kind"] == "PodDisruptionBudget"]
     assert not [d for d in render() if d["kind"] == "HorizontalPodAutoscaler"]
-    assert "above maxReplicas" in _refused("gateway.autoscaling.enabled=true", "gateway.autoscaling.minReplicas=5",
-                                           "gateway.autoscaling.maxReplicas=2")
+    assert "above maxReplicas" in _refused(
+        "gateway.autoscaling.enabled=true", "gateway.autoscaling.minReplicas=5", "gateway.autoscaling.maxReplicas=2"
+    )
 
 
 def _render_file(values: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
     assert HELM is not None
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
-    out = subprocess.run([HELM, "template", "rel", str(CHART), "-f", str(tmp_path / "values.yaml")],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [HELM, "template", "rel", str(CHART), "-f", str(tmp_path / "values.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
 def test_ingress_and_http_route_reach_the_public_port_only(tmp_path: Path) -> None:
-    docs = _render_file({
-        "gateway": {"adminPort": 9090},
-        "ingress": {"enabled": True, "className": "nginx",
-                    "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"},
-                    "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1", "pathType": "Prefix"}]}],
-                    "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]},
-        "httpRoute": {"enabled": True, "parentRefs": [{"name": "public", "namespace": "gateway-infra"}],
-                      "hostnames": ["llm.example.com"], "timeouts": {"request": "0s"}},
-    }, tmp_path)
+    docs = _render_file(
+        {
+            "gateway": {"adminPort": 9090},
+            "ingress": {
+                "enabled": True,
+                "className": "nginx",
+                "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"},
+                "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1", "pathType": "Prefix"}]}],
+                "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}],
+            },
+            "httpRoute": {
+                "enabled": True,
+                "parentRefs": [{"name": "public", "namespace": "gateway-infra"}],
+                "hostnames": ["llm.example.com"],
+                "timeouts": {"request": "0s"},
+            },
+        },
+        tmp_path,
+    )
     svc = one(docs, "Service", f"{FULL}-gateway")
     http_port = {p["name"]: p["port"] for p in svc["spec"]["ports"]}["http"]
     ing = one(docs, "Ingress", f"{FULL}-gateway")
@@ -181,8 +210,9 @@ def test_ingress_and_http_route_reach_the_public_port_only(tmp_path: Path) -> No
     assert ing["spec"]["tls"] == [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]
     [rule] = ing["spec"]["rules"]
     assert rule["host"] == "llm.example.com"
-    assert rule["http"]["paths"] == [{"path": "/v1", "pathType": "Prefix", "backend": {
-        "service": {"name": svc["metadata"]["name"], "port": {"name": "http"}}}}]
+    assert rule["http"]["paths"] == [
+        {"path": "/v1", "pathType": "Prefix", "backend": {"service": {"name": svc["metadata"]["name"], "port": {"name": "http"}}}}
+    ]
     route = one(docs, "HTTPRoute", f"{FULL}-gateway")
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
     assert route["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateway-infra"}]

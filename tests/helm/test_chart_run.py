@@ -40,11 +40,16 @@ def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
     environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
     # what kubernetes would fill in, and this machine's Redis (own db: other tests share the load prefix)
-    environ.update(CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc", CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14",
-                   CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
-                   CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
-                   # start-up waits this long for the absent prefill pods' Mooncake bootstrap servers
-                   CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5")
+    environ.update(
+        CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc",
+        CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14",
+        CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
+        CONDUCTOR_HOST="127.0.0.1",
+        CONDUCTOR_PORT=str(port),
+        CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
+        # start-up waits this long for the absent prefill pods' Mooncake bootstrap servers
+        CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5",
+    )
     exe = venv_exe(c["command"][0])
     assert exe, c["command"]
     proc = subprocess.Popen([exe, *args], env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -55,8 +60,7 @@ def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
         proc.wait(timeout=10)
 
 
-def test_rendered_gateway_command_starts_on_rendered_settings(
-        rendered_gateway: tuple[subprocess.Popen[bytes], str]) -> None:
+def test_rendered_gateway_command_starts_on_rendered_settings(rendered_gateway: tuple[subprocess.Popen[bytes], str]) -> None:
     proc, url = rendered_gateway
     wait_http(url + "/health", proc)
     assert httpx.get(url + "/ready", timeout=5).status_code == 503  # the pods do not exist here: alive, not ready
@@ -73,8 +77,12 @@ def test_rendered_mooncake_master_command_serves() -> None:
     if exe is None:
         pytest.skip("no mooncake_master: pip install -e '.[mooncake]'")
     rpc, metrics, meta, events = (free_port() for _ in range(4))
-    docs = render(f"mooncakeMaster.rpcPort={rpc}", f"mooncakeMaster.metricsPort={metrics}",
-                  f"mooncakeMaster.httpMetadataServer.port={meta}", f"mooncakeMaster.kvEventsPort={events}")
+    docs = render(
+        f"mooncakeMaster.rpcPort={rpc}",
+        f"mooncakeMaster.metricsPort={metrics}",
+        f"mooncakeMaster.httpMetadataServer.port={meta}",
+        f"mooncakeMaster.kvEventsPort={events}",
+    )
     c = container(one(docs, "Deployment", f"{FULL}-mooncake-master"))
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
     proc = subprocess.Popen([exe, *c["args"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -107,8 +115,16 @@ def _remap(args: list[str], pod: str) -> tuple[list[str], dict[str, int]]:
 
 @pytest.mark.parametrize(("protocol", "n_prefill"), [("nixl", 1), ("mooncake", 2), ("sglang", 1)])
 def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefill: int, tmp_path: Path) -> None:
-    docs = render(STATIC, "workers.emulator.enabled=true", f"pdProtocol={protocol}", f"prefill.replicas={n_prefill}",
-                  "decode.replicas=1", "gateway.replicas=1", "model.servedName=tiny", "gateway.apiKeys={sk-chart-run}")
+    docs = render(
+        STATIC,
+        "workers.emulator.enabled=true",
+        f"pdProtocol={protocol}",
+        f"prefill.replicas={n_prefill}",
+        "decode.replicas=1",
+        "gateway.replicas=1",
+        "model.servedName=tiny",
+        "gateway.apiKeys={sk-chart-run}",
+    )
     # the client keys as the kubelet hands them over: the chart's Secret, named by the pods' env
     keys = base64.b64decode(one(docs, "Secret", f"{FULL}-gateway-api-keys")["data"]["api-keys"]).decode()
     cfg = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
@@ -135,17 +151,24 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         gw = container(one(docs, "Deployment", f"{FULL}-gateway"))
         port = free_port()
         environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
-        environ.update(CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_PORT=str(port), CONDUCTOR_HEALTH_INTERVAL_S="0.2",
-                       CONDUCTOR_API_KEYS=keys,
-                       CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
-                       CONDUCTOR_KV__REDIS_PREFIX=prefix)  # taken as written: a string field
+        environ.update(
+            CONDUCTOR_HOST="127.0.0.1",
+            CONDUCTOR_PORT=str(port),
+            CONDUCTOR_HEALTH_INTERVAL_S="0.2",
+            CONDUCTOR_API_KEYS=keys,
+            CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
+            CONDUCTOR_KV__REDIS_PREFIX=prefix,
+        )  # taken as written: a string field
         args = [str(config_file) if a == flag(gw["args"], "--config") else a for a in gw["args"]]
         gw_exe = venv_exe(gw["command"][0])
         assert gw_exe
         gw_log = tmp_path / "gateway.log"
         with gw_log.open("wb") as log_file:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen([gw_exe, *args], env={**environ, "CONDUCTOR_LOG_LEVEL": "debug"},
-                                          stdout=subprocess.DEVNULL, stderr=log_file))
+            procs.append(
+                subprocess.Popen(
+                    [gw_exe, *args], env={**environ, "CONDUCTOR_LOG_LEVEL": "debug"}, stdout=subprocess.DEVNULL, stderr=log_file
+                )
+            )
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/ready", procs[-1], timeout_s=180.0, log=gw_log)
         body = {"model": "tiny", "prompt": "the chart's cluster " * 30, "max_tokens": 8, "stream": True}
@@ -157,8 +180,9 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         assert events[-1] == "data: [DONE]" and len(events) >= 3
         # the request really went prefill -> decode: the decode engine took its prompt from remote KV
         decode_metrics = httpx.get(cfg["decode"][0]["url"] + "/metrics", timeout=5).text
-        assert re.search(r'vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} [1-9]',
-                         decode_metrics), decode_metrics
+        assert re.search(
+            r'vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} [1-9]', decode_metrics
+        ), decode_metrics
         # the prefill engine's KV events reached the gateway through the rendered endpoint: the shared
         # Redis index holds confirmed entries (dispatch guesses are stored as "u<expiry>")
         deadline = time.monotonic() + 10
@@ -169,8 +193,9 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         smoke = one(docs, "Pod", f"{FULL}-smoke")["spec"]["containers"][0]
         script = smoke["args"][0].replace(f"http://{FULL}-gateway:8000", url)
         assert smoke["env"][0]["name"] == "API_KEYS"  # from the same Secret: the test sends a key too
-        done = subprocess.run([*smoke["command"], script], capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "API_KEYS": keys})
+        done = subprocess.run(
+            [*smoke["command"], script], capture_output=True, text=True, timeout=60, env={**os.environ, "API_KEYS": keys}
+        )
         assert done.returncode == 0, done.stderr
         assert '"object":"text_completion"' in done.stdout.replace(" ", "")
     finally:

@@ -40,9 +40,15 @@ RENDERS = {
     "mooncake": ("pdProtocol=mooncake", "mixed.replicas=1"),
     "nixl": ("pdProtocol=nixl", "gateway.replicas=1"),
     "sglang": ("pdProtocol=sglang",),
-    "emulated-hardened": ("workers.emulator.enabled=true", "gateway.kv.mooncakeStore=true", "gateway.adminPort=9090",
-                          "gateway.apiKeys={sk-a}", "gateway.autoscaling.enabled=true", "mooncakeMaster.kvEventsPort=5558",
-                          "monitoring.serviceMonitor.enabled=true"),
+    "emulated-hardened": (
+        "workers.emulator.enabled=true",
+        "gateway.kv.mooncakeStore=true",
+        "gateway.adminPort=9090",
+        "gateway.apiKeys={sk-a}",
+        "gateway.autoscaling.enabled=true",
+        "mooncakeMaster.kvEventsPort=5558",
+        "monitoring.serviceMonitor.enabled=true",
+    ),
 }
 
 
@@ -58,9 +64,17 @@ def _compliant_pod() -> tuple[dict[str, Any], dict[str, Any]]:
     """A pod spec that meets every restricted control: the starting point of the checker's own test."""
     spec = {
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [{"name": "c", "image": "x", "ports": [{"containerPort": 80}],
-                        "securityContext": {"allowPrivilegeEscalation": False,
-                                            "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}}],
+        "containers": [
+            {
+                "name": "c",
+                "image": "x",
+                "ports": [{"containerPort": 80}],
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+                },
+            }
+        ],
         "volumes": [{"name": "v", "emptyDir": {}}, {"name": "s", "secret": {"secretName": "s"}}],
     }
     return {"annotations": {}}, spec
@@ -89,8 +103,7 @@ MUTATIONS = [
     (lambda m, s: s["securityContext"].update(seLinuxOptions={"type": "spc_t"}), "SELinux"),
     (lambda m, s: s["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]), "Sysctls"),
     (lambda m, s: s["securityContext"].update(windowsOptions={"hostProcess": True}), "HostProcess"),
-    (lambda m, s: m["annotations"].update({"container.apparmor.security.beta.kubernetes.io/c": "unconfined"}),
-     "AppArmor"),
+    (lambda m, s: m["annotations"].update({"container.apparmor.security.beta.kubernetes.io/c": "unconfined"}), "AppArmor"),
     (lambda m, s: s.setdefault("initContainers", []).append({"name": "i", "image": "x"}), "Privilege Escalation"),
 ]
 
@@ -123,16 +136,26 @@ def test_release_pods_meet_the_restricted_profile(name: str) -> None:
 
 
 @needs_helm
-@pytest.mark.parametrize(("component", "value_prefix"), [
-    ("gateway", "gateway"), ("redis", "redis"), ("mooncake-master", "mooncakeMaster"), ("smoke-test", "helmTest"),
-    ("prefill", "gateway"),  # emulated workers take the gateway's contexts
-])
-@pytest.mark.parametrize(("field", "controls"), [
-    ("podSecurityContext", {"Running as Non-root", "Seccomp"}),
-    ("securityContext", {"Privilege Escalation", "Capabilities"}),
-])
-def test_removing_a_security_context_breaks_the_profile(component: str, value_prefix: str, field: str,
-                                                         controls: set[str]) -> None:
+@pytest.mark.parametrize(
+    ("component", "value_prefix"),
+    [
+        ("gateway", "gateway"),
+        ("redis", "redis"),
+        ("mooncake-master", "mooncakeMaster"),
+        ("smoke-test", "helmTest"),
+        ("prefill", "gateway"),  # emulated workers take the gateway's contexts
+    ],
+)
+@pytest.mark.parametrize(
+    ("field", "controls"),
+    [
+        ("podSecurityContext", {"Running as Non-root", "Seccomp"}),
+        ("securityContext", {"Privilege Escalation", "Capabilities"}),
+    ],
+)
+def test_removing_a_security_context_breaks_the_profile(
+    component: str, value_prefix: str, field: str, controls: set[str]
+) -> None:
     """What the profile test above would catch if a template or a values default lost a context."""
     docs = render("workers.emulator.enabled=true", f"{value_prefix}.{field}=null")
     [(meta, spec)] = [(m, s) for c, m, s in _pods(docs) if c == component]
@@ -158,8 +181,9 @@ def test_engine_pods_meet_baseline_and_miss_restricted_only_on_non_root(protocol
         assert shm["emptyDir"]["medium"] == "Memory"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     # an image with a user of its own: the operator adds runAsNonRoot and the pods are "restricted"
-    hardened = render(f"pdProtocol={protocol}", "workers.podSecurityContext.runAsNonRoot=true",
-                      "workers.podSecurityContext.runAsUser=1000")
+    hardened = render(
+        f"pdProtocol={protocol}", "workers.podSecurityContext.runAsNonRoot=true", "workers.podSecurityContext.runAsUser=1000"
+    )
     for component, meta, spec in _pods(hardened):
         if component in ENGINE_ROLES:
             assert restricted_violations(meta, spec) == [], component
@@ -187,8 +211,12 @@ def _scratch_mounts(doc: dict[str, Any]) -> list[str]:
 @needs_helm
 def test_read_only_root_filesystems_keep_their_scratch_directories() -> None:
     docs = render("workers.emulator.enabled=true")
-    expected = {f"{FULL}-gateway": ["/tmp"], f"{FULL}-mooncake-master": ["/tmp"], f"{FULL}-redis": ["/data"],
-                f"{FULL}-prefill": ["/dev/shm", "/models", "/tmp"]}
+    expected = {
+        f"{FULL}-gateway": ["/tmp"],
+        f"{FULL}-mooncake-master": ["/tmp"],
+        f"{FULL}-redis": ["/data"],
+        f"{FULL}-prefill": ["/dev/shm", "/models", "/tmp"],
+    }
     for name, scratch in expected.items():
         doc = next(d for d in docs if d["metadata"]["name"] == name and d["kind"] in ("Deployment", "StatefulSet"))
         assert container(doc)["securityContext"]["readOnlyRootFilesystem"] is True, name
@@ -217,8 +245,14 @@ def test_rendered_gateway_serves_under_its_security_context() -> None:
     """Non-root, read-only root with /tmp only, no capabilities: it starts, takes its API keys from the
     chart's Secret through CONDUCTOR_API_KEYS, and serves /metrics on the admin port alone."""
     public, admin = free_port(), free_port()
-    docs = render(STATIC, "gateway.apiKeys={sk-chart,12345}", f"gateway.adminPort={admin}", f"gateway.port={public}",
-                  "prefill.replicas=1", "decode.replicas=1")
+    docs = render(
+        STATIC,
+        "gateway.apiKeys={sk-chart,12345}",
+        f"gateway.adminPort={admin}",
+        f"gateway.port={public}",
+        "prefill.replicas=1",
+        "decode.replicas=1",
+    )
     dep = one(docs, "Deployment", f"{FULL}-gateway")
     c = container(dep)
     uid, gid = _identity(dep)
@@ -235,13 +269,23 @@ def test_rendered_gateway_serves_under_its_security_context() -> None:
         args = [str(config) if a == "/etc/conductor/config.yaml" else a for a in c["args"]]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
         environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
-        environ.update(CONDUCTOR_API_KEYS=keys_json, CONDUCTOR_HOST="127.0.0.1", CONDUCTOR_REPLICA_ID="gw-sandbox",
-                       CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14", CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
-                       CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5", CONDUCTOR_HEALTH_TIMEOUT_S="0.5")
+        environ.update(
+            CONDUCTOR_API_KEYS=keys_json,
+            CONDUCTOR_HOST="127.0.0.1",
+            CONDUCTOR_REPLICA_ID="gw-sandbox",
+            CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14",
+            CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
+            CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5",
+            CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
+        )
         exe = venv_exe(c["command"][0])
         assert exe
-        proc = subprocess.Popen(sandbox.command([exe, *args], uid=uid, gid=gid, writable=_scratch_mounts(dep)),
-                                env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            sandbox.command([exe, *args], uid=uid, gid=gid, writable=_scratch_mounts(dep)),
+            env=environ,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             url, admin_url = f"http://127.0.0.1:{public}", f"http://127.0.0.1:{admin}"
             wait_http(url + "/health", proc)
@@ -263,13 +307,16 @@ def test_rendered_mooncake_master_serves_under_its_security_context() -> None:
     if exe is None:
         pytest.skip("no mooncake_master: pip install -e '.[mooncake]'")
     rpc, metrics, meta = (free_port() for _ in range(3))
-    docs = render(f"mooncakeMaster.rpcPort={rpc}", f"mooncakeMaster.metricsPort={metrics}",
-                  f"mooncakeMaster.httpMetadataServer.port={meta}")
+    docs = render(
+        f"mooncakeMaster.rpcPort={rpc}", f"mooncakeMaster.metricsPort={metrics}", f"mooncakeMaster.httpMetadataServer.port={meta}"
+    )
     dep = one(docs, "Deployment", f"{FULL}-mooncake-master")
     uid, gid = _identity(dep)
-    proc = subprocess.Popen(sandbox.command([exe, *container(dep)["args"]], uid=uid, gid=gid,
-                                            writable=_scratch_mounts(dep)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        sandbox.command([exe, *container(dep)["args"]], uid=uid, gid=gid, writable=_scratch_mounts(dep)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert wait_http(f"http://127.0.0.1:{metrics}/health", proc).json()["service_ready"] is True
         assert httpx.get(f"http://127.0.0.1:{meta}/metadata", params={"key": "none"}, timeout=5).status_code == 404
@@ -290,8 +337,11 @@ def test_rendered_redis_serves_under_its_security_context() -> None:
     uid, gid = _identity(dep)
     c = container(dep)
     # the image's entrypoint adds redis-server before flags; started as uid 999 it switches no user
-    proc = subprocess.Popen(sandbox.command([exe, *c["args"]], uid=uid, gid=gid, writable=[], python=False),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        sandbox.command([exe, *c["args"]], uid=uid, gid=gid, writable=[], python=False),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         client = redis.Redis(port=port)
         deadline = time.monotonic() + 10
@@ -313,11 +363,13 @@ def test_rendered_redis_serves_under_its_security_context() -> None:
 
 def test_pod_security_checker_reads_every_pod_kind() -> None:
     spec: dict[str, Any] = {"containers": []}
-    for doc in ({"kind": "Pod", "metadata": {}, "spec": spec},
-                {"kind": "Deployment", "spec": {"template": {"metadata": {}, "spec": spec}}},
-                {"kind": "StatefulSet", "spec": {"template": {"spec": spec}}},
-                {"kind": "Job", "spec": {"template": {"spec": spec}}},
-                {"kind": "CronJob", "spec": {"jobTemplate": {"spec": {"template": {"spec": spec}}}}}):
+    for doc in (
+        {"kind": "Pod", "metadata": {}, "spec": spec},
+        {"kind": "Deployment", "spec": {"template": {"metadata": {}, "spec": spec}}},
+        {"kind": "StatefulSet", "spec": {"template": {"spec": spec}}},
+        {"kind": "Job", "spec": {"template": {"spec": spec}}},
+        {"kind": "CronJob", "spec": {"jobTemplate": {"spec": {"template": {"spec": spec}}}}},
+    ):
         found = pod_of(doc)
         assert found is not None and found[1] is spec, doc["kind"]
     assert pod_of({"kind": "Service", "spec": {}}) is None

@@ -26,12 +26,17 @@ DASHBOARDS = sorted((ROOT / "grafana").glob("*.json"))
 
 # vLLM's metric names as seen on a real vLLM 0.32 (RUNBOOK "Metric names seen"), with their types.
 VLLM_METRICS = {
-    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
-    "vllm:prefix_cache_queries_total": "counter", "vllm:prefix_cache_hits_total": "counter",
-    "vllm:prompt_tokens_by_source_total": "counter", "vllm:generation_tokens_total": "counter",
-    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
-    "vllm:request_queue_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:prefix_cache_queries_total": "counter",
+    "vllm:prefix_cache_hits_total": "counter",
+    "vllm:prompt_tokens_by_source_total": "counter",
+    "vllm:generation_tokens_total": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
 }
 VLLM_LABELS = {"model_name", "engine", "source", "finished_reason"}
@@ -56,8 +61,13 @@ def gateway_exposition() -> Iterator[str]:
     stream and one 429, so the labelled families (requests, decisions, rejections, predictor errors)
     have samples."""
     with cluster("nixl", policy=load_policy("kvcache_aware"), kv={"enabled": True}) as c:
-        body = {"model": "tiny", "prompt": "hello there " * 20, "max_tokens": 4, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "prompt": "hello there " * 20,
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         assert httpx.post(c.url + "/v1/completions", json=body, timeout=20).status_code == 200
         refused = httpx.post(c.url + "/v1/completions", json=body, headers={"x-slo-ttft-ms": "0.001"}, timeout=20)
         assert refused.status_code == 429, refused.text
@@ -90,8 +100,9 @@ def _targets(board: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def test_overview_dashboard_exists_and_generated_files_are_current() -> None:
     assert "conductor-overview.json" in [p.name for p in DASHBOARDS]
-    check = subprocess.run([sys.executable, str(ROOT / "grafana" / "build_dashboards.py"), "--check"],
-                           capture_output=True, text=True, timeout=60)
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "grafana" / "build_dashboards.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stderr
 
 
@@ -160,8 +171,13 @@ GAUGE_UNITS = (
 # rate() / increase() of a counter: a per-second unit; requests in reqps, tokens in tok/s, the rest ops
 RATE_UNITS = (
     (re.compile(r"tokens(_by_source)?_total$"), "suffix: tok/s"),
-    (re.compile(r"^conductor_(requests|rejections|decisions|upstream_errors|client_disconnects|failovers"
-                r"|late_prefill_failures)_total$"), "reqps"),
+    (
+        re.compile(
+            r"^conductor_(requests|rejections|decisions|upstream_errors|client_disconnects|failovers"
+            r"|late_prefill_failures)_total$"
+        ),
+        "reqps",
+    ),
     (re.compile(r"_total$"), "ops"),
 )
 QUANTILE = re.compile(r"^histogram_quantile\(")
@@ -184,8 +200,9 @@ def expected_unit(expr: str, heatmap: bool = False) -> str:
         if len(bases) == 1 and {n.rsplit("_", 1)[1] for n in names} == {"sum", "count"}:
             return _unit_of(bases.pop(), GAUGE_UNITS)  # a histogram's mean keeps its unit
         return "percentunit"  # one rate over another: hits / lookups, 2xx / all
-    units = {_unit_of(n, RATE_UNITS) if re.search(RATED.format(name=re.escape(n)), expr) else _unit_of(n, GAUGE_UNITS)
-             for n in names}
+    units = {
+        _unit_of(n, RATE_UNITS) if re.search(RATED.format(name=re.escape(n)), expr) else _unit_of(n, GAUGE_UNITS) for n in names
+    }
     assert len(units) == 1, f"{expr} mixes units {units}"
     return units.pop()
 
@@ -210,9 +227,15 @@ def test_panel_units_match_their_metrics(path: Path) -> None:
 
 def test_unit_check_catches_wrong_units() -> None:
     """The check above on panels with the mistakes it is there for (MAPE was once "percent": 13% read 0.13%)."""
+
     def panel(unit: str, expr: str, **target: Any) -> dict[str, Any]:
-        return {"type": "timeseries", "title": "p", "fieldConfig": {"defaults": {"unit": unit}},
-                "targets": [{"expr": expr, **target}]}
+        return {
+            "type": "timeseries",
+            "title": "p",
+            "fieldConfig": {"defaults": {"unit": unit}},
+            "targets": [{"expr": expr, **target}],
+        }
+
     wrong = [
         panel("percent", 'avg by (component) (conductor_prediction_mape{namespace=~"$namespace"})'),
         panel("ms", 'histogram_quantile(0.9, sum by (le) (rate(conductor_ttft_seconds_bucket{a="b"}[5m])))'),
@@ -245,13 +268,26 @@ def test_every_panel_says_what_it_shows(path: Path) -> None:
 
 def test_dashboard_covers_the_required_signals(known: dict[str, set[str]]) -> None:
     exprs = " ".join(t["expr"] for _, t in _targets(_load(ROOT / "grafana" / "conductor-overview.json")))
-    for needed in ("conductor_requests_total", "conductor_rejections_total", "conductor_ttft_seconds_bucket",
-                   "conductor_tbt_seconds_bucket", "conductor_predicted_ttft_seconds", "conductor_decision_seconds",
-                   "conductor_instance_queued_prefill_tokens", "conductor_instance_running_decodes",
-                   "conductor_instance_healthy", "conductor_prompt_tokens_total", "conductor_upstream_errors_total",
-                   "conductor_client_disconnects_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                   "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                   "vllm:time_to_first_token_seconds"):
+    for needed in (
+        "conductor_requests_total",
+        "conductor_rejections_total",
+        "conductor_ttft_seconds_bucket",
+        "conductor_tbt_seconds_bucket",
+        "conductor_predicted_ttft_seconds",
+        "conductor_decision_seconds",
+        "conductor_instance_queued_prefill_tokens",
+        "conductor_instance_running_decodes",
+        "conductor_instance_healthy",
+        "conductor_prompt_tokens_total",
+        "conductor_upstream_errors_total",
+        "conductor_client_disconnects_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:time_to_first_token_seconds",
+    ):
         assert needed in exprs, needed
     assert "histogram_quantile(0.99, sum by (le) (rate(conductor_ttft_seconds_bucket" in exprs
     # every conductor_ family the gateway exports is on the dashboard (new metrics get a panel)

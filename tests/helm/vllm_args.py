@@ -49,15 +49,24 @@ def _describe(args: Any) -> dict[str, Any]:
     kt, ke = args.kv_transfer_config, args.kv_events_config
     return {
         "model": getattr(args, "model_tag", None) or args.model,
-        "kv_transfer": None if kt is None else {
-            "kv_connector": kt.kv_connector, "kv_role": kt.kv_role,
-            "is_kv_producer": kt.is_kv_producer, "is_kv_consumer": kt.is_kv_consumer},
-        "kv_events": None if ke is None else {
-            "enabled": ke.enable_kv_cache_events, "endpoint": ke.endpoint, "publisher": ke.publisher,
-            "topic": ke.topic},
-        "block_size": args.block_size, "prefix_caching": args.enable_prefix_caching,
-        "served": args.served_model_name, "host": args.host, "port": args.port,
-        "tensor_parallel_size": args.tensor_parallel_size, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_transfer": None
+        if kt is None
+        else {
+            "kv_connector": kt.kv_connector,
+            "kv_role": kt.kv_role,
+            "is_kv_producer": kt.is_kv_producer,
+            "is_kv_consumer": kt.is_kv_consumer,
+        },
+        "kv_events": None
+        if ke is None
+        else {"enabled": ke.enable_kv_cache_events, "endpoint": ke.endpoint, "publisher": ke.publisher, "topic": ke.topic},
+        "block_size": args.block_size,
+        "prefix_caching": args.enable_prefix_caching,
+        "served": args.served_model_name,
+        "host": args.host,
+        "port": args.port,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
     }
 
 
@@ -75,8 +84,7 @@ def main(argv_lists: list[list[str]]) -> dict[str, Any]:
     from vllm import envs
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    return {"results": results, "connectors": sorted(KVConnectorFactory._registry),
-            "env": sorted(envs.environment_variables)}
+    return {"results": results, "connectors": sorted(KVConnectorFactory._registry), "env": sorted(envs.environment_variables)}
 
 
 if __name__ == "__main__":

@@ -141,8 +141,13 @@ def test_listed_candidates_lists_the_best_and_the_chosen_and_decides_the_same(fa
     """`listed_candidates` changes only which scores a decision carries (the decision log's part):
     the same placement, each listed score as the full list has it, the rest counted as unlisted."""
     cluster = snapshot(
-        prefill("p0", queued=3), prefill("p1", queued=1, tokens=500), prefill("p2"), prefill("p3", queued=2),
-        decode("d0", streams=4), decode("d1", streams=1), decode("d2", streams=6),
+        prefill("p0", queued=3),
+        prefill("p1", queued=1, tokens=500),
+        prefill("p2"),
+        prefill("p3", queued=2),
+        decode("d0", streams=4),
+        decode("d1", streams=1),
+        decode("d2", streams=6),
     )
     for rid in ("a", "b", "c"):
         req = request(cached={"p3": 4096, "p0": 1024}, rid=rid)

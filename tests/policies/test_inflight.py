@@ -72,7 +72,7 @@ def test_bisection_credits_the_prefix_a_linear_scan_finds_less_at_most_a_stride(
             live.pop(rid, None)
         rid = f"r{step}"
         t.add(rid, keys, f"p{step % 4}", block_size)
-        filed = keys[stride - 1::stride] + ((keys[-1],) if depth % stride else ())
+        filed = keys[stride - 1 :: stride] + ((keys[-1],) if depth % stride else ())
         live[rid] = (keys, filed)
         order.append(rid)
         while sum(len(f) for _, f in live.values()) > 200:  # the table's own eviction, mirrored
@@ -108,23 +108,33 @@ BS = 16
 def pool(queued: dict[str, int]) -> ClusterSnapshot:
     """Two prefills and a decode; `queued`: prefill id -> new tokens already waiting there."""
     prefills = tuple(
-        InstanceView(id=name, role=Role.PREFILL,
-                     prefill_queue=(QueuedPrefill(new_tokens=queued[name], cached_tokens=0, elapsed_s=0.0),)
-                     if queued[name] else ())
-        for name in ("p0", "p1"))
+        InstanceView(
+            id=name,
+            role=Role.PREFILL,
+            prefill_queue=(QueuedPrefill(new_tokens=queued[name], cached_tokens=0, elapsed_s=0.0),) if queued[name] else (),
+        )
+        for name in ("p0", "p1")
+    )
     return ClusterSnapshot(now=0.0, instances=(*prefills, InstanceView(id="d0", role=Role.DECODE)))
 
 
 def request(rid: str, seq: int, blocks: int, **kw: object) -> RequestView:
-    return RequestView(request_id=rid, seq=seq, model="m", prompt_tokens=blocks * BS + 8, max_tokens=16,
-                       block_size=BS, block_keys=tuple(range(1, blocks + 1)), slo=Slo(ttft_s=30.0, tbt_s=1.0),
-                       **kw)  # type: ignore[arg-type]
+    return RequestView(
+        request_id=rid,
+        seq=seq,
+        model="m",
+        prompt_tokens=blocks * BS + 8,
+        max_tokens=16,
+        block_size=BS,
+        block_keys=tuple(range(1, blocks + 1)),
+        slo=Slo(ttft_s=30.0, tbt_s=1.0),
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("inflight", [True, False])
 def test_a_request_sharing_a_dispatched_prefix_follows_it_when_its_slack_allows(inflight: bool) -> None:
-    policy = KvCacheAwarePolicy(admission="none", allow_pull=False, online=False, ttft_slack=0.5,
-                                inflight_prefixes=inflight)
+    policy = KvCacheAwarePolicy(admission="none", allow_pull=False, online=False, ttft_slack=0.5, inflight_prefixes=inflight)
     first = request("a", 1, 400)  # 6,408 tokens, nothing cached anywhere
     cluster = pool({"p0": 0, "p1": 0})
     d1 = policy.decide(first, cluster)
@@ -144,26 +154,48 @@ def test_a_request_sharing_a_dispatched_prefix_follows_it_when_its_slack_allows(
     policy.on_decided(second, busy, d2)
     if inflight:
         for rid, req in (("a", first), ("b", second)):
-            policy.observe(Observation(request_id=rid, prefill=holder, decode="d0", prompt_tokens=req.prompt_tokens,
-                                       cached_tokens=None, predicted_cached_tokens=0, queue_and_prefill_s=None,
-                                       ttft_s=None))
+            policy.observe(
+                Observation(
+                    request_id=rid,
+                    prefill=holder,
+                    decode="d0",
+                    prompt_tokens=req.prompt_tokens,
+                    cached_tokens=None,
+                    predicted_cached_tokens=0,
+                    queue_and_prefill_s=None,
+                    ttft_s=None,
+                )
+            )
         assert policy.inflight is not None and len(policy.inflight) == 0  # observed: the index knows now
 
 
 def test_ttft_slack_takes_the_least_compute_within_the_slack_and_the_fastest_past_it() -> None:
     from conductor.core.types import CachedPrefix
 
-    cluster = ClusterSnapshot(now=0.0, instances=(
-        InstanceView(id="p0", role=Role.PREFILL,
-                     prefill_queue=(QueuedPrefill(new_tokens=12000, cached_tokens=0, elapsed_s=0.0),)),
-        InstanceView(id="p1", role=Role.PREFILL),
-        InstanceView(id="d0", role=Role.DECODE)))
+    cluster = ClusterSnapshot(
+        now=0.0,
+        instances=(
+            InstanceView(
+                id="p0", role=Role.PREFILL, prefill_queue=(QueuedPrefill(new_tokens=12000, cached_tokens=0, elapsed_s=0.0),)
+            ),
+            InstanceView(id="p1", role=Role.PREFILL),
+            InstanceView(id="d0", role=Role.DECODE),
+        ),
+    )
 
     def decide(slack: float | None, slo: float | None) -> tuple[str | None, dict[str, float]]:
         """The chosen prefill and each candidate's bounded client TTFT, as the slack judges it."""
         policy = KvCacheAwarePolicy(admission="none", allow_pull=False, online=False, ttft_slack=slack)
-        req = RequestView(request_id="r", seq=1, model="m", prompt_tokens=6000, max_tokens=16, block_size=BS,
-                          cached={"p0": CachedPrefix(5600)}, slo=Slo(ttft_s=slo, tbt_s=1.0))
+        req = RequestView(
+            request_id="r",
+            seq=1,
+            model="m",
+            prompt_tokens=6000,
+            max_tokens=16,
+            block_size=BS,
+            cached={"p0": CachedPrefix(5600)},
+            slo=Slo(ttft_s=slo, tbt_s=1.0),
+        )
         d = policy.decide(req, cluster)
         pred = policy.predictors
         tbt = next(c.predicted_tbt_s for c in d.candidates if c.instance_id == "d0")

@@ -49,8 +49,12 @@ from predictors.params import INSTANCE_LINK, STORE_LINK
 
 
 def reference_estimate_prefill(
-    pred: Predictors, request: RequestView, inst: InstanceView, sources: list[tuple[int, str, str]],
-    allow_pull: bool, disaggregated: bool,
+    pred: Predictors,
+    request: RequestView,
+    inst: InstanceView,
+    sources: list[tuple[int, str, str]],
+    allow_pull: bool,
+    disaggregated: bool,
 ) -> PrefillEstimate:
     n = max(1, request.prompt_tokens)
     own = request.cached.get(inst.id)
@@ -72,8 +76,9 @@ def reference_estimate_prefill(
                 best_transfer, best_prefill, prefix, pulled, source = t_x, t_p, cand, cand - local, src
     queue = pred.queue_s(inst.prefill_queue)
     handoff = pred.transfer_s(n) if disaggregated else 0.0
-    return PrefillEstimate(inst, best_transfer + queue + best_prefill + handoff, best_transfer, queue, best_prefill,
-                           handoff, prefix, pulled, source)
+    return PrefillEstimate(
+        inst, best_transfer + queue + best_prefill + handoff, best_transfer, queue, best_prefill, handoff, prefix, pulled, source
+    )
 
 
 class ReferencePolicy(KvCacheAwarePolicy):
@@ -96,8 +101,11 @@ class ReferencePolicy(KvCacheAwarePolicy):
             sources = [s for s in remote_sources(request) if s[2] in self.pull_links]
         ests = [reference_estimate_prefill(pred, request, p, sources, bool(sources), disaggregated) for p in prefills]
         predicted = self.admission is AdmissionMode.PREDICTED
-        slack_s = (None if self.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
-                   else self.ttft_slack * request.slo.ttft_s)  # mixed workers: the lowest TTFT always
+        slack_s = (
+            None
+            if self.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
+            else self.ttft_slack * request.slo.ttft_s
+        )  # mixed workers: the lowest TTFT always
         chosen_decode: DecodeEstimate | None = None
         stalled: PrefillEstimate | None = None  # mixed: the chosen worker's streams cannot absorb it
         if disaggregated:
@@ -125,8 +133,12 @@ class ReferencePolicy(KvCacheAwarePolicy):
             pairs = list(zip(ests, d_ests, strict=True))
             # the TBT judged under admission's calibrated bound; among equal TTFTs the lowest such TBT
             mixed_q = self.mixed_tbt_quantile
-            ratio = 1.0 if mixed_q is None else pred.ratios.quantile(
-                "tbt_judged", mixed_q, pred.params.tbt.p90_ratio if mixed_q > 0.5 else 1.0)
+            ratio = (
+                1.0
+                if mixed_q is None
+                else pred.ratios.quantile("tbt_judged", mixed_q, pred.params.tbt.p90_ratio if mixed_q > 0.5 else 1.0)
+            )
+
             def bound(pair: tuple[PrefillEstimate, DecodeEstimate]) -> float:  # an idle worker is not judged
                 idle = not pair[0].instance.decodes and not pair[0].instance.prefill_queue
                 return 0.0 if idle else pair[1].tbt_s * ratio
@@ -153,11 +165,11 @@ class ReferencePolicy(KvCacheAwarePolicy):
                     b = e.ttft_s if self.ttft_quantile is None else pred.bound("ttft", e.ttft_s, self.ttft_quantile)
                     return b <= mixed_slack * ttft_slo
 
-                calm = [pair for pair in pairs
-                        if ttft_fits(pair[0]) and (slo is None or bound(pair) <= slo) and absorbs(pair)]
+                calm = [pair for pair in pairs if ttft_fits(pair[0]) and (slo is None or bound(pair) <= slo) and absorbs(pair)]
                 if calm:
                     best, chosen_decode = min(
-                        calm, key=lambda pair: (pair[0].prefill_s * (len(pair[0].instance.decodes) + 1), pair[0].ttft_s))
+                        calm, key=lambda pair: (pair[0].prefill_s * (len(pair[0].instance.decodes) + 1), pair[0].ttft_s)
+                    )
             if not absorbs((best, chosen_decode)):
                 stalled = best
         judged = chosen_decode
@@ -178,26 +190,41 @@ class ReferencePolicy(KvCacheAwarePolicy):
         tbt_q = self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
         if judged is not None and tbt_q is not None:
             tbt_bound = judged.tbt_s * pred.ratios.quantile(
-                "tbt_judged", tbt_q, pred.params.tbt.p90_ratio if tbt_q > 0.5 else 1.0)
+                "tbt_judged", tbt_q, pred.params.tbt.p90_ratio if tbt_q > 0.5 else 1.0
+            )
         if not disaggregated and not best.instance.decodes and not best.instance.prefill_queue:
             judged = None  # an idle mixed worker's TBT is not judged
-        rejection = admit(pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound,
-                          tbt_bound_s=tbt_bound)
+        rejection = admit(
+            pred, request, self.admission, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound, tbt_bound_s=tbt_bound
+        )
         if rejection is None and stalled is not None and chosen_decode is not None:
             rejection = stall_rejection(request, stalled.instance, stalled.prefill_s, chosen_decode.tbt_s)
-        candidates = tuple(prefill_candidate(e, None if disaggregated else e.prefill_s * (len(e.instance.decodes) + 1))
-                           for e in ests) + tuple(
-            decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests
-        )
+        candidates = tuple(
+            prefill_candidate(e, None if disaggregated else e.prefill_s * (len(e.instance.decodes) + 1)) for e in ests
+        ) + tuple(decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests)
         if rejection is not None and self.probe_after is not None and self._rejected_in_a_row >= self.probe_after:
             rejection = None
         if rejection is not None:
-            return Decision(request.request_id, self.name, rejection=rejection, predicted_ttft_s=ttft,
-                            predicted_tbt_s=tbt, candidates=candidates)
+            return Decision(
+                request.request_id,
+                self.name,
+                rejection=rejection,
+                predicted_ttft_s=ttft,
+                predicted_tbt_s=tbt,
+                candidates=candidates,
+            )
         decode_id = chosen_decode.instance.id if disaggregated and chosen_decode is not None else None
-        return Decision(request.request_id, self.name, prefill=best.instance.id, decode=decode_id, predicted_ttft_s=ttft,
-                        predicted_tbt_s=tbt, pull_from=best.pull_from, pull_tokens=best.pulled_tokens,
-                        candidates=candidates)
+        return Decision(
+            request.request_id,
+            self.name,
+            prefill=best.instance.id,
+            decode=decode_id,
+            predicted_ttft_s=ttft,
+            predicted_tbt_s=tbt,
+            pull_from=best.pull_from,
+            pull_tokens=best.pulled_tokens,
+            candidates=candidates,
+        )
 
 
 # ---- random clusters ------------------------------------------------------------------------
@@ -209,8 +236,12 @@ def random_queue(rng: random.Random, shared: tuple[QueuedPrefill, ...]) -> tuple
         return ()  # idle: many instances predict exactly the same TTFT, so ties and their order matter
     if roll < 0.5:
         return shared  # the same queue as others: equal TTFTs again
-    return tuple(QueuedPrefill(rng.choice((16, rng.randint(1, 16384))), rng.choice((0, rng.randint(0, 8192))),
-                               rng.choice((0.0, rng.uniform(0, 2.0)))) for _ in range(rng.randint(1, 6)))
+    return tuple(
+        QueuedPrefill(
+            rng.choice((16, rng.randint(1, 16384))), rng.choice((0, rng.randint(0, 8192))), rng.choice((0.0, rng.uniform(0, 2.0)))
+        )
+        for _ in range(rng.randint(1, 6))
+    )
 
 
 def random_decodes(rng: random.Random, shared: tuple[ActiveDecode, ...]) -> tuple[ActiveDecode, ...]:
@@ -219,8 +250,9 @@ def random_decodes(rng: random.Random, shared: tuple[ActiveDecode, ...]) -> tupl
         return ()
     if roll < 0.35:
         return shared
-    return tuple(ActiveDecode(rng.randint(1, 40000), rng.randint(0, 2000), decoding=rng.random() < 0.8)
-                 for _ in range(rng.randint(1, 60)))
+    return tuple(
+        ActiveDecode(rng.randint(1, 40000), rng.randint(0, 2000), decoding=rng.random() < 0.8) for _ in range(rng.randint(1, 60))
+    )
 
 
 def random_case(rng: random.Random, i: int) -> tuple[RequestView, ClusterSnapshot]:
@@ -234,23 +266,47 @@ def random_case(rng: random.Random, i: int) -> tuple[RequestView, ClusterSnapsho
     names = [f"p{k}" for k in range(n_p)]
     if rng.random() < 0.1:
         names[rng.randrange(n_p)] = "store"  # named like the store source: must not pull from "itself"
-    views = [InstanceView(name, p_role, healthy=rng.random() > 0.1, prefill_queue=random_queue(rng, shared_q),
-                          decodes=random_decodes(rng, shared_d) if mixed else ()) for name in names]
-    views += [InstanceView(f"d{k}", Role.DECODE, healthy=rng.random() > 0.1, decodes=random_decodes(rng, shared_d))
-              for k in range(n_d)]
+    views = [
+        InstanceView(
+            name,
+            p_role,
+            healthy=rng.random() > 0.1,
+            prefill_queue=random_queue(rng, shared_q),
+            decodes=random_decodes(rng, shared_d) if mixed else (),
+        )
+        for name in names
+    ]
+    views += [
+        InstanceView(f"d{k}", Role.DECODE, healthy=rng.random() > 0.1, decodes=random_decodes(rng, shared_d)) for k in range(n_d)
+    ]
     rng.shuffle(views)
     prompt = rng.choice((1, 2, 16, rng.randint(1, 20000), rng.randint(1, 20000)))
     holders = rng.sample(names + [f"d{k}" for k in range(n_d)] + ["gone"], rng.randint(0, min(8, n_p)))
-    cached = {h: CachedPrefix(rng.choice((0, 16 * rng.randint(1, 1300), prompt, prompt + 64)),
-                              rng.choice((Tier.DEVICE, Tier.HOST, Tier.STORE))) for h in holders}
+    cached = {
+        h: CachedPrefix(
+            rng.choice((0, 16 * rng.randint(1, 1300), prompt, prompt + 64)), rng.choice((Tier.DEVICE, Tier.HOST, Tier.STORE))
+        )
+        for h in holders
+    }
     pull_sources = None
     if rng.random() < 0.5:
         offered = rng.sample(names + [f"d{k}" for k in range(n_d)], rng.randint(0, min(4, n_p)))
         pull_sources = {s: rng.choice((0, 16 * rng.randint(1, 1300))) for s in offered}
-    slo = Slo(ttft_s=rng.choice((None, rng.uniform(0.01, 0.5), rng.uniform(0.5, 4.0))),
-              tbt_s=rng.choice((None, rng.uniform(0.005, 0.03), rng.uniform(0.03, 0.08))))
-    request = RequestView(f"r{i}", i, "m", prompt, rng.randint(1, 512), cached=cached, slo=slo, pull_sources=pull_sources,
-                          store_cached_tokens=rng.choice((0, 0, 16 * rng.randint(1, 1300))))
+    slo = Slo(
+        ttft_s=rng.choice((None, rng.uniform(0.01, 0.5), rng.uniform(0.5, 4.0))),
+        tbt_s=rng.choice((None, rng.uniform(0.005, 0.03), rng.uniform(0.03, 0.08))),
+    )
+    request = RequestView(
+        f"r{i}",
+        i,
+        "m",
+        prompt,
+        rng.randint(1, 512),
+        cached=cached,
+        slo=slo,
+        pull_sources=pull_sources,
+        store_cached_tokens=rng.choice((0, 0, 16 * rng.randint(1, 1300))),
+    )
     return request, ClusterSnapshot(now=100.0, instances=tuple(views))
 
 
@@ -259,8 +315,12 @@ def predictor_sets() -> list[Predictors]:
     fast = LinearModel((0.002, 1.0 / 50e9))  # pulls win often
     slow = LinearModel((0.004, 1.0 / 2e9))  # pulls rarely win
     out = []
-    links: list[dict[str, LinearModel]] = [{}, {INSTANCE_LINK: fast, STORE_LINK: slow},
-                                           {INSTANCE_LINK: slow, STORE_LINK: fast}, {INSTANCE_LINK: fast, STORE_LINK: fast}]
+    links: list[dict[str, LinearModel]] = [
+        {},
+        {INSTANCE_LINK: fast, STORE_LINK: slow},
+        {INSTANCE_LINK: slow, STORE_LINK: fast},
+        {INSTANCE_LINK: fast, STORE_LINK: fast},
+    ]
     for link in links:
         p = replace(params, transfer=MappingProxyType({**params.transfer, **link}))
         pred = Predictors(p, OnlineConfig(enabled=False))
@@ -275,8 +335,7 @@ OPTIONS: list[dict[str, object]] = [
     {"admission": "predicted"},
     {"admission": "early"},
     {"admission": "none"},
-    {"admission": "predicted", "forecast_joins": True, "ttft_quantile": None, "tbt_quantile": None,
-     "mixed_tbt_quantile": None},
+    {"admission": "predicted", "forecast_joins": True, "ttft_quantile": None, "tbt_quantile": None, "mixed_tbt_quantile": None},
     {"admission": "predicted", "mixed_tbt_quantile": 0.9},
     {"admission": "predicted", "mixed_ttft_slack": None},  # mixed workers: the lowest TTFT that meets the TBT SLO
     {"admission": "none", "mixed_ttft_slack": 0.3, "ttft_quantile": None},
@@ -314,8 +373,17 @@ def same_but_listing(fast: Decision, full: Decision, limit: int) -> None:
 def test_decisions_equal_the_full_estimate_on_random_clusters(seed: int) -> None:
     rng = random.Random(seed)
     preds = predictor_sets()
-    stats = {"rejected": 0, "pulled": 0, "unlisted": 0, "mixed": 0, "judged": 0, "tied": 0, "mixed_tbt_moved": 0,
-             "slack_moved": 0, "stall_moved": 0}
+    stats = {
+        "rejected": 0,
+        "pulled": 0,
+        "unlisted": 0,
+        "mixed": 0,
+        "judged": 0,
+        "tied": 0,
+        "mixed_tbt_moved": 0,
+        "slack_moved": 0,
+        "stall_moved": 0,
+    }
     for i in range(800):
         request, cluster = random_case(rng, i)
         pred = preds[i % len(preds)]
@@ -360,8 +428,7 @@ def test_decisions_equal_the_full_estimate_on_random_clusters(seed: int) -> None
 def test_a_large_pool_lists_the_best_few_and_counts_the_rest() -> None:
     queues = [tuple(QueuedPrefill(4000, 0, 0.0) for _ in range(k % 7)) for k in range(20)]
     views = [InstanceView(f"p{k}", Role.PREFILL, prefill_queue=q) for k, q in enumerate(queues)]
-    views += [InstanceView(f"d{k}", Role.DECODE, decodes=tuple(ActiveDecode(3000, 100) for _ in range(k % 9)))
-              for k in range(20)]
+    views += [InstanceView(f"d{k}", Role.DECODE, decodes=tuple(ActiveDecode(3000, 100) for _ in range(k % 9))) for k in range(20)]
     cluster = ClusterSnapshot(now=1.0, instances=tuple(views))
     request = RequestView("r1", 1, "m", 8192, 64, cached={"p14": CachedPrefix(8000)})
     policy = KvCacheAwarePolicy(online=False)

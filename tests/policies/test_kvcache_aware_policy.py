@@ -221,8 +221,20 @@ def test_a_prefill_leg_teaches_when_told_and_not_again_from_the_observation(para
     assert pol.predictors.prefill_s(4000, 0) == pytest.approx(truth, rel=0.1)
     lessons.clear()
     for req, d in decided:
-        pol.observe(Observation(req.request_id, d.prefill, d.decode, 4000, 0, 0, truth, truth + 0.05,
-                                token_intervals_s=(0.02,) * 4, output_tokens=4))
+        pol.observe(
+            Observation(
+                req.request_id,
+                d.prefill,
+                d.decode,
+                4000,
+                0,
+                0,
+                truth,
+                truth + 0.05,
+                token_intervals_s=(0.02,) * 4,
+                output_tokens=4,
+            )
+        )
     assert "leg" not in {lesson[0] for lesson in lessons}
     assert {lesson[0] for lesson in lessons} == {"decode_leg", "tbt"}
     # a leg from another instance than the one chosen, or of a request never placed, is not learned
@@ -270,8 +282,7 @@ def test_a_staged_pull_counts_the_holders_wait(params: PredictorParams) -> None:
     assert (direct.prefill, direct.pull_from, direct.pull_tokens) == ("p1", "p0", 6144)
     fcfs = policy(params).decide(replace(base, queued_pull_sources=frozenset({"p0"})), cluster)
     assert fcfs.prefill == "p1" and fcfs.pull_from is None and fcfs.pull_tokens == 0
-    jumps = policy(params).decide(replace(base, queued_pull_sources=frozenset({"p0"}), staging_jumps_queue=True),
-                                  cluster)
+    jumps = policy(params).decide(replace(base, queued_pull_sources=frozenset({"p0"}), staging_jumps_queue=True), cluster)
     assert (jumps.prefill, jumps.pull_from) == ("p1", "p0")
     head = pred.queue_s(cluster.instances[0].prefill_queue[:1]) + pred.prefill_s(1, 8192)
     p1 = next(c for c in jumps.candidates if c.instance_id == "p1")

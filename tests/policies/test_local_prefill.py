@@ -90,8 +90,9 @@ def test_not_where_a_stream_there_is_too_close_to_its_end_to_absorb_the_stall(pa
     slo = Slo(tbt_s=free.predicted_tbt_s * 2)
     pol = policy(params, local_prefill_tokens=4096, admission="none")
     assert routed(pol, request(prompt=2048, slo=slo), roomy).prefill == "d0"
-    ending = snapshot(*BACKED_UP, replace(roomy.instances[-1], decodes=(
-        *roomy.instances[-1].decodes[:-1], ActiveDecode(2000, 2))))
+    ending = snapshot(
+        *BACKED_UP, replace(roomy.instances[-1], decodes=(*roomy.instances[-1].decodes[:-1], ActiveDecode(2000, 2)))
+    )
     pol = policy(params, local_prefill_tokens=4096, admission="none")
     assert routed(pol, request(prompt=2048, slo=slo), ending).prefill in ("p0", "p1")
 
@@ -106,7 +107,11 @@ def test_a_rejected_request_is_saved_by_a_local_prefill(params: PredictorParams)
 
 
 def test_settings_are_checked() -> None:
-    for bad in ({"max_tokens": 0}, {"max_tokens": 1, "max_duty": 1.0}, {"max_tokens": 1, "gain": 0.0},
-                {"max_tokens": 1, "window_s": 0.0}):
+    for bad in (
+        {"max_tokens": 0},
+        {"max_tokens": 1, "max_duty": 1.0},
+        {"max_tokens": 1, "gain": 0.0},
+        {"max_tokens": 1, "window_s": 0.0},
+    ):
         with pytest.raises(ValueError):
             LocalPrefill(**bad)  # type: ignore[arg-type]

@@ -39,14 +39,16 @@ def test_placement_uses_the_bound_admission_judges() -> None:
     assert tbt_busy < slo < 2.0 * tbt_busy and 2.0 * tbt_light < slo
     # m0 holds the prefix: the lower TTFT; judged by the point prediction it was chosen, then rejected
     d = KvCacheAwarePolicy(predictors=pred).decide(
-        request(8192, cached={"m0": 8000}, slo=Slo(ttft_s=5.0, tbt_s=slo)), snapshot(busy, light))
+        request(8192, cached={"m0": 8000}, slo=Slo(ttft_s=5.0, tbt_s=slo)), snapshot(busy, light)
+    )
     assert (d.prefill, d.decode, d.rejected) == ("m1", None, False)
 
 
 def test_equal_ttfts_go_to_the_lighter_batch() -> None:
     # no queues, nothing cached: every TTFT equal; the pool's order used to decide
     d = KvCacheAwarePolicy(predictors=predictors()).decide(
-        request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.1)), snapshot(mixed("m0", 40), mixed("m1", 3), mixed("m2", 10)))
+        request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.1)), snapshot(mixed("m0", 40), mixed("m1", 3), mixed("m2", 10))
+    )
     assert d.prefill == "m1" and not d.rejected
 
 
@@ -55,10 +57,12 @@ def test_an_idle_worker_is_not_judged_on_tbt() -> None:
     pred = predictors()
     slo = 0.5 * pred.tbt_s(1, 4096)
     busy_only = KvCacheAwarePolicy(predictors=pred).decide(
-        request(4096, slo=Slo(ttft_s=5.0, tbt_s=slo)), snapshot(mixed("m0", 1)))
+        request(4096, slo=Slo(ttft_s=5.0, tbt_s=slo)), snapshot(mixed("m0", 1))
+    )
     assert busy_only.rejected and busy_only.rejection is not None and busy_only.rejection.reason == "tbt_slo"
     d = KvCacheAwarePolicy(predictors=pred).decide(
-        request(4096, slo=Slo(ttft_s=5.0, tbt_s=slo)), snapshot(mixed("m0", 1), mixed("m1")))
+        request(4096, slo=Slo(ttft_s=5.0, tbt_s=slo)), snapshot(mixed("m0", 1), mixed("m1"))
+    )
     assert (d.prefill, d.rejected) == ("m1", False)  # the idle one, admitted: what it sees teaches the model
 
 
@@ -66,7 +70,8 @@ def test_a_queued_prefill_makes_a_worker_busy() -> None:
     pred = predictors()
     queued = InstanceView("m0", Role.MIXED, prefill_queue=(QueuedPrefill(2000, 0, 0.0),))
     d = KvCacheAwarePolicy(predictors=pred).decide(
-        request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.5 * pred.tbt_s(1, 4096))), snapshot(queued))
+        request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.5 * pred.tbt_s(1, 4096))), snapshot(queued)
+    )
     assert d.rejected  # a prefill waits there: not idle, judged as any other worker
 
 
@@ -100,8 +105,7 @@ def test_before_enough_ratios_the_median_bound_is_the_point_prediction() -> None
 
 
 def queued(iid: str, n_streams: int, queued_tokens: int) -> InstanceView:
-    return InstanceView(iid, Role.MIXED, decodes=streams(n_streams),
-                        prefill_queue=(QueuedPrefill(queued_tokens, 0, 0.0),))
+    return InstanceView(iid, Role.MIXED, decodes=streams(n_streams), prefill_queue=(QueuedPrefill(queued_tokens, 0, 0.0),))
 
 
 def test_the_prefill_goes_where_it_pauses_fewest_streams() -> None:
@@ -117,7 +121,8 @@ def test_the_prefill_goes_where_it_pauses_fewest_streams() -> None:
     # the decision log shows what the placement ranked by: prefill seconds x (streams there + 1)
     stalled = {c.instance_id: c.detail["stalled_stream_s"] for c in d.candidates if c.predicted_ttft_s is not None}
     assert stalled["m1"] == pytest.approx(2 * pred.prefill_s(4096, 0)) and stalled["m0"] == pytest.approx(
-        13 * pred.prefill_s(4096, 0))
+        13 * pred.prefill_s(4096, 0)
+    )
 
 
 def test_a_prefix_holder_is_worth_its_streams() -> None:
@@ -164,9 +169,15 @@ def test_a_prefill_goes_where_the_streams_can_absorb_it() -> None:
     # m0: 4 streams with 2 tokens left each, the lower TTFT; m1: 4 streams with 400 tokens left,
     # behind a queued prefill (higher TTFT, within the slack). A 4096-token pause is spread over
     # 400 tokens on m1, over 2 on m0
-    ending, long = short_streams("m0", 4, 2), InstanceView(
-        "m1", Role.MIXED, decodes=tuple(ActiveDecode(2000, 400) for _ in range(4)),
-        prefill_queue=(QueuedPrefill(500, 0, 0.0),))
+    ending, long = (
+        short_streams("m0", 4, 2),
+        InstanceView(
+            "m1",
+            Role.MIXED,
+            decodes=tuple(ActiveDecode(2000, 400) for _ in range(4)),
+            prefill_queue=(QueuedPrefill(500, 0, 0.0),),
+        ),
+    )
     stall, slo_tbt = pred.prefill_s(4096, 0), 0.03
     spare = slo_tbt - pred.tbt_s(5, 4 * 2000 + 4096)
     assert stall > spare * 2 and stall < spare * 400  # the premise: m0's streams cannot absorb it, m1's can
@@ -195,10 +206,15 @@ def test_rejected_where_no_worker_can_absorb_it() -> None:
 def test_without_the_slack_the_lowest_ttft_whose_streams_absorb_it() -> None:
     pred = predictors()
     ending = short_streams("m0", 4, 2)  # the lowest TTFT; its streams cannot absorb the prefill
-    long = InstanceView("m1", Role.MIXED, decodes=tuple(ActiveDecode(2000, 400) for _ in range(4)),
-                        prefill_queue=(QueuedPrefill(500, 0, 0.0),))
+    long = InstanceView(
+        "m1", Role.MIXED, decodes=tuple(ActiveDecode(2000, 400) for _ in range(4)), prefill_queue=(QueuedPrefill(500, 0, 0.0),)
+    )
     req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.03))
     d = KvCacheAwarePolicy(predictors=pred, mixed_ttft_slack=None).decide(req, snapshot(ending, long))
     assert (d.prefill, d.rejected) == ("m1", False)
-    assert KvCacheAwarePolicy(predictors=pred, mixed_ttft_slack=None, mixed_protect_streams=False).decide(
-        req, snapshot(ending, long)).prefill == "m0"
+    assert (
+        KvCacheAwarePolicy(predictors=pred, mixed_ttft_slack=None, mixed_protect_streams=False)
+        .decide(req, snapshot(ending, long))
+        .prefill
+        == "m0"
+    )

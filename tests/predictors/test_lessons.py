@@ -37,8 +37,7 @@ def _quantiles(pred: Predictors, keys: tuple[str, ...]) -> tuple[float, ...]:
 
 def _state(pred: Predictors) -> tuple[object, ...]:
     # the "tbt" ratios are the models' own: observe_tbt adds each against the model's prediction
-    return pred.params, pred.first_token_model, pred.decode_leg_model, pred.generation, pred.refits, \
-        _quantiles(pred, ("tbt",))
+    return pred.params, pred.first_token_model, pred.decode_leg_model, pred.generation, pred.refits, _quantiles(pred, ("tbt",))
 
 
 def test_a_sibling_that_learns_every_lesson_has_the_same_models() -> None:
@@ -75,13 +74,28 @@ def test_lessons_are_bounded_and_off_until_asked_for() -> None:
     assert lessons[-1][0] == "transfer"  # the most recent kept: each round ends with a transfer
 
 
-@pytest.mark.parametrize("raw", [
-    "prefill", [], ["nope", 1, 2, 3.0], ["prefill", 1, 2], ["prefill", 1, 2, 3.0, 4],
-    ["prefill", 1.5, 2, 3.0], ["prefill", True, 2, 3.0], ["tbt", 4, 100, math.nan], ["tbt", 4, 100, math.inf],
-    ["leg", 1.0, 2.0, 3.0, 1e300], ["transfer", "", 10.0, 1.0], ["transfer", "x" * 65, 10.0, 1.0],
-    ["transfer", "a\nb", 10.0, 1.0], ["transfer", 7, 1.0, 1.0], ["transfer", "x", "1", 1.0], [3, 1, 2, 3.0],
-    ["ratio", "ttft", 1.0, 1.5],  # ratios are no lessons (predictors/lessons.py)
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "prefill",
+        [],
+        ["nope", 1, 2, 3.0],
+        ["prefill", 1, 2],
+        ["prefill", 1, 2, 3.0, 4],
+        ["prefill", 1.5, 2, 3.0],
+        ["prefill", True, 2, 3.0],
+        ["tbt", 4, 100, math.nan],
+        ["tbt", 4, 100, math.inf],
+        ["leg", 1.0, 2.0, 3.0, 1e300],
+        ["transfer", "", 10.0, 1.0],
+        ["transfer", "x" * 65, 10.0, 1.0],
+        ["transfer", "a\nb", 10.0, 1.0],
+        ["transfer", 7, 1.0, 1.0],
+        ["transfer", "x", "1", 1.0],
+        [3, 1, 2, 3.0],
+        ["ratio", "ttft", 1.0, 1.5],  # ratios are no lessons (predictors/lessons.py)
+    ],
+)
 def test_a_malformed_lesson_is_refused_and_teaches_nothing(raw: object) -> None:
     pred = Predictors.from_bundled_profile()
     before = _state(pred)

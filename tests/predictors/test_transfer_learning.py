@@ -52,8 +52,7 @@ def test_no_learning_when_online_refits_are_off() -> None:
 def test_kvcache_aware_learns_the_simulated_link() -> None:
     # the paper setting: 320 KB of KV a token over the profile's link, while the bundled profile's
     # model has about 2.3x fewer bytes a token: the predictor starts ~2x low and must catch up
-    truth = fit_truth(prefill_scale=7.0).with_options(kv_bytes_per_token=PAPER_KV_BYTES_PER_TOKEN,
-                                                      link_bandwidth_bps=27e9)
+    truth = fit_truth(prefill_scale=7.0).with_options(kv_bytes_per_token=PAPER_KV_BYTES_PER_TOKEN, link_bandwidth_bps=27e9)
     config = SimConfig(8, 8, truth=truth, slo=Slo(ttft_s=30.0, tbt_s=0.1))
     policy = build_policy(PolicySpec("kvcache_aware", {"admission": "none"}), config)
     pred = policy.predictors  # type: ignore[attr-defined]

@@ -58,8 +58,10 @@ def cluster(
             c.bootstraps.append(boot)
             c.servers[f"prefill-{i}"] = server
             prefill_specs.append({"url": server.url, "bootstrap_port": boot_server.port})
-        for role, count, workers, specs in (("decode", n_decode, c.decodes, decode_specs),
-                                             ("mixed", n_mixed, c.mixed, mixed_specs)):
+        for role, count, workers, specs in (
+            ("decode", n_decode, c.decodes, decode_specs),
+            ("mixed", n_mixed, c.mixed, mixed_specs),
+        ):
             for i in range(count):
                 worker = StandIn(role=role, **opts.get(role, {}))
                 server = stack.enter_context(serve(worker))

@@ -86,8 +86,19 @@ def start_emulator(
     bootstrap_port = free_port() if (bootstrap if bootstrap is not None else role == "prefill") else None
     events = replay = None
     engine_id = engine_id or f"emu-{role}-{port}"
-    args = [sys.executable, "-m", "adapters.emulator", "--role", role, "--pd-protocol", pd_protocol,
-            "--port", str(port), "--engine-id", engine_id]
+    args = [
+        sys.executable,
+        "-m",
+        "adapters.emulator",
+        "--role",
+        role,
+        "--pd-protocol",
+        pd_protocol,
+        "--port",
+        str(port),
+        "--engine-id",
+        engine_id,
+    ]
     if bootstrap_port is not None:
         args += ["--bootstrap-port", str(bootstrap_port)]
     if kv_events:
@@ -107,8 +118,7 @@ def start_emulator(
     )
     proc_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(args, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env)
-    emu = Emulator(f"http://127.0.0.1:{port}", port, bootstrap_port, events, replay, engine_id, proc,
-                   Path(log_file.name))
+    emu = Emulator(f"http://127.0.0.1:{port}", port, bootstrap_port, events, replay, engine_id, proc, Path(log_file.name))
     try:
         _wait_healthy(emu, startup_timeout)
         yield emu

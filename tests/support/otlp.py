@@ -36,16 +36,17 @@ class OtlpReceiver:
         request = ExportTraceServiceRequest.FromString(await whole_body(receive))
         with self._lock:
             for resource_spans in request.resource_spans:
-                service = next((a.value.string_value for a in resource_spans.resource.attributes
-                                if a.key == "service.name"), "")
+                service = next((a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), "")
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
                         attrs = {a.key: _value(a.value) for a in span.attributes}
-                        self.spans.append(ReceivedSpan(service, span.name, span.trace_id.hex(), span.span_id.hex(),
-                                                       span.parent_span_id.hex(), attrs))
+                        self.spans.append(
+                            ReceivedSpan(
+                                service, span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), attrs
+                            )
+                        )
         payload = ExportTraceServiceResponse().SerializeToString()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/x-protobuf")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-protobuf")]})
         await send({"type": "http.response.body", "body": payload})
 
 

@@ -158,16 +158,33 @@ def _start_node(port: int, directory: Path, node_timeout_ms: int) -> subprocess.
     binary = shutil.which("redis-server")
     assert binary is not None
     args = [
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-        "--cluster-config-file", str(directory / f"nodes-{port}.conf"),
-        "--cluster-node-timeout", str(node_timeout_ms), "--dir", str(directory),
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        str(directory / f"nodes-{port}.conf"),
+        "--cluster-node-timeout",
+        str(node_timeout_ms),
+        "--dir",
+        str(directory),
         # a replica may always take over, however long a busy test machine kept it from its master
-        "--cluster-replica-validity-factor", "0",
+        "--cluster-replica-validity-factor",
+        "0",
         # a replica's first sync starts at once, not 5 s later (Redis's default delay for diskless
         # sync, which waits for more replicas to share one RDB): writes made inside that delay
         # were seen acknowledged by a replica that then held another key set (Redis 7.0.15)
-        "--repl-diskless-sync-delay", "0",
-        "--save", "", "--appendonly", "no", "--logfile", str(directory / f"{port}.log"),
+        "--repl-diskless-sync-delay",
+        "0",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--logfile",
+        str(directory / f"{port}.log"),
     ]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -189,8 +206,9 @@ def wait_ping(port: int, timeout_s: float, *, socket_timeout_s: float = 0.5, pol
         client.close()
 
 
-def start_redis_cluster(nodes: int = 6, replicas: int = 1, *, node_timeout_ms: int = 1000,
-                        timeout_s: float = 60.0) -> RedisClusterNodes:
+def start_redis_cluster(
+    nodes: int = 6, replicas: int = 1, *, node_timeout_ms: int = 1000, timeout_s: float = 60.0
+) -> RedisClusterNodes:
     """Start and join a cluster; the caller must `stop()` it. Raises RuntimeError if a binary is missing."""
     reason = missing_cluster_tools()
     if reason is not None:
@@ -205,12 +223,24 @@ def start_redis_cluster(nodes: int = 6, replicas: int = 1, *, node_timeout_ms: i
         cli = shutil.which("redis-cli")
         assert cli is not None
         create = subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
-             "--cluster-replicas", str(replicas), "--cluster-yes"],
-            capture_output=True, timeout=timeout_s, check=False)
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in cluster.ports),
+                "--cluster-replicas",
+                str(replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+        )
         if create.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed: {create.stdout.decode(errors='replace')}"
-                               f"{create.stderr.decode(errors='replace')}")
+            raise RuntimeError(
+                f"redis-cli --cluster create failed: {create.stdout.decode(errors='replace')}"
+                f"{create.stderr.decode(errors='replace')}"
+            )
         cluster.wait_healthy(timeout_s)
         # replicas must have attached too, or a failover test would find no one to promote
         deadline = time.monotonic() + timeout_s
@@ -230,8 +260,7 @@ def _replicas_synced(cluster: RedisClusterNodes, replicas: int) -> bool:
     for port in cluster.masters():
         with cluster.client(port) as c:
             info = c.info("replication")
-        online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                  and v.get("state") == "online"]
+        online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"]
         if len(online) < replicas:
             return False
     return True

@@ -5,10 +5,24 @@ from __future__ import annotations
 import sys
 
 
-def serve_command(port: int, admin: int | None, workers: int, *instances: str,
-                  policy: str = "least_loaded") -> list[str]:
-    cmd = [sys.executable, "-m", "conductor", "serve", "--workers", str(workers), "--port", str(port),
-           "--model", "tiny", "--policy", policy, "--log-level", "warning", *instances]
+def serve_command(port: int, admin: int | None, workers: int, *instances: str, policy: str = "least_loaded") -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "conductor",
+        "serve",
+        "--workers",
+        str(workers),
+        "--port",
+        str(port),
+        "--model",
+        "tiny",
+        "--policy",
+        policy,
+        "--log-level",
+        "warning",
+        *instances,
+    ]
     return cmd + (["--admin-port", str(admin)] if admin is not None else [])
 
 

@@ -66,8 +66,9 @@ READY_TIMEOUT_S = 60.0
 
 
 @contextmanager
-def serve_gateway(gateway: Gateway, port: int | None = None, *, ready_timeout_s: float | None = READY_TIMEOUT_S,
-                  **config: Any) -> Iterator[ServerThread]:
+def serve_gateway(
+    gateway: Gateway, port: int | None = None, *, ready_timeout_s: float | None = READY_TIMEOUT_S, **config: Any
+) -> Iterator[ServerThread]:
     """The gateway served, yielded once it reports itself ready (its instances answered a health
     probe), as a load balancer's readiness check would wait; `ready_timeout_s` None: at once.
 

@@ -55,8 +55,7 @@ class StandIn:
             if path == "/health":
                 return await _json(send, 200, {})
             if path == "/metrics":
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
                 return await send({"type": "http.response.body", "body": b""})
             if path == "/v1/models":
                 return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
@@ -67,11 +66,15 @@ class StandIn:
         rid = headers.get("x-request-id", "")
         pulling = (body.get("kv_transfer_params") or {}).get("remote_block_ids") and self.role == "prefill"
         if self.fail_pulls is not None and pulling:
-            return await _json(send, self.fail_pulls, {"error": {"message": "KV load failure", "type": "x",
-                                                                 "param": None, "code": self.fail_pulls}})
+            return await _json(
+                send,
+                self.fail_pulls,
+                {"error": {"message": "KV load failure", "type": "x", "param": None, "code": self.fail_pulls}},
+            )
         if self.fail_status is not None:
-            return await _json(send, self.fail_status, {"error": {"message": "boom", "type": "x", "param": None,
-                                                                  "code": self.fail_status}})
+            return await _json(
+                send, self.fail_status, {"error": {"message": "boom", "type": "x", "param": None, "code": self.fail_status}}
+            )
         watcher = asyncio.create_task(_disconnected(receive, asyncio.current_task()))
         try:
             if self.hang:
@@ -89,47 +92,97 @@ class StandIn:
         if path.endswith("/embeddings"):  # vLLM's pooling answer, one vector per input
             inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
             data = [{"object": "embedding", "index": i, "embedding": [0.25, -0.5, float(i)]} for i in range(len(inputs))]
-            return await _json(send, 200, {"object": "list", "data": data, "model": self.model,
-                                           "usage": {"prompt_tokens": 4, "total_tokens": 4}})
+            return await _json(
+                send, 200, {"object": "list", "data": data, "model": self.model, "usage": {"prompt_tokens": 4, "total_tokens": 4}}
+            )
         if path.endswith("/responses"):  # the Responses API's non-streamed shape
             n = body.get("max_output_tokens") or 16
-            return await _json(send, 200, {
-                "id": f"resp_{rid}", "object": "response", "created_at": 1, "model": self.model, "status": "completed",
-                "output": [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
-                            "content": [{"type": "output_text", "text": "x " * n, "annotations": []}]}],
-                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                "usage": {"input_tokens": 4, "output_tokens": n, "total_tokens": 4 + n,
-                          "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
-            })
+            return await _json(
+                send,
+                200,
+                {
+                    "id": f"resp_{rid}",
+                    "object": "response",
+                    "created_at": 1,
+                    "model": self.model,
+                    "status": "completed",
+                    "output": [
+                        {
+                            "type": "message",
+                            "id": "msg_1",
+                            "status": "completed",
+                            "role": "assistant",
+                            "content": [{"type": "output_text", "text": "x " * n, "annotations": []}],
+                        }
+                    ],
+                    "parallel_tool_calls": True,
+                    "tool_choice": "auto",
+                    "tools": [],
+                    "usage": {
+                        "input_tokens": 4,
+                        "output_tokens": n,
+                        "total_tokens": 4 + n,
+                        "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens_details": {"reasoning_tokens": 0},
+                    },
+                },
+            )
         chat = path.endswith("chat/completions")
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         prompt_tokens = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 10
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
         params = body.get("kv_transfer_params") or {}
         out_params = None
         if self.role == "prefill" and params.get("do_remote_decode"):
-            out_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
-                          "remote_engine_id": self.engine_id, "remote_request_id": rid, "remote_host": "127.0.0.1",
-                          "remote_port": 5600, "tp_size": 1}
+            out_params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [1, 2, 3],
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": rid,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+            }
         if self.role == "decode" and self.bidirectional:
-            out_params = {"do_remote_prefill": False, "do_remote_decode": True,
-                          # one block per 16 prompt bytes at least: covers what a byte tokenizer keys
-                          "remote_block_ids": [list(range(1, len(json.dumps(body.get("prompt"))) // 16 + 2))],
-                          "remote_engine_id": self.engine_id, "remote_request_id": rid, "remote_host": "127.0.0.1",
-                          "remote_port": 5601, "tp_size": 1, "remote_num_tokens": prompt_tokens + n - 1}
+            out_params = {
+                "do_remote_prefill": False,
+                "do_remote_decode": True,
+                # one block per 16 prompt bytes at least: covers what a byte tokenizer keys
+                "remote_block_ids": [list(range(1, len(json.dumps(body.get("prompt"))) // 16 + 2))],
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": rid,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5601,
+                "tp_size": 1,
+                "remote_num_tokens": prompt_tokens + n - 1,
+            }
         cid = ("chatcmpl-" if chat else "cmpl-") + rid
         if not body.get("stream"):
             if chat:
-                choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "x " * n},
-                                          "finish_reason": "length"}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "x " * n},
+                    "finish_reason": "length",
+                }
             else:
                 choice = {"index": 0, "text": "x " * n, "finish_reason": "length"}
-            payload = {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": 1,
-                       "model": self.model, "choices": [choice], "usage": usage, "kv_transfer_params": out_params}
+            payload = {
+                "id": cid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 1,
+                "model": self.model,
+                "choices": [choice],
+                "usage": usage,
+                "kv_transfer_params": out_params,
+            }
             return await _json(send, 200, payload)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(n):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
@@ -139,18 +192,36 @@ class StandIn:
                 while not await asyncio.to_thread(self.token_gate.acquire, True, 0.1):
                     pass
             if chat:
-                chunk = {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": self.model,
-                         "choices": [{"index": 0, "delta": {"content": "x "}, "finish_reason": None}]}
+                chunk = {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": {"content": "x "}, "finish_reason": None}],
+                }
             else:
-                chunk = {"id": cid, "object": "text_completion", "created": 1, "model": self.model,
-                         "choices": [{"index": 0, "text": "x ", "finish_reason": None}]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                        "more_body": True})
+                chunk = {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": 1,
+                    "model": self.model,
+                    "choices": [{"index": 0, "text": "x ", "finish_reason": None}],
+                }
+            await send(
+                {"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n", "more_body": True}
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
-            final: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
-                     "model": self.model, "choices": [], "usage": usage}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(final).encode() + b"\n\n",
-                        "more_body": True})
+            final: dict[str, Any] = {
+                "id": cid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 1,
+                "model": self.model,
+                "choices": [],
+                "usage": usage,
+            }
+            await send(
+                {"type": "http.response.body", "body": b"data: " + json.dumps(final).encode() + b"\n\n", "more_body": True}
+            )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

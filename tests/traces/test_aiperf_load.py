@@ -80,15 +80,23 @@ def test_a_block_used_at_two_sizes_is_renamed_where_it_is_partial() -> None:
 
 def _record(session: str, issued_ns: int, **error: object) -> dict[str, object]:
     """An aiperf 0.13 profile_export.jsonl record, cut to the fields read."""
-    meta = {"conversation_id": session, "benchmark_phase": "profiling", "credit_issued_ns": issued_ns,
-            "request_start_ns": issued_ns + 1_000_000, "request_end_ns": issued_ns + 900_000_000, "was_cancelled": False}
+    meta = {
+        "conversation_id": session,
+        "benchmark_phase": "profiling",
+        "credit_issued_ns": issued_ns,
+        "request_start_ns": issued_ns + 1_000_000,
+        "request_end_ns": issued_ns + 900_000_000,
+        "was_cancelled": False,
+    }
     if error:
         return {"metadata": meta, "metrics": {}, "error": error}
-    metrics = {"time_to_first_token": {"value": 400.0, "unit": "ms"},
-               "inter_chunk_latency": {"value": [50.0, 70.0, 60.0], "unit": "ms"},
-               "request_latency": {"value": 590.0, "unit": "ms"},
-               "usage_prompt_tokens": {"value": 188, "unit": "tokens"},
-               "usage_prompt_cache_read_tokens": {"value": 64, "unit": "tokens"}}
+    metrics = {
+        "time_to_first_token": {"value": 400.0, "unit": "ms"},
+        "inter_chunk_latency": {"value": [50.0, 70.0, 60.0], "unit": "ms"},
+        "request_latency": {"value": 590.0, "unit": "ms"},
+        "usage_prompt_tokens": {"value": 188, "unit": "tokens"},
+        "usage_prompt_cache_read_tokens": {"value": 64, "unit": "tokens"},
+    }
     return {"metadata": meta, "metrics": metrics, "error": None}
 
 
@@ -98,8 +106,13 @@ def test_records_become_the_clients_summary() -> None:
     records = [
         _record("line-1", t0),
         _record("line-2", t0 + 500_000_000),
-        _record("line-3", t0 + 1_000_000_000, code=429, type="Too Many Requests",
-                message=json.dumps({"error": {"code": "ttft_slo", "message": "over"}})),
+        _record(
+            "line-3",
+            t0 + 1_000_000_000,
+            code=429,
+            type="Too Many Requests",
+            message=json.dumps({"error": {"code": "ttft_slo", "message": "over"}}),
+        ),
         # line-4 has no record: an error, not a silent drop
     ]
     done = outcomes(rows, records)

@@ -26,12 +26,12 @@ from traces.synth import PromptSynthesizer, common_prefix, scaled_block_tokens
 MODEL = "tiny"
 
 
-def _req(ids: tuple[int, ...], input_length: int, output_length: int = 8, line: int = 1,
-         arrival_s: float = 0.0) -> TraceRequest:
+def _req(ids: tuple[int, ...], input_length: int, output_length: int = 8, line: int = 1, arrival_s: float = 0.0) -> TraceRequest:
     return TraceRequest(arrival_s, input_length, output_length, ids, line)
 
 
 # ---- synthesis ------------------------------------------------------------------------------
+
 
 def test_shared_hash_ids_share_exactly_their_blocks() -> None:
     synth = PromptSynthesizer()
@@ -101,6 +101,7 @@ def test_progress_line_on_a_pipe_is_plain_lines() -> None:
 
 # ---- live replay ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pd_workers() -> Iterator[tuple[Emulator, Emulator]]:
     with ExitStack() as stack:
@@ -117,8 +118,10 @@ def _gateway(stack: ExitStack, ready_timeout_s: float | None = READY_TIMEOUT_S, 
 
 def _conversation(n: int) -> list[TraceRequest]:
     """`n` requests over 2 s: a shared 2-block system prefix, then each turn's own blocks."""
-    return [_req((1000, 1001, 2000 + 2 * i, 2001 + 2 * i), 4 * 512 - 100, output_length=6 + i % 5,
-                 line=i + 1, arrival_s=i * 0.1) for i in range(n)]
+    return [
+        _req((1000, 1001, 2000 + 2 * i, 2001 + 2 * i), 4 * 512 - 100, output_length=6 + i % 5, line=i + 1, arrival_s=i * 0.1)
+        for i in range(n)
+    ]
 
 
 def _replay(url: str, requests: list[TraceRequest], **kw: object) -> LiveResult:
@@ -178,8 +181,9 @@ def test_text_prompts_keep_lengths_and_sharing() -> None:
 def test_rejections_are_counted_by_reason(pd_workers: tuple[Emulator, Emulator]) -> None:
     p, d = pd_workers
     with ExitStack() as stack:
-        gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl",
-                      policy="kvcache_aware", slo={"ttft_s": 0.001})  # no prefill is that fast
+        gw = _gateway(
+            stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl", policy="kvcache_aware", slo={"ttft_s": 0.001}
+        )  # no prefill is that fast
         result = _replay(gw.url, _conversation(6), slo_ttft_s=0.001)
     run = result.run
     assert run.rejected == 6 and dict(run.rejections) == {"ttft_slo": 6}
@@ -204,8 +208,24 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
         gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl", policy="kvcache_aware")
         printed = io.StringIO()
         with redirect_stdout(printed):
-            rc = replay_main(["conversation-head400", "--live", gw.url, "--limit", "12", "--speedup", "20",
-                              "--length-scale", "0.0625", "--label", "gw", "--no-progress", "--json", str(out)])
+            rc = replay_main(
+                [
+                    "conversation-head400",
+                    "--live",
+                    gw.url,
+                    "--limit",
+                    "12",
+                    "--speedup",
+                    "20",
+                    "--length-scale",
+                    "0.0625",
+                    "--label",
+                    "gw",
+                    "--no-progress",
+                    "--json",
+                    str(out),
+                ]
+            )
     assert rc == 0
     text = printed.getvalue()
     assert "gw (live)" in text and "errors" in text and "prefix hit source" in text

@@ -24,8 +24,25 @@ HEAD = "conversation-head400"
 
 def test_replay_one_policy_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    rc = replay_main([HEAD, "--simulate", "--prefill", "2", "--decode", "2", "--policy", "round_robin",
-                      "--paper", "--slo-ttft", "20", "--json", str(out), "--jobs", "1"])
+    rc = replay_main(
+        [
+            HEAD,
+            "--simulate",
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--policy",
+            "round_robin",
+            "--paper",
+            "--slo-ttft",
+            "20",
+            "--json",
+            str(out),
+            "--jobs",
+            "1",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "round_robin (simulate)" in text and "TTFT p50/p90/p99" in text and "2P2D" in text
@@ -38,8 +55,22 @@ def test_replay_one_policy_writes_table_and_json(tmp_path: Path, capsys: pytest.
 
 def test_replay_compare_side_by_side_with_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "c.json"
-    rc = replay_main([HEAD, "--prefill", "3", "--decode", "1", "--paper", "--limit", "200", "--json", str(out),
-                      "--compare", "random,kvcache_aware:admission=none,kvcache_aware:admission=early"])
+    rc = replay_main(
+        [
+            HEAD,
+            "--prefill",
+            "3",
+            "--decode",
+            "1",
+            "--paper",
+            "--limit",
+            "200",
+            "--json",
+            str(out),
+            "--compare",
+            "random,kvcache_aware:admission=none,kvcache_aware:admission=early",
+        ]
+    )
     assert rc == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert header.index("random") < header.index("kvcache_aware:admission=none") < header.index("admission=early")
@@ -55,25 +86,48 @@ def test_replay_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert replay_main([HEAD, "--policy", "no_such_policy", "--limit", "5"]) == 2
     assert "no_such_policy" in capsys.readouterr().err
     trace = tmp_path / "t.jsonl"
-    trace.write_text('{"timestamp": 0, "input_length": 900, "output_length": 4, "hash_ids": [1, 2]}\n'
-                     "garbage\n"
-                     '{"timestamp": 500, "input_length": 900, "output_length": 4, "hash_ids": [1, 2]}\n')
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 900, "output_length": 4, "hash_ids": [1, 2]}\n'
+        "garbage\n"
+        '{"timestamp": 500, "input_length": 900, "output_length": 4, "hash_ids": [1, 2]}\n'
+    )
     assert replay_main([str(trace), "--prefill", "1", "--decode", "1"]) == 0
     captured = capsys.readouterr()
     assert "line 2" in captured.err and re.search(r"^requests\s+2\s*$", captured.out, re.M)
 
 
 def test_replay_runs_as_module() -> None:
-    proc = subprocess.run([sys.executable, "-m", "traces.replay_cli", HEAD, "--limit", "50", "--prefill", "1",
-                           "--decode", "1"], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "traces.replay_cli", HEAD, "--limit", "50", "--prefill", "1", "--decode", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "round_robin (simulate)" in proc.stdout and "completed" in proc.stdout
 
 
 def test_tune_pd_sweeps_recommends_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, js = tmp_path / "s.png", tmp_path / "s.json"
-    rc = tune_main(["synthetic", "--nodes", "5", "--limit", "600", "--paper", "--slo-ttft", "10", "--slo-tbt", "0.1",
-                    "--plot", str(png), "--json", str(js)])
+    rc = tune_main(
+        [
+            "synthetic",
+            "--nodes",
+            "5",
+            "--limit",
+            "600",
+            "--paper",
+            "--slo-ttft",
+            "10",
+            "--slo-tbt",
+            "0.1",
+            "--plot",
+            str(png),
+            "--json",
+            str(js),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     for split in ("1P:4D", "2P:3D", "3P:2D", "4P:1D"):
@@ -84,8 +138,11 @@ def test_tune_pd_sweeps_recommends_and_plots(tmp_path: Path, capsys: pytest.Capt
     assert doc["best"] == {"prefill": best.n_prefill, "decode": best.n_decode}
     flat = doc["plateau"]
     assert {"prefill": best.n_prefill, "decode": best.n_decode} in flat
-    assert all(r.goodput_rps >= 0.99 * best.goodput_rps for r in results if {"prefill": r.n_prefill} in
-               [{"prefill": f["prefill"]} for f in flat])
+    assert all(
+        r.goodput_rps >= 0.99 * best.goodput_rps
+        for r in results
+        if {"prefill": r.n_prefill} in [{"prefill": f["prefill"]} for f in flat]
+    )
     pick = doc["recommended"]
     assert pick == flat[(len(flat) - 1) // 2] or pick == flat[len(flat) // 2]
     assert f"recommended: {pick['prefill']} prefill + {pick['decode']} decode" in text and "plateau" in text
@@ -96,8 +153,9 @@ def test_tune_pd_sweeps_recommends_and_plots(tmp_path: Path, capsys: pytest.Capt
 def _fake_sweep(goodputs: list[float]) -> SweepResult:
     base = simulate(load_policy("round_robin"), load_trace(resolve_trace(HEAD), limit=20).requests, SimConfig(1, 1))
     n = len(goodputs) + 1
-    results = tuple(replace(base, n_prefill=p, n_decode=n - p, goodput_rps=g, slo_met=int(g * 1000))
-                    for p, g in enumerate(goodputs, start=1))
+    results = tuple(
+        replace(base, n_prefill=p, n_decode=n - p, goodput_rps=g, slo_met=int(g * 1000)) for p, g in enumerate(goodputs, start=1)
+    )
     best = recommend(results)
     flat = plateau(results, best)
     return SweepResult(n, results, best, flat, robust_point(flat))

@@ -53,6 +53,7 @@ class Scripted:
 def to(prefill: int, decode: int = 0) -> Route:
     def route(r: RequestView, c: ClusterSnapshot) -> Decision:
         return Decision(r.request_id, "scripted", prefill=f"prefill-{prefill}", decode=f"decode-{decode}")
+
     return route
 
 
@@ -125,10 +126,17 @@ def test_pull_from_another_instance_and_from_the_store() -> None:
         if r.seq == 0:
             return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
         if r.seq == 1:
-            return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0",
-                            pull_tokens=r.cached["prefill-0"].tokens)
-        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="store",
-                        pull_tokens=r.store_cached_tokens)
+            return Decision(
+                r.request_id,
+                "s",
+                prefill="prefill-1",
+                decode="decode-0",
+                pull_from="prefill-0",
+                pull_tokens=r.cached["prefill-0"].tokens,
+            )
+        return Decision(
+            r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="store", pull_tokens=r.store_cached_tokens
+        )
 
     pol = Scripted(route)
     ids = (1, 2, 3)
@@ -148,8 +156,9 @@ def test_store_pull_counts_as_store_hit() -> None:
     def route(r: RequestView, c: ClusterSnapshot) -> Decision:
         if r.seq == 0:
             return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
-        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="store",
-                        pull_tokens=r.store_cached_tokens)
+        return Decision(
+            r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="store", pull_tokens=r.store_cached_tokens
+        )
 
     pol = Scripted(route)
     res = simulate(pol, [req(0.0, 1024, 2, (1, 2)), req(5.0, 1024, 2, (1, 2))], cfg(p=2, store_capacity_tokens=10_000))
@@ -258,8 +267,7 @@ def test_the_decode_view_lists_a_local_prefill_until_it_is_done() -> None:
         return Decision(r.request_id, "scripted", prefill="decode-0", decode="decode-0")
 
     prefill_s = c.truth.prefill_s(8000, 0)
-    simulate(Scripted(route), [req(0.0, 8000, 3, (1,)), req(prefill_s / 2, 100, 3, (2,)),
-                               req(prefill_s * 3, 100, 3, (3,))], c)
+    simulate(Scripted(route), [req(0.0, 8000, 3, (1,)), req(prefill_s / 2, 100, 3, (2,)), req(prefill_s * 3, 100, 3, (3,))], c)
     assert seen == [("r0", 0), ("r1", 1), ("r2", 0)]  # r0's prefill runs at r1's arrival, done by r2's
 
 

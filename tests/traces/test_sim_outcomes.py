@@ -24,8 +24,7 @@ def test_prefill_scheduling_ranks_like_fast25_fig5() -> None:
     # local cache-aware 3.58 s > global KVCache-aware 3.07 s. First 3,000 requests, 8P+8D, the
     # 70B-class prefill cost (--paper); pure scheduling, no admission control.
     config = config_from_args(_args("--paper", "--limit", "3000"), 8, 8)
-    names = ["random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "llmd",
-             "kvcache_aware:admission=none"]
+    names = ["random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "llmd", "kvcache_aware:admission=none"]
     jobs = [SimJob(PolicySpec.parse(n), config, "conversation", 3000) for n in names]
     ttft = {r.policy: r.ttft.mean for r in run_jobs(jobs)}
     assert ttft["random"] > 2.0 * ttft["least_loaded"]
@@ -54,8 +53,10 @@ def test_admission_control_under_2x_overload() -> None:
     config = config_from_args(_args("--paper", "--speedup", "2", "--limit", "3000"), 8, 8)
     reqs = load_requests("conversation", 3000)
     algorithm1 = {"ttft_slack": None, "inflight_prefixes": False}
-    res = {m: run_job(SimJob(PolicySpec("kvcache_aware", {"admission": m, **algorithm1}), config, "conversation"), reqs)
-           for m in ("none", "early", "predicted")}
+    res = {
+        m: run_job(SimJob(PolicySpec("kvcache_aware", {"admission": m, **algorithm1}), config, "conversation"), reqs)
+        for m in ("none", "early", "predicted")
+    }
     assert res["none"].rejections.get("ttft_slo", 0) == 0
     for mode in ("early", "predicted"):
         assert res[mode].rejected > 0

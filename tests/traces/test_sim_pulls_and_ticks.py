@@ -100,8 +100,7 @@ def test_pull_tokens_are_pulled_beyond_the_local_prefix() -> None:
             return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0")
         local = r.cached["prefill-1"].tokens
         extra = r.cached["prefill-0"].tokens - local
-        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0",
-                        pull_tokens=extra)
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0", pull_tokens=extra)
 
     pol = Recording(route)
     trace = [req(0.0, 2048, 2, blocks), req(5.0, 600, 2, (1, 99)), req(10.0, 2500, 2, (*blocks, 5))]
@@ -118,8 +117,7 @@ def test_a_pull_takes_its_transfer_time_before_the_prefill() -> None:
     def route(r: RequestView, c: ClusterSnapshot) -> Decision:
         if r.seq == 0:
             return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
-        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0",
-                        pull_tokens=1024)
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0", pull_tokens=1024)
 
     c = cfg(p=2)
     pol = Recording(route)
@@ -131,11 +129,13 @@ def test_a_pull_takes_its_transfer_time_before_the_prefill() -> None:
 def test_pulls_from_one_holder_queue_on_its_outbound_link() -> None:
     """prefill-1 and prefill-2 pull the same 2-block prefix from prefill-0 at the same moment: one
     sender, so the second pull starts when the first ends (the receivers' links are both free)."""
+
     def route(r: RequestView, c: ClusterSnapshot) -> Decision:
         if r.seq == 0:
             return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
-        return Decision(r.request_id, "s", prefill=f"prefill-{r.seq}", decode=f"decode-{r.seq}",
-                        pull_from="prefill-0", pull_tokens=1024)
+        return Decision(
+            r.request_id, "s", prefill=f"prefill-{r.seq}", decode=f"decode-{r.seq}", pull_from="prefill-0", pull_tokens=1024
+        )
 
     c = cfg(p=3, d=3)
     pol = Recording(route)
@@ -155,8 +155,7 @@ def test_a_handoff_waits_for_its_prefills_outbound_link() -> None:
     def route(r: RequestView, c: ClusterSnapshot) -> Decision:
         if r.seq in (0, 2):
             return Decision(r.request_id, "s", prefill="prefill-0", decode=f"decode-{r.seq // 2}")
-        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-1", pull_from="prefill-0",
-                        pull_tokens=60_000)
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-1", pull_from="prefill-0", pull_tokens=60_000)
 
     c = cfg(p=2, d=2)
     t = c.truth
@@ -218,8 +217,9 @@ def test_kvcache_aware_pulls_are_credited_in_full() -> None:
     # all of it, but for pulls whose prefill instance cached more of the prompt meanwhile
     assert 0.95 * planned <= credited <= planned + 1e-6
     for view, d in beyond_local:  # and each such request reused its local prefix plus the pull
-        assert pol.observed[view.request_id].cached_tokens == min(view.cached[d.prefill or ""].tokens
-                                                                    + d.pull_tokens, view.prompt_tokens - 1)
+        assert pol.observed[view.request_id].cached_tokens == min(
+            view.cached[d.prefill or ""].tokens + d.pull_tokens, view.prompt_tokens - 1
+        )
 
 
 # ---- which pulls exist ----------------------------------------------------------------------
@@ -270,7 +270,6 @@ def test_the_simulator_lists_only_the_chosen_candidates_unless_told() -> None:
     assert (a.goodput_rps, a.ttft, a.prefix_hit_remote) == (b.goodput_rps, b.ttft, b.prefix_hit_remote)
 
 
-
 @pytest.mark.parametrize("name", ["dynamo_kv", "llmd", "least_loaded", "sglang_cache_aware"])
 def test_the_simulator_lists_only_the_chosen_candidates_of_the_baselines_too(name: str) -> None:
     trace = tool_agent_trace()
@@ -280,11 +279,17 @@ def test_the_simulator_lists_only_the_chosen_candidates_of_the_baselines_too(nam
     assert (vars(quick)["listed_candidates"], vars(every)["listed_candidates"]) == (1, None)
     a, b = simulate(quick, trace, c), simulate(every, trace, c)
     assert (a.goodput_rps, a.completed, a.ttft, a.tbt, a.prefix_hit_local) == (
-        b.goodput_rps, b.completed, b.ttft, b.tbt, b.prefix_hit_local)
+        b.goodput_rps,
+        b.completed,
+        b.ttft,
+        b.tbt,
+        b.prefix_hit_local,
+    )
 
 
-@pytest.mark.parametrize(("change", "message"), [({"kv_handoff": "pipelined"}, "kv_handoff must be one of"),
-                                                 ({"kv_layers": 0}, "kv_layers must be")])
+@pytest.mark.parametrize(
+    ("change", "message"), [({"kv_handoff": "pipelined"}, "kv_handoff must be one of"), ({"kv_layers": 0}, "kv_layers must be")]
+)
 def test_sim_config_rejects_an_unknown_handoff(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cfg(**change)  # type: ignore[arg-type]
@@ -298,20 +303,26 @@ def test_a_staged_pull_waits_for_its_holder(mode: str) -> None:
     def route(r: RequestView, c: ClusterSnapshot) -> Decision:
         if r.seq < 3:
             return Decision(r.request_id, "s", prefill="prefill-0", decode="decode-0")
-        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0",
-                        pull_tokens=1024)
+        return Decision(r.request_id, "s", prefill="prefill-1", decode="decode-0", pull_from="prefill-0", pull_tokens=1024)
 
     c = cfg(p=2, pull=mode)
     t = c.truth
     pol = Recording(route)
-    trace = [req(0.0, 1024, 2, (1, 2)), req(5.0, 20_000, 2, tuple(range(10, 50))),
-             req(5.05, 8_000, 2, tuple(range(60, 76))), req(5.1, 1500, 2, (1, 2, 3))]
+    trace = [
+        req(0.0, 1024, 2, (1, 2)),
+        req(5.0, 20_000, 2, tuple(range(10, 50))),
+        req(5.05, 8_000, 2, tuple(range(60, 76))),
+        req(5.1, 1500, 2, (1, 2, 3)),
+    ]
     simulate(pol, trace, c)
     view = pol.decided[3][0]
     assert view.queued_pull_sources == (frozenset() if mode == "peer" else {"prefill-0", "prefill-1"})
     assert view.staging_jumps_queue is (mode == "staged")
     r1_end = 5.0 + t.prefill_s(20_000, 0)
-    staged = {"peer": 5.1, "staged": r1_end + t.prefill_s(1, 1024),
-              "staged-fcfs": r1_end + t.prefill_s(8_000, 0) + t.prefill_s(1, 1024)}[mode]
+    staged = {
+        "peer": 5.1,
+        "staged": r1_end + t.prefill_s(1, 1024),
+        "staged-fcfs": r1_end + t.prefill_s(8_000, 0) + t.prefill_s(1, 1024),
+    }[mode]
     leg = pol.observed["r3"].queue_and_prefill_s
     assert leg == pytest.approx(staged - 5.1 + t.transfer_s(1024) + t.prefill_s(476, 1024))

@@ -23,8 +23,10 @@ def test_prediction_based_rejection_rejects_fewer_and_meets_at_least_as_many() -
     config = config_from_args(args, 8, 4)
     specs = [PolicySpec("kvcache_aware", {"admission": m, "tbt_quantile": 0.8}, m) for m in ("early", "predicted")]
     early, predicted = run_jobs([SimJob(s, config, "conversation", 3000) for s in specs], workers=2)
-    print(f"\nearly: rejected {early.rejected} {early.rejections}, met {early.slo_met}; "
-          f"predicted: rejected {predicted.rejected} {predicted.rejections}, met {predicted.slo_met}")
+    print(
+        f"\nearly: rejected {early.rejected} {early.rejections}, met {early.slo_met}; "
+        f"predicted: rejected {predicted.rejected} {predicted.rejections}, met {predicted.slo_met}"
+    )
     assert early.requests == predicted.requests == 3000
     assert early.rejections.get("tbt_slo", 0) > 0  # the decode side binds: this is the setting
     assert predicted.rejected < 0.7 * early.rejected

@@ -61,8 +61,9 @@ def test_malformed_lines_reported_and_skipped(tmp_path: Path) -> None:
 
 
 def test_truncated_gzip_keeps_what_was_read(tmp_path: Path) -> None:
-    body = "".join(json.dumps({"timestamp": i, "input_length": 5, "output_length": 1, "hash_ids": [i]}) + "\n"
-                   for i in range(2000))
+    body = "".join(
+        json.dumps({"timestamp": i, "input_length": 5, "output_length": 1, "hash_ids": [i]}) + "\n" for i in range(2000)
+    )
     data = gzip.compress(body.encode())
     path = tmp_path / "cut.jsonl.gz"
     path.write_bytes(data[: len(data) // 2])
@@ -74,10 +75,22 @@ def test_truncated_gzip_keeps_what_was_read(tmp_path: Path) -> None:
 def test_recorder_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "rec.jsonl"
     with TraceRecorder(path, start_s=100.0) as rec:
-        rec.record(arrival_s=100.5, input_length=40, output_length=3, block_keys=[11, 12], block_size=16,
-                   outcome=RecordedOutcome("ok", ttft_s=0.2, tbt_s=0.03))
-        rec.record(arrival_s=101.0, input_length=9, output_length=0, block_keys=(), block_size=16,
-                   outcome=RecordedOutcome("rejected", rejected_reason="ttft_slo"))
+        rec.record(
+            arrival_s=100.5,
+            input_length=40,
+            output_length=3,
+            block_keys=[11, 12],
+            block_size=16,
+            outcome=RecordedOutcome("ok", ttft_s=0.2, tbt_s=0.03),
+        )
+        rec.record(
+            arrival_s=101.0,
+            input_length=9,
+            output_length=0,
+            block_keys=(),
+            block_size=16,
+            outcome=RecordedOutcome("rejected", rejected_reason="ttft_slo"),
+        )
     text = path.read_text()
     assert "prompt" not in text and "messages" not in text
     recs, errors = load_recorded(path)
@@ -86,8 +99,7 @@ def test_recorder_round_trip(tmp_path: Path) -> None:
     assert recs[0].request.hash_ids == (11, 12) and recs[0].outcome.ttft_s == 0.2
     assert recs[1].outcome.status == "rejected" and recs[1].outcome.rejected_reason == "ttft_slo"
     with pytest.raises(ValueError, match="closed"):
-        rec.record(arrival_s=1, input_length=1, output_length=1, block_keys=(), block_size=16,
-                   outcome=RecordedOutcome("ok"))
+        rec.record(arrival_s=1, input_length=1, output_length=1, block_keys=(), block_size=16, outcome=RecordedOutcome("ok"))
 
 
 def test_reusable_prefix_share_counts_prefixes_seen_earlier_only() -> None:

@@ -138,8 +138,20 @@ class Job:
 class PrefillInstance:
     """FCFS prefill queue with a local prefix cache; one prefill runs at a time."""
 
-    __slots__ = ("busy_s", "cache", "id", "link_free", "out_free", "queue", "running", "running_until", "version",
-                 "view", "view_at", "view_version")
+    __slots__ = (
+        "busy_s",
+        "cache",
+        "id",
+        "link_free",
+        "out_free",
+        "queue",
+        "running",
+        "running_until",
+        "version",
+        "view",
+        "view_at",
+        "view_version",
+    )
 
     def __init__(self, instance_id: str, cache_tokens: int, block_tokens: int) -> None:
         self.id = instance_id

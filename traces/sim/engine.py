@@ -110,8 +110,18 @@ class Simulator:
                 cached[p.id] = prefix
         store = self._tokens(self.store.match(hash_ids), req) if self.store.capacity_blocks else 0
         return request_view(  # RequestView(..., stream=True), built as its slots take it (traces/sim/views.py)
-            f"r{job.seq}", job.seq, self.cfg.model, prompt, job.output_tokens, block_tokens, hash_ids, cached,
-            store, self.cfg.slo, self._staged_sources, self._staging_jumps,
+            f"r{job.seq}",
+            job.seq,
+            self.cfg.model,
+            prompt,
+            job.output_tokens,
+            block_tokens,
+            hash_ids,
+            cached,
+            store,
+            self.cfg.slo,
+            self._staged_sources,
+            self._staging_jumps,
         )
 
     # -- arrivals and decisions -------------------------------------------------------------
@@ -207,7 +217,7 @@ class Simulator:
         at = holder.running_until if holder.running else self.now
         if staging == "fcfs":
             prefill_s = self.truth.prefill_s
-            at += sum(prefill_s(j.est_new, j.est_cached) for j in list(holder.queue)[1 if holder.running else 0:])
+            at += sum(prefill_s(j.est_new, j.est_cached) for j in list(holder.queue)[1 if holder.running else 0 :])
         return at + self.truth.prefill_s(1, prefix)
 
     # -- prefill ----------------------------------------------------------------------------
@@ -244,8 +254,9 @@ class Simulator:
         p.running = False
         job.prefill_done = self.now
         if self._leg_observer is not None:
-            self._leg_observer.observe_prefill_leg(PrefillLeg(
-                f"r{job.seq}", p.id, job.req.input_length, job.reused, self.now - job.dispatch))
+            self._leg_observer.observe_prefill_leg(
+                PrefillLeg(f"r{job.seq}", p.id, job.req.input_length, job.reused, self.now - job.dispatch)
+            )
         p.cache.touch(job.req.hash_ids)
         self.store.touch(job.req.hash_ids)
         d = self.decodes[job.decode]
@@ -277,11 +288,19 @@ class Simulator:
                 self._admit_and_retime(d_idx)
                 self.wasted_prefill += 1
                 if self.cfg.observe:
-                    self.policy.observe(observation(
-                        request_id=f"r{job.seq}", prefill=self.prefills[job.prefill].id, decode=d.id,
-                        prompt_tokens=job.req.input_length, cached_tokens=job.reused,
-                        predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=None, ttft_s=None, ok=False,
-                    ))
+                    self.policy.observe(
+                        observation(
+                            request_id=f"r{job.seq}",
+                            prefill=self.prefills[job.prefill].id,
+                            decode=d.id,
+                            prompt_tokens=job.req.input_length,
+                            cached_tokens=job.reused,
+                            predicted_cached_tokens=job.predicted_cached,
+                            queue_and_prefill_s=None,
+                            ttft_s=None,
+                            ok=False,
+                        )
+                    )
                 return
         d.waiting.append(job)
         self._admit_and_retime(d_idx)
@@ -329,17 +348,24 @@ class Simulator:
             return
         out = job.output_tokens
         mean_tbt = (job.finish - job.first_token) / (out - 1) if out > 1 else 0.0
-        self.policy.observe(observation(  # Observation(...), built as its slots take it (traces/sim/views.py)
-            request_id=f"r{job.seq}", decode=self.decodes[job.decode].id,
-            prefill=self.decodes[job.decode].id if job.local else self.prefills[job.prefill].id,
-            prompt_tokens=job.req.input_length, cached_tokens=job.reused,
-            predicted_cached_tokens=job.predicted_cached, queue_and_prefill_s=job.prefill_done - job.dispatch,
-            ttft_s=job.first_token - job.arrival, token_intervals_s=(mean_tbt,) * (out - 1), output_tokens=out,
-            # Observation counts the *other* streams and their KV (batch_at_join includes this one,
-            # and resident_at_join its prompt twice: resident_kv() after the join plus the prompt)
-            decode_batch=job.batch_at_join - 1,
-            decode_resident_kv_tokens=max(0, job.resident_at_join - 2 * job.req.input_length),
-        ))
+        self.policy.observe(
+            observation(  # Observation(...), built as its slots take it (traces/sim/views.py)
+                request_id=f"r{job.seq}",
+                decode=self.decodes[job.decode].id,
+                prefill=self.decodes[job.decode].id if job.local else self.prefills[job.prefill].id,
+                prompt_tokens=job.req.input_length,
+                cached_tokens=job.reused,
+                predicted_cached_tokens=job.predicted_cached,
+                queue_and_prefill_s=job.prefill_done - job.dispatch,
+                ttft_s=job.first_token - job.arrival,
+                token_intervals_s=(mean_tbt,) * (out - 1),
+                output_tokens=out,
+                # Observation counts the *other* streams and their KV (batch_at_join includes this one,
+                # and resident_at_join its prompt twice: resident_kv() after the join plus the prompt)
+                decode_batch=job.batch_at_join - 1,
+                decode_resident_kv_tokens=max(0, job.resident_at_join - 2 * job.req.input_length),
+            )
+        )
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RunResult:

@@ -40,9 +40,17 @@ def decode_view(d: DecodeInstance, now: float, cfg: SimConfig) -> InstanceView:
                 streams.append(j.pending_view)
             if j.local == 1:  # waiting for KV space, its prefill not started
                 local.append(QueuedPrefill(j.req.input_length, 0, 0.0))
-        d.view = (instance_view(  # InstanceView(...), built as fast as its slots take it (traces/sim/views.py)
-            d.id, Role.DECODE, tuple(local), tuple(streams), d.truth.kv_capacity_tokens, d.usage(), len(d.waiting),
-        ),)
+        d.view = (
+            instance_view(  # InstanceView(...), built as fast as its slots take it (traces/sim/views.py)
+                d.id,
+                Role.DECODE,
+                tuple(local),
+                tuple(streams),
+                d.truth.kv_capacity_tokens,
+                d.usage(),
+                len(d.waiting),
+            ),
+        )
         d.view_at, d.view_version = now, d.version
     view = d.view[0]
     assert isinstance(view, InstanceView)
@@ -72,14 +80,21 @@ def prefill_view(p: PrefillInstance, now: float, cfg: SimConfig) -> InstanceView
                 j.queued_view = QueuedPrefill(j.est_new, j.est_cached, 0.0)
             entries.append(j.queued_view)
         p.view = instance_view(
-            p.id, Role.PREFILL, tuple(entries), (), None, None, len(p.queue) - (1 if p.running else 0),
+            p.id,
+            Role.PREFILL,
+            tuple(entries),
+            (),
+            None,
+            None,
+            len(p.queue) - (1 if p.running else 0),
         )
         p.view_at, p.view_version = now, p.version
     return p.view
 
 
-def cluster_view(prefills: Sequence[PrefillInstance], decodes: Sequence[DecodeInstance], now: float,
-                 cfg: SimConfig) -> ClusterSnapshot:
+def cluster_view(
+    prefills: Sequence[PrefillInstance], decodes: Sequence[DecodeInstance], now: float, cfg: SimConfig
+) -> ClusterSnapshot:
     """The ClusterSnapshot a policy is given at `now`: every prefill's view, then every decode's."""
     # a view still fresh (same version, inside the refresh interval) is taken here without the
     # call that would rebuild it: most of the sixteen are, at most arrivals

@@ -22,40 +22,72 @@ PAPER_KV_LAYERS = 80  # LLaMA3-70B
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """Truth model, capacities, SLOs and replay speed."""
     g = parser.add_argument_group("simulated cluster")
-    g.add_argument("--profile", default=str(DEFAULT_PROFILE),
-                   help="profile CSV the prefill and link truth is fitted from (default: bundled Qwen3-8B/H800)")
-    g.add_argument("--prefill-scale", type=float, default=1.0,
-                   help=f"multiply the profile's prefill cost (70B-class on 8xA800: {PAPER_PREFILL_SCALE:g})")
-    g.add_argument("--paper", action="store_true",
-                   help=f"the FAST'25 setting: --prefill-scale {PAPER_PREFILL_SCALE:g} and "
-                        f"{PAPER_KV_BYTES_PER_TOKEN} KV bytes/token unless given explicitly")
+    g.add_argument(
+        "--profile",
+        default=str(DEFAULT_PROFILE),
+        help="profile CSV the prefill and link truth is fitted from (default: bundled Qwen3-8B/H800)",
+    )
+    g.add_argument(
+        "--prefill-scale",
+        type=float,
+        default=1.0,
+        help=f"multiply the profile's prefill cost (70B-class on 8xA800: {PAPER_PREFILL_SCALE:g})",
+    )
+    g.add_argument(
+        "--paper",
+        action="store_true",
+        help=f"the FAST'25 setting: --prefill-scale {PAPER_PREFILL_SCALE:g} and "
+        f"{PAPER_KV_BYTES_PER_TOKEN} KV bytes/token unless given explicitly",
+    )
     g.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV size per token (default: profile's)")
-    g.add_argument("--link-gbps", type=float, default=None,
-                   help="KV link bandwidth in GB/s per instance (default: fitted from the profile)")
+    g.add_argument(
+        "--link-gbps", type=float, default=None, help="KV link bandwidth in GB/s per instance (default: fitted from the profile)"
+    )
     g.add_argument("--prefill-cache-tokens", type=int, default=3_000_000, help="local prefix cache per prefill")
-    g.add_argument("--max-prefill-queue", type=int, default=256,
-                   help="prefills queued per instance before requests are rejected (queue_full)")
+    g.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=256,
+        help="prefills queued per instance before requests are rejected (queue_full)",
+    )
     g.add_argument("--store-tokens", type=int, default=0, help="Mooncake Store pool capacity (0: no store)")
-    g.add_argument("--pull", choices=PULL_MODES, default="both",
-                   help="prefix pulls the cluster can do: from peer prefill instances, from the store "
-                        "(needs --store-tokens), both, or none; staged / staged-fcfs: peer pulls behind a staging "
-                        "request on the holder, as the gateway drives them over vLLM NIXL; policies with an "
-                        "allow_pull option are told")
+    g.add_argument(
+        "--pull",
+        choices=PULL_MODES,
+        default="both",
+        help="prefix pulls the cluster can do: from peer prefill instances, from the store "
+        "(needs --store-tokens), both, or none; staged / staged-fcfs: peer pulls behind a staging "
+        "request on the holder, as the gateway drives them over vLLM NIXL; policies with an "
+        "allow_pull option are told",
+    )
     g.add_argument("--decode-kv-tokens", type=int, default=_D.kv_capacity_tokens, help="KV capacity per decode")
-    g.add_argument("--decode-kv", choices=DECODE_KV_MODES, default="preempt",
-                   help="decode KV space: preempt the last joined sequence when the cache fills and recompute "
-                        "it on rejoin (vLLM), or reserve prompt + all output at join and never preempt")
-    g.add_argument("--kv-handoff", choices=KV_HANDOFF_MODES, default="whole",
-                   help="P -> D KV transfer: whole after the prefill (vLLM's connectors) or layerwise, streamed "
-                        "as the prefill computes each layer (Mooncake's engine)")
-    g.add_argument("--kv-layers", type=int, default=None,
-                   help=f"layers the KV streams by with --kv-handoff layerwise (default {DEFAULT_KV_LAYERS}, Qwen3-8B; "
-                        f"{PAPER_KV_LAYERS} with --paper)")
+    g.add_argument(
+        "--decode-kv",
+        choices=DECODE_KV_MODES,
+        default="preempt",
+        help="decode KV space: preempt the last joined sequence when the cache fills and recompute "
+        "it on rejoin (vLLM), or reserve prompt + all output at join and never preempt",
+    )
+    g.add_argument(
+        "--kv-handoff",
+        choices=KV_HANDOFF_MODES,
+        default="whole",
+        help="P -> D KV transfer: whole after the prefill (vLLM's connectors) or layerwise, streamed "
+        "as the prefill computes each layer (Mooncake's engine)",
+    )
+    g.add_argument(
+        "--kv-layers",
+        type=int,
+        default=None,
+        help=f"layers the KV streams by with --kv-handoff layerwise (default {DEFAULT_KV_LAYERS}, Qwen3-8B; "
+        f"{PAPER_KV_LAYERS} with --paper)",
+    )
     g.add_argument("--decode-max-batch", type=int, default=_D.max_batch, help="running sequences per decode")
     g.add_argument("--tbt-base-ms", type=float, default=_D.base_s * 1e3, help="decode step fixed cost")
     g.add_argument("--tbt-per-seq-ms", type=float, default=_D.per_seq_s * 1e3, help="decode step cost per sequence")
-    g.add_argument("--tbt-per-mtok-ms", type=float, default=_D.per_kv_token_s * 1e9,
-                   help="decode step cost per million resident KV tokens")
+    g.add_argument(
+        "--tbt-per-mtok-ms", type=float, default=_D.per_kv_token_s * 1e9, help="decode step cost per million resident KV tokens"
+    )
     g.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT SLO in seconds")
     g.add_argument("--slo-tbt", type=float, default=0.1, help="TBT SLO in seconds")
     g.add_argument("--speedup", type=float, default=1.0, help="replay arrivals X times faster")
@@ -68,11 +100,18 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
     """Options applied to every policy spec of a run (a spec's own options win)."""
     g = parser.add_argument_group("policies")
-    g.add_argument("--admission", choices=("none", "early", "predicted"), default=None,
-                   help="SLO admission mode for every policy whose spec sets none")
-    g.add_argument("--fit-predictors", action="store_true",
-                   help="judge the baselines' placements with kvcache_aware's online-fitted predictors and "
-                        "admission (default mode: predicted), for a like-for-like comparison")
+    g.add_argument(
+        "--admission",
+        choices=("none", "early", "predicted"),
+        default=None,
+        help="SLO admission mode for every policy whose spec sets none",
+    )
+    g.add_argument(
+        "--fit-predictors",
+        action="store_true",
+        help="judge the baselines' placements with kvcache_aware's online-fitted predictors and "
+        "admission (default mode: predicted), for a like-for-like comparison",
+    )
 
 
 def apply_policy_args(specs: list[PolicySpec], args: argparse.Namespace) -> list[PolicySpec]:
@@ -138,13 +177,21 @@ def describe(config: SimConfig) -> str:
     else:
         ways = []
         if config.pull_from_peer:
-            ways.append({"priority": "peer-to-peer, staged with priority", "fcfs": "peer-to-peer, staged FCFS"}
-                        .get(config.staging or "", "peer-to-peer"))
+            ways.append(
+                {"priority": "peer-to-peer, staged with priority", "fcfs": "peer-to-peer, staged FCFS"}.get(
+                    config.staging or "", "peer-to-peer"
+                )
+            )
         if config.pull_from_store:
-            ways.append(f"store ({config.store_capacity_tokens:,} tokens)" if config.store_capacity_tokens
-                        else "store (none configured: --store-tokens 0)")
+            ways.append(
+                f"store ({config.store_capacity_tokens:,} tokens)"
+                if config.store_capacity_tokens
+                else "store (none configured: --store-tokens 0)"
+            )
         pulls = "prefix pulls " + " + ".join(ways)
     slo = config.slo
-    return (f"{config.n_prefill}P+{config.n_decode}D, {pulls} (--pull {config.pull}), "
-            f"SLO TTFT {slo.ttft_s}s TBT {slo.tbt_s}s, speedup {config.speedup:g}, "
-            f"prefill x{config.truth.prefill_scale:g}, KV {config.truth.kv_bytes_per_token:,} B/token")
+    return (
+        f"{config.n_prefill}P+{config.n_decode}D, {pulls} (--pull {config.pull}), "
+        f"SLO TTFT {slo.ttft_s}s TBT {slo.tbt_s}s, speedup {config.speedup:g}, "
+        f"prefill x{config.truth.prefill_scale:g}, KV {config.truth.kv_bytes_per_token:,} B/token"
+    )

@@ -113,8 +113,12 @@ class FittedAdmission:
         judged = self.judge.judge(request, cluster, decision.prefill, decision.decode)
         if judged.rejection is not None:
             return replace(judged, policy=decision.policy)
-        return replace(decision, predicted_ttft_s=judged.predicted_ttft_s, predicted_tbt_s=judged.predicted_tbt_s,
-                       candidates=judged.candidates + decision.candidates)
+        return replace(
+            decision,
+            predicted_ttft_s=judged.predicted_ttft_s,
+            predicted_tbt_s=judged.predicted_tbt_s,
+            candidates=judged.candidates + decision.candidates,
+        )
 
     def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
         self.inner.on_decided(request, cluster, decision)
@@ -162,8 +166,7 @@ def build_policy(spec: PolicySpec, config: SimConfig) -> Policy:
     if not fit or (isinstance(factory, type) and issubclass(factory, KvCacheAwarePolicy)):
         return load_policy(spec.name, options)  # kvcache_aware fits its own predictors anyway
     admission = str(options.pop("admission", "predicted"))
-    judge = KvCacheAwarePolicy(admission=admission, allow_pull=False, listed_candidates=SIM_LISTED_CANDIDATES,
-                               track_errors=False)
+    judge = KvCacheAwarePolicy(admission=admission, allow_pull=False, listed_candidates=SIM_LISTED_CANDIDATES, track_errors=False)
     return FittedAdmission(load_policy(spec.name, options), judge)
 
 

@@ -39,28 +39,45 @@ def run_result(sim: Simulator, jobs: list[Job], wall_s: float) -> RunResult:
     util.update({d.id: d.busy_s / makespan if makespan > 0 else 0.0 for d in sim.decodes})
     rejected = sum(sim.rejections.values())
     return RunResult(
-        policy=getattr(sim.policy, "name", type(sim.policy).__name__), mode="simulate",
-        n_prefill=len(sim.prefills), n_decode=len(sim.decodes), requests=len(jobs), completed=len(sim.done),
-        rejected=rejected, rejections=dict(sim.rejections), ttft=Dist.of(ttfts), tbt=Dist.of(tbts),
-        slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s, slo_met=met,
-        slo_attainment=met / len(jobs) if jobs else 0.0, goodput_rps=met / duration, duration_s=duration,
+        policy=getattr(sim.policy, "name", type(sim.policy).__name__),
+        mode="simulate",
+        n_prefill=len(sim.prefills),
+        n_decode=len(sim.decodes),
+        requests=len(jobs),
+        completed=len(sim.done),
+        rejected=rejected,
+        rejections=dict(sim.rejections),
+        ttft=Dist.of(ttfts),
+        tbt=Dist.of(tbts),
+        slo_ttft_s=slo.ttft_s,
+        slo_tbt_s=slo.tbt_s,
+        slo_met=met,
+        slo_attainment=met / len(jobs) if jobs else 0.0,
+        goodput_rps=met / duration,
+        duration_s=duration,
         makespan_s=makespan,
         prefix_hit_local=sum(j.local_tokens for j in sim.done) / prompt,
         prefix_hit_remote=sum(j.pulled_remote for j in sim.done) / prompt,
         prefix_hit_store=sum(j.pulled_store for j in sim.done) / prompt,
-        utilisation=util, ttft_prediction=PredictionError.of(pred_ttft), tbt_prediction=PredictionError.of(pred_tbt),
+        utilisation=util,
+        ttft_prediction=PredictionError.of(pred_ttft),
+        tbt_prediction=PredictionError.of(pred_tbt),
         wall_s=wall_s,
-        extra={"events": float(sim._ev_seq), "mean_decode_batch": _mean(j.batch_at_join for j in sim.done),
-               "wasted_prefills": float(sim.wasted_prefill), "refused_pulls": float(sim.refused_pulls),
-               "preemptions": float(sum(d.preemptions for d in sim.decodes)),
-               "local_prefills": float(sum(1 for j in sim.done if j.local)),  # run on a decode (_arrive_local)
-               # served requests whose prefill read a prefix from another prefill instance (a peer pull)
-               "peer_pulls": float(sum(1 for j in sim.done if j.pulled_remote > 0)),
-               # what bounds goodput on a prefill-bound cluster: prefill seconds per served request
-               # (its mix and its reuse) and how busy the prefills were
-               "prefill_s_per_served": sum(p.busy_s for p in sim.prefills) / max(1, len(sim.done)),
-               "served_prompt_mean": _mean(j.req.input_length for j in sim.done),
-               "prefill_busy": _mean(util[p.id] for p in sim.prefills)},
+        extra={
+            "events": float(sim._ev_seq),
+            "mean_decode_batch": _mean(j.batch_at_join for j in sim.done),
+            "wasted_prefills": float(sim.wasted_prefill),
+            "refused_pulls": float(sim.refused_pulls),
+            "preemptions": float(sum(d.preemptions for d in sim.decodes)),
+            "local_prefills": float(sum(1 for j in sim.done if j.local)),  # run on a decode (_arrive_local)
+            # served requests whose prefill read a prefix from another prefill instance (a peer pull)
+            "peer_pulls": float(sum(1 for j in sim.done if j.pulled_remote > 0)),
+            # what bounds goodput on a prefill-bound cluster: prefill seconds per served request
+            # (its mix and its reuse) and how busy the prefills were
+            "prefill_s_per_served": sum(p.busy_s for p in sim.prefills) / max(1, len(sim.done)),
+            "served_prompt_mean": _mean(j.req.input_length for j in sim.done),
+            "prefill_busy": _mean(util[p.id] for p in sim.prefills),
+        },
     )
 
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from conductor.core.profile import Profile as EmulatorProfile
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "conductor" / "data" / "profiles" / (
-    "qwen3-8b-h800-1p1d-vllm-mooncake.csv"
+DEFAULT_PROFILE = (
+    Path(__file__).resolve().parents[2] / "conductor" / "data" / "profiles" / ("qwen3-8b-h800-1p1d-vllm-mooncake.csv")
 )
 # A 70B-class model costs about 9x the FLOPs of an 8B one per token; an 8xA800 node has less
 # compute than the H800 node of the profile. 7x puts the conversation trace on 8 prefill nodes
@@ -108,8 +108,14 @@ def read_profile(path: str | Path) -> tuple[ProfileRow, ...]:
         lines = [ln for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
     rows = []
     for rec in csv.DictReader(lines):
-        rows.append(ProfileRow(int(rec["prompt_tokens"]), float(rec["mean_ttft_ms"]) / 1000.0,
-                               int(rec["kv_bytes"]), float(rec["transfer_ms"]) / 1000.0))
+        rows.append(
+            ProfileRow(
+                int(rec["prompt_tokens"]),
+                float(rec["mean_ttft_ms"]) / 1000.0,
+                int(rec["kv_bytes"]),
+                float(rec["transfer_ms"]) / 1000.0,
+            )
+        )
     if len(rows) < 3:
         raise ValueError(f"profile {path} has {len(rows)} rows; at least 3 are needed to fit prefill")
     return tuple(rows)
@@ -139,8 +145,7 @@ def fit_truth(path: str | Path = DEFAULT_PROFILE, *, prefill_scale: float = 1.0)
     )
 
 
-def truth_from_emulator(profile: EmulatorProfile, time_scale: float = 1.0,
-                        kv_capacity_tokens: int = 1_000_000) -> TruthModel:
+def truth_from_emulator(profile: EmulatorProfile, time_scale: float = 1.0, kv_capacity_tokens: int = 1_000_000) -> TruthModel:
     """The emulated workers' own timing model as the simulator's truth, so a simulated run and a live
     run through emulators (`adapters.emulator`) time prefill, KV transfer and decode steps by the
     same formulas and coefficients: T_prefill = base + per_token*new + quad*new*(new + 2*cached)

@@ -33,17 +33,42 @@ from conductor.core.types import (
     Slo,
 )
 
-_VIEW_FIELDS = ("id", "role", "url", "healthy", "prefill_queue", "decodes", "kv_capacity_tokens", "kv_usage",
-                "waiting_requests")
+_VIEW_FIELDS = ("id", "role", "url", "healthy", "prefill_queue", "decodes", "kv_capacity_tokens", "kv_usage", "waiting_requests")
 _DECODE_FIELDS = ("context_tokens", "remaining_tokens", "decoding")
 _QUEUED_FIELDS = ("new_tokens", "cached_tokens", "elapsed_s")
-_REQUEST_FIELDS = ("request_id", "seq", "model", "prompt_tokens", "max_tokens", "block_size", "block_keys", "cached",
-                   "store_cached_tokens", "slo", "stream", "pull_sources", "queued_pull_sources",
-                   "staging_jumps_queue")
+_REQUEST_FIELDS = (
+    "request_id",
+    "seq",
+    "model",
+    "prompt_tokens",
+    "max_tokens",
+    "block_size",
+    "block_keys",
+    "cached",
+    "store_cached_tokens",
+    "slo",
+    "stream",
+    "pull_sources",
+    "queued_pull_sources",
+    "staging_jumps_queue",
+)
 _SNAPSHOT_FIELDS = ("now", "instances")
-_OBSERVATION_FIELDS = ("request_id", "prefill", "decode", "prompt_tokens", "cached_tokens", "predicted_cached_tokens",
-                       "queue_and_prefill_s", "ttft_s", "token_intervals_s", "output_tokens", "decode_batch",
-                       "decode_resident_kv_tokens", "ok", "reported_prompt_tokens")
+_OBSERVATION_FIELDS = (
+    "request_id",
+    "prefill",
+    "decode",
+    "prompt_tokens",
+    "cached_tokens",
+    "predicted_cached_tokens",
+    "queue_and_prefill_s",
+    "ttft_s",
+    "token_intervals_s",
+    "output_tokens",
+    "decode_batch",
+    "decode_resident_kv_tokens",
+    "ok",
+    "reported_prompt_tokens",
+)
 
 
 def _setters(cls: type, expected: tuple[str, ...]) -> list[Callable[[object, object], None]]:
@@ -59,12 +84,40 @@ _v_id, _v_role, _v_url, _v_healthy, _v_queue, _v_decodes, _v_kv_cap, _v_kv_usage
 )
 _d_context, _d_remaining, _d_decoding = _setters(ActiveDecode, _DECODE_FIELDS)
 _q_new, _q_cached, _q_elapsed = _setters(QueuedPrefill, _QUEUED_FIELDS)
-(_r_id, _r_seq, _r_model, _r_prompt, _r_max, _r_block, _r_keys, _r_cached, _r_store, _r_slo, _r_stream,
- _r_pull, _r_queued, _r_jumps) = _setters(RequestView, _REQUEST_FIELDS)
+(
+    _r_id,
+    _r_seq,
+    _r_model,
+    _r_prompt,
+    _r_max,
+    _r_block,
+    _r_keys,
+    _r_cached,
+    _r_store,
+    _r_slo,
+    _r_stream,
+    _r_pull,
+    _r_queued,
+    _r_jumps,
+) = _setters(RequestView, _REQUEST_FIELDS)
 _NO_SOURCES: frozenset[str] = frozenset()
 _s_now, _s_instances = _setters(ClusterSnapshot, _SNAPSHOT_FIELDS)
-(_o_id, _o_prefill, _o_decode, _o_prompt, _o_cached, _o_predicted, _o_leg, _o_ttft, _o_intervals, _o_output,
- _o_batch, _o_resident, _o_ok, _o_reported) = _setters(Observation, _OBSERVATION_FIELDS)
+(
+    _o_id,
+    _o_prefill,
+    _o_decode,
+    _o_prompt,
+    _o_cached,
+    _o_predicted,
+    _o_leg,
+    _o_ttft,
+    _o_intervals,
+    _o_output,
+    _o_batch,
+    _o_resident,
+    _o_ok,
+    _o_reported,
+) = _setters(Observation, _OBSERVATION_FIELDS)
 
 
 def instance_view(
@@ -109,9 +162,18 @@ def queued_prefill(new_tokens: int, cached_tokens: int, elapsed_s: float) -> Que
 
 
 def request_view(
-    request_id: str, seq: int, model: str, prompt_tokens: int, max_tokens: int, block_size: int,
-    block_keys: tuple[int, ...], cached: Mapping[str, CachedPrefix], store_cached_tokens: int, slo: Slo,
-    queued_pull_sources: frozenset[str] = _NO_SOURCES, staging_jumps_queue: bool = False,
+    request_id: str,
+    seq: int,
+    model: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    block_keys: tuple[int, ...],
+    cached: Mapping[str, CachedPrefix],
+    store_cached_tokens: int,
+    slo: Slo,
+    queued_pull_sources: frozenset[str] = _NO_SOURCES,
+    staging_jumps_queue: bool = False,
 ) -> RequestView:
     """RequestView(...) of a streamed request whose every cached instance is a pull source
     (stream=True, pull_sources=None), those in `queued_pull_sources` read after a staging request."""
@@ -142,10 +204,19 @@ def cluster_snapshot(now: float, instances: tuple[InstanceView, ...]) -> Cluster
 
 
 def observation(
-    request_id: str, prefill: str | None, decode: str | None, prompt_tokens: int, cached_tokens: int | None,
-    predicted_cached_tokens: int, queue_and_prefill_s: float | None, ttft_s: float | None,
-    token_intervals_s: tuple[float, ...] = (), output_tokens: int = 0, decode_batch: int = 0,
-    decode_resident_kv_tokens: int = 0, ok: bool = True,
+    request_id: str,
+    prefill: str | None,
+    decode: str | None,
+    prompt_tokens: int,
+    cached_tokens: int | None,
+    predicted_cached_tokens: int,
+    queue_and_prefill_s: float | None,
+    ttft_s: float | None,
+    token_intervals_s: tuple[float, ...] = (),
+    output_tokens: int = 0,
+    decode_batch: int = 0,
+    decode_resident_kv_tokens: int = 0,
+    ok: bool = True,
 ) -> Observation:
     """Observation(...) without a reported prompt size (reported_prompt_tokens=None)."""
     obs: Observation = _new(Observation)

@@ -62,8 +62,9 @@ def subscriber() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def mixed() -> Iterator[Emulator]:
     """A mixed instance, fast clock, events on, a prefix cache of 64 blocks of 16 tokens."""
-    with start_emulator("mixed", kv_events=True, kv_events_replay=True, time_scale=0.01,
-                        kv_capacity_tokens=1024, hash_algo="sha256_cbor") as emu:
+    with start_emulator(
+        "mixed", kv_events=True, kv_events_replay=True, time_scale=0.01, kv_capacity_tokens=1024, hash_algo="sha256_cbor"
+    ) as emu:
         yield emu
 
 

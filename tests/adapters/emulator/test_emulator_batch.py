@@ -16,8 +16,14 @@ from tests.support.emulator import Emulator, start_emulator
 
 P0 = [(i * 13) % 250 + 1 for i in range(40)]  # 2 full blocks + 8
 P1 = [(i * 29 + 7) % 250 + 1 for i in range(70)]  # 4 full blocks + 6
-NIXL_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+NIXL_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def post(emu: Emulator, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
@@ -33,7 +39,7 @@ def reset(*emus: Emulator) -> None:
 
 def events(text: str) -> list[str]:
     """The `data:` payloads of an SSE body, in order."""
-    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +69,12 @@ def test_batch_answers_each_prompt_as_a_single_request_would(mixed: Emulator) ->
     assert [c["text"] for c in batch["choices"]] == [s["choices"][0]["text"] for s in singles]
     assert batch["choices"][0]["text"] != batch["choices"][1]["text"]  # the text follows the prompt
     assert all(c["finish_reason"] == "length" for c in batch["choices"])
-    assert batch["usage"] == {"prompt_tokens": 110, "completion_tokens": 12, "total_tokens": 122,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert batch["usage"] == {
+        "prompt_tokens": 110,
+        "completion_tokens": 12,
+        "total_tokens": 122,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert batch["kv_transfer_params"] is None
 
 
@@ -96,8 +106,9 @@ def test_streamed_batch_interleaves_and_ends_once(mixed: Emulator) -> None:
     reset(mixed)
     body = {"prompt": [P0, P1], "max_tokens": 8}
     whole = post(mixed, body)
-    r = httpx.post(mixed.url + "/v1/completions", timeout=30,
-                   json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    r = httpx.post(
+        mixed.url + "/v1/completions", timeout=30, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
     data = events(r.text)
     assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
     chunks = [json.loads(d) for d in data[:-1]]
@@ -127,13 +138,11 @@ def test_nixl_prefill_batch_answers_the_first_prompts_params(nixl: tuple[Emulato
     assert len(batch["choices"]) == 2 and batch["usage"]["completion_tokens"] == 2
 
 
-def test_nixl_decode_batch_with_one_params_continues_the_first_prompt(
-        mixed: Emulator, nixl: tuple[Emulator, Emulator]) -> None:
+def test_nixl_decode_batch_with_one_params_continues_the_first_prompt(mixed: Emulator, nixl: tuple[Emulator, Emulator]) -> None:
     p, d = nixl
     reset(mixed)
     truth = [c["text"] for c in post(mixed, {"prompt": [P0, P1], "max_tokens": 6})["choices"]]
-    own = [post(p, {"prompt": x, "max_tokens": 1, "kv_transfer_params": NIXL_PREFILL})["kv_transfer_params"]
-           for x in (P0, P1)]
+    own = [post(p, {"prompt": x, "max_tokens": 1, "kv_transfer_params": NIXL_PREFILL})["kv_transfer_params"] for x in (P0, P1)]
     # Each prompt decoded with its own prefill's params: what the mixed engine answers.
     for x, params, want in zip((P0, P1), own, truth, strict=True):
         assert post(d, {"prompt": x, "max_tokens": 6, "kv_transfer_params": params})["choices"][0]["text"] == want
@@ -144,17 +153,37 @@ def test_nixl_decode_batch_with_one_params_continues_the_first_prompt(
 
 
 def test_mooncake_batch_shares_the_first_prompts_transfer() -> None:
-    with start_emulator("mixed", time_scale=0.01) as m, start_emulator("prefill", "mooncake", time_scale=0.01) as p, \
-            start_emulator("decode", "mooncake", time_scale=0.01) as d:
+    with (
+        start_emulator("mixed", time_scale=0.01) as m,
+        start_emulator("prefill", "mooncake", time_scale=0.01) as p,
+        start_emulator("decode", "mooncake", time_scale=0.01) as d,
+    ):
         truth = [c["text"] for c in post(m, {"prompt": [P0, P1], "max_tokens": 5})["choices"]]
         boot = f"http://127.0.0.1:{p.bootstrap_port}"
 
         def legs(xfer: str, prompt: Any) -> dict[str, Any]:
-            post(p, {"prompt": prompt, "max_tokens": 1,
-                     "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": xfer}})
-            return post(d, {"prompt": prompt, "max_tokens": 5, "kv_transfer_params": {
-                "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": xfer,
-                "remote_engine_id": p.engine_id, "remote_bootstrap_addr": boot}})
+            post(
+                p,
+                {
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": xfer},
+                },
+            )
+            return post(
+                d,
+                {
+                    "prompt": prompt,
+                    "max_tokens": 5,
+                    "kv_transfer_params": {
+                        "do_remote_decode": False,
+                        "do_remote_prefill": True,
+                        "transfer_id": xfer,
+                        "remote_engine_id": p.engine_id,
+                        "remote_bootstrap_addr": boot,
+                    },
+                },
+            )
 
         assert [legs(f"x-{i}", x)["choices"][0]["text"] for i, x in enumerate((P0, P1))] == truth
         both = legs("x-batch", [P0, P1])

@@ -12,8 +12,14 @@ from adapters.emulator.profile import Profile
 from conductor.core.vllm_hash import VllmBlockHasher
 
 # Every step costs 1 ms, so the tests measure steps, not wall time.
-FAST = Profile(prefill_base_s=0.001, prefill_per_token_s=0.0, prefill_quad_s=0.0, decode_base_s=0.001,
-               decode_per_seq_s=0.0, decode_per_kv_token_s=0.0)
+FAST = Profile(
+    prefill_base_s=0.001,
+    prefill_per_token_s=0.0,
+    prefill_quad_s=0.0,
+    decode_base_s=0.001,
+    decode_per_seq_s=0.0,
+    decode_per_kv_token_s=0.0,
+)
 
 
 def engine(profile: Profile = FAST) -> Engine:
@@ -74,8 +80,9 @@ async def test_priority_scheduling_takes_the_lowest_priority_first_fcfs_ignores_
     # four requests arrive together, the last with priority -1 (a staging request)
     order = {}
     for policy in ("fcfs", "priority"):
-        eng = Engine(FAST, VllmBlockHasher("sha256", 16, seed="x"), PrefixCache(16, 10_000), EngineMetrics("m"),
-                     scheduling_policy=policy)
+        eng = Engine(
+            FAST, VllmBlockHasher("sha256", 16, seed="x"), PrefixCache(16, 10_000), EngineMetrics("m"), scheduling_policy=policy
+        )
         eng.start()
         try:
             seqs = [eng.submit(f"r{i}", [i] * 20, 1, priority=-1 if i == 3 else 0) for i in range(4)]

@@ -19,14 +19,17 @@ def _reset(mixed: Emulator, client: httpx.Client) -> None:
 
 
 def sse(text: str) -> list[Any]:
-    lines = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
 
 def test_completion_shape_and_request_id(mixed: Emulator, client: httpx.Client) -> None:
-    r = client.post(mixed.url + "/v1/completions", headers={"X-Request-ID": "req-42"},
-                    json={"model": "emulated", "prompt": "hello there", "max_tokens": 4})
+    r = client.post(
+        mixed.url + "/v1/completions",
+        headers={"X-Request-ID": "req-42"},
+        json={"model": "emulated", "prompt": "hello there", "max_tokens": 4},
+    )
     assert r.status_code == 200
     body = r.json()
     assert body["id"] == "cmpl-req-42" and r.headers["x-request-id"] == "req-42"
@@ -34,15 +37,18 @@ def test_completion_shape_and_request_id(mixed: Emulator, client: httpx.Client) 
     assert isinstance(body["created"], int)
     (choice,) = body["choices"]
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["text"]
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 4,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_token_id_prompt_and_chat(mixed: Emulator, client: httpx.Client) -> None:
     r = client.post(mixed.url + "/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 2})
     assert r.json()["usage"]["prompt_tokens"] == 5
-    r = client.post(mixed.url + "/v1/chat/completions",
-                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    r = client.post(mixed.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     msg = body["choices"][0]["message"]
@@ -53,8 +59,10 @@ def test_token_id_prompt_and_chat(mixed: Emulator, client: httpx.Client) -> None
 
 
 def test_streamed_completion_with_usage(mixed: Emulator, client: httpx.Client) -> None:
-    r = client.post(mixed.url + "/v1/completions", json={
-        "prompt": "abc", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
+    r = client.post(
+        mixed.url + "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert r.headers["content-type"].startswith("text/event-stream")
     chunks = sse(r.text)
     assert len(chunks) == 6
@@ -65,8 +73,10 @@ def test_streamed_completion_with_usage(mixed: Emulator, client: httpx.Client) -
 
 
 def test_streamed_chat_roles_and_no_usage_by_default(mixed: Emulator, client: httpx.Client) -> None:
-    r = client.post(mixed.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    r = client.post(
+        mixed.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+    )
     chunks = sse(r.text)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -78,22 +88,29 @@ def test_openai_client_works_unchanged(mixed: Emulator) -> None:
     oa = openai.OpenAI(base_url=mixed.url + "/v1", api_key="x")
     resp = oa.completions.create(model="emulated", prompt="hello", max_tokens=3)
     assert resp.usage is not None and resp.usage.completion_tokens == 3
-    stream = oa.chat.completions.create(model="emulated", messages=[{"role": "user", "content": "x"}],
-                                        max_tokens=4, stream=True, stream_options={"include_usage": True})
+    stream = oa.chat.completions.create(
+        model="emulated",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces = list(stream)
     assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 4
     assert [m.id for m in oa.models.list().data] == ["emulated"]
 
 
-@pytest.mark.parametrize(("body", "status", "needle"), [
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"max_tokens": 3}, 400, "prompt"),
-    ({"prompt": "x", "model": "other"}, 404, "does not exist"),
-    ({"prompt": [1, 2, 99999]}, 400, "vocabulary"),
-    ({"prompt": "x", "max_tokens": 10**9}, 400, "maximum context length"),
-])
-def test_errors_are_vllm_shaped(mixed: Emulator, client: httpx.Client, body: dict[str, Any], status: int,
-                                needle: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "x", "model": "other"}, 404, "does not exist"),
+        ({"prompt": [1, 2, 99999]}, 400, "vocabulary"),
+        ({"prompt": "x", "max_tokens": 10**9}, 400, "maximum context length"),
+    ],
+)
+def test_errors_are_vllm_shaped(mixed: Emulator, client: httpx.Client, body: dict[str, Any], status: int, needle: str) -> None:
     r = client.post(mixed.url + "/v1/completions", json=body)
     assert r.status_code == status
     err = r.json()["error"]
@@ -129,8 +146,11 @@ def test_repeated_prefix_is_reported_cached(mixed: Emulator, client: httpx.Clien
 
 
 def test_request_log_records_bodies_and_headers(mixed: Emulator, client: httpx.Client) -> None:
-    client.post(mixed.url + "/v1/completions", headers={"X-Request-ID": "logged-1", "X-Custom": "yes"},
-                json={"prompt": "abc", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    client.post(
+        mixed.url + "/v1/completions",
+        headers={"X-Request-ID": "logged-1", "X-Custom": "yes"},
+        json={"prompt": "abc", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     (entry,) = client.get(mixed.url + "/emulator/requests").json()
     assert entry["path"] == "/v1/completions" and entry["headers"]["x-custom"] == "yes"
     assert entry["body"]["kv_transfer_params"] == {"do_remote_decode": True}
@@ -154,12 +174,23 @@ def test_metrics_carry_vllm_names_and_count(mixed: Emulator, client: httpx.Clien
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert types[gauge] == "gauge"
-    for counter in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
-                    "vllm:generation_tokens", "vllm:prompt_tokens_by_source", "vllm:request_success"):
+    for counter in (
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:prompt_tokens_by_source",
+        "vllm:request_success",
+    ):
         assert types[counter + "_total"] == "counter"  # prometheus_client's text format, as vLLM's
-    for hist in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-                 "vllm:request_decode_time_seconds", "vllm:e2e_request_latency_seconds"):
+    for hist in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ):
         assert types[hist] == "histogram"
 
     def delta(name: str, **labels: str) -> float:

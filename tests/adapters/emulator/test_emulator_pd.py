@@ -40,8 +40,14 @@ def nixl() -> Iterator[tuple[Emulator, Emulator]]:
 
 def test_nixl_prefill_answers_connector_params(nixl: tuple[Emulator, Emulator]) -> None:
     p, _ = nixl
-    request_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    request_params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     body = post(p, {"max_tokens": 1, "kv_transfer_params": request_params})
     params = body["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
@@ -91,25 +97,29 @@ def _decode_waits_for_prefill(p: Emulator, d: Emulator, d_body: dict[str, Any], 
 
 
 def test_mooncake_bootstrap_query_and_concurrent_legs() -> None:
-    with start_emulator("prefill", "mooncake", time_scale=0.01) as p, \
-            start_emulator("decode", "mooncake", time_scale=0.01) as d:
+    with start_emulator("prefill", "mooncake", time_scale=0.01) as p, start_emulator("decode", "mooncake", time_scale=0.01) as d:
         query = httpx.get(f"http://127.0.0.1:{p.bootstrap_port}/query").json()
         assert query["0"]["engine_id"] == p.engine_id
         assert query["0"]["worker_addr"] == {"0": {"0": "127.0.0.1:5600"}}
         xfer = "xfer-test-1"
         p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": xfer}
-        d_params = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": xfer,
-                    "remote_engine_id": p.engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}"}
-        _decode_waits_for_prefill(p, d, {"max_tokens": 4, "kv_transfer_params": d_params},
-                                  {"max_tokens": 1, "kv_transfer_params": p_params})
+        d_params = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": xfer,
+            "remote_engine_id": p.engine_id,
+            "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}",
+        }
+        _decode_waits_for_prefill(
+            p, d, {"max_tokens": 4, "kv_transfer_params": d_params}, {"max_tokens": 1, "kv_transfer_params": p_params}
+        )
         # MooncakeConnector's prefill answers no kv_transfer_params.
         again = post(p, {"max_tokens": 1, "kv_transfer_params": {**p_params, "transfer_id": "xfer-2"}})
         assert again["kv_transfer_params"] is None
 
 
 def test_sglang_bootstrap_room_pairs_the_legs() -> None:
-    with start_emulator("prefill", "sglang", time_scale=0.01) as p, \
-            start_emulator("decode", "sglang", time_scale=0.01) as d:
+    with start_emulator("prefill", "sglang", time_scale=0.01) as p, start_emulator("decode", "sglang", time_scale=0.01) as d:
         fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port, "bootstrap_room": 12345}
         _decode_waits_for_prefill(p, d, {"max_tokens": 4, **fields}, {"max_tokens": 4, **fields})
         route = httpx.get(f"http://127.0.0.1:{p.bootstrap_port}/route", params={"engine_rank": -1}).json()
@@ -117,10 +127,17 @@ def test_sglang_bootstrap_room_pairs_the_legs() -> None:
 
 
 def test_decode_prefills_locally_when_the_prefill_never_comes() -> None:
-    with start_emulator("prefill", "mooncake", time_scale=0.01) as p, \
-            start_emulator("decode", "mooncake", time_scale=0.01, remote_wait_s=1.0) as d:
-        d_params = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "never",
-                    "remote_engine_id": p.engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}"}
+    with (
+        start_emulator("prefill", "mooncake", time_scale=0.01) as p,
+        start_emulator("decode", "mooncake", time_scale=0.01, remote_wait_s=1.0) as d,
+    ):
+        d_params = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": "never",
+            "remote_engine_id": p.engine_id,
+            "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}",
+        }
         t0 = time.monotonic()
         body = post(d, {"max_tokens": 2, "kv_transfer_params": d_params})
         assert time.monotonic() - t0 >= 0.9
@@ -128,9 +145,12 @@ def test_decode_prefills_locally_when_the_prefill_never_comes() -> None:
         assert body["usage"]["completion_tokens"] == 2
         # A decode leg whose client leaves while it waits for the prefill is aborted and recorded.
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(d.url + "/v1/completions", headers={"X-Request-ID": "left-waiting"}, timeout=0.3,
-                       json={"prompt": PROMPT, "max_tokens": 2,
-                             "kv_transfer_params": {**d_params, "transfer_id": "never-2"}})
+            httpx.post(
+                d.url + "/v1/completions",
+                headers={"X-Request-ID": "left-waiting"},
+                timeout=0.3,
+                json={"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {**d_params, "transfer_id": "never-2"}},
+            )
         deadline = time.monotonic() + 5
         while "left-waiting" not in httpx.get(d.url + "/emulator/cancelled").json()["request_ids"]:
             assert time.monotonic() < deadline, "abort not recorded"

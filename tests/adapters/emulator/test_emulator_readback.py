@@ -34,10 +34,11 @@ PROMPT = [(i * 13 + 5) % 250 for i in range(301)]  # 9 full blocks + 13 tokens, 
 def pd() -> Iterator[tuple[Emulator, Emulator, Emulator]]:
     """A bidirectional prefill (events on), a bidirectional decode, and a mixed engine to compare."""
     common: dict[str, Any] = {"time_scale": SCALE, "block_size": BLOCK, "noise": 0.0}
-    with start_emulator("prefill", "nixl", bidirectional_kv_xfer=True, kv_events=True, **common) as p, \
-            start_emulator("decode", "nixl", bidirectional_kv_xfer=True, side_channel_port=free_port(),
-                           **common) as d, \
-            start_emulator("mixed", "nixl", **common) as m:
+    with (
+        start_emulator("prefill", "nixl", bidirectional_kv_xfer=True, kv_events=True, **common) as p,
+        start_emulator("decode", "nixl", bidirectional_kv_xfer=True, side_channel_port=free_port(), **common) as d,
+        start_emulator("mixed", "nixl", **common) as m,
+    ):
         yield p, d, m
 
 
@@ -84,8 +85,13 @@ def turn_one(p: Emulator, d: Emulator, prompt: list[int] = PROMPT, max_tokens: i
 def handle(decode_params: dict[str, Any], blocks: int, tokens: int) -> dict[str, Any]:
     """The next turn's prefill params, truncated to `blocks` blocks and `tokens` tokens (the router's job)."""
     keys = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
-    return {"do_remote_decode": True, "do_remote_prefill": False, **{k: decode_params[k] for k in keys},
-            "remote_block_ids": [decode_params["remote_block_ids"][0][:blocks]], "remote_num_tokens": tokens}
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        **{k: decode_params[k] for k in keys},
+        "remote_block_ids": [decode_params["remote_block_ids"][0][:blocks]],
+        "remote_num_tokens": tokens,
+    }
 
 
 def next_prompt(answer: dict[str, Any], prompt: list[int] = PROMPT) -> list[int]:
@@ -116,19 +122,32 @@ def test_decode_answers_readback_params_on_non_streamed_requests_only(pd: tuple[
     assert ids[:9] == p_params["remote_block_ids"][0][:9] and ids[9] != p_params["remote_block_ids"][0][9]
     assert pinned(d) == before + 1
     # a streamed answer never carries them
-    r = httpx.post(d.url + "/v1/completions", timeout=HTTP_TIMEOUT_S, json={
-        "prompt": PROMPT, "max_tokens": 4, "stream": True, "kv_transfer_params": p_params,
-        "stream_options": {"include_usage": True}})
+    r = httpx.post(
+        d.url + "/v1/completions",
+        timeout=HTTP_TIMEOUT_S,
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "stream": True,
+            "kv_transfer_params": p_params,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.status_code == 200 and "data: [DONE]" in r.text and "kv_transfer_params" not in r.text
-    chat = httpx.post(d.url + "/v1/chat/completions", timeout=HTTP_TIMEOUT_S, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
+    chat = httpx.post(
+        d.url + "/v1/chat/completions",
+        timeout=HTTP_TIMEOUT_S,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    ).json()
     assert chat["kv_transfer_params"]["remote_request_id"] == chat["id"]
     assert chat["kv_transfer_params"]["remote_num_tokens"] == chat["usage"]["prompt_tokens"] + 2
 
 
 def test_decode_without_bidirectional_answers_no_params() -> None:
-    with start_emulator("prefill", "nixl", time_scale=SCALE, block_size=BLOCK) as p, \
-            start_emulator("decode", "nixl", time_scale=SCALE, block_size=BLOCK) as d:
+    with (
+        start_emulator("prefill", "nixl", time_scale=SCALE, block_size=BLOCK) as p,
+        start_emulator("decode", "nixl", time_scale=SCALE, block_size=BLOCK) as d,
+    ):
         assert turn_one(p, d)["kv_transfer_params"] is None
         assert pinned(d) == 0
 
@@ -188,23 +207,22 @@ def test_nothing_is_pulled_below_the_threshold_or_when_cached(pd: tuple[Emulator
     # exactly the threshold is pulled
     answer = turn_one(p, d)
     reset_cache(p)
-    body = complete(p, next_prompt(answer), max_tokens=1,
-                    kv_transfer_params=handle(answer["kv_transfer_params"], 2, 64))
+    body = complete(p, next_prompt(answer), max_tokens=1, kv_transfer_params=handle(answer["kv_transfer_params"], 2, 64))
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
     assert by_source(p)["external_kv_transfer"] == before["external_kv_transfer"] + 64
     # turn 1's prompt still cached on the prefill: min(N, prompt) - local hit = 0, nothing pulled
     reset_cache(p)
     answer = turn_one(p, d)
     pins = pinned(d)
-    body = complete(p, next_prompt(answer), max_tokens=1,
-                    kv_transfer_params=handle(answer["kv_transfer_params"], 9, 288))
+    body = complete(p, next_prompt(answer), max_tokens=1, kv_transfer_params=handle(answer["kv_transfer_params"], 9, 288))
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
     assert by_source(p)["external_kv_transfer"] == before["external_kv_transfer"] + 64
     wait_pinned(d, pins - 1)
 
 
-def pd_text(p: Emulator, d: Emulator, prompt: list[int], p_params: dict[str, Any], n: int,
-            request_id: str | None = None) -> tuple[str, str]:
+def pd_text(
+    p: Emulator, d: Emulator, prompt: list[int], p_params: dict[str, Any], n: int, request_id: str | None = None
+) -> tuple[str, str]:
     """A turn-2 prefill given `p_params`, then its decode: (prefill's text, decode's text)."""
     first = complete(p, prompt, request_id, max_tokens=1, kv_transfer_params=p_params)
     second = complete(d, prompt, max_tokens=n, kv_transfer_params=first["kv_transfer_params"])
@@ -259,13 +277,15 @@ def tokens_of(m: Emulator, answer: dict[str, Any]) -> list[int]:
 
 def test_unread_kv_expires_after_the_ttl() -> None:
     common: dict[str, Any] = {"time_scale": SCALE, "block_size": BLOCK}
-    with start_emulator("prefill", "nixl", bidirectional_kv_xfer=True, **common) as p, \
-            start_emulator("decode", "nixl", bidirectional_kv_xfer=True, side_channel_port=free_port(),
-                           decoder_kv_blocks_ttl=0.5, **common) as d:
+    with (
+        start_emulator("prefill", "nixl", bidirectional_kv_xfer=True, **common) as p,
+        start_emulator(
+            "decode", "nixl", bidirectional_kv_xfer=True, side_channel_port=free_port(), decoder_kv_blocks_ttl=0.5, **common
+        ) as d,
+    ):
         answer = turn_one(p, d)
         wait_pinned(d, 0)  # the TTL passed unread
         reset_cache(p)
-        body = complete(p, next_prompt(answer), max_tokens=1,
-                        kv_transfer_params=handle(answer["kv_transfer_params"], 9, 288))
+        body = complete(p, next_prompt(answer), max_tokens=1, kv_transfer_params=handle(answer["kv_transfer_params"], 9, 288))
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert load_failures(p) == 1

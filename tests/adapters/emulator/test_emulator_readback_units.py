@@ -18,18 +18,28 @@ from adapters.emulator.kv_content import (
 )
 from adapters.emulator.protocols import PdProtocol, Role, plan_leg
 
-HANDLE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[7, 8, 9]],
-                          "remote_engine_id": "dec", "remote_request_id": "cmpl-1", "remote_host": "10.0.0.2",
-                          "remote_port": 5601, "tp_size": 1, "remote_num_tokens": 96}
+HANDLE: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_block_ids": [[7, 8, 9]],
+    "remote_engine_id": "dec",
+    "remote_request_id": "cmpl-1",
+    "remote_host": "10.0.0.2",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "remote_num_tokens": 96,
+}
 
 
 def test_options_default_off_and_parse() -> None:
     off = config_from_args(build_parser().parse_args([]))
     assert (off.bidirectional_kv_xfer, off.kv_recompute_threshold, off.decoder_kv_blocks_ttl) == (False, 64, 480.0)
     assert not off.serves_readback and not off.pulls_readback
-    on = config_from_args(build_parser().parse_args(
-        ["--role", "decode", "--bidirectional-kv-xfer", "--kv-recompute-threshold", "128",
-         "--decoder-kv-blocks-ttl", "30"]))
+    on = config_from_args(
+        build_parser().parse_args(
+            ["--role", "decode", "--bidirectional-kv-xfer", "--kv-recompute-threshold", "128", "--decoder-kv-blocks-ttl", "30"]
+        )
+    )
     assert (on.bidirectional_kv_xfer, on.kv_recompute_threshold, on.decoder_kv_blocks_ttl) == (True, 128, 30.0)
     assert on.serves_readback and not on.pulls_readback
 
@@ -37,8 +47,12 @@ def test_options_default_off_and_parse() -> None:
 def test_prefill_reads_the_handle_only_when_complete() -> None:
     plan = plan_leg(Role.PREFILL, PdProtocol.NIXL, {"kv_transfer_params": HANDLE})
     assert plan.nixl_prefill and plan.readback is not None
-    assert (plan.readback.request_id, plan.readback.engine_id, plan.readback.num_blocks,
-            plan.readback.num_tokens) == ("cmpl-1", "dec", 3, 96)
+    assert (plan.readback.request_id, plan.readback.engine_id, plan.readback.num_blocks, plan.readback.num_tokens) == (
+        "cmpl-1",
+        "dec",
+        3,
+        96,
+    )
     assert plan.readback.url == "http://10.0.0.2:5601/emulator/kv/cmpl-1/read"
     for missing in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids"):
         params = {k: v for k, v in HANDLE.items() if k != missing}

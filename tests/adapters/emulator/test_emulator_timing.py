@@ -31,8 +31,7 @@ def distinct_prompt(k: int, n: int) -> list[int]:
 
 def prefill(client: httpx.Client, emu: Emulator, tokens: list[int], request_id: str) -> dict[str, Any]:
     """One uncached prefill; the times the emulator modelled for it."""
-    r = client.post(emu.url + "/v1/completions", json={"prompt": tokens, "max_tokens": 1},
-                    headers={"X-Request-ID": request_id})
+    r = client.post(emu.url + "/v1/completions", json={"prompt": tokens, "max_tokens": 1}, headers={"X-Request-ID": request_id})
     r.raise_for_status()
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     return modelled(emu, request_id)
@@ -87,9 +86,10 @@ def _wait_for(predicate: object, timeout: float = 5.0) -> bool:
 
 def test_stream_disconnect_aborts_and_is_recorded(real_time: Emulator) -> None:
     body = {"prompt": "disconnect me", "max_tokens": 2000, "stream": True}
-    with httpx.Client(timeout=30) as client, \
-            client.stream("POST", real_time.url + "/v1/completions", json=body,
-                          headers={"X-Request-ID": "gone-1"}) as resp:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", real_time.url + "/v1/completions", json=body, headers={"X-Request-ID": "gone-1"}) as resp,
+    ):
         lines = resp.iter_lines()
         got = [next(lines) for _ in range(4)]
         assert any(line.startswith("data: ") for line in got)
@@ -102,7 +102,11 @@ def test_stream_disconnect_aborts_and_is_recorded(real_time: Emulator) -> None:
 
 def test_non_streamed_disconnect_is_recorded(real_time: Emulator) -> None:
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(real_time.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 2000},
-                   headers={"X-Request-ID": "gone-2"}, timeout=0.3)
+        httpx.post(
+            real_time.url + "/v1/completions",
+            json={"prompt": "slow", "max_tokens": 2000},
+            headers={"X-Request-ID": "gone-2"},
+            timeout=0.3,
+        )
     assert _wait_for(lambda: "gone-2" in _cancelled(real_time))
     assert _wait_for(lambda: httpx.get(real_time.url + "/emulator/state").json()["running"] == 0)

@@ -27,8 +27,9 @@ def test_default_profile_fits_the_published_table() -> None:
 
 def test_profile_file_overrides_and_rejects_unknown_keys(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"prefill_base_s": 0.01, "prefill_per_token_s": 0.0, "prefill_quad_s": 0.0,
-                                "decode_base_s": 0.02}))
+    path.write_text(
+        json.dumps({"prefill_base_s": 0.01, "prefill_per_token_s": 0.0, "prefill_quad_s": 0.0, "decode_base_s": 0.02})
+    )
     profile = load_profile(path)
     assert profile.prefill_s(5000) == 0.01 and profile.decode_step_s(0, 0) == 0.02
     yaml_path = tmp_path / "p.yaml"
@@ -85,25 +86,59 @@ def test_shared_prefix_splits_store_runs_with_parent() -> None:
     assert run.parent_block_hash == digest_to_event_id(d1[1]) and run.token_ids == (9, 9, 9, 9)
 
 
-@pytest.mark.parametrize(("role", "protocol", "body", "expect"), [
-    ("mixed", "nixl", {"kv_transfer_params": {"do_remote_decode": True}}, "plain"),
-    ("prefill", "nixl", {"kv_transfer_params": {"do_remote_decode": True}}, "nixl_prefill"),
-    ("decode", "nixl", {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[1]],
-                                               "remote_engine_id": "e", "remote_request_id": "r",
-                                               "remote_host": "h", "remote_port": 1}}, "ready"),
-    ("decode", "nixl", {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": []}}, "plain"),
-    ("prefill", "mooncake", {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t"}}, "publish"),
-    ("decode", "mooncake", {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "t",
-                                                   "remote_engine_id": "e",
-                                                   "remote_bootstrap_addr": "http://h:1"}}, "wait"),
-    ("decode", "mooncake", {"kv_transfer_params": {"do_remote_prefill": True}}, "plain"),
-    ("prefill", "sglang", {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5}, "publish"),
-    ("decode", "sglang", {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5}, "wait"),
-])
+@pytest.mark.parametrize(
+    ("role", "protocol", "body", "expect"),
+    [
+        ("mixed", "nixl", {"kv_transfer_params": {"do_remote_decode": True}}, "plain"),
+        ("prefill", "nixl", {"kv_transfer_params": {"do_remote_decode": True}}, "nixl_prefill"),
+        (
+            "decode",
+            "nixl",
+            {
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "remote_block_ids": [[1]],
+                    "remote_engine_id": "e",
+                    "remote_request_id": "r",
+                    "remote_host": "h",
+                    "remote_port": 1,
+                }
+            },
+            "ready",
+        ),
+        ("decode", "nixl", {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": []}}, "plain"),
+        ("prefill", "mooncake", {"kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t"}}, "publish"),
+        (
+            "decode",
+            "mooncake",
+            {
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "transfer_id": "t",
+                    "remote_engine_id": "e",
+                    "remote_bootstrap_addr": "http://h:1",
+                }
+            },
+            "wait",
+        ),
+        ("decode", "mooncake", {"kv_transfer_params": {"do_remote_prefill": True}}, "plain"),
+        ("prefill", "sglang", {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5}, "publish"),
+        ("decode", "sglang", {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5}, "wait"),
+    ],
+)
 def test_leg_classification(role: str, protocol: str, body: dict[str, object], expect: str) -> None:
     plan = plan_leg(Role(role), PdProtocol(protocol), body)
-    got = ("nixl_prefill" if plan.nixl_prefill else "ready" if plan.remote_ready else
-           "publish" if plan.publish_key else "wait" if plan.wait_url else "plain")
+    got = (
+        "nixl_prefill"
+        if plan.nixl_prefill
+        else "ready"
+        if plan.remote_ready
+        else "publish"
+        if plan.publish_key
+        else "wait"
+        if plan.wait_url
+        else "plain"
+    )
     assert got == expect
     if expect == "wait":
         assert plan.wait_url is not None and plan.wait_url.startswith("http://h:1/emulator/transfer/")

@@ -32,7 +32,9 @@ class RedisProcess:
             pytest.fail("the outage tests need the redis-server binary on PATH")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_ping(self.port, timeout_s, socket_timeout_s=0.2, poll_s=0.02)
 
     @property

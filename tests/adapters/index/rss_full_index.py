@@ -41,7 +41,8 @@ async def fill(index_bytes: int | None, map_bytes: int | None) -> dict[str, Any]
     if map_bytes:
         options["hash_map_memory_bytes_per_instance"] = map_bytes
     instances = [(f"prefill-{i}", Role.PREFILL, f"http://10.0.0.{i}:8000") for i in range(2)] + [
-        (f"decode-{i}", Role.DECODE, f"http://10.0.1.{i}:8000") for i in range(2)]
+        (f"decode-{i}", Role.DECODE, f"http://10.0.1.{i}:8000") for i in range(2)
+    ]
     analyzer = build_analyzer(options, instances)
     assert isinstance(analyzer, KVAwareAnalyzer) and isinstance(analyzer.index, MemoryIndex)
     feeder, index = analyzer.feeder, analyzer.index
@@ -66,12 +67,22 @@ async def fill(index_bytes: int | None, map_bytes: int | None) -> dict[str, Any]
         "rss_before_mib": round(rss_before, 1),
         "rss_after_mib": round(_status_mib("VmRSS"), 1),
         "peak_rss_mib": round(_status_mib("VmHWM"), 1),
-        "index": {"entries": memory.entries, "cap": memory.cap, "evictions": memory.evictions,
-                  "estimated_mib": round(memory.estimated_bytes / 2**20, 1)},
-        "maps": {name: {"entries": m.entries, "cap": m.cap, "evictions": m.evictions,
-                        "estimated_mib": round(m.estimated_bytes / 2**20, 1)} for name, m in maps.items()},
-        "budget_mib": round((memory.cap * ENTRY_BYTES + sum(m.cap for m in maps.values()) * MAPPED_ENTRY_BYTES)
-                            / 2**20, 1),
+        "index": {
+            "entries": memory.entries,
+            "cap": memory.cap,
+            "evictions": memory.evictions,
+            "estimated_mib": round(memory.estimated_bytes / 2**20, 1),
+        },
+        "maps": {
+            name: {
+                "entries": m.entries,
+                "cap": m.cap,
+                "evictions": m.evictions,
+                "estimated_mib": round(m.estimated_bytes / 2**20, 1),
+            }
+            for name, m in maps.items()
+        },
+        "budget_mib": round((memory.cap * ENTRY_BYTES + sum(m.cap for m in maps.values()) * MAPPED_ENTRY_BYTES) / 2**20, 1),
     }
     await analyzer.close()
     return result

@@ -38,8 +38,11 @@ async def test_longest_leading_run_per_instance_with_tiers(make_index: Callable[
     await idx.insert("d", keys[1:5], confirmed=True)  # no first block: no prefix at all
     m = await idx.match(keys)
     assert m.blocks == {"a": 6, "b": 3, "c": 8}
-    assert m.cached(16) == {"a": CachedPrefix(96, Tier.DEVICE), "b": CachedPrefix(48, Tier.DEVICE),
-                            "c": CachedPrefix(128, Tier.HOST)}
+    assert m.cached(16) == {
+        "a": CachedPrefix(96, Tier.DEVICE),
+        "b": CachedPrefix(48, Tier.DEVICE),
+        "c": CachedPrefix(128, Tier.HOST),
+    }
     # vLLM always computes the last prompt token: a fully cached 96-token prompt reuses 80 tokens
     assert m.cached(16, prompt_tokens=96)["a"].tokens == 80
     assert m.cached(16, prompt_tokens=97)["a"].tokens == 96

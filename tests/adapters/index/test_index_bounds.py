@@ -52,15 +52,13 @@ async def test_memory_index_stays_under_its_bound_for_a_million_blocks() -> None
     assert (await idx.match(distinct_keys(MILLION - 1000, 1000))).blocks
 
 
-async def test_redis_index_stays_under_its_bound_for_a_million_blocks(redis_index_factory: Callable[..., RedisIndex]
-                                                                      ) -> None:
+async def test_redis_index_stays_under_its_bound_for_a_million_blocks(redis_index_factory: Callable[..., RedisIndex]) -> None:
     cap = 20_000
     idx = redis_index_factory(IndexLimits(max_blocks=cap))
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         await idx.insert("p0", distinct_keys(0, cap), confirmed=True)
-        mem_full = (await client.memory_usage(f"{idx.prefix}i:p0") or 0) + (
-            await client.memory_usage(f"{idx.prefix}lru") or 0)
+        mem_full = (await client.memory_usage(f"{idx.prefix}i:p0") or 0) + (await client.memory_usage(f"{idx.prefix}lru") or 0)
         for start in range(cap, MILLION, 10_000):
             await idx.insert("p0" if start % 20_000 else "p1", distinct_keys(start, 10_000), confirmed=True)
         stats = await idx.stats()
@@ -99,8 +97,9 @@ async def test_two_processes_share_one_redis_index(redis_index_factory: Callable
     keys = XxhashKeys(16).keys(list(range(12 * 16)))
     await idx.insert("gw-a", keys[:12], confirmed=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _PEER, idx.prefix, "7", "12", REDIS_URL,
-                                                env=env, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _PEER, idx.prefix, "7", "12", REDIS_URL, env=env, cwd=ROOT, stdout=asyncio.subprocess.PIPE
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0
     # the other process sees this one's blocks (and its own dispatch)

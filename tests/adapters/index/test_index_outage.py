@@ -55,8 +55,7 @@ async def server() -> AsyncIterator[RedisProcess]:
 def guarded(url: str, clock: Clock, *, fallback: bool = True) -> tuple[GuardedIndex, CountingRedisIndex]:
     # timeouts far above what a busy laptop needs to reach a local Redis (the counts below assume no
     # call times out unless Redis is stopped), and still short: a SIGSTOPped Redis costs 3 x 0.5 s
-    primary = CountingRedisIndex(url, prefix=f"test:outage:{uuid.uuid4().hex[:8]}:", timeout_s=0.5,
-                                 write_timeout_s=0.5)
+    primary = CountingRedisIndex(url, prefix=f"test:outage:{uuid.uuid4().hex[:8]}:", timeout_s=0.5, write_timeout_s=0.5)
     breaker = CircuitBreaker("test index", failures_to_open=3, open_s=30.0, clock=clock)
     local = MemoryIndex(IndexLimits(max_blocks=10_000)) if fallback else None
     return GuardedIndex(primary, breaker, fallback=local, lookup_timeout_s=0.5, write_timeout_s=0.5), primary
@@ -76,14 +75,18 @@ async def test_hung_redis_lookups_fall_back_and_the_open_breaker_keeps_off_the_n
             assert index.breaker.stats.failures == n
         stats = index.breaker.stats
         assert stats.state is BreakerState.OPEN and primary.lookups == 4
-        print(f"slowest failed look-up against the hung Redis: {stats.slowest_failure_s * 1000:.1f} ms "
-              "(timeout 50 ms; redis-py's defaults: 5 s and 10 retries)")
+        print(
+            f"slowest failed look-up against the hung Redis: {stats.slowest_failure_s * 1000:.1f} ms "
+            "(timeout 50 ms; redis-py's defaults: 5 s and 10 retries)"
+        )
 
         started = time.perf_counter()
         for _ in range(200):
             assert (await index.match(KEYS)).blocks == {"p0": 32}
-        print(f"a look-up with the breaker open: {(time.perf_counter() - started) / 200 * 1e6:.1f} us "
-              "(printed only: the claim rests on the counters below)")
+        print(
+            f"a look-up with the breaker open: {(time.perf_counter() - started) / 200 * 1e6:.1f} us "
+            "(printed only: the claim rests on the counters below)"
+        )
         assert primary.lookups == 4  # not one of the 200 reached Redis
         assert index.breaker.stats.short_circuits == 200
         assert index.breaker.stats.attempts == 5  # the insert, the first look-up and the 3 that failed
@@ -143,9 +146,16 @@ async def test_writes_missed_while_redis_hung_are_reseeded_once_it_answers(serve
 async def test_redis_absent_at_start_then_started_is_picked_up() -> None:
     server = RedisProcess()  # a free port where nothing listens yet
     analyzer = build_analyzer(
-        {"enabled": True, "index": "redis", "redis_url": server.url, "redis_prefix": f"test:absent:{uuid.uuid4().hex}:",
-         "redis_breaker_failures": 2, "redis_breaker_open_s": 0.05},
-        [("p0", Role.PREFILL, "http://127.0.0.1:9")])
+        {
+            "enabled": True,
+            "index": "redis",
+            "redis_url": server.url,
+            "redis_prefix": f"test:absent:{uuid.uuid4().hex}:",
+            "redis_breaker_failures": 2,
+            "redis_breaker_open_s": 0.05,
+        },
+        [("p0", Role.PREFILL, "http://127.0.0.1:9")],
+    )
     assert isinstance(analyzer, KVAwareAnalyzer) and isinstance(analyzer.index, GuardedIndex)
     index = analyzer.index
     try:

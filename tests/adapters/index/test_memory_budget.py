@@ -68,8 +68,12 @@ async def test_index_past_its_budget_keeps_the_cap_and_counts_evictions() -> Non
 
 
 async def test_hash_map_past_its_budget_keeps_the_cap_and_counts_evictions() -> None:
-    feeder = IndexFeeder(NullIndex(), XxhashKeys(4), translate=True,  # type: ignore[arg-type]
-                         max_mapped_per_instance=mapped_within(100_000))
+    feeder = IndexFeeder(
+        NullIndex(),
+        XxhashKeys(4),
+        translate=True,  # type: ignore[arg-type]
+        max_mapped_per_instance=mapped_within(100_000),
+    )
     cap = feeder.max_mapped_per_instance
     parent = None
     firsts = range(10, 10 + 3 * cap, 50)
@@ -106,8 +110,12 @@ def test_index_entry_cost_is_within_the_measured_figure(cap: int) -> None:
 @pytest.mark.parametrize("cap", [43_600, 66_000])
 async def test_hash_map_pair_cost_is_within_the_measured_figure(cap: int) -> None:
     # 43,600: just past a resize point, the worst kind of cap when MAPPED_ENTRY_BYTES was measured
-    feeder = IndexFeeder(NullIndex(), XxhashKeys(4), translate=True,  # type: ignore[arg-type]
-                         max_mapped_per_instance=cap)
+    feeder = IndexFeeder(
+        NullIndex(),
+        XxhashKeys(4),
+        translate=True,  # type: ignore[arg-type]
+        max_mapped_per_instance=cap,
+    )
     events = [stored(first, 100, None) for first in range(1 << 40, (1 << 40) + 3 * cap, 100)]
     tracemalloc.start()
     try:
@@ -125,10 +133,16 @@ async def test_hash_map_pair_cost_is_within_the_measured_figure(cap: int) -> Non
 
 async def test_memory_gauges_read_back_on_the_registry() -> None:
     registry = CollectorRegistry()
-    analyzer = build_analyzer({"enabled": True, "block_size": 4, "index_memory_bytes": 1000 * ENTRY_BYTES,
-                               "hash_map_memory_bytes_per_instance": 300 * MAPPED_ENTRY_BYTES},
-                              [("p0", Role.PREFILL, "http://127.0.0.1:9"), ("d0", Role.DECODE, "http://127.0.0.1:9")],
-                              registry)
+    analyzer = build_analyzer(
+        {
+            "enabled": True,
+            "block_size": 4,
+            "index_memory_bytes": 1000 * ENTRY_BYTES,
+            "hash_map_memory_bytes_per_instance": 300 * MAPPED_ENTRY_BYTES,
+        },
+        [("p0", Role.PREFILL, "http://127.0.0.1:9"), ("d0", Role.DECODE, "http://127.0.0.1:9")],
+        registry,
+    )
     assert isinstance(analyzer, KVAwareAnalyzer)
     try:
         parent = None
@@ -156,9 +170,11 @@ async def test_memory_gauges_read_back_on_the_registry() -> None:
 
 async def test_redis_index_reports_its_local_copy_and_guard_counters() -> None:
     registry = CollectorRegistry()
-    analyzer = build_analyzer({"enabled": True, "index": "redis", "redis_url": "redis://127.0.0.1:9/0",
-                               "index_memory_bytes": 500 * ENTRY_BYTES},
-                              [("p0", Role.PREFILL, "http://127.0.0.1:9")], registry)
+    analyzer = build_analyzer(
+        {"enabled": True, "index": "redis", "redis_url": "redis://127.0.0.1:9/0", "index_memory_bytes": 500 * ENTRY_BYTES},
+        [("p0", Role.PREFILL, "http://127.0.0.1:9")],
+        registry,
+    )
     assert isinstance(analyzer, KVAwareAnalyzer)
     index: KVIndex = analyzer.index
     assert isinstance(index, GuardedIndex)
@@ -174,8 +190,14 @@ async def test_redis_index_reports_its_local_copy_and_guard_counters() -> None:
 
 
 def test_a_full_index_and_full_maps_at_the_default_budgets_in_a_real_process() -> None:
-    out = subprocess.run([sys.executable, "-m", "tests.adapters.index.rss_full_index"], cwd=ROOT, check=True,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.adapters.index.rss_full_index"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = json.loads(out.stdout)
     print(json.dumps(report))
     assert report["index"]["entries"] == report["index"]["cap"] and report["index"]["evictions"] > 0

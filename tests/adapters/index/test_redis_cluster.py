@@ -59,8 +59,7 @@ async def make_index(cluster: RedisClusterNodes) -> AsyncIterator[ClusterIndexFa
     made: list[RedisClusterIndex] = []
 
     def make(limits: IndexLimits | None = None, **kw: object) -> RedisClusterIndex:
-        idx = RedisClusterIndex(cluster.urls, prefix=prefix, limits=limits, timeout_s=5, write_timeout_s=5,
-                                **kw)  # type: ignore[arg-type]
+        idx = RedisClusterIndex(cluster.urls, prefix=prefix, limits=limits, timeout_s=5, write_timeout_s=5, **kw)  # type: ignore[arg-type]
         made.append(idx)
         return idx
 
@@ -82,7 +81,7 @@ async def test_same_answers_as_the_memory_index_for_random_operations(make_index
         inst = rng.choice(names)
         keys = rng.choice(chains)
         lo = rng.choice([0, 0, 0, rng.randrange(150)])
-        part = keys[lo: rng.randrange(lo + 1, 151)]
+        part = keys[lo : rng.randrange(lo + 1, 151)]
         if op < 0.45:
             tier = rng.choice([Tier.DEVICE, Tier.DEVICE, Tier.HOST, Tier.STORE])
             confirmed = rng.random() < 0.7
@@ -161,8 +160,9 @@ async def test_cap_evicts_chain_tails_and_keeps_each_instance_to_its_share(make_
         assert (await idx.match(newest)).blocks == {n: 25}  # the newest prompt of each stays whole
 
 
-async def test_one_lookup_gathers_instances_from_several_masters(cluster: RedisClusterNodes,
-                                                                 make_index: ClusterIndexFactory) -> None:
+async def test_one_lookup_gathers_instances_from_several_masters(
+    cluster: RedisClusterNodes, make_index: ClusterIndexFactory
+) -> None:
     idx = make_index()
     keys = chain(400, 64)
     names = [f"gpu-{i}" for i in range(12)]
@@ -188,23 +188,37 @@ async def test_gateway_routes_a_repeated_prefix_with_a_cluster_index(cluster: Re
 
     prefix = f"test:kvc-gw:{uuid.uuid4().hex[:10]}:"
     with ExitStack() as stack:
-        emus = [stack.enter_context(start_emulator("mixed", kv_events=True, time_scale=0.05, model="tiny",
-                                                   block_size=16)) for _ in range(2)]
-        settings = load_settings(environ={}, overrides={
-            "mixed": [{"url": e.url, "kv_events_endpoint": "tcp://*:" + str(e.kv_events_endpoint).rsplit(":", 1)[1]}
-                      for e in emus],
-            "policy": "kvcache_aware", "block_size": 16,
-            "kv": {"enabled": True, "key_mode": "xxhash", "index": "redis_cluster",
-                   "redis_url": ",".join(cluster.urls[:2]), "redis_prefix": prefix,
-                   "redis_timeout_s": 2.0, "redis_write_timeout_s": 2.0},
-        })
+        emus = [
+            stack.enter_context(start_emulator("mixed", kv_events=True, time_scale=0.05, model="tiny", block_size=16))
+            for _ in range(2)
+        ]
+        settings = load_settings(
+            environ={},
+            overrides={
+                "mixed": [
+                    {"url": e.url, "kv_events_endpoint": "tcp://*:" + str(e.kv_events_endpoint).rsplit(":", 1)[1]} for e in emus
+                ],
+                "policy": "kvcache_aware",
+                "block_size": 16,
+                "kv": {
+                    "enabled": True,
+                    "key_mode": "xxhash",
+                    "index": "redis_cluster",
+                    "redis_url": ",".join(cluster.urls[:2]),
+                    "redis_prefix": prefix,
+                    "redis_timeout_s": 2.0,
+                    "redis_write_timeout_s": 2.0,
+                },
+            },
+        )
         url = stack.enter_context(serve_gateway(Gateway(settings))).url
         shared = "You are a helpful assistant. " * 40  # ~1,100 byte tokens: 70 blocks
         served_by = []
         async with httpx.AsyncClient(timeout=30) as client:
             for question in ("First question?", "A different, second question?"):
-                r = await client.post(url + "/v1/completions",
-                                      json={"model": "tiny", "prompt": shared + question, "max_tokens": 2})
+                r = await client.post(
+                    url + "/v1/completions", json={"model": "tiny", "prompt": shared + question, "max_tokens": 2}
+                )
                 assert r.status_code == 200, r.text
                 served_by.append([len((await client.get(e.url + "/emulator/requests")).json()) for e in emus])
                 await asyncio.sleep(0.3)  # let the KV events arrive
@@ -249,7 +263,8 @@ async def test_lookups_follow_a_master_failover() -> None:
                 for n in names:
                     await idx.insert(n, keys, confirmed=True)
                 if all([_replicated(nodes, master) for master in nodes.masters()]) and await eventually(
-                        answers_in_full, timeout_s=10):
+                    answers_in_full, timeout_s=10
+                ):
                     break
             else:
                 pytest.fail(f"replicas never held their masters' data: {seen[-3:]}\n{nodes.logs()}")
@@ -265,7 +280,11 @@ async def test_lookups_follow_a_master_failover() -> None:
                 return {n: answer.get(n) for n in names if answer.get(n) != 32}
 
             assert await eventually(answers_in_full, timeout_s=60), (
-                [missing(a) for a in seen[:3]], [missing(a) for a in seen[-3:]], nodes.masters(), nodes.logs())
+                [missing(a) for a in seen[:3]],
+                [missing(a) for a in seen[-3:]],
+                nodes.masters(),
+                nodes.logs(),
+            )
             assert nodes.master_of_slot(slot) != victim  # a replica took the slot over
             # writes reach the promoted replica too (it never ran the scripts: NOSCRIPT, then EVAL)
             await idx.insert(victim_name, chain(501, 4), confirmed=True)

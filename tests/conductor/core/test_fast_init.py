@@ -39,7 +39,11 @@ def _state(obj: object) -> tuple[object, ...]:
 
 def test_same_fields_defaults_and_factories_as_the_generated_init() -> None:
     cases: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
-        ((1,), {}), ((1, "x"), {}), ((1,), {"c": (9,)}), ((1, "y", (3,)), {"e": (4,)})]
+        ((1,), {}),
+        ((1, "x"), {}),
+        ((1,), {"c": (9,)}),
+        ((1, "y", (3,)), {"e": (4,)}),
+    ]
     for args, kwargs in cases:
         assert _state(Fast(*args, **kwargs)) == _state(Plain(*args, **kwargs))
     # a default factory runs for every object, as the dataclass runs it
@@ -95,10 +99,20 @@ def test_refuses_what_it_cannot_reproduce() -> None:
             fast_init(cls)
 
 
-@pytest.mark.parametrize("cls", [
-    types.Decision, types.CandidateScore, types.Rejection, types.Observation, types.PrefillLeg,
-    types.InstanceView, types.RequestView, estimate.PrefillEstimate, estimate.DecodeEstimate,
-])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        types.Decision,
+        types.CandidateScore,
+        types.Rejection,
+        types.Observation,
+        types.PrefillLeg,
+        types.InstanceView,
+        types.RequestView,
+        estimate.PrefillEstimate,
+        estimate.DecodeEstimate,
+    ],
+)
 def test_the_hot_value_objects_use_it(cls: type) -> None:
     # the classes a decision builds by the dozen carry the fast __init__, with the dataclass's signature
     init = cls.__dict__["__init__"]
@@ -108,8 +122,9 @@ def test_the_hot_value_objects_use_it(cls: type) -> None:
 
 def test_a_decision_is_built_as_before() -> None:
     candidate = types.CandidateScore("p0", types.Role.PREFILL, 0.5)
-    decision = types.Decision("r1", "kvcache_aware", prefill="p0", decode="d0", predicted_ttft_s=0.5,
-                              candidates=(candidate,), unlisted_candidates=2)
+    decision = types.Decision(
+        "r1", "kvcache_aware", prefill="p0", decode="d0", predicted_ttft_s=0.5, candidates=(candidate,), unlisted_candidates=2
+    )
     assert (decision.prefill, decision.decode, decision.rejection, decision.pull_tokens) == ("p0", "d0", None, 0)
     assert candidate.detail == {} and decision.candidates == (candidate,)
     assert decision == dataclasses.replace(decision)

@@ -14,8 +14,13 @@ from conductor.core.vllm_hash import VllmBlockHasher
 
 
 def schemes() -> list[object]:
-    return [XxhashKeys(16, seed=7), XxhashKeys(512), VllmKeys(16, "sha256", "0"), VllmKeys(16, "sha256_cbor", None),
-            VllmKeys(32, "xxhash", "1")]
+    return [
+        XxhashKeys(16, seed=7),
+        XxhashKeys(512),
+        VllmKeys(16, "sha256", "0"),
+        VllmKeys(16, "sha256_cbor", None),
+        VllmKeys(32, "xxhash", "1"),
+    ]
 
 
 @pytest.mark.parametrize("scheme", schemes(), ids=lambda s: f"{type(s).__name__}-{s.block_size}")
