@@ -27,7 +27,7 @@ from typing import Protocol
 from adapters.tasks import cancel_and_wait
 from conductor.core.types import Role
 
-log = logging.getLogger("conductor.discovery")
+log = logging.getLogger(__name__)
 
 
 class ResolutionFailed(Exception):

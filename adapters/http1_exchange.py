@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from adapters.http1_server import HttpServerConnection
 
-log = logging.getLogger("conductor.http")
+log = logging.getLogger(__name__)
 
 Message = MutableMapping[str, Any]
 App = Callable[

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
-log = logging.getLogger("conductor.http")
+log = logging.getLogger(__name__)
 
 MAX_URL_BYTES = 16 * 1024  # longer targets: 414
 MAX_HEAD_BYTES = 64 * 1024  # all request header lines together; more: 431

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import msgspec
 
-log = logging.getLogger("conductor.lesson_share")
+log = logging.getLogger(__name__)
 
 MAX_LESSONS = 256  # per datagram: ~12 KB of msgpack, well under the default socket buffers
 _RECV_BYTES = 1 << 16

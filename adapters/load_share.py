@@ -28,7 +28,7 @@ from conductor.core.types import ActiveDecode, QueuedPrefill
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-log = logging.getLogger("conductor.load_share")
+log = logging.getLogger(__name__)
 
 # instance -> (prefills as (new_tokens, cached_tokens, dispatched_at_wall_s),
 #              decodes as (context_tokens, remaining_tokens, decoding))

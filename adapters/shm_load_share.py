@@ -34,7 +34,7 @@ import msgspec
 
 from adapters.load_share import LoadTable, PrefillEnds, RemoteLoad, merge_tables
 
-log = logging.getLogger("conductor.shm_load_share")
+log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<QdII")
 HEADER_BYTES = _HEADER.size

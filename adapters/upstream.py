@@ -177,7 +177,7 @@ class Upstream:
     async def post(self, path: str, body: bytes, headers: Mapping[str, str], *, total_s: float | None = None) -> UpstreamReply:
         """One non-streamed request. Its time is bounded by the connection's read timeout (silence)
         and by `total_s` when given; the request path passes none: its own deadline
-        (request_timeout_s, conductor/proxy.py) covers every leg, and a timer per leg would cost
+        (request_timeout_s, conductor/server/endpoint.py) covers every leg, and a timer per leg would cost
         more CPU than the answer (profiled: ~5% of the gateway's time at concurrency 64)."""
         return await self._exchange(self.pool, "POST", path, headers, body, total_s)
 

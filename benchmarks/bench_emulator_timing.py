@@ -25,9 +25,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters.emulator.profile import load_profile
-from conductor.app import create_app
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
+from conductor.server.app import create_app
 from tests.support.emulator import start_emulator
 from tests.support.servers import serve
 

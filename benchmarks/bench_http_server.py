@@ -6,7 +6,7 @@ small ASGI app under the same uvicorn Server, with wrk as the load.
 
 The app does what the gateway's hot path does with a request: reads the whole body, watches for the
 client leaving (the `conductor.on_disconnect` extension where the server offers it, else a task
-waiting in receive(), as conductor/proxy.py does), then answers either one JSON body or a 32-event
+waiting in receive(), as conductor/server/endpoint.py does), then answers either one JSON body or a 32-event
 SSE stream. What differs between the rows is the server protocol only. Servers take turns for
 `--rounds` rounds in alternating order; each one's median round is printed with the ratio to
 uvicorn's httptools protocol (this machine is shared and noisy: read the ratios).

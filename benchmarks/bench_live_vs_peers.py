@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 from benchmarks.aiperf_load import DEFAULT_AIPERF, replay_aiperf
-from conductor.demo_cluster import ChildGroup, free_ports
+from conductor.demo.cluster import ChildGroup, free_ports
 from traces.formats import TraceRequest, load_trace, resolve_trace
 from traces.live import replay_live
 from traces.live_results import LiveResult

@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PrivateRedis, free_port, wait_http
 
-from conductor.demo import DEFAULT_MODEL
-from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+from conductor.demo.run import DEFAULT_MODEL
 from tests.support.servers import free_port_run
 from traces.formats import load_trace, resolve_trace
 from traces.live_client import stream_completion

@@ -13,11 +13,11 @@ on both sides: live as one plain leg to the emulated decode, which computes it i
 steps; both counts are printed. By default neither side pulls prefixes (`pull: none`,
 `pd_peer_pull: off`; a decode's readback needs non-streamed answers and the replay streams). With
 `--peer-pull` both do prefill-to-prefill pulls staged with priority on the holder: live over the
-emulators' NIXL (conductor/peer_pull.py), simulated with `--pull staged`.
+emulators' NIXL (conductor/routing/peer_pull.py), simulated with `--pull staged`.
 
 Configuration: `--prefill` + `--decode` emulators (2 + 2 by default; nixl P/D, `--time-scale` 1 by default, lognormal noise)
 behind `conductor serve --policy POLICY` with KV-cache awareness (the demo cluster of
-conductor.demo_cluster); the first `--limit` requests of the bundled trace, lengths
+conductor.demo.cluster); the first `--limit` requests of the bundled trace, lengths
 scaled by `--length-scale` (traces.synth: shared hash ids -> shared token prefixes) and arrivals
 `--speedup` times faster. The simulator replays the same scaled requests (same block structure) on
 the same cluster with `traces.sim.truth.truth_from_emulator`: the emulators' own profile, so both sides time
@@ -43,7 +43,7 @@ import httpx
 
 from adapters.emulator.profile import load_profile
 from conductor.core.types import Slo
-from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 from policies.registry import load_policy
 from traces.formats import TraceRequest, load_trace, resolve_trace
 from traces.live import replay_live
@@ -96,7 +96,7 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
     options = policy_options(spec, args.peer_pull)
     options.pop("allow_pull", None)  # the gateway derives what it can pull from its protocol
     # --peer-pull: every emulator bidirectional, prefills on priority scheduling, the gateway stages
-    # prefill-to-prefill pulls (conductor/peer_pull.py); without it, pulls off on both sides
+    # prefill-to-prefill pulls (conductor/routing/peer_pull.py); without it, pulls off on both sides
     extra = (
         {"pd_peer_pull": "on", "pd_peer_pull_priority": -1, "pd_readback": "off", "kv": {"forward_token_ids": True}}
         if args.peer_pull

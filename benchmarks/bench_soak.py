@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 
 SYSTEM_PROMPTS = 64  # distinct shared prefixes (tool-agent style: long system prompt + a question)
 

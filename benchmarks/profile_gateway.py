@@ -29,8 +29,8 @@ from common import Processes, free_port, wait_http
 # (stage, path fragments): the first stage whose fragment appears in a frame's file wins, frames
 # taken from the leaf outwards; order matters only within one frame
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("metrics (prometheus_client)", ("prometheus_client/", "conductor/metrics.py", "conductor/loop_metrics.py")),
-    ("logging", ("/logging/", "conductor/logs.py")),
+    ("metrics (prometheus_client)", ("prometheus_client/", "conductor/ops/metrics.py", "conductor/ops/loop_metrics.py")),
+    ("logging", ("/logging/", "conductor/ops/logs.py")),
     (
         "tokenize + block keys",
         (
@@ -41,9 +41,9 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("index look-up", ("adapters/index/",)),
-    ("prompt analysis (KV awareness)", ("conductor/kv_awareness.py", "conductor/analysis.py", "conductor/kv_agreement.py")),
+    ("prompt analysis (KV awareness)", ("conductor/kv/analyzer.py", "conductor/kv/analysis.py", "conductor/kv/agreement.py")),
     ("decision (policy, predictors)", ("policies/", "predictors/")),
-    ("request parsing + validation", ("conductor/requests.py", "pydantic", "msgspec")),
+    ("request parsing + validation", ("conductor/server/requests.py", "pydantic", "msgspec")),
     # the server side first: "adapters/http1" below would take its frames too
     (
         "HTTP server (adapters/http1_server, uvicorn, httptools)",
@@ -54,24 +54,29 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "httptools",
             "starlette/",
             "fastapi/",
-            "conductor/app.py",
+            "conductor/server/app.py",
         ),
     ),
     ("upstream client (HTTP/1.1, P/D legs)", ("adapters/http1", "adapters/upstream.py", "adapters/pd/")),
     (
         "relay + response streaming",
-        ("conductor/relay.py", "conductor/batch_relay.py", "conductor/proxy.py", "conductor/http_errors.py"),
+        (
+            "conductor/routing/relay.py",
+            "conductor/routing/batch_relay.py",
+            "conductor/server/endpoint.py",
+            "conductor/server/errors.py",
+        ),
     ),
     (
         "gateway bookkeeping (load, deadlines)",
         (
             "conductor/gateway.py",
-            "conductor/instances.py",
-            "conductor/deadlines.py",
+            "conductor/fleet/instances.py",
+            "conductor/routing/deadlines.py",
             "adapters/load_share.py",
             "adapters/shm_load_share.py",
-            "conductor/readback.py",
-            "conductor/tracing.py",
+            "conductor/routing/readback.py",
+            "conductor/ops/tracing.py",
         ),
     ),
     ("event loop (asyncio, uvloop)", ("asyncio/", "uvloop")),

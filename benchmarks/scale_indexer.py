@@ -32,9 +32,9 @@ def _serve_indexer(port: int, count: int, other_blocks: int) -> None:
     (same seed, same order), written straight into its index (no feed connects anywhere)."""
     import uvicorn
 
-    from conductor.indexer import IndexerService
-    from conductor.indexer_api import create_indexer_app
-    from conductor.settings import load_settings
+    from conductor.config.settings import load_settings
+    from conductor.indexer.api import create_indexer_app
+    from conductor.indexer.service import IndexerService
 
     settings = load_settings(
         environ={},

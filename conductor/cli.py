@@ -31,7 +31,7 @@ def _prefill_arg(values: list[str]) -> dict[str, Any]:
 def _default(field: str) -> str:
     """A setting's built-in default, for --help (flags left out fall back to the config file,
     CONDUCTOR_* variables, then this)."""
-    from conductor.settings import Settings
+    from conductor.config.settings import Settings
 
     value = Settings.model_fields[field].default
     return "none" if value in (None, ()) else str(value)
@@ -85,7 +85,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
-    from conductor.settings import load_settings
+    from conductor.config.settings import load_settings
 
     overrides: dict[str, Any] = {
         "host": args.host,
@@ -117,8 +117,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from conductor import serving
-    from conductor.logs import configure_logging
+    from conductor.ops.logs import configure_logging
+    from conductor.server import serving
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format, settings.access_log)
@@ -170,13 +170,13 @@ def _delegate(module: str, func: str) -> Callable[[str, list[str], bool], int]:
 
 SUBCOMMANDS: dict[str, tuple[str, Callable[[str, list[str], bool], int]]] = {
     "emulate": ("run an emulated vLLM worker", _delegate("adapters.emulator.cli", "emulate_main")),
-    "demo": ("run an emulated P/D cluster behind the gateway and replay a trace", _delegate("conductor.demo", "demo_main")),
+    "demo": ("run an emulated P/D cluster behind the gateway and replay a trace", _delegate("conductor.demo.run", "demo_main")),
     "fit": ("fit predictor parameters from a profile CSV", _delegate("predictors.cli", "fit_main")),
     "replay": ("replay a trace: simulated, or live against a gateway", _delegate("traces.replay_cli", "replay_main")),
     "tune-pd": ("sweep P:D splits of N nodes on a trace", _delegate("traces.tune", "tune_main")),
     "indexer": (
         "ingest every worker's KV events and answer cache look-ups (Mooncake RFC 1403 API)",
-        _delegate("conductor.indexer_cli", "indexer_main"),
+        _delegate("conductor.indexer.cli", "indexer_main"),
     ),
 }
 

@@ -1,5 +1,5 @@
 """The gateway's parts, wired once at start-up: settings, instances, policy, prompt analysis,
-P/D protocol and metrics. The HTTP layer (conductor/proxy.py, conductor/app.py) only calls it."""
+P/D protocol and metrics. The HTTP layer (conductor/server/endpoint.py, conductor/server/app.py) only calls it."""
 
 from __future__ import annotations
 
@@ -19,25 +19,25 @@ from adapters.lesson_share import LessonShare, NoLessonShare
 from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
-from conductor.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
+from conductor.config.settings import Settings
 from conductor.core.decision_log import decision_log_record
 from conductor.core.errors import BadRequest, ConfigError, NoHealthyInstance, Rejected, Unauthorized
 from conductor.core.types import Decision, Observation, Policy, PrefillLeg, PrefillLegObserver, RequestView, Role, Slo
-from conductor.deadlines import Deadlines
-from conductor.gc_freeze import GcFreezer
-from conductor.instances import InstanceRegistry
-from conductor.kv_awareness import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
-from conductor.membership import Membership
-from conductor.metrics import GatewayMetrics, LessonMetrics
-from conductor.peer_pull import peer_sources
-from conductor.readback import Offer, ReadbackTable, pull_sources
-from conductor.settings import Settings
-from conductor.tracing import Tracing, decision_attributes
+from conductor.fleet.instances import InstanceRegistry
+from conductor.fleet.membership import Membership
+from conductor.kv.analysis import EstimatingAnalyzer, PromptAnalysis, PromptAnalyzer
+from conductor.kv.analyzer import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
+from conductor.ops.gc_freeze import GcFreezer
+from conductor.ops.metrics import GatewayMetrics, LessonMetrics
+from conductor.ops.tracing import Tracing, decision_attributes
+from conductor.routing.deadlines import Deadlines
+from conductor.routing.peer_pull import peer_sources
+from conductor.routing.readback import Offer, ReadbackTable, pull_sources
 from policies.base import NO_INSTANCE
 from policies.registry import load_policy
 from predictors.online import Predictors
 
-log = logging.getLogger("conductor.gateway")
+log = logging.getLogger(__name__)
 decision_log = logging.getLogger("conductor.decisions")
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
@@ -112,7 +112,7 @@ class Gateway:
             if self.protocol.name == "nixl" and settings.pd_readback == "auto" and settings.kv.enabled
             else None
         )
-        # prefill-to-prefill pulls (conductor/peer_pull.py): possible where the settings allow them,
+        # prefill-to-prefill pulls (conductor/routing/peer_pull.py): possible where the settings allow them,
         # active from the start ("on") or once a decode has shown the cluster runs bidirectional NIXL
         self.peer_pull = peer_pull_possible(settings)
         if settings.pd_peer_pull == "on" and not self.peer_pull:
@@ -120,7 +120,7 @@ class Gateway:
                 "pd_peer_pull 'on' needs the gateway's token ids to be the workers' own: a model "
                 "tokenizer for kv.tokenizer, or kv.forward_token_ids true"
             )
-        self.deadlines = Deadlines(settings.request_timeout_s)  # request_timeout_s, swept (conductor/deadlines.py)
+        self.deadlines = Deadlines(settings.request_timeout_s)  # request_timeout_s, swept (conductor/routing/deadlines.py)
         self._seq = itertools.count()
         self.inflight = 0  # requests between admission and their last byte
         self.api_keys = settings.client_keys()  # read once: a key file is checked at start-up

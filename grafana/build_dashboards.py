@@ -3,7 +3,7 @@
     python grafana/build_dashboards.py           # rewrite grafana/*.json
     python grafana/build_dashboards.py --check   # exit 1 if a JSON file is stale
 
-Every query reads metric names the gateway exports (conductor/metrics.py) or vLLM's own
+Every query reads metric names the gateway exports (conductor/ops/metrics.py) or vLLM's own
 (`vllm:`); tests/helm/test_dashboards.py checks them against a live gateway's /metrics, checks each
 panel's unit against its metrics' names (seconds, bytes, fractions, per-second rates) and that every
 panel has a description (building a Panel without one fails). Panels use the
@@ -349,7 +349,7 @@ def _gateway_rows() -> tuple[Row, ...]:
                     "Prefill-to-prefill pulls",
                     (Target(f"sum by (event) ({rate('conductor_pd_peer_pull_total')})", "{{event}}"),),
                     "ops",
-                    description="Pulls of a prefix another prefill holds (conductor/peer_pull.py): staging "
+                    description="Pulls of a prefix another prefill holds (conductor/routing/peer_pull.py): staging "
                     "requests that pinned it on the holder (staged), that failed (stage_failed: computed instead), "
                     "planned pulls not staged (skipped: too small or too late for the lease), and staged pulls the "
                     "prefill failed to read (failed).",
@@ -487,7 +487,7 @@ def _kv_events_row() -> Row:
                 width=8,
                 description="1 while an agreement (direction over) or coverage (direction under) "
                 "alarm is raised on an instance, labelled with the likely cause; the gateway logs the same "
-                "diagnosis once (logger conductor.kv_awareness).",
+                "diagnosis once (logger conductor.kv.analyzer).",
             ),
             Panel(
                 "Prompt length mismatches",

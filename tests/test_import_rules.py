@@ -152,7 +152,11 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     ("rel", "text", "why"),
     [
         ("adapters/store.py", "from policies.types import Decision\n", "adapters may not import policies"),
-        ("adapters/store.py", "def f():\n    from conductor.settings import Settings\n", "adapters may not import gateway"),
+        (
+            "adapters/store.py",
+            "def f():\n    from conductor.config.settings import Settings\n",
+            "adapters may not import gateway",
+        ),
         ("predictors/fit.py", "from policies import base\n", "predictors may not import policies"),
         ("policies/p.py", "import conductor.gateway\n", "policies may not import gateway"),
         ("policies/p.py", "import redis\n", "policies does no I/O"),

@@ -12,7 +12,7 @@ A pair that ages out costs a child whose parent it was: the child is counted `un
 skipped, the same as a block stored before the gateway started listening.
 
 The feeder also keeps per-instance evidence for the hash agreement diagnosis
-(conductor/kv_agreement.py): blocks whose parent it never saw stored ("orphans": the gateway started
+(conductor/kv/agreement.py): blocks whose parent it never saw stored ("orphans": the gateway started
 after the worker cached their prefix), and, in "vllm" mode, a check of the worker's own hashes: a
 BlockStored at the start of a prompt carries its token ids, so the gateway hashes the first block
 itself; a different hash means kv.vllm_hash_algo or kv.vllm_hash_seed is not the workers'.

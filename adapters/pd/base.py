@@ -59,7 +59,7 @@ class Outgoing:
     stream: bool
     client_request_id: str = ""  # the client's X-Request-ID (checked), echoed back, never a key
     # kv_transfer_params the prefill leg adds to its usual ones: a pull the decision planned (NIXL
-    # readback of a decode's pinned KV, conductor/readback.py); None: no pull
+    # readback of a decode's pinned KV, conductor/routing/readback.py); None: no pull
     pull: Mapping[str, Any] | None = None
 
 

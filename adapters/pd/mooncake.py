@@ -33,7 +33,7 @@ from adapters.pd.base import Exchange, Outgoing, Target, decode_json, prefill_bo
 from adapters.pd.concurrent import concurrent_exchange
 from conductor.core.errors import ConfigError, NoHealthyInstance
 
-log = logging.getLogger("conductor.pd.mooncake")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ carries its own `kv_transfer_params` (where the request's KV stays pinned). They
 answer here (workers' addresses are not the client's business) and handed to the gateway as
 `Exchange.decode_kv_params`; a later prefill leg given `Outgoing.pull` pulls from them.
 
-Staging a prefix (prefill-to-prefill pulls, conductor/peer_pull.py): `stage_prefix` asks a prefill
+Staging a prefix (prefill-to-prefill pulls, conductor/routing/peer_pull.py): `stage_prefix` asks a prefill
 that holds a prefix for a one-token completion of the prefix's token ids with the prefill leg's
 usual kv_transfer_params; its answer says where the now pinned blocks are, as it would to a decode.
 """

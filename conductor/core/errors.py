@@ -1,5 +1,5 @@
 """The one error hierarchy. Every failure a client can see is a ConductorError subclass; the
-gateway turns them into OpenAI-style bodies in exactly one place (`conductor.http_errors`)."""
+gateway turns them into OpenAI-style bodies in exactly one place (`conductor.server.errors`)."""
 
 from __future__ import annotations
 

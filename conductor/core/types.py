@@ -70,13 +70,13 @@ class RequestView:
     stream: bool = False
     # Where a prefill could pull a cached prefix from, and how many leading tokens: instance id ->
     # tokens. The gateway lists only pulls it can carry out (a NIXL decode's readback of the last
-    # turn, conductor/readback.py); empty when the cluster has no pull mechanism. None: every
+    # turn, conductor/routing/readback.py); empty when the cluster has no pull mechanism. None: every
     # instance in `cached` is a source (a cluster whose instances pull from each other, as the
     # simulator's peer-pull mode models).
     pull_sources: Mapping[str, int] | None = None
     # The sources among `pull_sources` whose KV becomes readable only after a small staging request
     # has gone through their own FCFS prefill queue (a NIXL prefill-to-prefill pull: the holder is
-    # asked for the prefix's block ids first, conductor/peer_pull.py). A policy adds that queue's
+    # asked for the prefix's block ids first, conductor/routing/peer_pull.py). A policy adds that queue's
     # predicted wait to a pull from them; a decode's readback or the store needs no staging.
     queued_pull_sources: frozenset[str] = frozenset()
     # True: those staging requests jump the holder's waiting queue (vLLM priority scheduling), so

@@ -20,10 +20,10 @@ import pytest
 import uvicorn
 
 from adapters.discovery import DnsDiscovery, DnsResolver, DnsSource, ResolutionFailed, StaticResolver, instance_for
-from conductor.app import create_app
+from conductor.config.settings import load_settings
 from conductor.core.types import Role
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
+from conductor.server.app import create_app
 from tests.support.servers import ServerThread, free_port, serve
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for

@@ -732,8 +732,8 @@ async def test_https_worker(serve: Callable[..., Awaitable[Server]], pools: list
 
 
 def test_instance_urls_are_checked_in_settings() -> None:
+    from conductor.config.settings import load_settings
     from conductor.core.errors import ConfigError
-    from conductor.settings import load_settings
 
     ok = load_settings(overrides={"mixed": ["https://w.example:8443/", "http://[::1]:8100"]})
     assert [s.url for s in ok.mixed] == ["https://w.example:8443", "http://[::1]:8100"]

@@ -12,8 +12,8 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
 from tests.support.servers import serve_gateway
 

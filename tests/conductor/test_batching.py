@@ -1,4 +1,4 @@
-"""conductor/batching.py: a completions batch split into one request per prompt, the answers merged.
+"""conductor/routing/batching.py: a completions batch split into one request per prompt, the answers merged.
 
 The merges are fed real bytes: SSE streams cut at awkward places (inside JSON, between the two
 newlines of a separator, CRLF separators), interleaved across prompts; and, end to end, emulated
@@ -19,8 +19,8 @@ import httpx
 import msgspec
 import pytest
 
-from conductor.batching import StreamMerger, merge_replies, split_prompts, sum_usage
 from conductor.core.errors import UpstreamError
+from conductor.routing.batching import StreamMerger, merge_replies, split_prompts, sum_usage
 from tests.support.emulator import Emulator, start_emulator
 
 HEAD = {"id": "cmpl-a", "object": "text_completion", "created": 7, "model": "m"}

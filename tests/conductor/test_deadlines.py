@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from conductor.deadlines import Deadlines
+from conductor.routing.deadlines import Deadlines
 
 
 async def _sleeper() -> None:

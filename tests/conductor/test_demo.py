@@ -170,7 +170,7 @@ def test_policy_options_reach_the_gateway_and_a_malformed_spec_starts_nothing(tm
 
 
 def test_time_scale_scales_the_policy_predictions_with_the_emulators(tmp_path: Path) -> None:
-    from conductor.demo import _scaled_params
+    from conductor.demo.run import _scaled_params
     from predictors.params import PredictorParams
     from predictors.profile import bundled_profile, fit_profiles
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from adapters.emulator.profile import load_profile
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
 from tests.support.servers import serve_gateway
 

@@ -6,7 +6,7 @@ import asyncio
 import gc
 import weakref
 
-from conductor.gc_freeze import GcFreezer
+from conductor.ops.gc_freeze import GcFreezer
 
 
 async def test_it_collects_cycles_then_freezes_the_survivors() -> None:

@@ -21,12 +21,12 @@ import zmq
 
 from adapters.emulator.kv_events import END_SEQ, block_stored
 from adapters.index.remote import IndexerClient
+from conductor.config.settings import Settings, load_settings
 from conductor.core.block_keys import XxhashKeys
 from conductor.gateway import Gateway
-from conductor.indexer import IndexerService
-from conductor.indexer_api import QueryLimits, create_indexer_app
-from conductor.kv_awareness import KVAwareAnalyzer
-from conductor.settings import Settings, load_settings
+from conductor.indexer.api import QueryLimits, create_indexer_app
+from conductor.indexer.service import IndexerService
+from conductor.kv.analyzer import KVAwareAnalyzer
 from tests.support.emulator import Emulator, free_port, start_emulator
 from tests.support.servers import serve, serve_gateway
 from tests.support.waiting import wait_for

@@ -9,10 +9,10 @@ from typing import cast
 import pytest
 
 from adapters.pd.base import Target
+from conductor.config.settings import InstanceSpec
 from conductor.core.types import QueuedPrefill, Role
-from conductor.health import InstanceHealth
-from conductor.instances import InstanceState
-from conductor.settings import InstanceSpec
+from conductor.fleet.health import InstanceHealth
+from conductor.fleet.instances import InstanceState
 
 
 def state() -> InstanceState:

@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.servers import free_port, serve, serve_gateway
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for

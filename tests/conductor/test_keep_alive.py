@@ -12,9 +12,9 @@ import time
 
 import h11
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.serving import uvicorn_config
-from conductor.settings import load_settings
+from conductor.server.serving import uvicorn_config
 from tests.support.cluster import cluster
 from tests.support.waiting import wait_for
 

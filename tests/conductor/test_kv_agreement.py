@@ -7,9 +7,9 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from conductor.kv_agreement import FeedEvidence, HashAgreement, HashSetup, Sample, diagnose
+from conductor.kv.agreement import FeedEvidence, HashAgreement, HashSetup, Sample, diagnose
 
-LOGGER = "conductor.kv_awareness"
+LOGGER = "conductor.kv"
 HEALTHY = FeedEvidence(configured=True, endpoint="tcp://w:5557", batches=10)
 
 

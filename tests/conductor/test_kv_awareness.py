@@ -21,7 +21,7 @@ from conductor.core.block_keys import XxhashKeys
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import CachedPrefix, Decision, Observation, Role
 from conductor.core.vllm_hash import VllmBlockHasher
-from conductor.kv_awareness import HashAgreement, KVAwareAnalyzer, build_analyzer
+from conductor.kv.analyzer import HashAgreement, KVAwareAnalyzer, build_analyzer
 from tests.support.emulator import Emulator, start_emulator
 
 WORDS = ["hello", "world", "the", "cache", "is", "warm", "a", "b", "c", "d"]
@@ -258,7 +258,7 @@ def test_hash_agreement_collapse_warns_loudly(caplog: pytest.LogCaptureFixture) 
     for _ in range(30):
         agreement.observe(512, 512)
     assert registry.get_sample_value("conductor_kv_hash_agreement") == 1.0
-    with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"):
+    with caplog.at_level(logging.WARNING, logger="conductor.kv"):
         for _ in range(50):  # a seed mismatch: predicted hits, workers see none
             agreement.observe(512, 0)
     assert agreement.alarmed
@@ -335,7 +335,7 @@ async def test_gateway_never_takes_the_vllm_seed_from_its_own_environment(
 ) -> None:
     """Finding: PYTHONHASHSEED set for the gateway and not for the workers made 0 keys match."""
     monkeypatch.setenv("PYTHONHASHSEED", "123")
-    with caplog.at_level(logging.INFO, logger="conductor.kv_awareness"):
+    with caplog.at_level(logging.INFO, logger="conductor.kv"):
         analyzer = build_analyzer({"enabled": True, "key_mode": "vllm", "vllm_hash_algo": "sha256_cbor"}, [])
     try:
         a = await analyzer.analyse("completions", {"prompt": "x" * 40})
@@ -346,7 +346,7 @@ async def test_gateway_never_takes_the_vllm_seed_from_its_own_environment(
     finally:
         await analyzer.close()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"):
+    with caplog.at_level(logging.WARNING, logger="conductor.kv"):
         explicit = build_analyzer({"enabled": True, "key_mode": "vllm", "vllm_hash_algo": "xxhash"}, [])
         await explicit.close()
     assert any(r.getMessage().startswith("VLLM HASH SEED UNSET with kv.vllm_hash_algo 'xxhash'") for r in caplog.records)

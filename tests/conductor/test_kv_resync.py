@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from adapters.index.memory import MemoryIndex
+from conductor.config.settings import load_settings
 from conductor.core.block_keys import make_scheme
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.emulator import Emulator, start_emulator
 from tests.support.servers import serve_gateway
 
@@ -134,7 +134,7 @@ def test_late_start_without_catch_up_raises_the_coverage_alarm(worker: Emulator,
     prompts = [*_prompts(2), *_prompts(4)]
     _serve_directly(worker, prompts)
     gateway = _gateway(worker, key_mode="vllm", replay_on_start=False)
-    with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"), ExitStack() as stack:
+    with caplog.at_level(logging.WARNING, logger="conductor.kv"), ExitStack() as stack:
         url = stack.enter_context(serve_gateway(gateway)).url
         # ZMQ subscriptions take a moment: fresh prompts (nothing cached, nothing predicted) until one
         # event has come through, so none of those below can be missed
@@ -160,7 +160,7 @@ def test_wrong_seed_is_named_from_the_events_own_hashes(worker: Emulator, caplog
     prompts = _prompts(3)
     _serve_directly(worker, prompts)
     gateway = _gateway(worker, key_mode="vllm", seed=None)  # the workers run with PYTHONHASHSEED=7
-    with caplog.at_level(logging.WARNING, logger="conductor.kv_awareness"), ExitStack() as stack:
+    with caplog.at_level(logging.WARNING, logger="conductor.kv"), ExitStack() as stack:
         url = stack.enter_context(serve_gateway(gateway)).url
         for prompt in prompts:
             assert _through(url, prompt) == 6 * BS  # cached at the worker; under keys the gateway cannot compute

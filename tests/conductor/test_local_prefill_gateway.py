@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from conductor.config.settings import load_settings
 from conductor.core.errors import ConfigError
 from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from policies.base import BasePolicy
 from policies.kvcache_aware import KvCacheAwarePolicy
 from tests.support.emulator import Emulator, start_emulator

@@ -10,8 +10,8 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from conductor.loop_metrics import LoopCounter, LoopHistogram
-from conductor.metrics import GatewayMetrics
+from conductor.ops.loop_metrics import LoopCounter, LoopHistogram
+from conductor.ops.metrics import GatewayMetrics
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5)
 _CREATED = re.compile(r"^(\S+_created(?:\{[^}]*\})?) \S+$")
@@ -99,7 +99,7 @@ def test_gateway_metrics_keep_their_names() -> None:
 
 
 def test_remove_by_labels_drops_the_series_prometheus_client_drops() -> None:
-    """An instance that leaves takes its series with it (conductor.membership)."""
+    """An instance that leaves takes its series with it (conductor.fleet.membership)."""
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     a = LoopCounter("t_err", "errors", ["instance", "kind"], registry=ours)
     b = Counter("t_err", "errors", ["instance", "kind"], registry=theirs)

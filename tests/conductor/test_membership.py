@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
 from tests.support.servers import ServerThread, serve, serve_gateway
 from tests.support.standin import StandIn

@@ -18,8 +18,8 @@ schemathesis = pytest.importorskip("schemathesis")  # the `test` extra installs 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
+from conductor.config.settings import load_settings  # noqa: E402
 from conductor.gateway import Gateway  # noqa: E402
-from conductor.settings import load_settings  # noqa: E402
 from tests.support.servers import serve, serve_gateway  # noqa: E402
 from tests.support.standin import StandIn  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The staging answer -> pull params rule and the peer source list (conductor/peer_pull.py)."""
+"""The staging answer -> pull params rule and the peer source list (conductor/routing/peer_pull.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from conductor.analysis import PromptAnalysis
 from conductor.core.types import CachedPrefix, Role, Tier
-from conductor.peer_pull import peer_sources, pull_params
+from conductor.kv.analysis import PromptAnalysis
+from conductor.routing.peer_pull import peer_sources, pull_params
 
 # a vLLM 0.32 NIXL producer's answer to a 289-token staging request (block size 32: 10 blocks,
 # the last one partial), as pull_scheduler.request_finished writes it

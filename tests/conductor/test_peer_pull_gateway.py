@@ -1,4 +1,4 @@
-"""The gateway carries out a prefill-to-prefill pull (conductor/peer_pull.py) on emulated workers.
+"""The gateway carries out a prefill-to-prefill pull (conductor/routing/peer_pull.py) on emulated workers.
 
 Two bidirectional NIXL prefills with KV events and a bidirectional decode. One prefill holds a
 prompt's prefix; the policy sends a longer prompt to the other one and pulls from the holder. The
@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
+from conductor.config.settings import load_settings
 from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from policies.base import BasePolicy, no_instance
 from tests.conductor.test_readback_gateway import cached_counters, holders, index_holders
 from tests.support.cluster import cluster

@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 import httpx
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from predictors.online import Predictors
 from tests.support.emulator import start_emulator
 from tests.support.servers import serve_gateway

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conductor.readback import Handle, ReadbackTable, parse_decode_params, pull_sources, pull_tokens_for
+from conductor.routing.readback import Handle, ReadbackTable, parse_decode_params, pull_sources, pull_tokens_for
 
 
 class Clock:

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.kv_awareness import KVAwareAnalyzer
-from conductor.settings import load_settings
+from conductor.kv.analyzer import KVAwareAnalyzer
 from policies.registry import load_policy
 from tests.support.cluster import cluster
 from tests.support.emulator import Emulator, free_port, start_emulator

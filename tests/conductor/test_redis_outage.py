@@ -16,7 +16,7 @@ import httpx
 from adapters.breaker import BreakerState
 from adapters.index.guarded import GuardedIndex
 from adapters.load_share import RedisLoadShare
-from conductor.kv_awareness import KVAwareAnalyzer
+from conductor.kv.analyzer import KVAwareAnalyzer
 from tests.adapters.index.redis_proc import RedisProcess, redis_process
 from tests.support.cluster import Cluster, cluster
 from tests.support.waiting import wait_for

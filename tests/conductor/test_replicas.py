@@ -10,9 +10,9 @@ from contextlib import ExitStack
 import httpx
 import redis
 
+from conductor.config.settings import load_settings
 from conductor.core.types import Role
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.servers import serve, serve_gateway
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for

@@ -7,9 +7,9 @@ import argparse
 import pytest
 
 from conductor.cli import add_serve_args, settings_from_args
+from conductor.config.settings import load_settings
 from conductor.core.errors import ConfigError, PluginError
 from conductor.core.types import Role
-from conductor.settings import load_settings
 from policies.registry import load_policy
 
 

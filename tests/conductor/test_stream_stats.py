@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.relay import StreamStats
+from conductor.routing.relay import StreamStats
 
 
 def event(text: str) -> bytes:

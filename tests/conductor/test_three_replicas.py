@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from conductor.config.settings import load_settings
 from conductor.core.types import Role
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.servers import serve, serve_gateway
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conductor.tracing import Tracing
+from conductor.ops.tracing import Tracing
 from tests.support.cluster import cluster
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

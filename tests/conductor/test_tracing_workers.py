@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.emulator import start_emulator
 from tests.support.otlp import OtlpReceiver
 from tests.support.servers import serve, serve_gateway

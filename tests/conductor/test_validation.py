@@ -14,12 +14,12 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from adapters.tokenizers import HFTokenizer, LocalTokenizer, WorkerTokenizer
-from conductor.analysis import EstimatingAnalyzer, vocab_size_of
 from conductor.core.errors import Overloaded, Rejected
 from conductor.core.tokenization import ByteTokenizer, message_text
 from conductor.core.types import ClusterSnapshot, Decision, Rejection, RequestView
-from conductor.http_errors import render
-from conductor.requests import MAX_DEPTH, nesting_depth
+from conductor.kv.analysis import EstimatingAnalyzer, vocab_size_of
+from conductor.server.errors import render
+from conductor.server.requests import MAX_DEPTH, nesting_depth
 from policies.base import BasePolicy
 from tests.support.cluster import Cluster, cluster
 

@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 import httpx
 
 from adapters.index.memory import MemoryIndex
+from conductor.config.settings import load_settings
 from conductor.core.types import Observation
 from conductor.gateway import Gateway
-from conductor.kv_awareness import KVAwareAnalyzer
-from conductor.settings import load_settings
+from conductor.kv.analyzer import KVAwareAnalyzer
 from tests.support.servers import ServerThread, serve_gateway
 
 T = TypeVar("T")
@@ -37,7 +37,7 @@ class GatewayUnderTest:
     server: ServerThread
     observations: list[Observation] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)  # the conductor.decisions log lines
-    kv_warnings: list[str] = field(default_factory=list)  # warnings of the KV index (conductor.kv_awareness)
+    kv_warnings: list[str] = field(default_factory=list)  # warnings of the KV index (conductor.kv.analyzer)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -147,7 +147,7 @@ def run_gateway(policy: Any = None, **overrides: Any) -> Iterator[GatewayUnderTe
         old_level = decisions.level
         decisions.setLevel(logging.INFO)
         decisions.addHandler(handler)
-        kv_log = logging.getLogger("conductor.kv_awareness")
+        kv_log = logging.getLogger("conductor.kv")
         kv_handler = _LogLines(gut.kv_warnings, logging.WARNING)
         kv_log.addHandler(kv_handler)
         try:

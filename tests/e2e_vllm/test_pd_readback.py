@@ -3,13 +3,13 @@
 The readback: the next turn's prefill reads the last turn's KV back from the decode.
 
 vLLM 0.32's NixlConnector with `bidirectional_kv_xfer` keeps a finished request's KV pinned on the
-decode and says where in its answer; the gateway files that (conductor/readback.py), and when the
+decode and says where in its answer; the gateway files that (conductor/routing/readback.py), and when the
 next turn's prompt starts with the last one, offers the policy a pull from that decode. Here the
 prefill engine's own cache is emptied between the turns (what a prefill that never saw the
 conversation, or evicted it, holds), so the only way to a cache hit is the pull: the prefill counts
 the tokens as `external_kv_transfer`, reports them cached, and the index predicted exactly that.
 
-The prefill-to-prefill pull (conductor/peer_pull.py) runs on the same engines plus a second
+The prefill-to-prefill pull (conductor/routing/peer_pull.py) runs on the same engines plus a second
 prefill, behind a second gateway: the first prompt is computed on prefill-0; the next prompt,
 which starts with it, is sent to prefill-1 (a scripted policy: what is under test is that the
 gateway carries the pull out) with a pull from prefill-0. The gateway stages the prefix there (one

@@ -1,6 +1,6 @@
 """The Helm chart, rendered by a real helm: the gateway's settings name every prefill/decode pod the
 StatefulSets create (with the bootstrap port where the protocol needs one), the engines carry the
-matching connector flags, the gateway accepts the rendered settings (parsed by conductor.settings),
+matching connector flags, the gateway accepts the rendered settings (parsed by conductor.config.settings),
 probes, Redis, ServiceMonitors and the dashboards ConfigMap are right, and every manifest validates
 against the Kubernetes 1.33 schemas. test_chart_run.py runs the rendered command lines.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conductor.settings import load_settings
+from conductor.config.settings import load_settings
 from tests.helm.chart import (
     CHART,
     FULL,

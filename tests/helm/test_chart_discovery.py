@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conductor.config.settings import load_settings
 from conductor.core.types import Role
-from conductor.settings import load_settings
 from tests.helm.chart import FULL, NAMESPACE, container, gateway_config, needs_helm, one, ports, render
 
 pytestmark = needs_helm

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conductor.settings import load_settings
+from conductor.config.settings import load_settings
 from tests.helm.chart import CHART, FULL, HELM, container, env, gateway_config, needs_helm, one, render
 
 pytestmark = needs_helm

@@ -7,9 +7,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from conductor.config.settings import load_settings
 from conductor.core.types import Policy
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.servers import READY_TIMEOUT_S, ServerThread, serve, serve_gateway
 from tests.support.standin import BootstrapStandIn, StandIn
 

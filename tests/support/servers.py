@@ -12,8 +12,8 @@ from typing import Any
 import uvicorn
 
 from adapters.http1_server import HttpServerConnection
-from conductor.app import FastPath, create_app
 from conductor.gateway import Gateway
+from conductor.server.app import FastPath, create_app
 from tests.support.ports import free_port as free_port
 from tests.support.ports import free_port_run as free_port_run
 from tests.support.waiting import wait_for

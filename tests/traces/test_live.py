@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
-from conductor.settings import load_settings
 from tests.support.emulator import Emulator, free_port, start_emulator
 from tests.support.servers import READY_TIMEOUT_S, ServerThread, serve_gateway
 from traces.formats import TraceRequest
@@ -243,7 +243,7 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
 def test_prediction_errors_fold_instances_by_samples() -> None:
     from prometheus_client import generate_latest
 
-    from conductor.metrics import GatewayMetrics
+    from conductor.ops.metrics import GatewayMetrics
     from traces.live_client import cached_counts, prediction_errors
 
     m = GatewayMetrics()

@@ -12,7 +12,7 @@ from traces.sim.truth import TruthModel, fit_truth
 # "peer" pulls from another prefill instance's memory (Mooncake Transfer Engine / NIXL between
 # instances), "store" from the pooled Mooncake Store (needs store_capacity_tokens > 0), "both", "none".
 # "staged" and "staged-fcfs" are peer pulls as the gateway carries them out over stock vLLM NIXL
-# (conductor/peer_pull.py): the holder first serves a one-token staging request that pins the
+# (conductor/routing/peer_pull.py): the holder first serves a one-token staging request that pins the
 # prefix, which waits for the prefill running there ("staged": vLLM priority scheduling, the
 # staging request jumps the queue) or for the holder's whole queue ("staged-fcfs").
 PULL_MODES: Final = ("none", "peer", "store", "both", "staged", "staged-fcfs")
@@ -42,7 +42,7 @@ class SimConfig:
     model: str = "sim-model"
     snapshot_refresh_s: float = 0.1  # views handed to policies are rebuilt at least this often
     max_prefill_queue: int = 256  # prefills queued on one instance; past it: rejected ("queue_full")
-    # The gateway lists a request under its decode instance from dispatch (conductor/proxy.py calls
+    # The gateway lists a request under its decode instance from dispatch (conductor/server/endpoint.py calls
     # add_decode before the prefill finishes); False lists only streams already decoding.
     routed_in_decode_view: bool = True
     observe: bool = True  # feed simulated outcomes back to policy.observe()

@@ -120,7 +120,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-The gateway's settings (conductor/settings.py field names), as YAML: every worker pod with its
+The gateway's settings (conductor/config/settings.py field names), as YAML: every worker pod with its
 URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.config merged over.
 */}}
 {{- define "conductor.gatewayConfig" -}}

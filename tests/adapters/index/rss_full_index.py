@@ -27,12 +27,12 @@ def _status_mib(field: str) -> float:
 
 
 async def fill(index_bytes: int | None, map_bytes: int | None) -> dict[str, Any]:
-    import conductor.app  # noqa: F401  # the gateway's own imports count towards its memory
+    import conductor.server.app  # noqa: F401  # the gateway's own imports count towards its memory
     from adapters.index.feed import MAPPED_ENTRY_BYTES
     from adapters.index.memory import ENTRY_BYTES, MemoryIndex
     from adapters.kv_events import BlockStored, EventBatch
     from conductor.core.types import Role
-    from conductor.kv_awareness import KVAwareAnalyzer, build_analyzer
+    from conductor.kv.analyzer import KVAwareAnalyzer, build_analyzer
 
     rss_before = _status_mib("VmRSS")
     options: dict[str, Any] = {"enabled": True, "key_mode": "xxhash"}

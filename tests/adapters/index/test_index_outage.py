@@ -21,7 +21,7 @@ from adapters.index.guarded import GuardedIndex
 from adapters.index.memory import MemoryIndex
 from adapters.index.redis import RedisIndex
 from conductor.core.types import Role
-from conductor.kv_awareness import KVAwareAnalyzer, build_analyzer
+from conductor.kv.analyzer import KVAwareAnalyzer, build_analyzer
 
 from .redis_proc import RedisProcess, redis_process
 

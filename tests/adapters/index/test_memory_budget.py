@@ -21,7 +21,7 @@ from adapters.index.memory import DEFAULT_INDEX_BUDGET_BYTES, ENTRY_BYTES, Memor
 from adapters.kv_events import BlockStored, EventBatch
 from conductor.core.block_keys import XxhashKeys
 from conductor.core.types import Role, Tier
-from conductor.kv_awareness import KVAwareAnalyzer, KVAwarenessSettings, build_analyzer
+from conductor.kv.analyzer import KVAwareAnalyzer, KVAwarenessSettings, build_analyzer
 
 ROOT = Path(__file__).resolve().parents[3]
 INT64_OBJECT = 48  # sys.getsizeof(2**63) == 36, in a 48-byte pymalloc block

@@ -181,8 +181,8 @@ async def test_one_lookup_gathers_instances_from_several_masters(
 
 
 async def test_gateway_routes_a_repeated_prefix_with_a_cluster_index(cluster: RedisClusterNodes) -> None:
+    from conductor.config.settings import load_settings
     from conductor.gateway import Gateway
-    from conductor.settings import load_settings
     from tests.support.emulator import start_emulator
     from tests.support.servers import serve_gateway
 

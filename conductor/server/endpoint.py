@@ -17,9 +17,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal
 
 from adapters.pd.base import Outgoing
-from conductor.analysis import PromptAnalysis, vocab_size_of
-from conductor.batch_relay import run_batch_attempt
-from conductor.batching import split_prompts
 from conductor.core.errors import (
     BadRequest,
     ConductorError,
@@ -30,10 +27,13 @@ from conductor.core.errors import (
 )
 from conductor.core.types import Slo
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway, Routed
-from conductor.http_errors import render, sse_error
-from conductor.logs import log_access
-from conductor.relay import ClientState, run_attempt
-from conductor.requests import (
+from conductor.kv.analysis import PromptAnalysis, vocab_size_of
+from conductor.ops.logs import log_access
+from conductor.routing.batch_relay import run_batch_attempt
+from conductor.routing.batching import split_prompts
+from conductor.routing.relay import ClientState, run_attempt
+from conductor.server.errors import render, sse_error
+from conductor.server.requests import (
     PASS_THROUGH_KINDS,
     check_model,
     estimate_input_tokens,
@@ -43,7 +43,7 @@ from conductor.requests import (
     read_body,
 )
 
-log = logging.getLogger("conductor.proxy")
+log = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -269,7 +269,7 @@ class CompletionsEndpoint:
         gw = self.gateway
         gw.inflight += 1
         failed: set[str] = set()
-        # P/D: each prompt of a batch is its own exchange (see conductor/batch_relay.py)
+        # P/D: each prompt of a batch is its own exchange (see conductor/routing/batch_relay.py)
         batch = split_prompts(out.body) if self.kind == "completions" and gw.settings.disaggregated else None
         deadline = gw.deadlines.enter(task, asyncio.get_running_loop().time())
         try:
@@ -296,7 +296,7 @@ class CompletionsEndpoint:
                         raise exc from None  # no other instance to try: the failure itself is the answer
             raise AssertionError("unreachable: the last attempt returns or raises")
         except asyncio.CancelledError:
-            # the sweep cancelled us (conductor/deadlines.py); any other cancellation goes on
+            # the sweep cancelled us (conductor/routing/deadlines.py); any other cancellation goes on
             if not deadline.expired or task.uncancel() > 0:
                 raise
             raise UpstreamTimeout(

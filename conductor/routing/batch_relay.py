@@ -4,7 +4,7 @@ vLLM's prefill answer to a batch carries one `kv_transfer_params`, the first pro
 OpenAI server puts `final_res_batch[0].kv_transfer_params` on the response), so handing it to a
 batched decode would give every prompt but the first someone else's KV. Here each prompt is its
 own P/D exchange on the instances the decision chose, all at once, and the answers are merged
-into what one engine answers for the batch (`conductor/batching.py`): choices in prompt order,
+into what one engine answers for the batch (`conductor/routing/batching.py`): choices in prompt order,
 usage summed, streams interleaved with one `[DONE]`.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import replace
 from typing import Any
 
 from adapters.pd.base import Exchange, Outgoing
-from conductor.batching import StreamMerger, merge_replies
 from conductor.core.errors import UpstreamError
 from conductor.core.types import Observation
 from conductor.gateway import Gateway, Routed
-from conductor.relay import (
+from conductor.routing.batching import StreamMerger, merge_replies
+from conductor.routing.relay import (
     ClientState,
     Dispatch,
     Send,

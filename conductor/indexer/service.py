@@ -7,7 +7,7 @@ settings (one config file serves both): every prefill/mixed instance with a `kv_
 replay socket), one `IndexFeeder` turns the events into keys of the configured `kv.key_mode`, and
 the index `make_index` builds holds them (`kv.index` memory, redis or redis_cluster; `kv.index: indexer`, meant
 for the gateways, means memory here: an indexer never asks itself). The HTTP side, in the shape of
-Mooncake's RFC 1403, is `conductor/indexer_api.py`.
+Mooncake's RFC 1403, is `conductor/indexer/api.py`.
 
 Holders. The index keeps each (feed, tier) as a holder of its own, named "<feed>|<tier>", where a
 feed is an instance ("prefill-0") or, with data_parallel_size > 1, one rank of it ("prefill-0#dp1").
@@ -34,13 +34,13 @@ from adapters.index.base import IndexLimits, IndexStats, KVIndex, MemoryUse, Pre
 from adapters.index.feed import IndexFeeder, mapped_within
 from adapters.index.metrics import register_kv_memory
 from adapters.kv_events import EventBatch, EventSource, EventSubscriber, offset_endpoint
+from conductor.config.settings import Settings
 from conductor.core.block_keys import BlockKeyScheme, make_scheme
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role, Tier
-from conductor.gc_freeze import GcFreezer
-from conductor.kv_event_metrics import KVEventsCollector
-from conductor.kv_index_factory import make_index
-from conductor.settings import Settings
+from conductor.kv.event_metrics import KVEventsCollector
+from conductor.kv.index_factory import make_index
+from conductor.ops.gc_freeze import GcFreezer
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class IndexerService:
             self.instances[feed.instance] = (*self.instances.get(feed.instance, ()), feed.rank)
         self.registry.register(KVEventsCollector(self.subscribers, self.feeder, list(self.feeds)))
         self._started = False
-        self.gc_freezer = GcFreezer(settings.gc_freeze_interval_s)  # the index's p99 (conductor/gc_freeze.py)
+        self.gc_freezer = GcFreezer(settings.gc_freeze_interval_s)  # the index's p99 (conductor/ops/gc_freeze.py)
 
     @property
     def block_size(self) -> int:

@@ -1,7 +1,7 @@
 """The workers the gateway routes to: their health, the load this gateway put on them, and the
 cluster snapshot a policy decides from.
 
-Membership changes at run time (conductor/membership.py drives them: DNS discovery, the admin API):
+Membership changes at run time (conductor/fleet/membership.py drives them: DNS discovery, the admin API):
 `add` puts an instance in rotation; `drain` takes it out of rotation while what it serves
 finishes, then removes it; `remove` takes it out at once. A removed instance's requests still in
 flight are not cut: its bookkeeping moves aside ("retired") until they end, and only then are its
@@ -19,12 +19,12 @@ from typing import Literal, Protocol
 from adapters.load_share import LoadShare, NoLoadShare, local_table
 from adapters.pd.base import Target, decode_json, host_of
 from adapters.upstream import Upstream, UpstreamPool
+from conductor.config.settings import InstanceSpec, Settings
 from conductor.core.errors import ConductorError, NotFound, UpstreamError
 from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
-from conductor.health import HealthRules, InstanceHealth, may_eject
-from conductor.settings import InstanceSpec, Settings
+from conductor.fleet.health import HealthRules, InstanceHealth, may_eject
 
-log = logging.getLogger("conductor.instances")
+log = logging.getLogger(__name__)
 
 RemoteEntry = tuple[tuple[QueuedPrefill, ...], tuple[ActiveDecode, ...]]
 # where an instance came from: the settings' lists, the admin API, or DNS discovery

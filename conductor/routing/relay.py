@@ -1,7 +1,7 @@
 """One attempt at serving a routed request: account the load, run the P/D exchange, relay the
 answer to the client as it arrives, and tell the gateway what happened.
 
-`conductor/proxy.py` owns the request's life (validation, admission, failover between attempts,
+`conductor/server/endpoint.py` owns the request's life (validation, admission, failover between attempts,
 the deadline); this module owns one attempt on the instances one decision chose.
 """
 
@@ -20,10 +20,10 @@ from adapters.upstream import UpstreamPoolExhausted
 from conductor.core.errors import NoHealthyInstance, UpstreamError
 from conductor.core.types import Observation, PrefillLeg
 from conductor.gateway import Gateway, Routed
-from conductor.peer_pull import stage as stage_prefix
-from conductor.readback import parse_decode_params, pull_tokens_for
+from conductor.routing.peer_pull import stage as stage_prefix
+from conductor.routing.readback import parse_decode_params, pull_tokens_for
 
-log = logging.getLogger("conductor.proxy")
+log = logging.getLogger(__name__)
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -112,7 +112,7 @@ class Dispatch:
     # kv_transfer_params of the decode readback the prefill pulls (the decision's pull), else None
     pull: dict[str, Any] | None = None
     local_cached: int = 0  # what the prefill instance holds itself (predicted_cached without the pull)
-    # a prefill-to-prefill pull to stage first (conductor/peer_pull.py): (holder, prefix tokens)
+    # a prefill-to-prefill pull to stage first (conductor/routing/peer_pull.py): (holder, prefix tokens)
     stage: tuple[str, int] | None = None
     # the decode instance prefills it itself (policies/local_prefill.py): one plain leg, as to a
     # mixed worker, with no kv_transfer_params (a vLLM kv_both engine then computes the prompt)
@@ -365,7 +365,7 @@ def pull_failed(out: Outgoing, exc: UpstreamError, prefill: str) -> bool:
 
 
 def keep_readback(gw: Gateway, decode: str, prompt_keys: tuple[int, ...], params: Any) -> None:
-    """File a bidirectional decode's pinned KV for the next turn (conductor/readback.py)."""
+    """File a bidirectional decode's pinned KV for the next turn (conductor/routing/readback.py)."""
     if gw.readback is None or not prompt_keys:
         return
     handle = parse_decode_params(decode, params, len(prompt_keys), gw.readback.now())

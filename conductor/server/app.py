@@ -1,5 +1,5 @@
 """The FastAPI applications: the public one (the OpenAI routes, plain ASGI endpoints from
-conductor/proxy.py, plus /v1/models, /health, /ready) and the operational routes: /metrics,
+conductor/server/endpoint.py, plus /v1/models, /health, /ready) and the operational routes: /metrics,
 /openapi.json and /docs, on the public port or, with `admin_port` set, only on a second server
 bound to that port. Both servers run in one event loop and share the gateway."""
 
@@ -21,11 +21,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
-from conductor import http_errors
+from conductor.fleet.membership import admin_routes
 from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway
-from conductor.membership import admin_routes
-from conductor.proxy import CompletionsEndpoint
-from conductor.requests import ChatCompletionRequest, CompletionRequest
+from conductor.server import errors as http_errors
+from conductor.server.endpoint import CompletionsEndpoint
+from conductor.server.requests import ChatCompletionRequest, CompletionRequest
 
 OPENAI_ROUTES = (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"))
 # forwarded as they are to mixed workers (400 in P/D): vLLM serves both, no KV routing for them
@@ -140,7 +140,7 @@ def _operation(kind: str, schema_ref: str, secured: bool) -> dict[str, Any]:
 
 def openapi_document(app: FastAPI, gateway: Gateway) -> dict[str, Any]:
     """FastAPI's document of its own routes, plus the two plain ASGI POST routes it cannot see,
-    their bodies described by the very models `conductor.requests.parse_request` enforces."""
+    their bodies described by the very models `conductor.server.requests.parse_request` enforces."""
     doc = get_openapi(
         title=app.title,
         version=app.version,

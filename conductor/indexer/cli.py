@@ -1,4 +1,4 @@
-"""`conductor indexer`: run the KV indexer (conductor/indexer.py) from the gateway's config file.
+"""`conductor indexer`: run the KV indexer (conductor/indexer/service.py) from the gateway's config file.
 
     conductor indexer --config conductor.yaml --host 0.0.0.0 --port 8100
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from conductor.core.cli_help import DefaultsHelpFormatter
 from conductor.core.errors import ConfigError
-from conductor.indexer_api import MAX_HASHES, MAX_TOKEN_IDS, QueryLimits
+from conductor.indexer.api import MAX_HASHES, MAX_TOKEN_IDS, QueryLimits
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,12 +48,12 @@ def _parser() -> argparse.ArgumentParser:
 def indexer_main(argv: list[str]) -> int:
     import uvicorn
 
-    from conductor.app import serve_all
     from conductor.cli import _prefill_arg
-    from conductor.indexer import IndexerService
-    from conductor.indexer_api import create_indexer_admin_app, create_indexer_app
-    from conductor.logs import configure_logging
-    from conductor.settings import load_settings
+    from conductor.config.settings import load_settings
+    from conductor.indexer.api import create_indexer_admin_app, create_indexer_app
+    from conductor.indexer.service import IndexerService
+    from conductor.ops.logs import configure_logging
+    from conductor.server.app import serve_all
 
     args = _parser().parse_args(argv)
     if args.max_query_tokens <= 0 or args.max_query_hashes <= 0:

@@ -38,7 +38,7 @@ class PromptAnalysis:
     # token ids to forward in place of a completions text prompt, so workers do not tokenize again
     forward_token_ids: tuple[int, ...] | None = None
     # the prompt's token ids, kept only where a prefill-to-prefill pull may need them (its staging
-    # request asks the holder for the prefix by token ids, conductor/peer_pull.py)
+    # request asks the holder for the prefix by token ids, conductor/routing/peer_pull.py)
     token_ids: tuple[int, ...] | None = None
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 
 from conductor.core.cli_help import DefaultsHelpFormatter
-from conductor.demo_cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 
 if TYPE_CHECKING:
     from traces.formats import TraceRequest

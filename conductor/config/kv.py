@@ -1,7 +1,7 @@
 """The `kv:` settings: KV-cache awareness options (tokenizer, block keys, index, event feeds, agreement),
 and the start-up warnings about settings that will make the index disagree with the workers.
 
-Split from conductor/kv_awareness.py (which re-exports both models) to keep that module about wiring.
+Split from conductor/kv/analyzer.py (which re-exports both models) to keep that module about wiring.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from conductor.core.types import Role
 from conductor.core.vllm_hash import DEFAULT_NONE_HASH_SEED, seed_is_reproducible
 
 # the analyzer's logger: these start-up warnings belong with the ones it logs later
-log = logging.getLogger("conductor.kv_awareness")
+log = logging.getLogger(__name__)
 
 
 class _Model(BaseModel):
@@ -64,7 +64,7 @@ class KVAwarenessSettings(_Model):
     prefix_memo_entries: Annotated[int, Field(gt=0)] = DEFAULT_MAX_ENTRIES  # 256-token strides, ~330 bytes each
     # "redis_cluster": a Redis Cluster (adapters/index/redis_cluster.py); redis_url then names its startup
     # node(s), comma-separated ("redis://10.0.0.1:7000,redis://10.0.0.2:7000"); the client finds the rest
-    # "indexer": read a `conductor indexer` (conductor/indexer.py) over HTTP at indexer_url; it ingests the
+    # "indexer": read a `conductor indexer` (conductor/indexer/service.py) over HTTP at indexer_url; it ingests the
     # workers' KV events, so this gateway subscribes to none and keeps only its own dispatch guesses
     # (adapters/index/remote.py). Look-ups give up after indexer_timeout_s and answer from those guesses.
     index: Literal["memory", "redis", "redis_cluster", "indexer"] = "memory"

@@ -4,13 +4,13 @@ Wiring, per request: tokenizer -> block keys (`conductor.core.block_keys`) -> `K
 Mooncake Store probe) -> PromptAnalysis. After the decision the prompt's keys are inserted for the
 chosen prefill instance as unconfirmed entries; vLLM's KV events confirm (or remove) them. When a
 request finishes, the cached tokens the worker reports are compared with what the index predicted,
-both ways and per instance (`conductor.kv_agreement.HashAgreement`): predicted hits the workers
+both ways and per instance (`conductor.kv.agreement.HashAgreement`): predicted hits the workers
 never see (the gateway's keys are not the workers') and hits the workers see that the index did not
 predict (events missing, wrong seed, a gateway started late) each raise a loud warning that names the
-likely cause. Per-instance KV event metrics: `conductor.kv_event_metrics`.
+likely cause. Per-instance KV event metrics: `conductor.kv.event_metrics`.
 
 Build it with `build_analyzer(options, instances, registry)`; options are `KVAwarenessSettings`
-(`conductor.kv_settings`, re-exported here).
+(`conductor.config.kv`, re-exported here).
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ from adapters.index.metrics import register_kv_memory
 from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
 from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
-from conductor.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
+from conductor.config.kv import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
 from conductor.core.block_keys import BlockKeyScheme, VllmKeys, XxhashKeys, make_scheme
 from conductor.core.errors import BadRequest, ConductorError, ConfigError
 from conductor.core.prefix_memo import PrefixMemo
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Decision, Observation, Role
-from conductor.kv_agreement import FeedEvidence, HashAgreement, HashSetup
-from conductor.kv_event_metrics import KVEventsCollector
-from conductor.kv_index_factory import make_index
-from conductor.kv_settings import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
+from conductor.kv.agreement import FeedEvidence, HashAgreement, HashSetup
+from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
+from conductor.kv.event_metrics import KVEventsCollector
+from conductor.kv.index_factory import make_index
 
 __all__ = ["HashAgreement", "KVAwareAnalyzer", "KVAwarenessSettings", "KVEventsEndpoint", "build_analyzer"]
 

@@ -3,7 +3,7 @@
 Every malformed body is a 400 here, never a 500 further on. The checks, in order: a nesting depth
 limit on the raw bytes (so the JSON decoder never recurses deeply), JSON syntax, then the types of
 every field the gateway or the workers' tokenizer path reads, enforced by the strict pydantic models
-below. Those models are also the request bodies of the OpenAPI document (`conductor/app.py`), so
+below. Those models are also the request bodies of the OpenAPI document (`conductor/server/app.py`), so
 the document says exactly what is enforced. Fields the models do not name are never rejected:
 vLLM accepts many sampling fields of its own, and they are passed through untouched.
 """
@@ -27,8 +27,8 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from conductor.analysis import MAX_TOKEN_ID, RequestKind, check_token_ids
 from conductor.core.errors import BadRequest, ModelNotFound, PayloadTooLarge
+from conductor.kv.analysis import MAX_TOKEN_ID, RequestKind, check_token_ids
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 

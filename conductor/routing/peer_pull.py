@@ -23,7 +23,7 @@ that predicted wait to the pull.
 
 When something fails, nothing is lost: a staging request that fails, times out or answers no
 usable blocks leaves the chosen prefill to compute the prefix itself (`stage_failed`); a pull that
-fails on the prefill is retried without it (conductor/relay.py, `pull_failed`). A prefill whose
+fails on the prefill is retried without it (conductor/routing/relay.py, `pull_failed`). A prefill whose
 request fails before it reads leaves the blocks to the holder's lease, which frees them.
 """
 
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from conductor.analysis import PromptAnalysis
 from conductor.core.errors import UpstreamError
 from conductor.core.types import Role, Tier
+from conductor.kv.analysis import PromptAnalysis
 
 if TYPE_CHECKING:
     from adapters.pd.base import Outgoing

@@ -2,7 +2,7 @@
 
 Precedence, lowest first: defaults, the YAML file (`--config`), environment variables
 (`CONDUCTOR_<FIELD>`, nested fields joined with `__`, parsed by pydantic-settings from the
-model's own types: see conductor/settings_env.py), then command-line flags.
+model's own types: see conductor/config/env.py), then command-line flags.
 
 Instance lists are the exception to "the higher one replaces": instances given as flags
 (`overrides`: `--prefill`, `--decode`, `--mixed`) are merged into the list of that role from the
@@ -22,10 +22,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from conductor.config.env import env_values
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role
-from conductor.kv_awareness import KVAwarenessSettings
-from conductor.settings_env import env_values
+from conductor.kv.analyzer import KVAwarenessSettings
 
 ENV_PREFIX = "CONDUCTOR_"
 # list settings a single plain environment value may give (one key, one model, one worker URL)
@@ -72,7 +72,7 @@ class InstanceSpec(_Model):
 
 
 class DnsSource(_Model):
-    """One role's workers found by DNS (conductor/membership.py): every A record of `name` (a Kubernetes
+    """One role's workers found by DNS (conductor/fleet/membership.py): every A record of `name` (a Kubernetes
     headless Service) is an instance named "<role>-<address>" at <scheme>://<address>:<port>."""
 
     name: str = Field(min_length=1)  # e.g. conductor-prefill.default.svc.cluster.local
@@ -114,7 +114,7 @@ class Settings(_Model):
     port: int = 8000
     admin_port: int | None = None  # if set, /metrics, /openapi.json and /docs are served only here
     # gateway processes on `port` (SO_REUSEPORT), scheduling as one through shared memory
-    # (conductor/serving.py); worker i serves its admin routes on admin_port + i, so > 1 needs admin_port
+    # (conductor/server/serving.py); worker i serves its admin routes on admin_port + i, so > 1 needs admin_port
     workers: int = Field(default=1, ge=1, le=256)
     # with workers > 1: each worker's policy predictors also learn from its siblings' outcomes
     # (predictors/lessons.py, adapters/lesson_share.py); off: each learns from its own requests only
@@ -131,12 +131,12 @@ class Settings(_Model):
     prefill: tuple[InstanceSpec, ...] = ()
     decode: tuple[InstanceSpec, ...] = ()
     mixed: tuple[InstanceSpec, ...] = ()
-    # workers found by DNS at run time, beside the lists above (conductor/membership.py)
+    # workers found by DNS at run time, beside the lists above (conductor/fleet/membership.py)
     discovery: DiscoverySettings = DiscoverySettings()
     pd_protocol: Literal["nixl", "mooncake", "sglang"] = "nixl"
     # which generation of vLLM's MooncakeConnector field names to speak (adapters/pd/mooncake.py)
     mooncake_schema: str = "transfer_id"
-    # Decode-to-prefill readback (conductor/readback.py): NIXL decodes started with
+    # Decode-to-prefill readback (conductor/routing/readback.py): NIXL decodes started with
     # kv_connector_extra_config {"bidirectional_kv_xfer": true} hand back where a finished request's
     # KV is pinned; the next turn's prefill may pull its shared prefix from there instead of
     # recomputing it. "auto": offered to the policy wherever decodes hand such KV back (NIXL only,
@@ -146,7 +146,7 @@ class Settings(_Model):
     # never offer a handle older than this: below the workers' decoder_kv_blocks_ttl (480 s by default)
     pd_readback_ttl_s: float = Field(default=240.0, gt=0)
     pd_readback_max_handles: int = Field(default=100_000, gt=0)
-    # Prefill-to-prefill pulls (conductor/peer_pull.py): a prefill that lacks a prefix another
+    # Prefill-to-prefill pulls (conductor/routing/peer_pull.py): a prefill that lacks a prefix another
     # prefill holds pulls it over NIXL after a one-token staging request on the holder pins its
     # blocks. Needs NIXL, KV awareness, the gateway's token ids being the workers' own (a model
     # tokenizer, kv.forward_token_ids) and every prefill started with bidirectional_kv_xfer.
@@ -172,7 +172,7 @@ class Settings(_Model):
     # secrets: never printed (SecretStr), and may come from files Kubernetes mounts from a Secret
     api_keys: tuple[SecretStr, ...] = ()  # if set, clients must send one as a Bearer token
     api_keys_file: str | None = None  # more keys, one per line ('#' lines and blank lines skipped)
-    # the admin API (/admin/instances: conductor/membership.py) takes only these keys; with none it is off
+    # the admin API (/admin/instances: conductor/fleet/membership.py) takes only these keys; with none it is off
     admin_api_keys: tuple[SecretStr, ...] = ()
     admin_api_keys_file: str | None = None  # more admin keys, one per line, like api_keys_file
     upstream_api_key: SecretStr | None = None  # sent to workers instead of the client's key
@@ -233,7 +233,7 @@ class Settings(_Model):
     load_share_breaker_open_s: float = Field(1.0, gt=0)
 
     block_size: int = 16  # tokens per KV block: must equal the workers' --block-size
-    # KV-cache awareness: tokenizer, block keys, the cache index and its feeds (conductor/kv_awareness.py).
+    # KV-cache awareness: tokenizer, block keys, the cache index and its feeds (conductor/kv/analyzer.py).
     # Its block size is the one above; its KV event endpoints default to each instance's kv_events_endpoint.
     kv: KVAwarenessSettings = KVAwarenessSettings()
     max_connections_per_upstream: int = 256
@@ -241,7 +241,7 @@ class Settings(_Model):
     # queueing without bound in front of the workers
     max_inflight_requests: int = 4096
     # every this many seconds: one full garbage collection, then everything that survived is frozen
-    # out of later ones (conductor/gc_freeze.py: a big KV index otherwise makes each full pass a
+    # out of later ones (conductor/ops/gc_freeze.py: a big KV index otherwise makes each full pass a
     # tens-of-milliseconds stall in the p99); None: Python's default collector alone
     gc_freeze_interval_s: float | None = Field(default=60.0, gt=0)
 

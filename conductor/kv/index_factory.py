@@ -14,9 +14,9 @@ from adapters.index.base import IndexLimits, KVIndex
 from adapters.index.guarded import GuardedIndex
 from adapters.index.memory import MemoryIndex, blocks_within
 from adapters.index.metrics import register_guard
-from conductor.kv_settings import KVAwarenessSettings
+from conductor.config.kv import KVAwarenessSettings
 
-log = logging.getLogger("conductor.kv_awareness")  # the breaker's lines, where they always were
+log = logging.getLogger(__name__)  # the breaker's lines, where they always were
 
 REDIS_MAX_BLOCKS = 1_000_000  # entries a Redis index keeps when kv.max_blocks is unset (server memory)
 

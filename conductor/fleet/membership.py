@@ -1,6 +1,6 @@
 """Instances that join and leave while the gateway runs: DNS discovery and the admin API.
 
-`Membership` applies both to the registry (conductor/instances.py) and keeps the rest in step: the
+`Membership` applies both to the registry (conductor/fleet/instances.py) and keeps the rest in step: the
 KV index forgets a removed instance and stops its KV events subscriber, a new one is subscribed,
 the per-instance metric series of a removed one go, a new Mooncake prefill's engine is looked up.
 
@@ -33,17 +33,17 @@ from prometheus_client.metrics import MetricWrapperBase
 from pydantic import ValidationError
 
 from adapters.discovery import Discovered, DnsDiscovery, DnsResolver, DnsSource
+from conductor.config.settings import InstanceSpec
 from conductor.core.errors import BadRequest, ConductorError, Unauthorized
 from conductor.core.types import Role
-from conductor.instances import InstanceState, Origin
-from conductor.kv_awareness import KVAwareAnalyzer, KVEventsEndpoint
-from conductor.loop_metrics import LoopMetric
-from conductor.settings import InstanceSpec
+from conductor.fleet.instances import InstanceState, Origin
+from conductor.kv.analyzer import KVAwareAnalyzer, KVEventsEndpoint
+from conductor.ops.loop_metrics import LoopMetric
 
 if TYPE_CHECKING:
     from conductor.gateway import Gateway
 
-log = logging.getLogger("conductor.membership")
+log = logging.getLogger(__name__)
 
 _SERIES_LABELS = ("instance", "prefill", "decode")  # label names that hold an instance name
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,63}")  # it becomes a metric label and a URL path segment

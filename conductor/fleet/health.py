@@ -24,7 +24,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-log = logging.getLogger("conductor.health")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

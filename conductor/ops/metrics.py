@@ -1,6 +1,6 @@
 """The gateway's Prometheus metrics, on a registry the app owns (never the global one, so two
 gateways in one process, as in tests, keep their own counts). Counters and histograms are updated
-on the request path, on the event loop's thread: they are conductor.loop_metrics' lock-free kind;
+on the request path, on the event loop's thread: they are conductor.ops.loop_metrics' lock-free kind;
 gauges are set by the background probes and stay prometheus_client's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from conductor.loop_metrics import LoopCounter, LoopHistogram
+from conductor.ops.loop_metrics import LoopCounter, LoopHistogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
@@ -49,7 +49,7 @@ class GatewayMetrics:
             self.readback.labels(event)
         self.peer_pull = LoopCounter(
             "conductor_pd_peer_pull",
-            "Prefill-to-prefill pulls (conductor/peer_pull.py): staging requests whose "
+            "Prefill-to-prefill pulls (conductor/routing/peer_pull.py): staging requests whose "
             "holder pinned the prefix (staged), that failed or answered no usable blocks (stage_failed: the prefill "
             "computed the prefix itself), pulls planned and not staged (skipped: below pd_pull_min_tokens, or "
             "predicted to outlast the holder's lease), and staged pulls whose prefill failed to read (failed)",

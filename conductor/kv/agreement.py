@@ -31,7 +31,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 # the analyzer's logger: operators filter and alert on it (this module was split out of kv_awareness)
-log = logging.getLogger("conductor.kv_awareness")
+log = logging.getLogger(__name__)
 
 Direction = Literal["over", "under"]
 MAX_INSTANCES = 1024  # windows kept; instance names come from the configuration, this is a backstop

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from conductor.core.errors import BadRequest, ConductorError, Overloaded, Rejected, UpstreamError
 
-log = logging.getLogger("conductor.errors")
+log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 

@@ -22,7 +22,7 @@ import time
 
 from adapters.tasks import cancel_and_wait
 
-log = logging.getLogger("conductor.gc")
+log = logging.getLogger(__name__)
 
 
 class GcFreezer:

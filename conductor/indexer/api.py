@@ -30,7 +30,7 @@ Choices where the RFC is silent or loose, and where this indexer differs from it
 - Extension: `"holders_only": true` lists only the instances that hold a leading run (longest_matched
   > 0). Gateways (adapters/index/remote.py) ask so: at 1,024 tracked instances the full answer is
   ~100 KB of zeros to encode and decode per look-up. Without it, the answer is the RFC's.
-- Errors are the project's OpenAI-style JSON (`conductor/http_errors.py`), not the RFC draft's
+- Errors are the project's OpenAI-style JSON (`conductor/server/errors.py`), not the RFC draft's
   {"error": "..."}: 400 malformed, 404 unknown model or instance, 405 wrong method, 413 body over
   max_body_bytes or more token ids / hashes than `QueryLimits` allow.
 """
@@ -48,9 +48,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from conductor import http_errors
 from conductor.core.errors import BadRequest, ModelNotFound, NotFound, PayloadTooLarge
-from conductor.indexer import IndexerService
+from conductor.indexer.service import IndexerService
+from conductor.server import errors as http_errors
 
 _MASK64 = (1 << 64) - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]

@@ -45,15 +45,15 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from conductor.config.settings import Settings
 from conductor.core.errors import ConfigError
-from conductor.settings import Settings
 
 if TYPE_CHECKING:
     import uvicorn
 
     from conductor.gateway import Gateway
 
-log = logging.getLogger("conductor.serving")
+log = logging.getLogger(__name__)
 
 STARTUP_S = 10.0  # a worker that never published and exits sooner than this failed to start
 MAX_RESTARTS = 5
@@ -65,7 +65,7 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
     import uvicorn
 
     from adapters.http1_server import HttpServerConnection
-    from conductor.app import create_app
+    from conductor.server.app import create_app
 
     return uvicorn.Config(
         create_app(gateway),
@@ -91,8 +91,8 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
 
 def serve(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT: in this process, or through `settings.workers` worker processes."""
-    from conductor.app import run
     from conductor.gateway import Gateway
+    from conductor.server.app import run
 
     check_workers(settings)
     gateway = Gateway(settings)  # loads the policy: a broken plugin stops start-up here, before any fork
@@ -156,9 +156,9 @@ def run_worker(settings: Settings, slot: int, workers: int, segment: str, lesson
     what its predictors learn shared through its socket in `lessons_dir` (adapters/lesson_share.py)."""
     from adapters.lesson_share import UnixLessonShare
     from adapters.shm_load_share import SharedMemoryLoadShare
-    from conductor.app import run
     from conductor.gateway import Gateway
-    from conductor.logs import configure_logging
+    from conductor.ops.logs import configure_logging
+    from conductor.server.app import run
 
     settings = worker_settings(settings, slot)
     configure_logging(settings.log_level, settings.log_format, settings.access_log)

@@ -1,0 +1,1 @@
+"""Configuration: the typed settings object, its environment variables and the KV options."""

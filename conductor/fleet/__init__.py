@@ -1,0 +1,1 @@
+"""The fleet: instances and their state, health probes, and membership changes at run time."""

@@ -1,0 +1,1 @@
+"""The standalone indexer service (`conductor indexer`): KV events in, cache look-ups out."""

@@ -1,0 +1,1 @@
+"""Operations: metrics, event-loop metrics, tracing, logs and the GC freezer."""

@@ -1,0 +1,1 @@
+"""Routing a request: deciding, relaying its legs, batches, deadlines and prefix pulls."""
