@@ -58,89 +58,81 @@ def _error_reason(body: bytes, status: int) -> tuple[str, str]:
         return str(status), body[:_MAX_ERROR_TEXT].decode("utf-8", "replace")
 
 
+@dataclass
+class _StreamRead:
+    """What a streamed answer showed so far: content chunks, their times, the usage chunk."""
+
+    sent: float
+    first: float | None = None
+    last: float = 0.0
+    chunks: int = 0
+    prompt_tokens: int | None = None
+    cached: int | None = None
+
+    def take(self, event: dict[str, Any], now: float) -> None:
+        if any(_content_of(c) for c in event.get("choices") or ()):
+            self.chunks += 1
+            if self.first is None:
+                self.first = now
+            self.last = now
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached = details.get("cached_tokens") if isinstance(details, dict) else None
+
+    def failed(self, reason: str, message: str, http_status: int | None = 200, usage: bool = True) -> HttpOutcome:
+        prompt, cached = (self.prompt_tokens, self.cached) if usage else (None, None)
+        elapsed = time.perf_counter() - self.sent
+        return HttpOutcome("error", http_status, reason, None, None, self.chunks, prompt, cached, elapsed, message)
+
+    def outcome(self) -> HttpOutcome:
+        end = time.perf_counter()
+        if self.first is None:
+            return self.failed("truncated_stream", "stream ended without [DONE] or without content")
+        tbt = (self.last - self.first) / (self.chunks - 1) if self.chunks > 1 else None
+        ttft = self.first - self.sent
+        return HttpOutcome("ok", 200, None, ttft, tbt, self.chunks, self.prompt_tokens, self.cached, end - self.sent)
+
+
+async def _refused(resp: aiohttp.ClientResponse, sent: float) -> HttpOutcome:
+    """A non-200 answer: a 429 is a rejection by its error code, anything else an error."""
+    reason, message = _error_reason(await resp.read(), resp.status)
+    rejected = resp.status == 429
+    status, why = ("rejected", reason) if rejected else ("error", f"http_{resp.status}")
+    return HttpOutcome(status, resp.status, why, None, None, 0, None, None, time.perf_counter() - sent, message)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, read: _StreamRead) -> HttpOutcome:
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return read.outcome()
+        now = time.perf_counter()
+        event = _decode(data)
+        if "error" in event:
+            _, message = _error_reason(data, 200)
+            return read.failed("stream_error", message, usage=False)
+        read.take(event, now)
+    return read.failed("truncated_stream", "stream ended without [DONE] or without content")
+
+
 async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/completions") -> HttpOutcome:
     """POST a streamed completion and measure it; never raises for HTTP or transport failures."""
-    sent = time.perf_counter()
-    first: float | None = None
-    last = sent
-    chunks = 0
-    prompt_tokens = cached = None
+    read = _StreamRead(sent=time.perf_counter())
     try:
         async with session.post(path, json=body) as resp:
             if resp.status != 200:
-                reason, message = _error_reason(await resp.read(), resp.status)
-                rejected = resp.status == 429
-                return HttpOutcome(
-                    "rejected" if rejected else "error",
-                    resp.status,
-                    reason if rejected else f"http_{resp.status}",
-                    None,
-                    None,
-                    0,
-                    None,
-                    None,
-                    time.perf_counter() - sent,
-                    message,
-                )
-            done = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                now = time.perf_counter()
-                event = _decode(data)
-                if "error" in event:
-                    reason, message = _error_reason(data, 200)
-                    return HttpOutcome("error", 200, "stream_error", None, None, chunks, None, None, now - sent, message)
-                choices = event.get("choices") or ()
-                if any(_content_of(c) for c in choices):
-                    chunks += 1
-                    if first is None:
-                        first = now
-                    last = now
-                usage = event.get("usage")
-                if isinstance(usage, dict):
-                    prompt_tokens = usage.get("prompt_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            end = time.perf_counter()
-            if not done or first is None:
-                return HttpOutcome(
-                    "error",
-                    200,
-                    "truncated_stream",
-                    None,
-                    None,
-                    chunks,
-                    prompt_tokens,
-                    cached,
-                    end - sent,
-                    "stream ended without [DONE] or without content",
-                )
-            tbt = (last - first) / (chunks - 1) if chunks > 1 else None
-            return HttpOutcome("ok", 200, None, first - sent, tbt, chunks, prompt_tokens, cached, end - sent)
+                return await _refused(resp, read.sent)
+            return await _read_stream(resp, read)
     except TimeoutError:
-        return HttpOutcome(
-            "error", None, "timeout", None, None, chunks, None, None, time.perf_counter() - sent, "request timed out"
-        )
+        return read.failed("timeout", "request timed out", http_status=None, usage=False)
     except (aiohttp.ClientError, msgspec.DecodeError) as exc:
         kind = "bad_json" if isinstance(exc, msgspec.DecodeError) else "transport"
-        return HttpOutcome(
-            "error",
-            None,
-            kind,
-            None,
-            None,
-            chunks,
-            None,
-            None,
-            time.perf_counter() - sent,
-            f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT],
-        )
+        return read.failed(kind, f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT], http_status=None, usage=False)
 
 
 async def fetch_json(session: aiohttp.ClientSession, path: str) -> Any:

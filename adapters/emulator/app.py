@@ -34,7 +34,6 @@ import aiohttp
 import msgspec
 
 from adapters.emulator.asgi import (
-    SSE,
     BodyTooLarge,
     Receive,
     Scope,
@@ -46,21 +45,18 @@ from adapters.emulator.asgi import (
 )
 from adapters.emulator.bootstrap import TransferDone, TransferRegistry, wait_for_prefill
 from adapters.emulator.config import EmulatorConfig
-from adapters.emulator.engine import Engine, RemoteWait, Sequence
+from adapters.emulator.engine import Engine, RemoteWait
 from adapters.emulator.kv_content import RemoteKv
-from adapters.emulator.kv_events import KvEventPublisher
-from adapters.emulator.legs import Leg, modelled_times, relay
+from adapters.emulator.kv_events import publisher_for
+from adapters.emulator.legs import Leg, batch_usage, modelled_times, relay, stream_legs
 from adapters.emulator.metrics import CONTENT_TYPE, EngineMetrics
 from adapters.emulator.openai_format import (
-    DONE,
     ApiError,
     Choice,
-    ParsedRequest,
     Renderer,
     error_body,
     parse_request,
     tokenize_response,
-    usage,
 )
 from adapters.emulator.prefix_cache import PrefixCache
 from adapters.emulator.profile import load_profile
@@ -89,14 +85,7 @@ class EmulatorApp:
         self.hasher = VllmBlockHasher(config.hash_algo, config.block_size, worker_seed(config.hash_seed, os.environ))
         self.cache = PrefixCache(config.block_size, config.kv_capacity_tokens)
         self.metrics = EngineMetrics(config.model)
-        self.publisher: KvEventPublisher | None = None
-        if config.kv_events_endpoint:
-            self.publisher = KvEventPublisher(
-                config.kv_events_endpoint,
-                replay_endpoint=config.kv_events_replay_endpoint,
-                topic=config.kv_events_topic,
-                buffer_steps=config.kv_events_buffer_steps,
-            )
+        self.publisher = publisher_for(config)
         self.engine = Engine(
             profile,
             self.hasher,
@@ -317,7 +306,7 @@ class EmulatorApp:
         try:
             with request_span(self.tracing, headers, base_id, req.model):
                 if req.stream:
-                    await self._stream(send, legs, req, renderer, extra)
+                    await stream_legs(send, legs, req, renderer, extra, self._first_token)
                 else:
                     await self._complete(send, legs, renderer, plan, extra)
         finally:
@@ -384,15 +373,6 @@ class EmulatorApp:
                 )
             )
 
-    @staticmethod
-    def _usage(seqs: list[Sequence]) -> dict[str, Any]:
-        """vLLM sums a batch's usage over its prompts."""
-        return usage(
-            sum(s.prompt_tokens for s in seqs),
-            sum(s.generated for s in seqs),
-            sum(s.cached_tokens + s.external_tokens for s in seqs),
-        )
-
     async def _complete(
         self, send: Send, legs: list[Leg], renderer: Renderer, plan: LegPlan, extra: list[tuple[bytes, bytes]]
     ) -> None:
@@ -411,27 +391,4 @@ class EmulatorApp:
         elif self.readback is not None:
             kv_params = self.readback.params(first)
         choices = [Choice(seq.kv_seed, seq.generated) for seq in seqs]
-        await send_bytes(send, 200, renderer.full(choices, self._usage(seqs), kv_params), headers=extra)
-
-    async def _stream(
-        self, send: Send, legs: list[Leg], req: ParsedRequest, renderer: Renderer, extra: list[tuple[bytes, bytes]]
-    ) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra],
-            }
-        )
-        async with contextlib.aclosing(relay(legs, self._first_token)) as tokens:
-            async for leg, k in tokens:
-                seq = leg.sequence
-                chunk = renderer.chunk(seq.kv_seed, k, k == seq.max_tokens - 1, leg.index)
-                if k == 0 and req.chat:
-                    chunk = renderer.role_chunk() + chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        seqs = [leg.sequence for leg in legs]
-        if any(seq.aborted for seq in seqs):
-            return
-        tail = renderer.usage_chunk(self._usage(seqs)) + DONE if req.include_usage else DONE
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await send_bytes(send, 200, renderer.full(choices, batch_usage(seqs), kv_params), headers=extra)

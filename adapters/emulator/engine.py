@@ -38,13 +38,13 @@ import math
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
-from adapters.emulator.kv_content import PulledKv, RemoteKv, Taint, content_seed, received_taint
+from adapters.emulator.kv_content import PulledKv, RemoteKv, content_seed, received_taint
 from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, events_for
 from adapters.emulator.metrics import EngineMetrics, RequestTimes
 from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
 from adapters.emulator.profile import Profile
+from adapters.emulator.sequence import Sequence
 from adapters.tasks import cancel_and_wait
 from conductor.core.vllm_hash import VllmBlockHasher
 
@@ -52,43 +52,8 @@ from conductor.core.vllm_hash import VllmBlockHasher
 RemoteWait = Callable[[], Awaitable[RemoteKv | None]]
 # Awaited by a prefill leg that may read KV back from a decode, given its local hit in tokens; None:
 # nothing pulled (below the threshold, covered, or a load failure), compute it all here.
-KvPull = Callable[["Sequence", int], Awaitable[PulledKv | None]]
+KvPull = Callable[[Sequence, int], Awaitable[PulledKv | None]]
 _SPIN_S = 0.0015  # the last stretch of a step is spun on loop.time(): asyncio.sleep overshoots by ~1 ms
-
-
-@dataclass(eq=False, slots=True)
-class Sequence:
-    """One request inside the engine. `tokens` yields 0, 1, 2... per generated token, then None."""
-
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    digests: list[bytes]
-    arrival: float
-    kv_seed: int  # content seed of the KV this sequence runs on: the generated text follows it
-    kv_taint: Taint | None = None  # where its KV stops being its tokens' (kv_content.py); None: clean
-    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
-    cached_tokens: int = 0  # served from this instance's prefix cache
-    external_tokens: int = 0  # received from a remote prefill (or pulled back from a decode)
-    preloaded: bool = False  # external KV already in cache: the prefill step computes only the rest
-    pin_on_finish: bool = False  # keep the blocks after finishing, until `Engine.unpin`
-    held_blocks: int = 0  # leading digests this sequence pins in the cache
-    generated: int = 0
-    scheduled_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    aborted: bool = False
-    finished: bool = False
-    arrival_index: int = 0  # submission order in this engine (FCFS is checked against it)
-    priority: int = 0  # the request's `priority`: lower first, under the priority scheduling policy
-    prefill_step: int | None = None  # the engine step that computed the prompt
-    modelled_queue_s: float = 0.0  # modelled time between arrival and its prefill step
-    modelled_prefill_s: float | None = None  # modelled duration of that step
-    modelled_transfer_s: float | None = None  # remote-KV decode legs: modelled KV transfer
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
 
 
 class Engine:

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from adapters.emulator.config import EmulatorConfig
 from adapters.emulator.prefix_cache import CacheChanges
 from adapters.tasks import cancel_and_wait
 
@@ -168,3 +169,11 @@ class KvEventPublisher:
         if self._replay is not None:
             self._replay.close(linger=0)
         self._ctx.term()
+
+
+def publisher_for(config: EmulatorConfig) -> KvEventPublisher | None:
+    """vLLM's KV events publisher, where the worker is configured with an endpoint."""
+    if not config.kv_events_endpoint:
+        return None
+    replay, topic, steps = config.kv_events_replay_endpoint, config.kv_events_topic, config.kv_events_buffer_steps
+    return KvEventPublisher(config.kv_events_endpoint, replay_endpoint=replay, topic=topic, buffer_steps=steps)

@@ -7,11 +7,14 @@ engine's modelled figures, which CPU contention does not change.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from adapters.emulator.asgi import SSE, Send
 from adapters.emulator.engine import Sequence
+from adapters.emulator.openai_format import DONE, ParsedRequest, Renderer, usage
 from adapters.emulator.protocols import LegPlan
 
 
@@ -83,3 +86,42 @@ async def relay(legs: list[Leg], first_token: Callable[[Leg], None]) -> AsyncGen
     finally:
         for task in pumps:
             task.cancel()
+
+
+def batch_usage(seqs: list[Sequence]) -> dict[str, Any]:
+    """vLLM sums a batch's usage over its prompts."""
+    return usage(
+        sum(s.prompt_tokens for s in seqs),
+        sum(s.generated for s in seqs),
+        sum(s.cached_tokens + s.external_tokens for s in seqs),
+    )
+
+
+async def stream_legs(
+    send: Send,
+    legs: list[Leg],
+    req: ParsedRequest,
+    renderer: Renderer,
+    extra: list[tuple[bytes, bytes]],
+    on_first_token: Callable[[Leg], None],
+) -> None:
+    """A streamed answer: every leg's tokens as SSE chunks as they come, then usage and [DONE]."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra],
+        }
+    )
+    async with contextlib.aclosing(relay(legs, on_first_token)) as tokens:
+        async for leg, k in tokens:
+            seq = leg.sequence
+            chunk = renderer.chunk(seq.kv_seed, k, k == seq.max_tokens - 1, leg.index)
+            if k == 0 and req.chat:
+                chunk = renderer.role_chunk() + chunk
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    seqs = [leg.sequence for leg in legs]
+    if any(seq.aborted for seq in seqs):
+        return
+    tail = renderer.usage_chunk(batch_usage(seqs)) + DONE if req.include_usage else DONE
+    await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -21,7 +21,13 @@ _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._requests(self.registry)
+        self._pd(self.registry)
+        self._latencies(self.registry)
+        self._instances(self.registry)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """What became of the requests: answered, refused, decided, failed over, cut."""
         self.requests = LoopCounter(
             "conductor_requests", "Requests answered, by route and HTTP status", ["route", "status"], registry=r
         )
@@ -37,6 +43,18 @@ class GatewayMetrics:
         self.upstream_errors = LoopCounter(
             "conductor_upstream_errors", "Failed upstream legs, by instance and kind", ["instance", "kind"], registry=r
         )
+        self.cancelled = LoopCounter(
+            "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r
+        )
+        self.cached_tokens = LoopCounter(
+            "conductor_prompt_tokens",
+            "Prompt tokens routed, by whether the worker reported them cached",
+            ["source"],
+            registry=r,
+        )
+
+    def _pd(self, r: CollectorRegistry) -> None:
+        """Prefix pulls between P/D instances: decode readbacks and prefill-to-prefill pulls."""
         self.readback = LoopCounter(
             "conductor_pd_readback",
             "Decode readbacks (NIXL bidirectional KV transfer): handles recorded from decode "
@@ -64,9 +82,9 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.cancelled = LoopCounter(
-            "conductor_client_disconnects", "Requests whose client went away before the answer ended", registry=r
-        )
+
+    def _latencies(self, r: CollectorRegistry) -> None:
+        """Latencies at the gateway, and what the policy predicted of them."""
         self.ttft = LoopHistogram(
             "conductor_ttft_seconds", "Time to first token at the gateway (streams)", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -93,6 +111,9 @@ class GatewayMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
             registry=r,
         )
+
+    def _instances(self, r: CollectorRegistry) -> None:
+        """Per instance: health, in-flight load, prediction quality, failovers and ejections."""
         self.instance_healthy = Gauge(
             "conductor_instance_healthy", "1 if the instance answers its health probe", ["instance", "role"], registry=r
         )
@@ -143,12 +164,6 @@ class GatewayMetrics:
             "conductor_late_prefill_failures",
             "Concurrent prefill legs that failed or were cut after their decode had already answered the client in full",
             ["instance"],
-            registry=r,
-        )
-        self.cached_tokens = LoopCounter(
-            "conductor_prompt_tokens",
-            "Prompt tokens routed, by whether the worker reported them cached",
-            ["source"],
             registry=r,
         )
 

@@ -46,7 +46,7 @@ from traces.sim.config import SimConfig
 from traces.sim.instance_views import cluster_view
 from traces.sim.results import RunResult
 from traces.sim.summary import run_result
-from traces.sim.views import observation, request_view
+from traces.sim.views import job_observation, refused_observation, request_view
 
 _PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK = range(4)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
@@ -72,13 +72,17 @@ class Simulator:
         self.d_index = {d.id: n for n, d in enumerate(self.decodes)}
         self.store = BlockLRU(config.store_capacity_tokens, 512)
         self.events: list[tuple[float, int, int, int, object]] = []
-        self._ev_seq = 0
+        self._ev_seq = 0  # events pushed so far: their tie-breaking order in the heap, and a run's size
         self.now = 0.0
         self.rejections: Counter[str] = Counter()
         self.wasted_prefill = 0  # prefills done for requests then rejected at the decode stage
         self.refused_pulls = 0  # pulls a decision asked for over a mechanism this cluster lacks
         self.done: list[Job] = []
         self._prefixes: dict[int, CachedPrefix] = {}  # tokens -> the one (frozen) CachedPrefix of that size
+
+    @property
+    def events_pushed(self) -> int:
+        return self._ev_seq
 
     # -- plumbing ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, target: int, payload: object = None) -> None:
@@ -288,19 +292,7 @@ class Simulator:
                 self._admit_and_retime(d_idx)
                 self.wasted_prefill += 1
                 if self.cfg.observe:
-                    self.policy.observe(
-                        observation(
-                            request_id=f"r{job.seq}",
-                            prefill=self.prefills[job.prefill].id,
-                            decode=d.id,
-                            prompt_tokens=job.req.input_length,
-                            cached_tokens=job.reused,
-                            predicted_cached_tokens=job.predicted_cached,
-                            queue_and_prefill_s=None,
-                            ttft_s=None,
-                            ok=False,
-                        )
-                    )
+                    self.policy.observe(refused_observation(job, self.prefills[job.prefill].id, d.id))
                 return
         d.waiting.append(job)
         self._admit_and_retime(d_idx)
@@ -346,26 +338,8 @@ class Simulator:
         self.done.append(job)
         if not self.cfg.observe:
             return
-        out = job.output_tokens
-        mean_tbt = (job.finish - job.first_token) / (out - 1) if out > 1 else 0.0
-        self.policy.observe(
-            observation(  # Observation(...), built as its slots take it (traces/sim/views.py)
-                request_id=f"r{job.seq}",
-                decode=self.decodes[job.decode].id,
-                prefill=self.decodes[job.decode].id if job.local else self.prefills[job.prefill].id,
-                prompt_tokens=job.req.input_length,
-                cached_tokens=job.reused,
-                predicted_cached_tokens=job.predicted_cached,
-                queue_and_prefill_s=job.prefill_done - job.dispatch,
-                ttft_s=job.first_token - job.arrival,
-                token_intervals_s=(mean_tbt,) * (out - 1),
-                output_tokens=out,
-                # Observation counts the *other* streams and their KV (batch_at_join includes this one,
-                # and resident_at_join its prompt twice: resident_kv() after the join plus the prompt)
-                decode_batch=job.batch_at_join - 1,
-                decode_resident_kv_tokens=max(0, job.resident_at_join - 2 * job.req.input_length),
-            )
-        )
+        prefill = self.decodes[job.decode] if job.local else self.prefills[job.prefill]
+        self.policy.observe(job_observation(job, prefill.id, self.decodes[job.decode].id))
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RunResult:

@@ -3,17 +3,47 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from traces.sim.cluster import Job
+from traces.sim.cluster import DecodeInstance, Job, PrefillInstance
+from traces.sim.config import SimConfig
 from traces.sim.results import Dist, PredictionError, RunResult
 
-if TYPE_CHECKING:
-    from traces.sim.engine import Simulator
+
+class FinishedRun(Protocol):
+    """What a summary reads of a simulator after its run (traces/sim/engine.py's Simulator)."""
+
+    @property
+    def cfg(self) -> SimConfig: ...
+
+    @property
+    def policy(self) -> object: ...
+
+    @property
+    def done(self) -> list[Job]: ...
+
+    @property
+    def prefills(self) -> Sequence[PrefillInstance]: ...
+
+    @property
+    def decodes(self) -> Sequence[DecodeInstance]: ...
+
+    @property
+    def rejections(self) -> Counter[str]: ...
+
+    @property
+    def wasted_prefill(self) -> int: ...
+
+    @property
+    def refused_pulls(self) -> int: ...
+
+    @property
+    def events_pushed(self) -> int: ...
 
 
-def run_result(sim: Simulator, jobs: list[Job], wall_s: float) -> RunResult:
+def run_result(sim: FinishedRun, jobs: list[Job], wall_s: float) -> RunResult:
     """What the run produced: latencies of the finished jobs, SLO attainment and goodput over the
     trace's span, hit rates, utilisation, prediction errors and the engine's counters."""
     slo = sim.cfg.slo
@@ -64,7 +94,7 @@ def run_result(sim: Simulator, jobs: list[Job], wall_s: float) -> RunResult:
         tbt_prediction=PredictionError.of(pred_tbt),
         wall_s=wall_s,
         extra={
-            "events": float(sim._ev_seq),
+            "events": float(sim.events_pushed),
             "mean_decode_batch": _mean(j.batch_at_join for j in sim.done),
             "wasted_prefills": float(sim.wasted_prefill),
             "refused_pulls": float(sim.refused_pulls),

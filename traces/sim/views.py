@@ -32,6 +32,7 @@ from conductor.core.types import (
     Role,
     Slo,
 )
+from traces.sim.cluster import Job
 
 _VIEW_FIELDS = ("id", "role", "url", "healthy", "prefill_queue", "decodes", "kv_capacity_tokens", "kv_usage", "waiting_requests")
 _DECODE_FIELDS = ("context_tokens", "remaining_tokens", "decoding")
@@ -235,3 +236,40 @@ def observation(
     _o_ok(obs, ok)
     _o_reported(obs, None)
     return obs
+
+
+def job_observation(job: Job, prefill: str, decode: str) -> Observation:
+    """What a finished job teaches the policy, as the gateway's Observation of a live request."""
+    out = job.output_tokens
+    mean_tbt = (job.finish - job.first_token) / (out - 1) if out > 1 else 0.0
+    return observation(
+        request_id=f"r{job.seq}",
+        decode=decode,
+        prefill=prefill,
+        prompt_tokens=job.req.input_length,
+        cached_tokens=job.reused,
+        predicted_cached_tokens=job.predicted_cached,
+        queue_and_prefill_s=job.prefill_done - job.dispatch,
+        ttft_s=job.first_token - job.arrival,
+        token_intervals_s=(mean_tbt,) * (out - 1),
+        output_tokens=out,
+        # Observation counts the *other* streams and their KV (batch_at_join includes this one,
+        # and resident_at_join its prompt twice: resident_kv() after the join plus the prompt)
+        decode_batch=job.batch_at_join - 1,
+        decode_resident_kv_tokens=max(0, job.resident_at_join - 2 * job.req.input_length),
+    )
+
+
+def refused_observation(job: Job, prefill: str, decode: str) -> Observation:
+    """A job whose prefill ran but whose decode refused it (the simulator's decode guard): a failure."""
+    return observation(
+        request_id=f"r{job.seq}",
+        prefill=prefill,
+        decode=decode,
+        prompt_tokens=job.req.input_length,
+        cached_tokens=job.reused,
+        predicted_cached_tokens=job.predicted_cached,
+        queue_and_prefill_s=None,
+        ttft_s=None,
+        ok=False,
+    )

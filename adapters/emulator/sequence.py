@@ -1,0 +1,44 @@
+"""One request inside the emulated engine (engine.py): its prompt, its tokens as they come, what it
+holds in the prefix cache and the times the engine modelled for it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from adapters.emulator.kv_content import Taint
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One request inside the engine. `tokens` yields 0, 1, 2... per generated token, then None."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    digests: list[bytes]
+    arrival: float
+    kv_seed: int  # content seed of the KV this sequence runs on: the generated text follows it
+    kv_taint: Taint | None = None  # where its KV stops being its tokens' (kv_content.py); None: clean
+    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    cached_tokens: int = 0  # served from this instance's prefix cache
+    external_tokens: int = 0  # received from a remote prefill (or pulled back from a decode)
+    preloaded: bool = False  # external KV already in cache: the prefill step computes only the rest
+    pin_on_finish: bool = False  # keep the blocks after finishing, until `Engine.unpin`
+    held_blocks: int = 0  # leading digests this sequence pins in the cache
+    generated: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    aborted: bool = False
+    finished: bool = False
+    arrival_index: int = 0  # submission order in this engine (FCFS is checked against it)
+    priority: int = 0  # the request's `priority`: lower first, under the priority scheduling policy
+    prefill_step: int | None = None  # the engine step that computed the prompt
+    modelled_queue_s: float = 0.0  # modelled time between arrival and its prefill step
+    modelled_prefill_s: float | None = None  # modelled duration of that step
+    modelled_transfer_s: float | None = None  # remote-KV decode legs: modelled KV transfer
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
