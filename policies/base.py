@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from conductor.core.types import (
     CandidateScore,
@@ -131,49 +131,3 @@ def check_listed(listed_candidates: int | None) -> int | None:
     if listed_candidates is not None and listed_candidates < 1:
         raise ValueError(f"listed_candidates must be at least 1 or None, not {listed_candidates!r}")
     return listed_candidates
-
-
-def mixed_choice(ttfts: Sequence[float], tbt_bound: Callable[[int], float], slo_s: float | None) -> int:
-    """The mixed worker a request goes to: the lowest predicted TTFT among the workers whose TBT
-    bound meets the TBT SLO (`tbt_bound(i)`: the figure admission compares with it), the lowest
-    TTFT when none does or there is no SLO; among workers of the same TTFT (an idle pool: every
-    one equal), the lowest TBT bound, the first of equals. Bounds are asked for lazily, in TTFT order."""
-    order = sorted(range(len(ttfts)), key=ttfts.__getitem__)  # stable: equals in pool order
-    pick = order[0] if slo_s is None else next((i for i in order if tbt_bound(i) <= slo_s), order[0])
-    ttft, bound = ttfts[pick], tbt_bound(pick)
-    for i in order[order.index(pick) + 1 :]:
-        if ttfts[i] != ttft:
-            break
-        other = tbt_bound(i)
-        if other < bound:
-            pick, bound = i, other
-    return pick
-
-
-def mixed_least_stall(
-    ttfts: Sequence[float],
-    stalled_s: Sequence[float],
-    ttft_limit_s: float,
-    tbt_bound: Callable[[int], float],
-    slo_s: float | None,
-    fits: Callable[[int], bool] | None = None,
-) -> int | None:
-    """The mixed worker where the request's prefill stalls the fewest stream-seconds, among those
-    whose predicted TTFT is at most `ttft_limit_s` and whose TBT bound meets the SLO: the lowest
-    `stalled_s[i]` (stalled_stream_s), the lowest TTFT among equals, the first in pool order among
-    those; given `fits`, only workers where `fits(i)` holds. None when no worker fits (the caller
-    falls back on mixed_choice). The candidates are tried best first, so the TBT bound and `fits`,
-    which walk a worker's streams, are asked of as few workers as it takes."""
-    order = sorted(
-        (i for i in range(len(ttfts)) if ttfts[i] <= ttft_limit_s), key=lambda i: (stalled_s[i], ttfts[i])
-    )  # stable: pool order among equals
-    for i in order:
-        if (slo_s is None or tbt_bound(i) <= slo_s) and (fits is None or fits(i)):
-            return i
-    return None
-
-
-def stalled_stream_s(prefill_s: float, streams: int) -> float:
-    """The stream-seconds a prefill of `prefill_s` pauses on a mixed worker with `streams` decoding:
-    each of them waits for it, and one more for the capacity it takes (what mixed placement ranks by)."""
-    return prefill_s * (streams + 1)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from conductor.core.errors import PluginError
+from conductor.core.errors import ConfigError, PluginError
 from conductor.core.types import Policy
 
 GROUP = "conductor.policies"
@@ -33,6 +33,8 @@ def load_policy(name: str, options: Mapping[str, Any] | None = None) -> Policy:
         raise PluginError(f"policy plugin {name!r} ({ep.value}) failed to import: {exc!r}") from exc
     try:
         policy = factory(**dict(options or {}))
+    except ConfigError as exc:  # a checked option: its message names the key and what it allows
+        raise PluginError(f"policy plugin {name!r} ({ep.value}) failed to construct: {exc}") from exc
     except Exception as exc:
         raise PluginError(f"policy plugin {name!r} ({ep.value}) failed to construct: {exc!r}") from exc
     check_policy(policy, origin=f"{name!r} ({ep.value})")

@@ -2,8 +2,8 @@
 
 Evaluation (`prefill_s`, `transfer_s`, `queue_s`, `tbt_s`) is float arithmetic on frozen params, cheap
 enough to run for every instance on every request. Learning is split off: `observe_*` append a
-sample to a bounded window per model and every `refit_every` samples the model is refitted on that
-window (robust loss, MAD rejection, previous coefficients as a weak prior, see predictors.linear).
+sample to a bounded window per model, which is refitted on that window every `refit_every` samples
+(predictors/refit.py: the windows, their schedule and the fit; OnlineConfig lives there too).
 A refit swaps in a new frozen `PredictorParams`, so a decision never sees half-updated models.
 
 One model per kind serves all instances (the cluster is homogeneous per role); errors are still
@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import MappingProxyType
-
-import numpy as np
 
 from conductor.core.types import InstanceView, QueuedPrefill
 from predictors.errors import ErrorStats, ErrorTracker
 from predictors.lessons import Lesson, checked
-from predictors.linear import FitOptions, LinearModel, fit_linear
+from predictors.linear import LinearModel
 from predictors.params import (
     INSTANCE_LINK,
     PredictorParams,
@@ -32,6 +30,9 @@ from predictors.params import (
 )
 from predictors.profile import bundled_profile, fit_profiles
 from predictors.quantile import RatioWindows
+from predictors.refit import OnlineConfig, Refitter, SampleWindow
+
+__all__ = ["FIRST_TOKEN_PRIOR", "OnlineConfig", "Predictors"]  # OnlineConfig: predictors/refit.py
 
 # Decode leg (prefill answered -> first token at the client) = e0 + e1 * handoff + e2 * TBT; before
 # any observation: 2 ms of HTTP, the predicted handoff, 1.5 decode steps (half a step waiting for
@@ -40,71 +41,7 @@ from predictors.quantile import RatioWindows
 FIRST_TOKEN_PRIOR = LinearModel(coef=(0.002, 1.0, 1.5), p90_ratio=1.25)
 _DECODE_LEG_REF_TOKENS = 4096  # where a decode-leg refit's move is measured
 _PREFILL_REF = prefill_features(4096, 0)  # where a prefill refit's move is measured
-
-
-@dataclass(frozen=True, slots=True)
-class OnlineConfig:
-    """How the models learn from observations."""
-
-    enabled: bool = True
-    window: int = 512  # samples kept per model (a sliding window: old behaviour ages out)
-    refit_every: int = 32  # refit after this many new samples (a fit costs ~0.3 ms)
-    # while refits leave a model's predictions where they were (within refit_stable_move on every
-    # sample of its window) and the model fits its window (median actual/predicted within
-    # refit_stable_move of 1), the interval doubles up to this; a refit that moves a prediction
-    # by refit_reset_move or more brings it back to refit_every (Predictors._adapt_interval)
-    refit_max_every: int = 256
-    refit_stable_move: float = 0.01
-    refit_reset_move: float = 0.05
-    # do not refit on fewer samples than this; while the window holds fewer than refit_every, a
-    # refit also comes each time it doubles from here (8, 16): a model that starts far off (the
-    # bundled profile against slower workers) is corrected after 8 requests, not 32
-    min_samples: int = 8
-    prior_weight: float = 1.0  # weight of the previous coefficients in a refit
-    loss: str = "soft_l1"
-    f_scale: float = 0.05
-    mad_k: float = 4.0
-    error_window: int = 256  # records per (component, instance) in the error tracker
-    error_max_keys: int = 1024
-    ratio_window: int = 256  # actual/predicted ratios kept per quantity for calibrated bounds
-    # the TTFT bound's window is shifted by this many seconds (predictors.quantile): 0 takes every
-    # error as proportional to the prediction
-    ttft_bound_shift_s: float = 0.0
-    # keep the per-instance error windows (`error_stats`, the gateway's Prometheus export). They
-    # feed no prediction: a simulation, which never reads them, turns them off (traces/sim/runner.py)
-    track_errors: bool = True
-
-
-class _Samples:
-    """A model's sliding window of (features, actual), in preallocated arrays that a refit reads
-    as they are (rows in ring order: a fit does not depend on the order of its samples)."""
-
-    __slots__ = ("every", "fresh", "head", "n", "x", "y")
-
-    def __init__(self, size: int, every: int = 32) -> None:
-        self.x: np.ndarray | None = None  # (size, features), allocated on the first sample
-        self.y = np.empty(max(1, size))
-        self.n = 0  # samples held
-        self.head = 0  # where the next one goes
-        self.fresh = 0  # samples since the last refit
-        self.every = every  # new samples that make the next refit (Predictors._refit adapts it)
-
-    def append(self, features: Sequence[float], actual: float) -> None:
-        size = len(self.y)
-        if self.x is None:
-            self.x = np.empty((size, len(features)))
-        self.x[self.head] = features
-        self.y[self.head] = actual
-        self.head = (self.head + 1) % size
-        self.n = min(self.n + 1, size)
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        assert self.x is not None
-        return self.x[: self.n], self.y[: self.n]
-
-
-def _samples(online: OnlineConfig) -> _Samples:
-    return _Samples(online.window, online.refit_every)
+DEFAULT_ONLINE = OnlineConfig()  # frozen: one shared default
 
 
 class Predictors:
@@ -114,13 +51,14 @@ class Predictors:
     # actual/predicted ratio windows behind the calibrated bounds (predictors.quantile)
     RATIO_RESET = 0.1
 
-    def __init__(self, params: PredictorParams, online: OnlineConfig = OnlineConfig()) -> None:
+    def __init__(self, params: PredictorParams, online: OnlineConfig = DEFAULT_ONLINE) -> None:
         self._params = params
         self._online = online
-        self._prefill = _samples(online)
-        self._tbt = _samples(online)
-        self._transfer: dict[str, _Samples] = {}
-        self._first = _samples(online)
+        self._refitter = refitter = Refitter(online)
+        self._prefill = refitter.window()
+        self._tbt = refitter.window()
+        self._transfer: dict[str, SampleWindow] = {}
+        self._first = refitter.window()
         self.first_token_model = FIRST_TOKEN_PRIOR
         # the decode leg as fitted: k0 + k1 * handoff bytes + k2 * TBT (k1: the P -> D link's s/byte)
         lat, per_byte = params.transfer_model(INSTANCE_LINK).coef
@@ -131,18 +69,17 @@ class Predictors:
         # bumped whenever the ratio windows are cleared: a prediction made before (its request still
         # in flight) must not add its old model's ratio to the new windows
         self.generation = 0
-        self.refits = 0
         # what this process learned, kept for sibling processes (record_lessons); None: not kept
         self._lessons: deque[Lesson] | None = None
         self._errors_on = online.track_errors  # off while learning a sibling's lesson
         self._cache_params()
 
     @classmethod
-    def from_bundled_profile(cls, online: OnlineConfig = OnlineConfig()) -> Predictors:
+    def from_bundled_profile(cls, online: OnlineConfig = DEFAULT_ONLINE) -> Predictors:
         return cls(fit_profiles([bundled_profile()]), online)
 
     @classmethod
-    def from_file(cls, path: str, online: OnlineConfig = OnlineConfig()) -> Predictors:
+    def from_file(cls, path: str, online: OnlineConfig = DEFAULT_ONLINE) -> Predictors:
         try:
             params = PredictorParams.load(path)
         except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors
@@ -163,6 +100,11 @@ class Predictors:
     @property
     def kv_bytes_per_token(self) -> float:
         return self._params.kv_bytes_per_token
+
+    @property
+    def refits(self) -> int:
+        """Refits made so far, of every model."""
+        return self._refitter.refits
 
     # ---- evaluation -----------------------------------------------------------------------
 
@@ -255,7 +197,7 @@ class Predictors:
         if self._errors_on:
             pred = self.prefill_s(new_tokens, cached_tokens)
             self.errors.record("prefill", instance, pred, pred * self._params.prefill.p90_ratio, seconds)
-        if self._add(self._prefill, prefill_features(new_tokens, cached_tokens), seconds):
+        if self._refitter.add(self._prefill, prefill_features(new_tokens, cached_tokens), seconds):
             self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, _PREFILL_REF))
             self._cache_params()
 
@@ -266,7 +208,7 @@ class Predictors:
             return
         if self._lessons is not None:
             self._lessons.append(("leg", *(float(f) for f in features[:3]), seconds))
-        if self._add(self._prefill, tuple(float(f) for f in features), seconds):
+        if self._refitter.add(self._prefill, tuple(float(f) for f in features), seconds):
             self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, _PREFILL_REF))
             self._cache_params()
 
@@ -286,7 +228,7 @@ class Predictors:
         if self._lessons is not None:
             self._lessons.append(("decode_leg", handoff_tokens, tbt_s, seconds))
         nbytes = handoff_tokens * self._params.kv_bytes_per_token
-        if not self._add(self._first, (1.0, nbytes, tbt_s), seconds):
+        if not self._refitter.add(self._first, (1.0, nbytes, tbt_s), seconds):
             return
         ref = (1.0, _DECODE_LEG_REF_TOKENS * self._params.kv_bytes_per_token, 0.02)
         fitted = self._refit(self._first, self.decode_leg_model, ref)
@@ -314,7 +256,7 @@ class Predictors:
             hi = pred * self.ratios.quantile("tbt", 0.9, self._params.tbt.p90_ratio)
             self.errors.record("tbt", instance, pred, hi, seconds)
         self.ratios.add("tbt", pred, seconds)
-        if self._add(self._tbt, tbt_features(batch, resident_kv_tokens), seconds):
+        if self._refitter.add(self._tbt, tbt_features(batch, resident_kv_tokens), seconds):
             self._params = replace(self._params, tbt=self._refit(self._tbt, self._params.tbt, tbt_features(32, 64_000)))
             self._cache_params()
 
@@ -331,8 +273,8 @@ class Predictors:
         if win is None:
             if len(self._transfer) >= 16:  # link classes are a handful; refuse to grow unbounded
                 return
-            win = self._transfer[link] = _samples(self._online)
-        if self._add(win, transfer_features(nbytes), seconds):
+            win = self._transfer[link] = self._refitter.window()
+        if self._refitter.add(win, transfer_features(nbytes), seconds):
             links = dict(self._params.transfer)
             links[link] = self._refit(win, model)
             self._params = replace(self._params, transfer=MappingProxyType(links))
@@ -387,50 +329,12 @@ class Predictors:
             self._lessons = lessons
             self._errors_on = self._online.track_errors
 
-    def _add(self, win: _Samples, features: tuple[float, ...], actual: float) -> bool:
-        """Append a sample; True when it is time to refit."""
-        if not self._online.enabled:
-            return False
-        win.append(features, actual)
-        win.fresh += 1
-        first = self._online.min_samples
-        n = win.n
-        if n < first:
-            return False
-        # young window: also at first, 2 x first, 4 x first ... below refit_every
-        k = n // first
-        young = n < self._online.refit_every and n == k * first and k & (k - 1) == 0
-        if win.fresh >= win.every or young:
-            win.fresh = 0
-            return True
-        return False
-
-    def _adapt_interval(self, win: _Samples, x: np.ndarray, y: np.ndarray, current: LinearModel, fitted: LinearModel) -> None:
-        """Back a window's refits off while they change nothing; back to refit_every on a change.
-
-        The move is the largest relative change of the model's prediction over the window's own
-        samples (one point would hide a trade between the constant and the slope). Steady also
-        needs the new fit to sit on its samples (median actual/predicted near 1): a model the prior
-        still holds back from a shifted truth moves by little at each refit and must go on. And a
-        full window: while it fills, every refit has more to learn from than the last."""
-        o = self._online
-        new = np.maximum(x @ np.asarray(fitted.coef), 1e-12)
-        move = float(np.max(np.abs(new / np.maximum(x @ np.asarray(current.coef), 1e-12) - 1.0)))
-        if win.n == len(win.y) and move < o.refit_stable_move and abs(float(np.median(y / new)) - 1.0) < o.refit_stable_move:
-            win.every = min(2 * win.every, max(o.refit_every, o.refit_max_every))
-        elif move >= o.refit_reset_move:
-            win.every = o.refit_every
-
-    def _refit(self, win: _Samples, current: LinearModel, reference: Sequence[float] | None = None) -> LinearModel:
-        o = self._online
-        opts = FitOptions(loss=o.loss, f_scale=o.f_scale, mad_k=o.mad_k, prior_weight=o.prior_weight)
-        try:
-            x, y = win.arrays()
-            fitted = fit_linear(x, y, prior=current.coef, options=opts)
-        except ValueError:
+    def _refit(self, win: SampleWindow, current: LinearModel, reference: Sequence[float] | None = None) -> LinearModel:
+        """`current` refitted on its window (as it is when that fails). A refit that moves the
+        prediction at `reference` by more than RATIO_RESET clears the ratio windows."""
+        fitted = self._refitter.refit(win, current)
+        if fitted is None:
             return current
-        self.refits += 1
-        self._adapt_interval(win, x, y, current, fitted)
         if reference is not None:
             before, after = current.predict(reference), fitted.predict(reference)
             if before > 0 and abs(after / before - 1.0) > self.RATIO_RESET:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from cluster_builders import decode, prefill, request, snapshot
 
+from conductor.core.errors import ConfigError
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.simple import LeastLoadedPolicy
@@ -133,7 +134,7 @@ def test_baselines_admit_everything_unless_asked(params: PredictorParams) -> Non
 
 
 def test_bad_admission_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="admission must be one of"):
+    with pytest.raises(ConfigError, match="'admission' must be one of none, early, predicted"):
         KvCacheAwarePolicy(admission="sometimes")
 
 

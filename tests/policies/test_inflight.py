@@ -7,9 +7,10 @@ import random
 
 import pytest
 
+from conductor.core.errors import ConfigError
 from conductor.core.types import ClusterSnapshot, InstanceView, Observation, QueuedPrefill, RequestView, Role, Slo
-from policies.inflight import InflightPrefixes
 from policies.kvcache_aware import KvCacheAwarePolicy
+from policies.kvcache_aware.inflight import InflightPrefixes
 
 
 def chain(*keys: int) -> tuple[int, ...]:
@@ -222,5 +223,5 @@ def test_ttft_slack_takes_the_least_compute_within_the_slack_and_the_fastest_pas
     assert decide(0.5, 2 * (point + bounds["p0"]) / 2)[0] == "p1"
     # no TTFT SLO on the request: the slack has nothing to measure against, the fastest wins
     assert decide(0.5, None)[0] == "p1"
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="ttft_slack"):
         KvCacheAwarePolicy(online=False, ttft_slack=1.5)

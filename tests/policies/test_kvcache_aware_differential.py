@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 import pytest
 
+from conductor.core.errors import ConfigError
 from conductor.core.types import (
     ActiveDecode,
     CachedPrefix,
@@ -43,7 +44,7 @@ from policies.estimate import (
     remote_sources,
 )
 from policies.kvcache_aware import KvCacheAwarePolicy, decode_candidate, prefill_candidate
-from policies.outcome_learning import _chosen_candidates
+from policies.kvcache_aware.learning import _chosen_candidates
 from predictors import LinearModel, OnlineConfig, Predictors, bundled_profile, fit_profiles
 from predictors.params import INSTANCE_LINK, STORE_LINK
 
@@ -85,7 +86,7 @@ class ReferencePolicy(KvCacheAwarePolicy):
     """Every instance estimated in full and listed: the slow algorithm the shortcuts must equal."""
 
     def _decide(self, request: RequestView, cluster: ClusterSnapshot, only_p: str | None, only_d: str | None) -> Decision:
-        pred = self.predictors
+        pred, opts = self.predictors, self.options
         prefills, disaggregated = prefill_pool(cluster)
         if only_p is not None:
             prefills = tuple(p for p in prefills if p.id == only_p)
@@ -103,8 +104,8 @@ class ReferencePolicy(KvCacheAwarePolicy):
         predicted = self.admission is AdmissionMode.PREDICTED
         slack_s = (
             None
-            if self.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
-            else self.ttft_slack * request.slo.ttft_s
+            if opts.placement.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
+            else opts.placement.ttft_slack * request.slo.ttft_s
         )  # mixed workers: the lowest TTFT always
         chosen_decode: DecodeEstimate | None = None
         stalled: PrefillEstimate | None = None  # mixed: the chosen worker's streams cannot absorb it
@@ -116,7 +117,7 @@ class ReferencePolicy(KvCacheAwarePolicy):
             # the client TTFT with the chosen decode's TBT now, bounded as admission bounds it
             assert slack_s is not None and chosen_decode is not None
             client = e.transfer_s + e.queue_s + e.prefill_s + pred.first_token_s(e.handoff_s, chosen_decode.tbt_s)
-            bound = client if self.ttft_quantile is None else pred.bound("ttft", client, self.ttft_quantile)
+            bound = client if opts.admission.ttft_quantile is None else pred.bound("ttft", client, opts.admission.ttft_quantile)
             return bound <= slack_s
 
         def rank(e: PrefillEstimate) -> tuple[int, float, float]:
@@ -132,7 +133,7 @@ class ReferencePolicy(KvCacheAwarePolicy):
             slo = request.slo.tbt_s
             pairs = list(zip(ests, d_ests, strict=True))
             # the TBT judged under admission's calibrated bound; among equal TTFTs the lowest such TBT
-            mixed_q = self.mixed_tbt_quantile
+            mixed_q = opts.mixed.tbt_quantile
             ratio = (
                 1.0
                 if mixed_q is None
@@ -146,7 +147,7 @@ class ReferencePolicy(KvCacheAwarePolicy):
             def absorbs(pair: tuple[PrefillEstimate, DecodeEstimate]) -> bool:
                 # with admission, only a worker whose streams keep their TBT SLO through this prefill:
                 # at most a tenth of them lack the spare TBT per remaining token to absorb it
-                if not self.mixed_protect_streams or slo is None or self.admission is AdmissionMode.NONE:
+                if not opts.mixed.protect_streams or slo is None or self.admission is AdmissionMode.NONE:
                     return True
                 e, spare = pair[0], slo - bound(pair)
                 short = [a for a in e.instance.decodes if a.remaining_tokens > 0 and e.prefill_s > spare * a.remaining_tokens]
@@ -157,12 +158,16 @@ class ReferencePolicy(KvCacheAwarePolicy):
 
             fitting = [pair for pair in pairs if slo is None or placed_bound(pair) <= slo] or pairs
             best, chosen_decode = min(fitting, key=lambda pair: (rank(pair[0]), placed_bound(pair)))
-            ttft_slo, mixed_slack = request.slo.ttft_s, self.mixed_ttft_slack
+            ttft_slo, mixed_slack = request.slo.ttft_s, opts.mixed.ttft_slack
             if mixed_slack is not None and ttft_slo is not None:
                 # the fewest stream-seconds stalled, (prefill compute) x (streams there + 1), among the
                 # workers whose bounded TTFT fits in the slack and whose TBT bound meets the SLO
                 def ttft_fits(e: PrefillEstimate) -> bool:
-                    b = e.ttft_s if self.ttft_quantile is None else pred.bound("ttft", e.ttft_s, self.ttft_quantile)
+                    b = (
+                        e.ttft_s
+                        if opts.admission.ttft_quantile is None
+                        else pred.bound("ttft", e.ttft_s, opts.admission.ttft_quantile)
+                    )
                     return b <= mixed_slack * ttft_slo
 
                 calm = [pair for pair in pairs if ttft_fits(pair[0]) and (slo is None or bound(pair) <= slo) and absorbs(pair)]
@@ -175,7 +180,7 @@ class ReferencePolicy(KvCacheAwarePolicy):
         judged = chosen_decode
         if disaggregated and predicted and chosen_decode is not None:
             pool = prefill_pool(cluster)[0] if only_p is not None else prefills
-            joins = JoinForecast(pred, pool, len(cluster.by_role(Role.DECODE))) if self.forecast_joins else None
+            joins = JoinForecast(pred, pool, len(cluster.by_role(Role.DECODE))) if opts.admission.forecast_joins else None
             judged = estimate_decode(pred, request, chosen_decode.instance, best.ttft_s, joins)
         elif self.admission is AdmissionMode.EARLY and chosen_decode is not None:
             judged = estimate_decode(pred, request, chosen_decode.instance, 0.0, None, include_pending=False)
@@ -185,9 +190,9 @@ class ReferencePolicy(KvCacheAwarePolicy):
             tbt = first_tbt = judged.tbt_s if predicted and judged is not None else chosen_decode.tbt_s
         leg = best.transfer_s + best.queue_s + best.prefill_s
         ttft = leg + pred.first_token_s(best.handoff_s, first_tbt) if disaggregated else best.ttft_s
-        ttft_bound = ttft if self.ttft_quantile is None else pred.bound("ttft", ttft, self.ttft_quantile)
+        ttft_bound = ttft if opts.admission.ttft_quantile is None else pred.bound("ttft", ttft, opts.admission.ttft_quantile)
         tbt_bound = None
-        tbt_q = self.tbt_quantile if disaggregated else self.mixed_tbt_quantile
+        tbt_q = opts.admission.tbt_quantile if disaggregated else opts.mixed.tbt_quantile
         if judged is not None and tbt_q is not None:
             tbt_bound = judged.tbt_s * pred.ratios.quantile(
                 "tbt_judged", tbt_q, pred.params.tbt.p90_ratio if tbt_q > 0.5 else 1.0
@@ -202,7 +207,11 @@ class ReferencePolicy(KvCacheAwarePolicy):
         candidates = tuple(
             prefill_candidate(e, None if disaggregated else e.prefill_s * (len(e.instance.decodes) + 1)) for e in ests
         ) + tuple(decode_candidate(e, judged if e is chosen_decode else None) for e in d_ests)
-        if rejection is not None and self.probe_after is not None and self._rejected_in_a_row >= self.probe_after:
+        if (
+            rejection is not None
+            and opts.admission.probe_after is not None
+            and self._rejected_in_a_row >= opts.admission.probe_after
+        ):
             rejection = None
         if rejection is not None:
             return Decision(
@@ -442,5 +451,5 @@ def test_a_large_pool_lists_the_best_few_and_counts_the_rest() -> None:
     # what on_decided learns from is among what is listed
     policy.on_decided(request, cluster, decision)
     assert "r1" in policy.learner.pending
-    with pytest.raises(ValueError, match="listed_candidates"):
+    with pytest.raises(ConfigError, match="listed_candidates"):
         KvCacheAwarePolicy(online=False, listed_candidates=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from cluster_builders import request, snapshot
 
+from conductor.core.errors import ConfigError
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
 from policies.kvcache_aware import KvCacheAwarePolicy
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
@@ -84,7 +85,7 @@ def test_mixed_tbt_quantile(quantile: float | None, admitted: bool) -> None:
     d = policy.decide(request(4096, slo=Slo(ttft_s=5.0, tbt_s=slo)), snapshot(mixed("m0", 1)))
     assert d.rejected is not admitted
     # P/D keeps its own quantile: the decode of a disaggregated request is judged at tbt_quantile
-    assert policy.tbt_quantile == 0.9
+    assert policy.options.admission.tbt_quantile == 0.9
 
 
 def test_before_enough_ratios_the_median_bound_is_the_point_prediction() -> None:
@@ -153,7 +154,7 @@ def test_only_workers_whose_ttft_fits_the_slack() -> None:
 
 def test_mixed_ttft_slack_is_checked() -> None:
     for bad in (0.0, 1.5):
-        with pytest.raises(ValueError, match="mixed_ttft_slack"):
+        with pytest.raises(ConfigError, match="mixed_ttft_slack"):
             KvCacheAwarePolicy(predictors=predictors(), mixed_ttft_slack=bad)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import cast
 
-from policies.inflight import placement_best, placement_rank
-from policies.pool_estimates import PoolPrefillEstimates
+from policies.kvcache_aware.placement import placement_best, placement_rank
+from policies.kvcache_aware.pool_estimates import PoolPrefillEstimates
 
 
 class _Weighed:
@@ -31,7 +31,7 @@ def test_placement_best_is_the_min_of_the_ranks() -> None:
 
 def test_lowest_load_and_one_listed_are_the_min_they_replace() -> None:
     from policies.base import listed_indices
-    from policies.kvcache_aware import _lowest_load
+    from policies.kvcache_aware.placement import lowest_load
 
     rng = random.Random(13)
     for _ in range(20_000):
@@ -39,7 +39,7 @@ def test_lowest_load_and_one_listed_are_the_min_they_replace() -> None:
         shared = rng.choice((0.5, 1.0))
         tbts = [rng.choice((0.02, 0.03, shared, rng.uniform(0, 0.05))) for _ in range(n)]
         batches = [rng.choice((1.0, 2.0, shared)) for _ in range(n)]
-        assert _lowest_load(tbts, batches) == min(zip(tbts, batches, range(n), strict=True))[2]
+        assert lowest_load(tbts, batches) == min(zip(tbts, batches, range(n), strict=True))[2]
         chosen = rng.randrange(n)
         best = min(range(n), key=tbts.__getitem__)
         assert listed_indices(tbts, 1, chosen) == ([best] if best == chosen else sorted((best, chosen)))

@@ -1,4 +1,4 @@
-"""Prefixes on their way into a cache, and placing a request where they will be reused.
+"""Prefixes on their way into a cache, counted where they will be reused.
 
 A KV index learns of a prefix when the worker has computed it (vLLM's KV events, the simulator's
 cache on completion). Between dispatch and that moment the index is blind, and that is exactly
@@ -14,19 +14,16 @@ the gateway's 16-token blocks, every key at the traces' 512-token ones) and the 
 32K-token prompt costs 128 dictionary entries, not 2,048; a prefix is then credited to the last
 filed key it reaches, at most `stride_tokens` short. Bounded: at most `max_keys` filed keys, the
 oldest dispatches forgotten first; a dispatch is also forgotten when its request is observed, by
-when the index reports what the worker holds. The default 200,000 keys take about 20 MB (10.6 MB
-of table under tracemalloc, plus the prompts' key tuples it keeps alive).
+when the index reports what the worker holds. The default 200,000 keys take about 20 MB
+(docs/kvcache_aware.md, "Prefixes").
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from conductor.core.types import CachedPrefix, RequestView
-from policies.pool_estimates import PoolPrefillEstimates
 
 
 class InflightPrefixes:
@@ -139,54 +136,3 @@ def with_inflight(inflight: InflightPrefixes | None, request: RequestView) -> Re
     if own is not None and own.tokens >= tokens:
         return request
     return replace(request, cached={**request.cached, instance: CachedPrefix(tokens)})
-
-
-def placement_rank(limit_s: float | None, weighed: PoolPrefillEstimates) -> Callable[[int], Any]:
-    """The sort key of prefill candidates, best lowest: the predicted TTFT or, given `limit_s`,
-    those whose predicted prefill leg (pull, queue, prefill) is at most `limit_s` first, by least
-    compute among them (a prefix in flight, which cannot be pulled yet, is what makes instances
-    differ there), the lowest TTFT among equals; the rest after them by TTFT. The caller derives
-    the limit from the request's TTFT SLO (KvCacheAwarePolicy's `ttft_slack`)."""
-    ttfts = weighed.ttfts
-    if limit_s is None:
-        return ttfts.__getitem__
-    legs = [t - weighed.handoff_s for t in ttfts]
-    works = weighed.works()
-
-    def rank(i: int) -> tuple[int, float, float]:
-        return (0, works[i], ttfts[i]) if legs[i] <= limit_s else (1, 0.0, ttfts[i])
-
-    return rank
-
-
-def placement_best(limit_s: float | None, weighed: PoolPrefillEstimates) -> int:
-    """min(range(len(weighed.ttfts)), key=placement_rank(limit_s, weighed)): the first of the
-    best, found without a key tuple and a call per instance. Each comparison is the one the
-    rank tuples' would make (a tuple compares its items for equality first, by identity too)."""
-    ttfts = weighed.ttfts
-    best, best_t = 0, ttfts[0]
-    if limit_s is None:
-        for i in range(1, len(ttfts)):
-            t = ttfts[i]
-            if t < best_t:
-                best, best_t = i, t
-        return best
-    handoff = weighed.handoff_s
-    works = weighed.works()
-    best_fits, best_w = ttfts[0] - handoff <= limit_s, works[0]
-    for i in range(1, len(ttfts)):
-        t = ttfts[i]
-        fits = t - handoff <= limit_s
-        if fits != best_fits:
-            if fits:  # (0, ...) < (1, ...)
-                best, best_t, best_fits, best_w = i, t, fits, works[i]
-            continue
-        if fits:
-            w = works[i]
-            if not (w is best_w or w == best_w):
-                if w < best_w:
-                    best, best_t, best_w = i, t, w
-                continue
-        if not (t is best_t or t == best_t) and t < best_t:
-            best, best_t, best_w = i, t, works[i]
-    return best

@@ -3,8 +3,24 @@
 `OutcomeLearner.remember` keeps (boundedly) the predictions of an admitted request, read back from
 the decision's own candidate scores, so that what is learned from is exactly what was logged;
 `learn` compares them with the request's Observation, records the errors and feeds the predictors'
-online refit (the models it teaches and why are listed in policies/kvcache_aware.py's docstring).
-The policy calls both from its `on_decided` and `observe`; nothing else changes this state.
+online refit. The policy calls both from its `on_decided` and `observe`; nothing else changes this
+state. What each outcome teaches:
+
+* prefill: every observed prefill leg (queue_and_prefill_s) is a sample. Behind an FCFS queue the
+  leg is the running head's remainder plus the queued prefills plus its own, so leg + the head's
+  elapsed time - the predicted prefix pull is linear in the prefill coefficients with the summed
+  features of the queue and the request (Predictors.queue_features / observe_leg). The model keeps
+  learning under sustained load, when no leg runs on an empty queue.
+* decode leg: TTFT at the client minus the prefill leg (KV handoff, the decode step in progress and
+  the one that samples the first token, HTTP) is fitted as k0 + k1*handoff bytes + k2*TBT
+  (Predictors.observe_decode_leg); k1 is the link's cost per byte, so the transfer model (handoffs
+  and prefix pulls) learns from every request; the predicted TTFT is the leg plus this.
+* TBT: the mean of the stream's token intervals, against the batch it joined (decode_batch + 1) and
+  the resident KV then (decode_resident_kv_tokens plus its own prompt and half its output).
+* calibrated bounds: observed / predicted TTFT (and TBT as admission judged it) go into bounded
+  ratio windows (predictors.quantile); admission compares `ttft_quantile` (0.95) and
+  `tbt_quantile` (0.9) upper bounds with the SLOs, so admitted requests near the bound still meet
+  it; the exported p90 coverage is that of the same windows' 0.9 quantile, fixed at decision time.
 """
 
 from __future__ import annotations
