@@ -9,7 +9,9 @@ little else runs per request.
 What it does: keep-alive pools per origin with a connection limit and a bounded wait for a free
 connection, TCP_NODELAY, optional TLS, Content-Length request bodies, chunked, sized or
 close-delimited responses (and bodiless ones: HEAD, 204, 304; 1xx interim answers are skipped),
-streamed bodies with flow control, a connect timeout and a read timeout (longest silence).
+streamed bodies with flow control, a connect timeout and a read timeout (longest silence), and
+bounds on what a faulty server can make it hold (`ResponseLimits`: head bytes, header lines, and a
+body read whole; past them the exchange fails with ResponseTooLarge and the connection is dropped).
 
 Request heads are built only from validated parts (`build_head`): a CR or LF smuggled into a
 header value can never split the head into a second request, and the framing headers (Host,
@@ -35,9 +37,19 @@ import ssl
 import threading
 from collections.abc import AsyncIterator, Mapping
 
-from adapters.http1_conn import Connection, ConnectionFailed, HTTPClientError, PoolTimeout, ReadTimeout
+from adapters.http1_conn import (
+    DEFAULT_LIMITS,
+    Connection,
+    ConnectionFailed,
+    HTTPClientError,
+    PoolTimeout,
+    ReadTimeout,
+    ResponseLimits,
+    ResponseTooLarge,
+)
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "ConnectionFailed",
     "HTTPClientError",
     "InvalidRequest",
@@ -45,6 +57,8 @@ __all__ = [
     "PoolTimeout",
     "ReadTimeout",
     "Response",
+    "ResponseLimits",
+    "ResponseTooLarge",
     "authority",
     "build_head",
 ]
@@ -161,13 +175,25 @@ class Response:
             self.close()
 
     async def read(self) -> bytes:
+        """The whole body; ResponseTooLarge (the connection dropped) past the pool's body limit."""
         conn = self._conn
         if conn is None:
             return b""
+        limit = conn.limits.body_bytes
         parts: list[bytes] = []
+        size = 0
         try:
+            declared = self.header("content-length")
+            if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
+                raise ResponseTooLarge(f"upstream response body of {declared} bytes, over {limit}")
             while (chunk := await conn.next_chunk()) is not None:
+                size += len(chunk)
+                if size > limit:
+                    raise ResponseTooLarge(f"upstream response body over {limit} bytes")
                 parts.append(chunk)
+        except ResponseTooLarge:
+            conn.must_close = True
+            raise
         finally:
             self.close()
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -204,8 +230,10 @@ class Pool:
         idle_timeout_s: float = 4.0,
         pool_timeout_s: float | None = None,
         tls: ssl.SSLContext | None = None,
+        limits: ResponseLimits = DEFAULT_LIMITS,
     ) -> None:
         self.host, self.port = host, port
+        self.limits = limits
         self.limit = limit
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -313,7 +341,7 @@ class Pool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, protocol = await self.loop.create_connection(
-                    lambda: Connection(self.loop, self.read_timeout_s, self._lost),
+                    lambda: Connection(self.loop, self.read_timeout_s, self._lost, self.limits),
                     self.host,
                     self.port,
                     ssl=self.tls,

@@ -4,6 +4,12 @@ A connection carries one exchange at a time (no pipelining). Its pool (adapters/
 when it is reused; this module knows the wire: what ends a response (length, chunks, EOF, or no
 body at all), which responses to skip (1xx), when the server went silent too long, and whether a
 failure happened before or after the request's bytes were handed to the socket.
+
+What a faulty worker can make it hold is bounded (`ResponseLimits`): the response head's bytes and
+header lines (past either, the exchange fails with ResponseTooLarge and the connection is dropped),
+and the body buffered ahead of its reader (the socket pauses past _HIGH_WATER pieces or
+_HIGH_WATER_BYTES, each piece at most one socket read). A whole body read at once is bounded where
+it is read (adapters/http1.py, `Response.read`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import collections
 import select
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
@@ -50,16 +57,42 @@ class PoolTimeout(HTTPClientError):
     sent = False
 
 
+class ResponseTooLarge(ConnectionFailed):
+    """The answer's head or body went past the client's limits; the connection is dropped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, sent=True, received=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseLimits:
+    """The most a worker's answer may bring. head_bytes: status line and header lines together;
+    headers: header lines; body_bytes: a body read whole (not a stream, relayed piece by piece)."""
+
+    head_bytes: int = 64 * 1024
+    headers: int = 256
+    body_bytes: int = 64 * 1024 * 1024
+
+
+DEFAULT_LIMITS = ResponseLimits()
 _EOF = object()
-_HIGH_WATER = 64  # buffered body chunks of a stream before the socket is paused
+_HIGH_WATER = 64  # buffered body chunks of a stream before the socket is paused...
+_HIGH_WATER_BYTES = 1 << 20  # ...or buffered body bytes
 
 
 class Connection(asyncio.Protocol):
     """Owned by one request while `busy`; otherwise idle in its pool or closed."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float, on_lost: Callable[[Connection], None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        read_timeout_s: float,
+        on_lost: Callable[[Connection], None],
+        limits: ResponseLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.loop = loop
         self.read_timeout_s = read_timeout_s
+        self.limits = limits
         self._on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self.fd = -1
@@ -78,6 +111,12 @@ class Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done: asyncio.Future[None] = self.loop.create_future()
         self.body: collections.deque[Any] = collections.deque()
+        self._buffered = 0  # bytes in `body`
+        # the head's size, two ways (each a lower bound, so neither trips early): bytes fed while the
+        # head stayed incomplete (an unfinished line sits inside httptools), and whole header lines
+        self._head_fed = 0
+        self._header_bytes = 0
+        self._header_lines = 0
         self._waiter: asyncio.Future[None] | None = None
         self.complete = False
         self.failed = False
@@ -133,13 +172,25 @@ class Connection(asyncio.Protocol):
             return
         self.received = True
         self._last_rx = self.loop.time()
+        heading = not self.headers_done.done()
         try:
             self.parser.feed_data(data)
+            if heading and not self.headers_done.done():
+                self._head_fed += len(data)
+                if self._head_fed > self.limits.head_bytes:
+                    raise ResponseTooLarge(f"upstream response head over {self.limits.head_bytes} bytes")
+        except ResponseTooLarge as exc:
+            self._fail(exc)
+            self.close()
         except httptools.HttpParserUpgrade:
             self._fail(ConnectionFailed("upstream switched protocols unasked", sent=True, received=True))
             self.close()
         except httptools.HttpParserError as exc:
-            self._fail(ConnectionFailed(f"invalid HTTP from upstream: {exc}", sent=True, received=True))
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, ResponseTooLarge):  # raised by on_header, wrapped by httptools
+                self._fail(cause)
+            else:
+                self._fail(ConnectionFailed(f"invalid HTTP from upstream: {exc}", sent=True, received=True))
             self.close()
 
     def eof_received(self) -> bool | None:
@@ -181,6 +232,12 @@ class Connection(asyncio.Protocol):
 
     # ---- httptools callbacks --------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_lines += 1
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_lines > self.limits.headers:
+            raise ResponseTooLarge(f"upstream response head over {self.limits.headers} header lines")
+        if self._header_bytes > self.limits.head_bytes:
+            raise ResponseTooLarge(f"upstream response head over {self.limits.head_bytes} bytes")
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -188,6 +245,9 @@ class Connection(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:
             # 100 Continue, 103 Early Hints...: interim answers; llhttp goes on to the final one.
             self._informational = True
+            self._header_lines += 1  # each counts as a line: a flood of them is bounded too
+            if self._header_lines > self.limits.headers:
+                raise ResponseTooLarge(f"upstream response head over {self.limits.headers} lines (interim answers)")
             return
         self.status = status
         self.keep_alive = self.parser.should_keep_alive()
@@ -208,8 +268,10 @@ class Connection(asyncio.Protocol):
             return
         if body:
             self.body.append(body)
+            self._buffered += len(body)
             self._wake()
-            if len(self.body) > _HIGH_WATER and not self.paused and self.transport is not None:
+            crowded = len(self.body) > _HIGH_WATER or self._buffered > _HIGH_WATER_BYTES
+            if crowded and not self.paused and self.transport is not None:
                 self.paused = True
                 self.transport.pause_reading()
 
@@ -308,7 +370,10 @@ class Connection(asyncio.Protocol):
             while self.body and isinstance(self.body[0], bytes):  # stop before the end or a failure
                 parts.append(self.body.popleft())
             item = b"".join(parts)
-        if self.paused and len(self.body) < _HIGH_WATER // 2 and self.transport is not None and not self.closed:
+        if isinstance(item, bytes):
+            self._buffered -= len(item)
+        roomy = len(self.body) < _HIGH_WATER // 2 and self._buffered < _HIGH_WATER_BYTES // 2
+        if self.paused and roomy and self.transport is not None and not self.closed:
             self.paused = False
             self.transport.resume_reading()
         if item is _EOF:

@@ -6,18 +6,23 @@ Transfer-Encoding is kept; otherwise a body that comes whole in its first `http.
 message gets a Content-Length and one that comes in pieces is sent chunked. HEAD, 1xx, 204 and 304
 answers carry no body. The head is held until the first body message so that both go out in one
 write.
+
+A request the server refuses (malformed, too slow, one too many) is answered here too, in the
+application's place, with an OpenAI-style error body (`error_response`, `ServerExchange.refuse`).
+The connection is seen only through `ExchangeOwner`, the few things an exchange asks of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http
+import json
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from adapters.http1_server import HttpServerConnection
+import httptools
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,66 @@ STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
 _DISCONNECT: dict[str, Any] = {"type": "http.disconnect"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _INTERNAL_ERROR = b"Internal Server Error"
+_ERROR_TYPES = {503: "service_unavailable", 429: "rate_limit_error"}  # the rest: the client's request
+
+
+def error_response(status: int, message: str, code: str | None = None, headers: Iterable[bytes] = ()) -> bytes:
+    """A whole answer that ends the connection: `status`, an OpenAI-style error body, and any
+    extra header lines (each ending in CRLF)."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error")
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
+    return (STATUS_LINES.get(status) or _status_line(status)) + head + b"".join(headers) + b"\r\n" + body
+
+
+def http_scope(
+    parser: httptools.HttpRequestParser,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    server: tuple[str, int] | None,
+    client: tuple[str, int] | None,
+    scheme: str,
+    root_path: str,
+) -> dict[str, Any]:
+    """The ASGI scope of the request whose head `parser` just parsed (but its `state`)."""
+    url = httptools.parse_url(target)
+    raw_path = url.path
+    path = raw_path.decode("ascii")
+    if "%" in path:
+        path = urllib.parse.unquote(path)
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": parser.get_http_version(),
+        "server": server,
+        "client": client,
+        "scheme": scheme,
+        "method": parser.get_method().decode("ascii"),
+        "root_path": root_path,
+        "path": root_path + path,
+        "raw_path": root_path.encode("ascii") + raw_path,
+        "query_string": url.query or b"",
+        "headers": headers,
+    }
+
+
+class ExchangeOwner(Protocol):
+    """What an exchange needs of its connection (adapters/http1_server.py)."""
+
+    loop: asyncio.AbstractEventLoop
+    write_paused: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def default_header_lines(self) -> list[bytes]: ...
+
+    def response_complete(self, exchange: ServerExchange) -> None: ...
 
 
 class ServerExchange:
@@ -66,7 +131,7 @@ class ServerExchange:
         "scope",
     )
 
-    def __init__(self, conn: HttpServerConnection, scope: dict[str, Any], *, keep_alive: bool, expect_continue: bool) -> None:
+    def __init__(self, conn: ExchangeOwner, scope: dict[str, Any], *, keep_alive: bool, expect_continue: bool) -> None:
         self.conn = conn
         self.scope = scope
         self.keep_alive = keep_alive
@@ -113,6 +178,18 @@ class ServerExchange:
                     callback()
                 except Exception:  # one failing callback must not stop the others
                     log.exception("a disconnect callback failed")
+
+    def refuse(self, response: bytes) -> bool:
+        """Answer with `response` (a whole one, see `error_response`) in the application's place and
+        tell the application the client is gone; False when its own answer has begun already."""
+        if self.response_started or self.disconnected:
+            return False
+        self.keep_alive = False
+        self.client_gone()  # the application stops: receive() says disconnect, send() is ignored
+        self.response_started = self.response_complete = self._written = True
+        self.conn.write(response)
+        self.conn.response_complete(self)
+        return True
 
     def on_disconnect(self, callback: Callable[[], object]) -> None:
         """The `conductor.on_disconnect` extension: call `callback` once if the client goes away
@@ -264,8 +341,9 @@ class ServerExchange:
 
 
 def simple_response(status: int, text: str) -> App:
-    """An ASGI application that answers every request with `status` and a plain-text body."""
-    body = text.encode("utf-8")
+    """An ASGI application that answers every request with `status` and an OpenAI-style error body."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error")
+    body = json.dumps({"error": {"message": text, "type": kind, "param": None, "code": None}}).encode()
 
     async def app(
         scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
@@ -274,7 +352,7 @@ def simple_response(status: int, text: str) -> App:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")],
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
             }
         )
         await send({"type": "http.response.body", "body": body})

@@ -21,32 +21,34 @@ benchmarks/profile_gateway.py, docs/performance.md). What it does differently, a
 HTTP itself (request line, headers, chunked request bodies, keep-alive rules) is parsed by
 httptools (llhttp); nothing here parses bytes by hand. The per-request state and the ASGI
 `receive`/`send` pair live in adapters/http1_exchange.py.
+
+What a client can make it hold is bounded, and every request refused gets a status line and an
+OpenAI-style error body before a lingering close: see adapters/http1_server_limits.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.parse
 from collections import deque
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import httptools
 
-from adapters.http1_exchange import ServerExchange, simple_response
+from adapters.http1_exchange import ServerExchange, error_response, http_scope, simple_response
+from adapters.http1_server_limits import ServerLimits, linger
+from adapters.throttled_log import ThrottledLog
 
 if TYPE_CHECKING:
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
 log = logging.getLogger(__name__)
+_refusals = ThrottledLog(log, 10.0)  # a client sending garbage must not flood the log
 
 MAX_URL_BYTES = 16 * 1024  # longer targets: 414
 MAX_HEAD_BYTES = 64 * 1024  # all request header lines together; more: 431
 BODY_HIGH_WATER = 256 * 1024  # buffered request body before the socket stops being read
-# requests parsed ahead of the one being answered: one socket read can hold thousands of tiny
-# pipelined requests, each an exchange in memory; past this the connection is closed
-MAX_PIPELINED = 32
 
 
 class _StopParsing(Exception):
@@ -56,6 +58,13 @@ class _StopParsing(Exception):
 class HttpServerConnection(asyncio.Protocol):
     """One client connection: parses requests, runs each as an ASGI task, one at a time
     (pipelined requests wait their turn with the socket paused)."""
+
+    limits: ClassVar[ServerLimits] = ServerLimits()
+
+    @classmethod
+    def with_limits(cls, limits: ServerLimits) -> type[HttpServerConnection]:
+        """This protocol with other limits, to give uvicorn as its `http` class."""
+        return type(cls.__name__, (cls,), {"limits": limits})
 
     def __init__(
         self, config: Config, server_state: ServerState, app_state: dict[str, Any], _loop: asyncio.AbstractEventLoop | None = None
@@ -86,6 +95,10 @@ class HttpServerConnection(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self.read_paused = False
         self._timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_since = 0.0  # when the head of the request whose body is read came in
+        self._final: bytes | None = None  # a refusal, sent once the requests before it are answered
+        self._done_reading = False  # refused: the parser is dead, whatever arrives is dropped
         self._head_started = False  # bytes of a request head have arrived, the head is not complete
         # the request being parsed
         self._url = b""
@@ -101,8 +114,14 @@ class HttpServerConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
-        self.server_state.connections.add(self)  # type: ignore[arg-type]
         self.transport = transport
+        if len(self.server_state.connections) >= self.limits.max_connections:
+            _refusals.warn("refused a connection: %d open already", self.limits.max_connections)
+            message = f"More than {self.limits.max_connections} open connections; try again."
+            self.write(error_response(503, message, "too_many_connections", [b"retry-after: 1\r\n"]))
+            self._linger()
+            return
+        self.server_state.connections.add(self)  # type: ignore[arg-type]
         self.server = _address(transport.get_extra_info("sockname"))
         self.client = _address(transport.get_extra_info("peername"))
         if transport.get_extra_info("sslcontext") is not None:
@@ -112,6 +131,7 @@ class HttpServerConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
         self._cancel_timer()
+        self._cancel_body_timer()
         for exchange in (self.exchange, *self.queued):
             if exchange is not None:
                 exchange.client_gone()
@@ -122,6 +142,8 @@ class HttpServerConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         # a head must be complete within idle_s of the connection's idle start (the timer keeps
         # running: a client trickling a head byte by byte is cut); a body may not go silent longer
+        if self._done_reading:
+            return
         if self._parsing is not None:
             self._cancel_timer()
         try:
@@ -135,11 +157,15 @@ class HttpServerConnection(asyncio.Protocol):
         except httptools.HttpParserError:
             self._refuse(*(self._refusal or (400, "Invalid HTTP request received.")))
             return
-        if self._parsing is not None and self._timer is None:
-            self._arm_timer()  # more body to come
+        if self._parsing is not None:  # more body to come
+            if self._timer is None:
+                self._arm_timer()
+            if self._body_timer is None:
+                when = self._body_since + self.limits.body_timeout_s
+                self._body_timer = self.loop.call_at(when, self._body_timed_out)
 
     def eof_received(self) -> bool | None:
-        return None  # the transport closes; a request still in flight sees the client gone
+        return None  # the transport closes; a request still in flight sees the client gone (a lingering close ends)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -195,28 +221,14 @@ class HttpServerConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._cancel_timer()
         self._head_started = False
+        self._body_since = self.loop.time()
+        if self.exchange is not None and len(self.queued) >= self.limits.max_pipelined:
+            self._refusal = (503, f"More than {self.limits.max_pipelined} pipelined requests; send it again.")
+            raise _StopParsing
         parser = self.parser
-        url = httptools.parse_url(self._url)
-        raw_path = url.path
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
         version = parser.get_http_version()
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": version,
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,
-            "method": parser.get_method().decode("ascii"),
-            "root_path": self.root_path,
-            "path": self.root_path + path,
-            "raw_path": self.root_path.encode("ascii") + raw_path,
-            "query_string": url.query or b"",
-            "headers": self._headers,
-            "state": self.app_state.copy(),
-        }
+        scope = http_scope(parser, self._url, self._headers, self.server, self.client, self.scheme, self.root_path)
+        scope["state"] = self.app_state.copy()
         exchange = ServerExchange(
             self, scope, keep_alive=version != "1.0" and parser.should_keep_alive(), expect_continue=self._expect_continue
         )
@@ -225,9 +237,6 @@ class HttpServerConnection(asyncio.Protocol):
         if self.exchange is None:
             self._start(exchange)
         else:  # pipelined: answered after the one before it, the socket paused meanwhile
-            if len(self.queued) >= MAX_PIPELINED:
-                self._refusal = (503, f"More than {MAX_PIPELINED} pipelined requests.")
-                raise _StopParsing
             self.queued.append(exchange)
             self.pause_reading()
 
@@ -240,6 +249,7 @@ class HttpServerConnection(asyncio.Protocol):
         if self._parsing is not None:
             self._parsing.body_complete()
             self._cancel_timer()
+            self._cancel_body_timer()
         self._parsing = None
 
     # ---- requests --------------------------------------------------------------------------------
@@ -262,12 +272,15 @@ class HttpServerConnection(asyncio.Protocol):
             return
         self.exchange = None
         if not exchange.keep_alive:
-            transport.close()
+            self._linger() if self._done_reading else transport.close()
             return
         if self.queued:
             self._start(self.queued.popleft())
             if not self.queued:
                 self.resume_reading()
+        elif self._final is not None:  # the requests before the refused one are answered: now it
+            self.write(self._final)
+            self._linger()
         else:
             self.resume_reading()
             self._arm_timer()
@@ -298,15 +311,35 @@ class HttpServerConnection(asyncio.Protocol):
             self.transport.close()
 
     def _refuse(self, status: int, message: str) -> None:
-        """A request that cannot be parsed: answered (unless an answer is under way) and closed."""
-        log.warning("refused a request: %s", message)
-        if self.exchange is None and self.transport is not None:
-            body = message.encode("ascii")
-            self.transport.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, _REASONS.get(status, b""), len(body), body)
-            )
-        self.close()
+        """A request that cannot be parsed, or is one too many, or too slow: nothing more is parsed;
+        it is answered `status` once every request before it is (at once if none is pending), in
+        the application's place if it was started already, and the connection closes."""
+        _refusals.warn("refused a request from %s: %d %s", self.client, status, message)
+        self._done_reading = True
+        self._cancel_body_timer()
+        refused, self._parsing = self._parsing, None
+        extra = [b"retry-after: 1\r\n"] if status == 503 else []
+        response = error_response(status, message, None, extra)
+        if refused is not None and refused is self.exchange:
+            if not refused.refuse(response):  # its answer is under way: no status line can go first
+                self.close()
+            return
+        if refused is not None and refused in self.queued:
+            self.queued.remove(refused)  # never started: the refusal answers it
+        self._final = response
+        if self.exchange is None:
+            self.write(response)
+            self._linger()
+
+    def _linger(self) -> None:
+        """Close after the answer is out, reading and dropping what the client still sends for a
+        moment (a close with unread bytes would reset the connection, and the reset can destroy
+        the answer in the client's buffers before it is read)."""
+        self._done_reading = True
+        self._cancel_timer()
+        if self.transport is not None:
+            self.read_paused = False
+            self._timer = linger(self.transport, self.loop)
 
     def _arm_timer(self) -> None:
         self._cancel_timer()
@@ -320,8 +353,7 @@ class HttpServerConnection(asyncio.Protocol):
             self._arm_timer()
             return
         if self._parsing is not None:  # a body went silent: the application sees the client gone
-            log.info("closed a connection whose request body stalled for %.0fs", self.idle_s)
-            self.close()
+            self._refuse(408, f"Request body stalled for {self.idle_s:g}s.")
         elif self.exchange is None:
             if self._head_started:
                 self._refuse(408, f"Request head not complete within {self.idle_s:g}s.")
@@ -333,14 +365,19 @@ class HttpServerConnection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self._parsing is None or self.transport is None or self.transport.is_closing():
+            return
+        if self.read_paused:  # we stopped reading (the application is behind): not the client's time
+            self._body_timer = self.loop.call_later(self.idle_s, self._body_timed_out)
+            return
+        self._refuse(408, f"Request body not complete within {self.limits.body_timeout_s:g}s.")
 
-_REASONS = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    414: b"URI Too Long",
-    431: b"Request Header Fields Too Large",
-    503: b"Service Unavailable",
-}
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
 
 
 def _address(info: Any) -> tuple[str, int] | None:

@@ -206,6 +206,12 @@ class HFTokenizer:
         token ids against); computed once, the vocabulary can be large."""
         return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token stands for: its longest vocabulary entry (byte-level
+        entries spell one character per byte, never fewer than the text's characters)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
 

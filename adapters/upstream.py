@@ -13,6 +13,10 @@ busy worker would look dead.
 Failures become `UpstreamError`s whose `maybe_processed` says whether the worker may have read the
 request: False only when nothing was written (refused connection, no free pooled connection), the
 one case where the gateway may send the same request to another instance.
+
+A worker's answer is bounded (`ResponseLimits`: its head, and a body read whole); one past the
+bounds fails the leg like any broken answer (an UpstreamError: 502, counted with the others) and
+its connection is dropped, never reused.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from adapters.http1 import HTTPClientError, Pool, PoolTimeout, ReadTimeout, Response
+from adapters.http1 import DEFAULT_LIMITS, HTTPClientError, Pool, PoolTimeout, ReadTimeout, Response, ResponseLimits
 from conductor.core.errors import ConfigError, UpstreamError, UpstreamTimeout
 
 
@@ -94,8 +98,10 @@ class Upstream:
         max_connections: int = 256,
         probe_connections: int = 2,
         tls: ssl.SSLContext | None = None,
+        limits: ResponseLimits = DEFAULT_LIMITS,
     ) -> None:
         self.name = name
+        self.limits = limits
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
         self._max_connections = max_connections
@@ -121,7 +127,14 @@ class Upstream:
 
         def pool(limit: int) -> Pool:
             return Pool(
-                host, port, limit=limit, connect_timeout_s=t.connect_s, read_timeout_s=t.read_s, pool_timeout_s=t.pool_s, tls=tls
+                host,
+                port,
+                limit=limit,
+                connect_timeout_s=t.connect_s,
+                read_timeout_s=t.read_s,
+                pool_timeout_s=t.pool_s,
+                tls=tls,
+                limits=self.limits,
             )
 
         self._pool = pool(self._max_connections)
@@ -198,9 +211,16 @@ class UpstreamPool:
     """Every worker's pools, keyed by instance name."""
 
     def __init__(
-        self, timeouts: Timeouts, max_connections: int = 256, *, probe_connections: int = 2, tls: ssl.SSLContext | None = None
+        self,
+        timeouts: Timeouts,
+        max_connections: int = 256,
+        *,
+        probe_connections: int = 2,
+        tls: ssl.SSLContext | None = None,
+        limits: ResponseLimits = DEFAULT_LIMITS,
     ) -> None:
         self.timeouts = timeouts
+        self.limits = limits
         self._max_connections = max_connections
         self._probe_connections = probe_connections
         self._tls = tls
@@ -214,6 +234,7 @@ class UpstreamPool:
             max_connections=self._max_connections,
             probe_connections=self._probe_connections,
             tls=self._tls,
+            limits=self.limits,
         )
         self._by_name[name] = upstream
         return upstream

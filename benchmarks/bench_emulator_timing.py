@@ -66,7 +66,7 @@ def main() -> int:
     )
     with ExitStack() as stack:
         emu = stack.enter_context(start_emulator("mixed", time_scale=1.0, noise=0.0, model="tiny"))
-        gateway = Gateway(load_settings(environ={}, overrides={"mixed": [emu.url], "log_level": "warning"}))
+        gateway = Gateway(load_settings(environ={}, overrides={"mixed": [emu.url], "logs": {"level": "warning"}}))
         server = stack.enter_context(serve(create_app(gateway)))
         with httpx.Client(timeout=60) as client:
             client.get(emu.url + "/health")

@@ -103,7 +103,7 @@ def main() -> int:
                 "prefill": [{"url": u} for u in prefills],
                 "decode": [{"url": u} for u in decodes],
                 "policy": "kvcache_aware",
-                "log_level": "warning",
+                "logs": {"level": "warning"},
             },
         )
         gateway = Gateway(settings)

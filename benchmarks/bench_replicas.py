@@ -69,10 +69,12 @@ def start_mode(
             shared["share_lessons"] = args.share_lessons == "on"
     else:
         shared = {
-            "load_share": "redis",
-            "redis_url": redis_url,
-            "replica_id": f"bench-{run}-0",
-            "load_sync_interval_s": args.sync_interval,
+            "load_share": {
+                "mode": "redis",
+                "redis_url": redis_url,
+                "replica_id": f"bench-{run}-0",
+                "sync_interval_s": args.sync_interval,
+            },
             "kv": {"index": "redis", "redis_url": redis_url, "redis_prefix": f"bench:replicas:{run}:kv:"},
         }
     spec = ClusterSpec(
@@ -99,7 +101,7 @@ def start_mode(
     base = yaml.safe_load(cluster.config_path.read_text(encoding="utf-8"))
     for r in range(1, replicas):
         port = free_port()
-        config = {**base, "port": port, "replica_id": f"bench-{run}-{r}"}
+        config = {**base, "port": port, "load_share": {**base["load_share"], "replica_id": f"bench-{run}-{r}"}}
         path = cluster.config_path.with_name(f"gateway-{r}.yaml")
         path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         url = f"http://127.0.0.1:{port}"

@@ -98,9 +98,9 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
     # --peer-pull: every emulator bidirectional, prefills on priority scheduling, the gateway stages
     # prefill-to-prefill pulls (conductor/routing/peer_pull.py); without it, pulls off on both sides
     extra = (
-        {"pd_peer_pull": "on", "pd_peer_pull_priority": -1, "pd_readback": "off", "kv": {"forward_token_ids": True}}
+        {"pd": {"peer_pull": "on", "peer_pull_priority": -1, "readback": "off"}, "kv": {"forward_token_ids": True}}
         if args.peer_pull
-        else {"pd_peer_pull": "off"}
+        else {"pd": {"peer_pull": "off"}}
     )
     cluster_spec = ClusterSpec(
         n_prefill=args.prefill,
@@ -115,7 +115,7 @@ def run_live(args: argparse.Namespace, requests: list[TraceRequest], synth: Prom
         policy_options=options,
         gateway_extra=extra,
         # (the decodes are bidirectional so that they free the prefills' pins; their own pins, unused
-        # with pd_readback off, expire at once)
+        # with pd.readback off, expire at once)
         emulator_extra=("--bidirectional-kv-xfer", "--scheduling-policy", "priority", "--decoder-kv-blocks-ttl", "1")
         if args.peer_pull
         else (),

@@ -62,6 +62,8 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "relay + response streaming",
         (
             "conductor/routing/relay.py",
+            "conductor/routing/attempt.py",
+            "conductor/routing/streams.py",
             "conductor/routing/batch_relay.py",
             "conductor/server/endpoint.py",
             "conductor/server/errors.py",
@@ -71,6 +73,9 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "gateway bookkeeping (load, deadlines)",
         (
             "conductor/gateway.py",
+            "conductor/routing/router.py",
+            "conductor/routing/pulls.py",
+            "conductor/routing/request_path.py",
             "conductor/fleet/instances.py",
             "conductor/routing/deadlines.py",
             "adapters/load_share.py",

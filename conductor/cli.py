@@ -28,12 +28,14 @@ def _prefill_arg(values: list[str]) -> dict[str, Any]:
     return spec
 
 
-def _default(field: str) -> str:
-    """A setting's built-in default, for --help (flags left out fall back to the config file,
-    CONDUCTOR_* variables, then this)."""
+def _default(key: str) -> str:
+    """A setting's built-in default ("pd.protocol": a group's field), for --help (flags left out
+    fall back to the config file, CONDUCTOR_* variables, then this)."""
     from conductor.config.settings import Settings
 
-    value = Settings.model_fields[field].default
+    value: Any = Settings()
+    for name in key.split("."):
+        value = getattr(value, name)
     return "none" if value in (None, ()) else str(value)
 
 
@@ -57,12 +59,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", metavar="URL", help="decode instance, repeatable")
     p.add_argument("--mixed", action="append", metavar="URL", help="non-disaggregated instance, repeatable")
     p.add_argument(
-        "--pd-protocol", choices=["nixl", "mooncake", "sglang"], help=f"P/D handshake (default: {_default('pd_protocol')})"
+        "--pd-protocol", choices=["nixl", "mooncake", "sglang"], help=f"P/D handshake (default: {_default('pd.protocol')})"
     )
     p.add_argument(
         "--mooncake-schema",
         help="MooncakeConnector field names: transfer_id | engine_id | bootstrap_server"
-        f" (default: {_default('mooncake_schema')})",
+        f" (default: {_default('pd.mooncake_schema')})",
     )
     p.add_argument(
         "--policy", help=f"scheduling policy (entry point name in group conductor.policies) (default: {_default('policy')})"
@@ -74,8 +76,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tbt", type=float, help="TBT SLO in seconds (default: none)")
     p.add_argument("--api-key", action="append", dest="api_keys", help="accepted client key, repeatable (default: no auth)")
     p.add_argument("--upstream-api-key", help="key sent to the workers (default: none)")
-    p.add_argument("--max-body-bytes", type=int, help=f"largest request body (default: {_default('max_body_bytes')})")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {_default('log_level')})")
+    p.add_argument("--max-body-bytes", type=int, help=f"largest request body (default: {_default('limits.max_body_bytes')})")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {_default('logs.level')})")
     p.add_argument(
         "--workers",
         type=int,
@@ -91,15 +93,15 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         "host": args.host,
         "port": args.port,
         "admin_port": args.admin_port,
-        "pd_protocol": args.pd_protocol,
-        "mooncake_schema": args.mooncake_schema,
         "policy": args.policy,
         "models": args.models,
-        "api_keys": args.api_keys,
-        "upstream_api_key": args.upstream_api_key,
-        "max_body_bytes": args.max_body_bytes,
-        "log_level": args.log_level,
         "workers": args.workers,
+        # the flags keep their names; each sets its field in the settings' groups
+        "pd": _given(protocol=args.pd_protocol, mooncake_schema=args.mooncake_schema),
+        "auth": _given(api_keys=args.api_keys, upstream_api_key=args.upstream_api_key),
+        "limits": _given(max_body_bytes=args.max_body_bytes),
+        "logs": _given(level=args.log_level),
+        "slo": _given(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt),
     }
     if args.prefill:
         overrides["prefill"] = [_prefill_arg(v) for v in args.prefill]
@@ -111,9 +113,13 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         overrides["decode"] = args.decode
     if args.mixed:
         overrides["mixed"] = args.mixed
-    if args.slo_ttft is not None or args.slo_tbt is not None:
-        overrides["slo"] = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tbt_s", args.slo_tbt)) if v is not None}
     return load_settings(args.config, overrides=overrides)
+
+
+def _given(**flags: Any) -> dict[str, Any] | None:
+    """The flags given (a group's fields), None when none was: a flag left out sets nothing."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    return given or None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -121,7 +127,7 @@ def serve(args: argparse.Namespace) -> int:
     from conductor.server import serving
 
     settings = settings_from_args(args)
-    configure_logging(settings.log_level, settings.log_format, settings.access_log)
+    configure_logging(settings.logs.level, settings.logs.format, settings.logs.access_log)
     if not settings.instances() and not settings.discovery.sources():
         raise ConfigError("no instances: give --prefill/--decode or --mixed, discovery: sources (or a --config file)")
     return serving.serve(settings)

@@ -1,8 +1,9 @@
 """The emulator's HTTP surface: vLLM's OpenAI server routes plus /emulator/* test hooks.
 
-GET /emulator/requests lists each request's headers and body and, once each prompt's first token is
-out, `modelled`: per prompt the times the engine modelled for it (queue_s, prefill_s, ttft_s,
-transfer_s for a remote-KV decode leg; see engine.py), which CPU contention does not change.
+GET /emulator/requests lists each request's headers and body and, once each leg's first token is
+out, `modelled`: per leg (engine sequence) the times the engine modelled for it (queue_s, prefill_s,
+ttft_s, transfer_s for a remote-KV decode leg; see engine.py), which CPU contention does not change.
+/v1/models, /tokenize, /v1/embeddings and /v1/responses: routes.py.
 
 A plain ASGI app: the token path sends pre-encoded SSE bytes straight to the server, and a watcher
 on `receive()` sees `http.disconnect` the moment a client goes away, aborts the sequence in the
@@ -11,7 +12,8 @@ engine (freeing its batch slot) and records the request id for GET /emulator/can
 A completions batch (`prompt` a list of strings or token-id lists) is served as vLLM serves it: one
 engine sequence per prompt (`{id}-{i}`, its own prefix-cache look-up, KV events and usage), their
 tokens relayed as they come, choice `index` = prompt position, usage summed, and, for a NIXL
-prefill, the first prompt's kv_transfer_params alone on the answer (protocols.py).
+prefill, the first prompt's kv_transfer_params alone on the answer (protocols.py). With `n` > 1 each
+prompt is n sequences, choice `index` prompt_idx * n + i (legs.py); `logprobs`: logprobs.py.
 
 Bidirectional NIXL (readback.py): a decode pins its finished requests' KV and names it in a
 non-streamed answer; a prefill handed such a handle pulls it before computing the rest, its
@@ -20,58 +22,40 @@ non-streamed answer; a prefill handed such a handle pulls it before computing th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections import deque
 from typing import Any
 
 import aiohttp
-import msgspec
 
-from adapters.emulator.asgi import (
-    BodyTooLarge,
-    Receive,
-    Scope,
-    Send,
-    header,
-    read_body,
-    send_bytes,
-    send_json,
-)
+from adapters.emulator.asgi import Receive, Scope, Send, send_bytes, send_json
 from adapters.emulator.bootstrap import TransferDone, TransferRegistry, wait_for_prefill
 from adapters.emulator.config import EmulatorConfig
 from adapters.emulator.engine import Engine, RemoteWait
 from adapters.emulator.kv_content import RemoteKv
 from adapters.emulator.kv_events import publisher_for
-from adapters.emulator.legs import Leg, batch_usage, modelled_times, relay, stream_legs
+from adapters.emulator.legs import Leg, batch_usage, fan_out, modelled_times, relay, stream_legs
 from adapters.emulator.metrics import CONTENT_TYPE, EngineMetrics
-from adapters.emulator.openai_format import (
-    ApiError,
-    Choice,
-    Renderer,
-    error_body,
-    parse_request,
-    tokenize_response,
-)
+from adapters.emulator.openai_format import ApiError, error_body, parse_request, priority_of
 from adapters.emulator.prefix_cache import PrefixCache
 from adapters.emulator.profile import load_profile
 from adapters.emulator.protocols import LegPlan, NixlAnswer, plan_leg
 from adapters.emulator.readback import KvPuller, ReadbackStore
-from adapters.emulator.tracing import EmulatorTracing, request_span
+from adapters.emulator.render import Choice, Renderer
+from adapters.emulator.routes import ApiRoutes
+from adapters.emulator.tracing import EmulatorTracing
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Role
 from conductor.core.vllm_hash import VllmBlockHasher, worker_seed
 
 log = logging.getLogger(__name__)
-_decode = msgspec.json.Decoder().decode
 
 
-class EmulatorApp:
+class EmulatorApp(ApiRoutes):
     """One emulated vLLM instance (engine, cache, events, metrics) behind an ASGI callable."""
 
     def __init__(self, config: EmulatorConfig) -> None:
@@ -169,6 +153,10 @@ class EmulatorApp:
             await self._generate(scope, receive, send, chat=False)
         elif method == "POST" and path == "/v1/chat/completions":
             await self._generate(scope, receive, send, chat=True)
+        elif method == "POST" and path == "/v1/embeddings":
+            await self._embeddings(scope, receive, send)
+        elif method == "POST" and path == "/v1/responses":
+            await self._responses(scope, receive, send)
         elif method == "GET" and path == "/health":
             await send_bytes(send, 200, b"")
         elif method == "GET" and path == "/metrics":
@@ -192,20 +180,6 @@ class EmulatorApp:
         else:
             await send_json(send, 404, {"detail": "Not Found"})
 
-    def _models(self) -> dict[str, Any]:
-        model = self.config.model
-        card = {
-            "id": model,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "vllm",
-            "root": model,
-            "parent": None,
-            "max_model_len": self.config.max_model_len,
-            "permission": [],
-        }
-        return {"object": "list", "data": [card]}
-
     def _state(self) -> dict[str, Any]:
         return {
             "role": self.config.role.value,
@@ -219,42 +193,12 @@ class EmulatorApp:
             "pinned_for_readback": self.engine.pinned,
         }
 
-    async def _read_json(self, receive: Receive, send: Send) -> tuple[bool, Any]:
-        try:
-            raw = await read_body(receive, self.config.max_body_bytes)
-        except BodyTooLarge as exc:
-            await send_bytes(send, 413, error_body(ApiError(413, str(exc))))
-            return False, None
-        if raw is None:
-            return False, None
-        try:
-            return True, _decode(raw)
-        except msgspec.DecodeError as exc:
-            await send_bytes(send, 400, error_body(ApiError(400, f"Invalid JSON body: {exc}")))
-            return False, None
-
-    async def _tokenize(self, receive: Receive, send: Send) -> None:
-        ok, body = await self._read_json(receive, send)
-        if not ok:
-            return
-        if isinstance(body, dict) and isinstance(body.get("messages"), list):
-            tokens = self.tokenizer.apply_chat_template(body["messages"])
-        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
-            tokens = self.tokenizer.encode(body["prompt"])
-        else:
-            await send_bytes(send, 400, error_body(ApiError(400, "Provide `prompt` (a string) or `messages`.")))
-            return
-        await send_json(send, 200, tokenize_response(tokens, self.config.max_model_len))
-
     # -- generation ----------------------------------------------------------------------------
     async def _generate(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
-        ok, body = await self._read_json(receive, send)
-        if not ok:
+        accepted = await self._accept(scope, receive, send)
+        if accepted is None:
             return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        record: dict[str, Any] = {"path": scope["path"], "headers": headers, "body": body, "time": time.time()}
-        self.requests.append(record)
-        base_id = header(scope, b"x-request-id") or uuid.uuid4().hex
+        body = accepted.body
         try:
             req = parse_request(
                 chat,
@@ -264,53 +208,32 @@ class EmulatorApp:
                 max_model_len=self.config.max_model_len,
                 default_max_tokens=self.config.default_max_tokens,
             )
+            priority = priority_of(body)
         except ApiError as err:
-            await send_bytes(send, err.status, error_body(err), headers=[(b"x-request-id", base_id.encode())])
+            await send_bytes(send, err.status, error_body(err), headers=accepted.extra)
             return
         plan = plan_leg(self.config.role, self.config.pd_protocol, body)
-        response_id = ("chatcmpl-" if chat else "cmpl-") + base_id
-        # vLLM's serving_completion: one engine request per prompt, `{request_id}-{i}` in a batch.
-        # Every sub-request gets the request's P/D plan, as every vLLM sub-request gets its params.
-        legs = [
-            Leg(
-                i,
-                f"{response_id}-{i}" if req.batched else response_id,
-                plan if i == 0 else dataclasses.replace(plan, publish_key=None),
-            )
-            for i in range(len(req.prompts))
-        ]
-        modelled: list[dict[str, Any] | None] = [None] * len(legs)  # filled at each leg's first token
-        record["modelled"] = modelled
-        for leg in legs:
-            leg.modelled = modelled
+        response_id = ("chatcmpl-" if chat else "cmpl-") + accepted.base_id
+        # vLLM's serving_completion: one engine request per prompt, and per choice when n > 1
+        legs = accepted.track(fan_out(len(req.prompts), req.n, response_id, plan))
         pull = self.puller.pull(plan.readback) if self.puller is not None and plan.readback is not None else None
-        priority = body.get("priority", 0)
-        if type(priority) is not int:
-            await send_bytes(
-                send, 400, error_body(ApiError(400, "priority must be an integer")), headers=[(b"x-request-id", base_id.encode())]
-            )
-            return
-        for leg, prompt, max_tokens in zip(legs, req.prompts, req.max_tokens, strict=True):
+        for leg in legs:
             leg.seq = self.engine.submit(
                 leg.request_id,
-                prompt,
-                1 if plan.force_one_token else max_tokens,
+                req.prompts[leg.prompt],
+                1 if plan.force_one_token else req.max_tokens[leg.prompt],
                 self._remote_wait(plan),
                 pull=pull,
                 pin_on_finish=self._pins(plan),
                 priority=priority,
+                sample=leg.sample,
             )
-        watcher = asyncio.get_running_loop().create_task(self._watch(receive, legs, base_id))
-        renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs))
-        extra = [(b"x-request-id", base_id.encode())]
-        try:
-            with request_span(self.tracing, headers, base_id, req.model):
-                if req.stream:
-                    await stream_legs(send, legs, req, renderer, extra, self._first_token)
-                else:
-                    await self._complete(send, legs, renderer, plan, extra)
-        finally:
-            watcher.cancel()
+        renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs), req.logprobs)
+        if req.stream:
+            work = stream_legs(send, legs, req, renderer, accepted.extra, self._first_token)
+        else:
+            work = self._complete(send, legs, renderer, plan, accepted.extra)
+        await self._running(receive, legs, accepted, req.model, work)
 
     def _pins(self, plan: LegPlan) -> bool:
         """Whether a leg's KV stays pinned after it finishes, for a reader on the side channel: every
@@ -390,5 +313,5 @@ class EmulatorApp:
             kv_params = self.nixl.params(first.request_id, first.prompt, first.kv_taint, cached)
         elif self.readback is not None:
             kv_params = self.readback.params(first)
-        choices = [Choice(seq.kv_seed, seq.generated) for seq in seqs]
-        await send_bytes(send, 200, renderer.full(choices, batch_usage(seqs), kv_params), headers=extra)
+        choices = [Choice(seq.text_seed, seq.generated) for seq in seqs]
+        await send_bytes(send, 200, renderer.full(choices, batch_usage(legs), kv_params), headers=extra)

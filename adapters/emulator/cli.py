@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=131_072, help="longest prompt plus output accepted")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running batch limit (default: the profile's)")
     p.add_argument("--default-max-tokens", type=int, default=16, help="output length when a request sets none")
+    p.add_argument("--embedding-size", type=int, default=256, help="components of a /v1/embeddings vector")
     p.add_argument("--side-channel-port", type=int, default=5600, help="NIXL side channel port reported")
     p.add_argument("--remote-wait-s", type=float, default=120.0, help="longest a decode waits for its remote prefill")
     p.add_argument(
@@ -113,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         engine_id=args.engine_id or _engine_id(),
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,
+        embedding_size=args.embedding_size,
         max_num_seqs=args.max_num_seqs,
         side_channel_port=args.side_channel_port,
         remote_wait_s=args.remote_wait_s,

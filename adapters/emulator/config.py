@@ -37,6 +37,7 @@ class EmulatorConfig:
     engine_id: str = field(default_factory=_engine_id)
     max_model_len: int = 131_072
     default_max_tokens: int = 16  # when the request names none (vLLM: 16 for completions)
+    embedding_size: int = 256  # components of a /v1/embeddings vector (the emulated hidden size)
     max_num_seqs: int | None = None  # overrides the profile's running batch limit
     request_log_size: int = 256  # bodies and headers kept for GET /emulator/requests
     cancelled_log_size: int = 1024  # request ids kept for GET /emulator/cancelled

@@ -116,6 +116,8 @@ class Engine:
         pull: KvPull | None = None,
         pin_on_finish: bool = False,
         priority: int = 0,
+        sample: int = 0,
+        pooling: bool = False,
     ) -> Sequence:
         loop = asyncio.get_running_loop()
         seq = Sequence(
@@ -125,6 +127,8 @@ class Engine:
             self.hasher.digests(prompt),
             loop.time(),
             content_seed(prompt),
+            sample=sample,
+            pooling=pooling,
             arrival_index=self._arrivals,
             pin_on_finish=pin_on_finish,
             priority=priority,
@@ -300,7 +304,8 @@ class Engine:
         seq.last_token_at = now
         seq.tokens.put_nowait(seq.generated)
         seq.generated += 1
-        self.metrics.generation_tokens.inc()
+        if not seq.pooling:  # an embedding's forward pass samples no token
+            self.metrics.generation_tokens.inc()
         if seq.generated >= seq.max_tokens:
             seq.finished = True
             if seq.pin_on_finish and self.on_pinned is not None:

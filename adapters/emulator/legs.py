@@ -1,6 +1,11 @@
-"""One prompt of a request (`Leg`), the times modelled for it, and the relay of a batch's tokens.
+"""One choice of a request (`Leg`), the times modelled for it, and the relay of a batch's tokens.
 
-`modelled_times` is the per-prompt entry of GET /emulator/requests `modelled` (see app.py): the
+A request of P prompts with `n` choices each is P * n engine sequences, as vLLM's V1 engine fans a
+request with n > 1 out into n child requests (`{i}_{parent id}`); their prefix-cache look-ups make
+the later children of a prompt hit the blocks the first one computed. Choice `index` is
+prompt_idx * n + i; choice i > 0 samples its own text (openai_format.sample_seed).
+
+`modelled_times` is the per-leg entry of GET /emulator/requests `modelled` (see app.py): the
 engine's modelled figures, which CPU contention does not change.
 """
 
@@ -14,17 +19,20 @@ from typing import Any
 
 from adapters.emulator.asgi import SSE, Send
 from adapters.emulator.engine import Sequence
-from adapters.emulator.openai_format import DONE, ParsedRequest, Renderer, usage
+from adapters.emulator.openai_format import DONE, ParsedRequest, usage
 from adapters.emulator.protocols import LegPlan
+from adapters.emulator.render import Renderer
 
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Leg:
-    """One prompt of a request: its position, engine request id, P/D plan and engine sequence."""
+    """One choice of a request: its index, engine request id, P/D plan and engine sequence."""
 
-    index: int
+    index: int  # the choice's `index` in the answer
     request_id: str
     plan: LegPlan
+    prompt: int = 0  # which prompt of a completions batch
+    sample: int = 0  # which of that prompt's n choices
     seq: Sequence | None = None
     modelled: list[dict[str, Any] | None] | None = None  # the request log's modelled times, one per leg
 
@@ -32,6 +40,43 @@ class Leg:
     def sequence(self) -> Sequence:
         assert self.seq is not None, "submitted in _generate before use"
         return self.seq
+
+
+@dataclasses.dataclass(slots=True)
+class Accepted:
+    """A request read and logged: its JSON body, headers, id and entry in the request log."""
+
+    body: Any
+    headers: dict[str, str]
+    base_id: str
+    record: dict[str, Any]
+
+    @property
+    def extra(self) -> list[tuple[bytes, bytes]]:
+        """The response headers every answer carries: the request id."""
+        return [(b"x-request-id", self.base_id.encode())]
+
+    def track(self, legs: list[Leg]) -> list[Leg]:
+        """Give the request log one `modelled` entry per leg, filled at each leg's first token."""
+        modelled: list[dict[str, Any] | None] = [None] * len(legs)
+        self.record["modelled"] = modelled
+        for leg in legs:
+            leg.modelled = modelled
+        return legs
+
+
+def fan_out(n_prompts: int, n: int, response_id: str, plan: LegPlan) -> list[Leg]:
+    """The legs of a request: a batch's prompts are `{id}-{p}` (vLLM's serving_completion), a
+    prompt's n > 1 children `{i}_{prompt id}` (vLLM's ParentRequest). Every leg gets the request's
+    P/D plan, as every vLLM sub-request gets its params; only the first publishes a transfer key."""
+    legs: list[Leg] = []
+    for p in range(n_prompts):
+        prompt_id = f"{response_id}-{p}" if n_prompts > 1 else response_id
+        for i in range(n):
+            request_id = prompt_id if n == 1 else f"{i}_{prompt_id}"
+            leg_plan = plan if not legs else dataclasses.replace(plan, publish_key=None)
+            legs.append(Leg(len(legs), request_id, leg_plan, prompt=p, sample=i))
+    return legs
 
 
 def modelled_times(seq: Sequence) -> dict[str, Any]:
@@ -88,12 +133,14 @@ async def relay(legs: list[Leg], first_token: Callable[[Leg], None]) -> AsyncGen
             task.cancel()
 
 
-def batch_usage(seqs: list[Sequence]) -> dict[str, Any]:
-    """vLLM sums a batch's usage over its prompts."""
+def batch_usage(legs: list[Leg]) -> dict[str, Any]:
+    """vLLM sums a batch's usage over its prompts: each prompt's tokens once (its first choice's
+    cache hit), every choice's completion tokens."""
+    firsts = [leg.sequence for leg in legs if leg.sample == 0]
     return usage(
-        sum(s.prompt_tokens for s in seqs),
-        sum(s.generated for s in seqs),
-        sum(s.cached_tokens + s.external_tokens for s in seqs),
+        sum(s.prompt_tokens for s in firsts),
+        sum(leg.sequence.generated for leg in legs),
+        sum(s.cached_tokens + s.external_tokens for s in firsts),
     )
 
 
@@ -105,7 +152,8 @@ async def stream_legs(
     extra: list[tuple[bytes, bytes]],
     on_first_token: Callable[[Leg], None],
 ) -> None:
-    """A streamed answer: every leg's tokens as SSE chunks as they come, then usage and [DONE]."""
+    """A streamed answer: every leg's tokens as SSE chunks as they come, then usage and [DONE]; a
+    chat stream's role chunks go out with the first token of any choice."""
     await send(
         {
             "type": "http.response.start",
@@ -113,15 +161,15 @@ async def stream_legs(
             "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"), *extra],
         }
     )
+    opening = req.chat
     async with contextlib.aclosing(relay(legs, on_first_token)) as tokens:
         async for leg, k in tokens:
             seq = leg.sequence
-            chunk = renderer.chunk(seq.kv_seed, k, k == seq.max_tokens - 1, leg.index)
-            if k == 0 and req.chat:
-                chunk = renderer.role_chunk() + chunk
+            chunk = renderer.chunk(seq.text_seed, k, k == seq.max_tokens - 1, leg.index)
+            if opening:
+                chunk, opening = renderer.role_chunks() + chunk, False
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    seqs = [leg.sequence for leg in legs]
-    if any(seq.aborted for seq in seqs):
+    if any(leg.sequence.aborted for leg in legs):
         return
-    tail = renderer.usage_chunk(batch_usage(seqs)) + DONE if req.include_usage else DONE
+    tail = renderer.usage_chunk(batch_usage(legs)) + DONE if req.include_usage else DONE
     await send({"type": "http.response.body", "body": tail, "more_body": False})

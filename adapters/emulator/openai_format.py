@@ -8,8 +8,9 @@ final chunk with `choices: []` and `usage`; then `data: [DONE]`. Errors are vLLM
 `{"error": {"message", "type", "param", "code"}}`.
 
 Completions batches as vLLM's OpenAIServingCompletion answers them: a `prompt` that is a list of
-strings or of token-id lists is one engine request per prompt; choice i is prompt i (n=1), stream
-chunks of all prompts interleave (each with its prompt's `index`), usage is summed over prompts.
+strings or of token-id lists is one engine request per prompt; with `n` choices per prompt, choice
+`index` is prompt_idx * n + i (prompt-major), stream chunks of all choices interleave, usage counts
+each prompt's tokens once and every choice's completion tokens. The responses' bytes: render.py.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ WORDS = (
     " into",
     " woods",
 )
-_WORD_JSON = tuple(_encode(w) for w in WORDS)
+WORD_JSON = tuple(_encode(w) for w in WORDS)
 _MASK64 = (1 << 64) - 1
+MAX_CHOICES = 128  # a bound of the emulator's (vLLM sets none): every choice is an engine sequence
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: a request asking more is a 400
 
 
 def word_index(seed: int, k: int) -> int:
@@ -63,6 +66,16 @@ def token_text(seed: int, k: int) -> str:
 
 def generated_text(seed: int, n: int) -> str:
     return "".join(WORDS[word_index(seed, k)] for k in range(n))
+
+
+def sample_seed(kv_seed: int, sample: int) -> int:
+    """The text seed of choice `sample` of a prompt (n > 1): the first choice continues the KV as
+    an n=1 request does; the others are other samples, so each has its own deterministic text."""
+    if sample == 0:
+        return kv_seed
+    x = (kv_seed ^ (sample * 0xA24BAED4963EE407)) & _MASK64
+    x = ((x ^ (x >> 33)) * 0xFF51AFD7ED558CCD) & _MASK64
+    return x ^ (x >> 33)
 
 
 class ApiError(Exception):
@@ -91,6 +104,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    n: int = 1  # choices per prompt
+    logprobs: int | None = None  # top logprobs per token (0: the sampled token's only); None: none
 
     @property
     def batched(self) -> bool:
@@ -101,9 +116,9 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _prompts(value: Any, tokenizer: ByteTokenizer) -> list[list[int]]:
-    """vLLM's completions `prompt`: a string or a list of token ids is ONE prompt; a list of strings or
-    a list of token-id lists is a batch (of one, when it has one element)."""
+def prompts_of(value: Any, tokenizer: ByteTokenizer, param: str = "prompt") -> list[list[int]]:
+    """vLLM's completions `prompt` (and embeddings `input`): a string or a list of token ids is ONE
+    prompt; a list of strings or a list of token-id lists is a batch (of one, when it has one element)."""
     if isinstance(value, str):
         return [tokenizer.encode(value)]
     if isinstance(value, list) and value and _is_token_ids(value):
@@ -113,9 +128,9 @@ def _prompts(value: Any, tokenizer: ByteTokenizer) -> list[list[int]]:
     if isinstance(value, list) and value and all(_is_token_ids(p) for p in value):
         return [list(p) for p in value]
     if isinstance(value, list) and not value:
-        raise ApiError(400, "Prompt cannot be empty.", param="prompt")
+        raise ApiError(400, "Prompt cannot be empty.", param=param)
     raise ApiError(
-        400, "prompt must be a string, a list of token ids, a list of strings or a list of token-id lists.", param="prompt"
+        400, f"{param} must be a string, a list of token ids, a list of strings or a list of token-id lists.", param=param
     )
 
 
@@ -139,6 +154,23 @@ def _max_tokens(raw_max: Any, prompt_len: int, max_model_len: int, default_max_t
     return max_tokens
 
 
+def served_model_of(body: Any, served_model: str) -> str:
+    """The request's model, checked: a JSON object naming this instance's model or none."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = body.get("model") or served_model
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    return str(model)
+
+
+def check_tokens(tokens: Sequence[int], vocab: int, param: str) -> None:
+    if not tokens:
+        raise ApiError(400, "Prompt cannot be empty.", param=param)
+    if any(t < 0 or t >= vocab for t in tokens):
+        raise ApiError(400, f"Token id out of vocabulary (0..{vocab - 1}).", param=param)
+
+
 def parse_request(
     chat: bool,
     body: Any,
@@ -148,11 +180,7 @@ def parse_request(
     max_model_len: int,
     default_max_tokens: int,
 ) -> ParsedRequest:
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "The request body must be a JSON object.")
-    model = body.get("model") or served_model
-    if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    model = served_model_of(body, served_model)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
@@ -161,24 +189,71 @@ def parse_request(
     else:
         if "prompt" not in body or body["prompt"] is None:
             raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-        prompts = _prompts(body["prompt"], tokenizer)
-    vocab = tokenizer.vocab_size
+        prompts = prompts_of(body["prompt"], tokenizer)
     for prompt in prompts:
-        if not prompt:
-            raise ApiError(400, "Prompt cannot be empty.", param="prompt")
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ApiError(400, f"Token id out of vocabulary (0..{vocab - 1}).", param="prompt")
+        check_tokens(prompt, tokenizer.vocab_size, "prompt")
     raw_max = body.get("max_completion_tokens") if chat else None
     if raw_max is None:
         raw_max = body.get("max_tokens")
     max_tokens = [_max_tokens(raw_max, len(p), max_model_len, default_max_tokens) for p in prompts]
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ApiError(400, "The emulator supports n=1 only.", param="n")
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     include_usage = bool(stream and isinstance(options, Mapping) and options.get("include_usage"))
-    return ParsedRequest(chat, prompts, max_tokens, stream, include_usage, model)
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    return ParsedRequest(chat, prompts, max_tokens, stream, include_usage, model, _choices(body), logprobs)
+
+
+def priority_of(body: Mapping[str, Any]) -> int:
+    """vLLM's `priority` (lower first under the priority scheduling policy): an integer."""
+    priority = body.get("priority", 0)
+    if type(priority) is not int:
+        raise ApiError(400, "priority must be an integer")
+    return priority
+
+
+def _integer(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise ApiError(400, f"{name} must be an integer.", param=name)
+    return value
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    n = _integer(body, "n")
+    if n is None:
+        return 1
+    if n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}.", param="n")
+    if n > MAX_CHOICES:
+        raise ApiError(400, f"n must be at most {MAX_CHOICES}, got {n}.", param="n")
+    return n
+
+
+def _top_bound(k: int, name: str) -> int:
+    if k < 0:
+        raise ApiError(400, f"`{name}` must be a positive value.", param=name)
+    if k > MAX_LOGPROBS:
+        raise ApiError(400, f"Requested sample logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}", param=name)
+    return k
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions `logprobs`: an integer k, the top k per token."""
+    k = _integer(body, "logprobs")
+    return None if k is None else _top_bound(k, "logprobs")
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat `logprobs: true` with `top_logprobs: k` (0 by default)."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, "logprobs must be a boolean.", param="logprobs")
+    top = _top_bound(_integer(body, "top_logprobs") or 0, "top_logprobs")
+    if top and not wanted:
+        raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    return top if wanted else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -188,107 +263,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """One finished prompt of a non-streamed answer: how many tokens, from which content seed."""
-
-    seed: int
-    n_tokens: int
-
-
-class Renderer:
-    """Bytes of one response: SSE chunks per token (pre-encoded head and tails) or the full JSON.
-
-    A completions batch of `n_prompts` renders choice `index` i for prompt i (vLLM's numbering with
-    n=1); the per-index heads are encoded once, so a chunk is still three byte joins.
-    """
-
-    def __init__(self, chat: bool, response_id: str, created: int, model: str, n_prompts: int = 1) -> None:
-        self.chat = chat
-        self.response_id = response_id
-        self.created = created
-        self.model = model
-        ident = _encode(response_id)
-        mod = _encode(model)
-        if chat:
-            common = b'{"id":' + ident + b',"object":"chat.completion.chunk","created":%d,"model":' % created + mod
-            opener = b',"delta":{"content":'
-            self._tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-            self._last = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
-        else:
-            common = b'{"id":' + ident + b',"object":"text_completion","created":%d,"model":' % created + mod
-            opener = b',"text":'
-            self._tail = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-            self._last = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
-        self._heads = [b"data: " + common + b',"choices":[{"index":%d' % i + opener for i in range(n_prompts)]
-        self._common = common
-
-    def role_chunk(self) -> bytes:
-        """Chat streams open with the assistant role and empty content."""
-        return (
-            b"data: " + self._common + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-            b'"logprobs":null,"finish_reason":null}]}\n\n'
-        )
-
-    def chunk(self, seed: int, k: int, last: bool, index: int = 0) -> bytes:
-        return self._heads[index] + _WORD_JSON[word_index(seed, k)] + (self._last if last else self._tail)
-
-    def usage_chunk(self, use: Mapping[str, Any]) -> bytes:
-        return b"data: " + self._common + b',"choices":[],"usage":' + _encode(use) + b"}\n\n"
-
-    def full(self, choices: Sequence[Choice], use: Mapping[str, Any], kv_transfer_params: Any) -> bytes:
-        finish = "length"
-        base: dict[str, Any] = {"id": self.response_id, "created": self.created, "model": self.model}
-        if self.chat:
-            out = []
-            for i, c in enumerate(choices):
-                message: dict[str, Any] = {
-                    "role": "assistant",
-                    "content": generated_text(c.seed, c.n_tokens),
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                }
-                out.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None})
-            body = {
-                "id": self.response_id,
-                "object": "chat.completion",
-                **base,
-                "choices": out,
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": use,
-                "prompt_logprobs": None,
-                "kv_transfer_params": kv_transfer_params,
-            }
-        else:
-            out = [
-                {
-                    "index": i,
-                    "text": generated_text(c.seed, c.n_tokens),
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                    "prompt_logprobs": None,
-                }
-                for i, c in enumerate(choices)
-            ]
-            body = {
-                "id": self.response_id,
-                "object": "text_completion",
-                **base,
-                "choices": out,
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": use,
-                "kv_transfer_params": kv_transfer_params,
-            }
-        return _encode(body)
 
 
 DONE = b"data: [DONE]\n\n"

@@ -67,7 +67,7 @@ class ReadbackStore:
     def pin(self, seq: Sequence) -> None:
         """Called by the engine as `seq` finishes: keep its KV for `ttl_s` or one read."""
         # the last sampled token was never fed back, so its KV does not exist
-        tokens = seq.prompt + generated_token_ids(seq.kv_seed, seq.generated - 1)
+        tokens = seq.prompt + generated_token_ids(seq.text_seed, seq.generated - 1)
         timer = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, seq.request_id)
         old = self._pins.pop(seq.request_id, None)
         if old is not None:  # a reused request id: the older KV is unreachable now

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from adapters.emulator.kv_content import Taint
+from adapters.emulator.openai_format import sample_seed
 
 
 @dataclass(eq=False, slots=True)
@@ -19,6 +20,8 @@ class Sequence:
     digests: list[bytes]
     arrival: float
     kv_seed: int  # content seed of the KV this sequence runs on: the generated text follows it
+    sample: int = 0  # which of its prompt's n choices (n > 1) it is: the others sample other text
+    pooling: bool = False  # an embedding request: one forward pass over the prompt, no token generated
     kv_taint: Taint | None = None  # where its KV stops being its tokens' (kv_content.py); None: clean
     tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     cached_tokens: int = 0  # served from this instance's prefix cache
@@ -42,3 +45,8 @@ class Sequence:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
+
+    @property
+    def text_seed(self) -> int:
+        """What its generated words come from: its KV's content, and which sample it is."""
+        return sample_seed(self.kv_seed, self.sample)

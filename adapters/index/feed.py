@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from adapters.index.base import KVIndex, MemoryUse, entries_within
 from adapters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from conductor.core.block_keys import BlockKeyScheme
+from conductor.core.memory_budgets import DEFAULT_MAP_BUDGET_BYTES
 from conductor.core.types import Tier
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 # 333.7 bytes at the peak (tables mid-resize included), the worst just past a resize point (caps
 # of ~43,600 and ~86,800); 177 on average when steady. Budgets use the worst case plus ~5%.
 MAPPED_ENTRY_BYTES = 352
-DEFAULT_MAP_BUDGET_BYTES = 16 << 20  # 47,662 pairs per instance
+# DEFAULT_MAP_BUDGET_BYTES (conductor/core/memory_budgets.py): 47,662 pairs per instance
 
 
 def mapped_within(budget_bytes: int) -> int:

@@ -31,6 +31,7 @@ from adapters.index.base import (
     PrefixMatch,
     entries_within,
 )
+from conductor.core.memory_budgets import DEFAULT_INDEX_BUDGET_BYTES as DEFAULT_INDEX_BUDGET_BYTES  # re-exported
 from conductor.core.types import Tier
 
 # Bytes one (instance, block) entry costs at worst, measured with tracemalloc
@@ -42,7 +43,7 @@ from conductor.core.types import Tier
 # (caps of ~48,000 and ~196,200); a steady full index averages 141. Budgets use the worst case
 # plus ~6% (allocator slack tracemalloc does not see), so a budget is a bound, not a hope.
 ENTRY_BYTES = 272
-DEFAULT_INDEX_BUDGET_BYTES = 48 << 20  # 185,042 entries
+# DEFAULT_INDEX_BUDGET_BYTES (conductor/core/memory_budgets.py): 185,042 entries
 
 
 def blocks_within(budget_bytes: int) -> int:

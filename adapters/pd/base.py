@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -111,6 +111,9 @@ class NoBootstrap:
     def ready(self, target: Target) -> bool:
         return True
 
+    async def close(self) -> None:
+        return None
+
 
 class PDProtocol(Protocol):
     """A P/D handshake: how one request is split into legs."""
@@ -122,6 +125,22 @@ class PDProtocol(Protocol):
     def ready(self, target: Target) -> bool: ...
 
     async def exchange(self, out: Outgoing, prefill: Target, decode: Target | None) -> Exchange: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class PrefixStager(Protocol):
+    """Optional beside PDProtocol: a handshake that can have a prefill holding a prefix pin it for
+    another prefill to pull (vLLM NIXL, conductor/routing/peer_pull.py). It names Target and
+    Outgoing, so it lives here rather than in conductor/core (which imports nothing of the project)."""
+
+    async def stage_prefix(
+        self, holder: Target, out: Outgoing, token_ids: Sequence[int], priority: int | None = None
+    ) -> tuple[Any, float]:
+        """Have `holder` compute one token after `token_ids` and keep the request's KV for a
+        reader: (its JSON answer, seconds from sent to answered). Raises UpstreamError on failure."""
+        ...
 
 
 def cached_tokens_of(reply_body: Any) -> int | None:

@@ -13,9 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from adapters.index.feed import DEFAULT_MAP_BUDGET_BYTES
-from adapters.index.memory import DEFAULT_INDEX_BUDGET_BYTES
-from adapters.mooncake_store import MooncakeStoreSettings
+from conductor.core.memory_budgets import DEFAULT_INDEX_BUDGET_BYTES, DEFAULT_MAP_BUDGET_BYTES
+from conductor.core.mooncake_naming import MooncakeStoreSettings
 from conductor.core.prefix_memo import DEFAULT_MAX_ENTRIES
 from conductor.core.types import Role
 from conductor.core.vllm_hash import DEFAULT_NONE_HASH_SEED, seed_is_reproducible
@@ -101,6 +100,10 @@ class KVAwarenessSettings(_Model):
     agreement_min_samples: Annotated[int, Field(gt=0)] = 20
     agreement_alarm_below: float = 0.2  # confirmed/predicted cached tokens below this: warn (over-prediction)
     agreement_coverage_alarm_below: float = 0.8  # confirmed/reported below this: warn (under-prediction)
+    # the most characters one token stands for: a prompt text longer than limits.max_prompt_tokens
+    # times this is refused before it is tokenized (conductor/kv/prompt_bounds.py). None: the
+    # tokenizer's own (builtin 1, a tokenizer directory its longest vocabulary entry, 'worker' 32)
+    max_chars_per_token: Annotated[int, Field(gt=0)] | None = None
 
     @model_validator(mode="after")
     def _indexer_has_url(self) -> KVAwarenessSettings:

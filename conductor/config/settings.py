@@ -10,6 +10,13 @@ file and environment, by URL. A flag naming a URL already listed updates that en
 flag gives (a bootstrap port) and keeps the rest (name, kv_events_endpoint, bootstrap_port unless
 given); a new URL is appended. So a flag can add or adjust a worker without losing its KV events
 endpoint. Environment lists still replace the file's.
+
+Fields are grouped by concern (`pd:`, `auth:`, `timeouts:`, `limits:`, `outlier:`, `health:`,
+`load_share:`, `tracing:`, `logs:`: conductor/config/groups.py); what is truly the gateway's own
+(host, port, instance lists, models, policy, slo, kv) stays at the top. The old flat keys of the
+grouped fields (`pd_readback_ttl_s`, CONDUCTOR_HEALTH_INTERVAL_S) are still read, each source's moved
+to its group with one warning a key (conductor/config/legacy.py). This package imports nothing
+heavier than pydantic, yaml and conductor.core, so building settings loads no I/O library.
 """
 
 from __future__ import annotations
@@ -20,16 +27,28 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from conductor.config.env import env_values
+from conductor.config.groups import (
+    AuthSettings,
+    HealthSettings,
+    LimitSettings,
+    LoadShareSettings,
+    LogSettings,
+    OutlierSettings,
+    PdSettings,
+    TimeoutSettings,
+    TracingSettings,
+)
+from conductor.config.kv import KVAwarenessSettings
+from conductor.config.legacy import move_flat_keys, old_env_values, split_env, warn_moved
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role
-from conductor.kv.analyzer import KVAwarenessSettings
 
 ENV_PREFIX = "CONDUCTOR_"
 # list settings a single plain environment value may give (one key, one model, one worker URL)
-_PLAIN_LISTS = ("api_keys", "admin_api_keys", "models", "prefill", "decode", "mixed")
+_PLAIN_LISTS = ("auth.api_keys", "auth.admin_api_keys", "models", "prefill", "decode", "mixed")
 
 
 class _Model(BaseModel):
@@ -119,131 +138,48 @@ class Settings(_Model):
     # with workers > 1: each worker's policy predictors also learn from its siblings' outcomes
     # (predictors/lessons.py, adapters/lesson_share.py); off: each learns from its own requests only
     share_lessons: bool = True
-    # logs: "text" lines or one JSON object a line; an access log line per request (no prompt text)
-    log_format: Literal["text", "json"] = "text"
-    access_log: bool = False
-    # OpenTelemetry traces over OTLP/HTTP (e.g. http://collector:4318/v1/traces); off when unset
-    otlp_traces_endpoint: str | None = None
-    trace_sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
-    service_name: str = "conductor"
-    log_level: str = "info"
 
     prefill: tuple[InstanceSpec, ...] = ()
     decode: tuple[InstanceSpec, ...] = ()
     mixed: tuple[InstanceSpec, ...] = ()
     # workers found by DNS at run time, beside the lists above (conductor/fleet/membership.py)
     discovery: DiscoverySettings = DiscoverySettings()
-    pd_protocol: Literal["nixl", "mooncake", "sglang"] = "nixl"
-    # which generation of vLLM's MooncakeConnector field names to speak (adapters/pd/mooncake.py)
-    mooncake_schema: str = "transfer_id"
-    # Decode-to-prefill readback (conductor/routing/readback.py): NIXL decodes started with
-    # kv_connector_extra_config {"bidirectional_kv_xfer": true} hand back where a finished request's
-    # KV is pinned; the next turn's prefill may pull its shared prefix from there instead of
-    # recomputing it. "auto": offered to the policy wherever decodes hand such KV back (NIXL only,
-    # KV awareness on: block keys tell which prefix matches); "off": never. No other protocol has a
-    # pull the gateway can drive, so there the policy is offered none.
-    pd_readback: Literal["auto", "off"] = "auto"
-    # never offer a handle older than this: below the workers' decoder_kv_blocks_ttl (480 s by default)
-    pd_readback_ttl_s: float = Field(default=240.0, gt=0)
-    pd_readback_max_handles: int = Field(default=100_000, gt=0)
-    # Prefill-to-prefill pulls (conductor/routing/peer_pull.py): a prefill that lacks a prefix another
-    # prefill holds pulls it over NIXL after a one-token staging request on the holder pins its
-    # blocks. Needs NIXL, KV awareness, the gateway's token ids being the workers' own (a model
-    # tokenizer, kv.forward_token_ids) and every prefill started with bidirectional_kv_xfer.
-    # "auto": on once a decode has handed back bidirectional kv_transfer_params (the cluster runs
-    # bidirectional_kv_xfer); "on": from the start (the conditions checked at start-up); "off": never.
-    pd_peer_pull: Literal["auto", "on", "off"] = "auto"
-    # the workers' kv_recompute_threshold: vLLM skips a pull of fewer tokens, so none is planned
-    pd_pull_min_tokens: int = Field(default=64, ge=0)
-    # the prefills' kv_lease_duration: a staged prefix stays pinned this long for the reader, so no
-    # pull is staged for a request predicted to reach its prefill later than half of it
-    pd_peer_pull_lease_s: float = Field(default=30.0, gt=0)
-    # vLLM `priority` of staging requests, where the prefills run --scheduling-policy priority: set it
-    # below the clients' (0), e.g. -1, and a staging request waits only for the prefill running on the
-    # holder instead of its whole queue. None: sent without one, so it queues FCFS
-    pd_peer_pull_priority: int | None = None
-
     models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
     policy: str = "round_robin"
     policy_options: Mapping[str, Any] = Field(default_factory=dict)
     slo: SloSettings = SloSettings()
     default_max_tokens: int = 256  # assumed output length when a request sets none
 
-    # secrets: never printed (SecretStr), and may come from files Kubernetes mounts from a Secret
-    api_keys: tuple[SecretStr, ...] = ()  # if set, clients must send one as a Bearer token
-    api_keys_file: str | None = None  # more keys, one per line ('#' lines and blank lines skipped)
-    # the admin API (/admin/instances: conductor/fleet/membership.py) takes only these keys; with none it is off
-    admin_api_keys: tuple[SecretStr, ...] = ()
-    admin_api_keys_file: str | None = None  # more admin keys, one per line, like api_keys_file
-    upstream_api_key: SecretStr | None = None  # sent to workers instead of the client's key
-    upstream_api_key_file: str | None = None  # the upstream key from a file (its first line)
-    max_body_bytes: int = 16 * 1024 * 1024
-
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0  # whole request, from admission to its last byte: past it, 504
-    read_timeout_s: float = 120.0  # longest silence from a worker before 504
-    bootstrap_timeout_s: float = 5.0
-    # on SIGTERM: stop accepting, let requests in flight finish for this long, then close them
-    drain_grace_s: float = 30.0
-    # how long a client's connection may sit idle between requests (and take to send a request's
-    # head or go silent mid-body) before the gateway closes it. Longer than every common client's
-    # and proxy's own idle expiry (httpx 5 s, aiohttp 15 s, nginx upstream 60 s): a client that
-    # reuses a connection the server is closing at that moment loses its request ("server
-    # disconnected"), which uvicorn's 5 s default makes routine under load. nginx's keepalive_timeout
-    keep_alive_timeout_s: float = Field(default=75.0, gt=0)
-    # a request whose leg failed before any byte reached the client (connection refused, a worker's
-    # 5xx) is decided again without that instance, up to this many attempts in all
-    max_attempts: int = Field(default=3, ge=1)
-    # passive outlier ejection: this many consecutive 5xx answers or transport failures take an
-    # instance out of rotation for outlier_ejection_s (doubling on each ejection in a row, up to
-    # outlier_max_ejection_s); the first successful health probe after that re-admits it. At most
-    # outlier_max_ejected_fraction of a role's instances are ejected at once.
-    outlier_consecutive_errors: int = Field(default=5, ge=1)
-    outlier_ejection_s: float = 10.0
-    outlier_max_ejection_s: float = 300.0
-    outlier_max_ejected_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
-    # kv_transfer_params (and SGLang's bootstrap_* fields) in a client's body steer where a worker
-    # connects: dropped unless the operator trusts the clients (e.g. another router in front)
-    trust_client_kv_transfer_params: bool = False
-
-    health_interval_s: float = 5.0
-    # an instance out of rotation (not answered yet, failed its probes, or ejected) is probed this
-    # often instead, so one that comes up (a vLLM engine still loading when the gateway started) or
-    # recovers is back within about this long rather than a whole health_interval_s (Envoy's
-    # unhealthy_interval); never less often than health_interval_s
-    health_unhealthy_interval_s: float = Field(default=1.0, gt=0)
-    health_timeout_s: float = 2.0
-    unhealthy_after: int = 2  # consecutive failed probes
-    min_ready_prefill: int = 1
-    min_ready_decode: int = 1
-
-    # several gateway replicas in front of the same workers share their in-flight load here
-    load_share: Literal["none", "redis"] = "none"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    replica_id: str | None = None  # defaults to host name and process id
-    load_sync_interval_s: float = 0.1
-    # a decision first fetches the other replicas' load when the last exchange is older than this
-    # (one Redis round trip, shared by the requests arriving meanwhile); None: decide on the view
-    # the last beat or dispatch brought, up to load_sync_interval_s old
-    load_sync_max_age_s: float | None = Field(0.005, ge=0)
-    # each exchange with Redis gives up after load_share_timeout_s; after load_share_breaker_failures
-    # in a row none is tried for load_share_breaker_open_s, and replicas route on their own load
-    load_share_timeout_s: float = Field(0.2, gt=0)
-    load_share_breaker_failures: int = Field(3, gt=0)
-    load_share_breaker_open_s: float = Field(1.0, gt=0)
-
     block_size: int = 16  # tokens per KV block: must equal the workers' --block-size
     # KV-cache awareness: tokenizer, block keys, the cache index and its feeds (conductor/kv/analyzer.py).
     # Its block size is the one above; its KV event endpoints default to each instance's kv_events_endpoint.
     kv: KVAwarenessSettings = KVAwarenessSettings()
-    max_connections_per_upstream: int = 256
-    # requests in flight at once through this gateway; past it new ones get 503 at once instead of
-    # queueing without bound in front of the workers
-    max_inflight_requests: int = 4096
     # every this many seconds: one full garbage collection, then everything that survived is frozen
     # out of later ones (conductor/ops/gc_freeze.py: a big KV index otherwise makes each full pass a
     # tens-of-milliseconds stall in the p99); None: Python's default collector alone
     gc_freeze_interval_s: float | None = Field(default=60.0, gt=0)
+
+    # one group per concern (conductor/config/groups.py); their old flat keys: conductor/config/legacy.py
+    pd: PdSettings = PdSettings()
+    auth: AuthSettings = AuthSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    limits: LimitSettings = LimitSettings()
+    outlier: OutlierSettings = OutlierSettings()
+    health: HealthSettings = HealthSettings()
+    load_share: LoadShareSettings = LoadShareSettings()
+    tracing: TracingSettings = TracingSettings()
+    logs: LogSettings = LogSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _move_flat_keys(cls, data: Any) -> Any:
+        # Settings(pd_protocol=...) and model_validate of an old flat mapping: load_settings has
+        # moved (and warned about) its sources' old keys already, so this finds none there
+        if not isinstance(data, Mapping):
+            return data
+        moved, old = move_flat_keys(data, "settings")
+        warn_moved(old, ENV_PREFIX)
+        return moved
 
     @model_validator(mode="after")
     def _check_roles(self) -> Settings:
@@ -256,38 +192,19 @@ class Settings(_Model):
             raise ValueError(f"instance names must be unique: {names}")
         if "block_size" in self.kv.model_fields_set and self.kv.block_size != self.block_size:
             raise ValueError(f"kv.block_size {self.kv.block_size} differs from block_size {self.block_size}: set block_size only")
-        if self.pd_peer_pull == "on" and not (self.pd_protocol == "nixl" and self.kv.enabled and self.decode):
+        pd = self.pd
+        if pd.peer_pull == "on" and not (pd.protocol == "nixl" and self.kv.enabled and self.decode):
             raise ValueError(
-                "pd_peer_pull 'on' needs --pd-protocol nixl, decode instances and kv.enabled "
+                "pd.peer_pull 'on' needs --pd-protocol nixl, decode instances and kv.enabled "
                 "(the staging request names the prefix by the gateway's token ids)"
             )
-        if self.pd_protocol in ("mooncake", "sglang"):
+        if pd.protocol in ("mooncake", "sglang"):
             missing = [p.url for p in self.prefill if p.bootstrap_port is None]
             if missing:
-                raise ValueError(f"--pd-protocol {self.pd_protocol} needs a bootstrap port for prefill {missing}")
+                raise ValueError(f"--pd-protocol {pd.protocol} needs a bootstrap port for prefill {missing}")
             if self.discovery.prefill is not None and self.discovery.prefill.bootstrap_port is None:
-                raise ValueError(f"--pd-protocol {self.pd_protocol} needs discovery.prefill.bootstrap_port")
+                raise ValueError(f"--pd-protocol {pd.protocol} needs discovery.prefill.bootstrap_port")
         return self
-
-    def client_keys(self) -> frozenset[str]:
-        """Every accepted client key: `api_keys` plus the lines of `api_keys_file`."""
-        keys = {k.get_secret_value() for k in self.api_keys}
-        if self.api_keys_file:
-            keys |= set(_secret_lines(self.api_keys_file))
-        return frozenset(keys)
-
-    def admin_keys(self) -> frozenset[str]:
-        """Every accepted admin key: `admin_api_keys` plus the lines of `admin_api_keys_file`."""
-        keys = {k.get_secret_value() for k in self.admin_api_keys}
-        if self.admin_api_keys_file:
-            keys |= set(_secret_lines(self.admin_api_keys_file))
-        return frozenset(keys)
-
-    def upstream_key(self) -> str | None:
-        if self.upstream_api_key_file:
-            lines = _secret_lines(self.upstream_api_key_file)
-            return lines[0] if lines else None
-        return self.upstream_api_key.get_secret_value() if self.upstream_api_key else None
 
     def instances(self) -> tuple[InstanceSpec, ...]:
         """Every instance, each with its name filled in."""
@@ -302,19 +219,12 @@ class Settings(_Model):
         return bool(self.prefill or self.decode or self.discovery.prefill or self.discovery.decode)
 
 
-def _secret_lines(path: str) -> list[str]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from exc
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-
-
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def merge_settings(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `top` over it, mappings merged key by key (a group's other fields kept)."""
     merged = dict(base)
     for k, v in top.items():
         if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
-            merged[k] = _merge(dict(merged[k]), v)
+            merged[k] = merge_settings(dict(merged[k]), v)
         else:
             merged[k] = v
     return merged
@@ -359,26 +269,45 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Build the settings object; any problem is a ConfigError that names the field."""
+    """Build the settings object; any problem is a ConfigError that names the field. Each source's
+    old flat keys are moved to their groups first (conductor/config/legacy.py), one warning a key."""
     data: dict[str, Any] = {}
+    old_keys: list[str] = []
     if config_file is not None:
-        try:
-            loaded = yaml.safe_load(Path(config_file).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {config_file} must hold a mapping at the top level")
-        data = _with_roles(loaded)
-    try:
-        env = env_values(Settings, os.environ if environ is None else environ, ENV_PREFIX, _PLAIN_LISTS)
-    except ValueError as exc:
-        raise ConfigError(f"invalid configuration: {exc}") from exc
-    data = _merge(data, _with_roles(env))
+        data, old_keys = move_flat_keys(_with_roles(_read_file(config_file)), str(config_file))
+    env, old_env_keys = _from_environment(os.environ if environ is None else environ)
+    data = merge_settings(data, _with_roles(env))
+    old_keys += old_env_keys
     if overrides:
-        flags = _with_roles({k: v for k, v in overrides.items() if v is not None})
-        data = _merge(data, _merge_instances(data, flags))
+        given, old_flag_keys = move_flat_keys({k: v for k, v in overrides.items() if v is not None}, "overrides")
+        old_keys += old_flag_keys
+        flags = _with_roles(given)
+        data = merge_settings(data, _merge_instances(data, flags))
+    warn_moved(old_keys, ENV_PREFIX)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid configuration: {problems}") from exc
+
+
+def _read_file(config_file: str | Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {config_file} must hold a mapping at the top level")
+    return loaded
+
+
+def _from_environment(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The CONDUCTOR_* values, old flat variables (CONDUCTOR_PD_PROTOCOL) moved to their groups,
+    and the old keys found."""
+    current, old = split_env(environ, ENV_PREFIX)
+    try:
+        values = env_values(Settings, current, ENV_PREFIX, _PLAIN_LISTS)
+        values.update(old_env_values(Settings, old, ENV_PREFIX))
+    except ValueError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+    return move_flat_keys(values, "environment")

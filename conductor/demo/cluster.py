@@ -29,6 +29,8 @@ from typing import IO, Any
 
 import yaml
 
+from conductor.config.settings import merge_settings
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -215,21 +217,21 @@ def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
                 entry["bootstrap_port"] = boot
             group.start(f"{role}-{i}", argv, entry["url"])
             target.append(entry)
-    settings: dict[str, Any] = {
+    base: dict[str, Any] = {
         "host": "127.0.0.1",
         "port": gw_port,
-        "log_level": "warning",
-        "pd_protocol": spec.pd_protocol,
+        "logs": {"level": "warning"},
+        "pd": {"protocol": spec.pd_protocol},
         "policy": spec.policy,
         "policy_options": spec.policy_options,
         "models": [spec.model],
         "prefill": prefill_cfg,
         "decode": decode_cfg,
-        "health_interval_s": 1.0,
+        "health": {"interval_s": 1.0},
         "slo": {k: v for k, v in (("ttft_s", spec.slo_ttft_s), ("tbt_s", spec.slo_tbt_s)) if v is not None},
         "block_size": spec.block_size,
-        **spec.gateway_extra,
     }
+    settings = merge_settings(base, spec.gateway_extra)
     if spec.kv_index:
         # the built-in byte tokenizer is the emulators' too; keys are the gateway's own xxhash
         # chain, mapped to the workers' vLLM hashes through the token ids their events carry

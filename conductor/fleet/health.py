@@ -8,12 +8,17 @@ Two signals, because each misses what the other sees:
   that comes up or recovers does not wait out the whole interval.
   `unhealthy_after` failed probes in a row take it out; one good probe brings it back.
 * Outlier ejection catches a worker whose `/health` is fine but which fails the requests
-  themselves (a 500 to everything, connections reset mid-answer): `outlier_consecutive_errors`
-  failures in a row eject it for `outlier_ejection_s`, doubled for each ejection in a row up to
-  `outlier_max_ejection_s`. When that time is over the next good probe re-admits it; a request
-  that then succeeds clears the doubling. At most `outlier_max_ejected_fraction` of a role's
+  themselves (a 500 to everything, connections reset mid-answer): `outlier.consecutive_errors`
+  failures in a row eject it for `outlier.ejection_s`, doubled for each ejection in a row up to
+  `outlier.max_ejection_s`. When that time is over the next good probe re-admits it; a request
+  that then succeeds clears the doubling. At most `outlier.max_ejected_fraction` of a role's
   instances are out by ejection at once (at least one may always be), so a fault that hits every
   worker alike (a bad model name upstream, say) does not empty the pool.
+
+Neither may empty it wholesale: below `health.panic_threshold` (50%) of a role's instances
+available, routing trusts neither signal and goes over every instance of the role that has ever
+answered a probe and does not refuse connections now (`panicking`, Envoy's panic threshold); /ready
+and the metrics still tell the truth.
 
 The clock is passed in (monotonic seconds), so the state machine is tested without sleeping.
 """
@@ -34,6 +39,9 @@ class HealthRules:
     ejection_s: float = 10.0
     max_ejection_s: float = 300.0
     max_ejected_fraction: float = 0.5
+    # below this share of a role's instances available, route over all of them that have ever
+    # answered a probe rather than over the few left (Envoy's panic threshold); 0: never
+    panic_threshold: float = 0.5
 
 
 @dataclass(slots=True)
@@ -49,17 +57,28 @@ class InstanceHealth:
     ejections_in_a_row: int = 0
     ejections_total: int = 0
     probes_total: int = 0  # probes counted, answered or not (what shows the probe schedule)
+    answered: bool = False  # a probe has succeeded at least once: known to exist, maybe up again
+    refused: bool = False  # its last failed probe found nothing listening (refused, unreachable): down, not slow
 
     @property
     def available(self) -> bool:
         return self.probe_ok and not self.ejected
 
-    def on_probe(self, ok: bool, now: float, rules: HealthRules) -> None:
+    @property
+    def routable_in_panic(self) -> bool:
+        """Worth a request when its role is in panic: it has answered before, and its probes now
+        time out or fail rather than find nothing listening (a stopped worker stays out)."""
+        return self.answered and not self.refused
+
+    def on_probe(self, ok: bool, now: float, rules: HealthRules, refused: bool | None = None) -> None:
+        """A probe's outcome; `refused`: whether a failed one found nothing listening (None: unknown)."""
         self.probes_total += 1
+        if refused is not None or ok:
+            self.refused = bool(refused) and not ok
         if ok:
             if not self.probe_ok:
                 log.info("instance %s answers its health probe", self.name)
-            self.probe_ok, self.probe_failures = True, 0
+            self.probe_ok, self.probe_failures, self.answered = True, 0, True
             if self.ejected and now >= self.ejected_until:
                 log.info("instance %s re-admitted after ejection", self.name)
                 self.ejected, self.errors_in_a_row = False, 0
@@ -91,3 +110,17 @@ def may_eject(role_members: list[InstanceHealth], rules: HealthRules) -> bool:
     ejected = sum(1 for h in role_members if h.ejected)
     cap = max(1, math.floor(len(role_members) * rules.max_ejected_fraction))
     return ejected < cap
+
+
+def panicking(role_members: list[InstanceHealth], rules: HealthRules) -> bool:
+    """Whether fewer than `rules.panic_threshold` of these instances (one role's, in rotation) are
+    available. Then health is not to be trusted: when a starved gateway host times out every
+    probe at once, or a shared dependency flaps, the pool empties although most of it works, and
+    every request would get a 503 for a whole probe round. Like Envoy's panic mode, routing then
+    goes over every instance that has ever answered (a request that fails there fails over)
+    rather than over the few left or none; one that never answered (still loading, a wrong
+    address) or that refuses connections now (stopped) stays out."""
+    if not role_members or rules.panic_threshold <= 0:
+        return False
+    available = sum(1 for h in role_members if h.available)
+    return available < rules.panic_threshold * len(role_members)

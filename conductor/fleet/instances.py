@@ -13,22 +13,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from adapters.load_share import LoadShare, NoLoadShare, local_table
 from adapters.pd.base import Target, decode_json, host_of
 from adapters.upstream import Upstream, UpstreamPool
 from conductor.config.settings import InstanceSpec, Settings
 from conductor.core.errors import ConductorError, NotFound, UpstreamError
-from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
-from conductor.fleet.health import HealthRules, InstanceHealth, may_eject
+from conductor.core.types import ActiveDecode, ClusterSnapshot, QueuedPrefill, Role
+from conductor.fleet.health import HealthRules, InstanceHealth, may_eject, panicking
+from conductor.fleet.state import InstanceState, Origin, RemoteEntry
+
+__all__ = ["InstanceExists", "InstanceRegistry", "InstanceState", "MembershipListener", "Origin", "RemoteEntry"]
 
 log = logging.getLogger(__name__)
 
-RemoteEntry = tuple[tuple[QueuedPrefill, ...], tuple[ActiveDecode, ...]]
-# where an instance came from: the settings' lists, the admin API, or DNS discovery
-Origin = Literal["static", "admin", "dns"]
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the instance's last request ended
 
 
@@ -52,72 +51,6 @@ class MembershipListener(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class InstanceState:
-    """Mutable bookkeeping for one instance; the policy only ever sees frozen InstanceViews of it."""
-
-    spec: InstanceSpec
-    target: Target
-    health: InstanceHealth
-    models: tuple[str, ...] = ()
-    # request id -> work queued here, in dispatch order (FCFS); the frozen values are what views
-    # hand out, so a snapshot costs a tuple() of them, not an object per in-flight request
-    prefills: dict[str, QueuedPrefill] = field(default_factory=dict)
-    started: dict[str, float] = field(default_factory=dict)  # request id -> dispatch, or when it became the head
-    last_prefill_end: float = float("-inf")  # time.monotonic() when one of this gateway's prefills here ended
-    decodes: dict[str, ActiveDecode] = field(default_factory=dict)  # request id -> stream running here
-    origin: Origin = "static"
-    draining: bool = False  # out of rotation; removed once what runs here has ended
-    drained_by: Origin | None = None  # who asked for the drain (DNS undoes only its own)
-
-    @property
-    def name(self) -> str:
-        assert self.spec.name is not None
-        return self.spec.name
-
-    @property
-    def healthy(self) -> bool:
-        """May take requests: its probes answer, it is not ejected as an outlier nor draining."""
-        return self.health.available and not self.draining
-
-    @property
-    def inflight(self) -> int:
-        """Requests of this gateway on the instance (a mixed one counts once)."""
-        return len(self.prefills.keys() | self.decodes.keys())
-
-    def view(
-        self, now: float, remote: RemoteEntry | None = None, excluded: bool = False, remote_end: float | None = None
-    ) -> InstanceView:
-        """`remote`: other replicas' work here; `remote_end`: when one of theirs last ended here."""
-        queue = tuple(self.prefills.values())
-        if queue:  # only the head of an FCFS queue has run; its elapsed time is the one that matters
-            head_id = next(iter(self.prefills))
-            head = queue[0]
-            queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, now - self.started[head_id]), *queue[1:])
-        decodes = tuple(self.decodes.values())
-        if remote is not None:  # other gateway replicas' work on the same instance
-            remote_queue, remote_decodes = remote
-            if remote_queue and (not queue or remote_queue[0].elapsed_s > queue[0].elapsed_s):
-                queue = remote_queue + queue  # theirs was dispatched first: it is the running head
-            else:
-                queue = queue + remote_queue
-            decodes = decodes + remote_decodes
-            # whoever's it is, the head has run at most since the last prefill here ended (see
-            # adapters.load_share.PrefillEnds): each replica only knows its own ends
-            last_end = max(self.last_prefill_end, remote_end if remote_end is not None else float("-inf"))
-            if queue and now - last_end < queue[0].elapsed_s:
-                head = queue[0]
-                queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, max(0.0, now - last_end)), *queue[1:])
-        return InstanceView(
-            id=self.name,
-            role=self.spec.role,
-            url=self.spec.url,
-            healthy=self.healthy and not excluded,
-            prefill_queue=queue,
-            decodes=decodes,
-        )
-
-
 class InstanceRegistry:
     """Every configured instance, probed in the background; load accounted per request."""
 
@@ -139,12 +72,16 @@ class InstanceRegistry:
         self._reaper: asyncio.Task[None] | None = None
         self._probe_task: asyncio.Task[None] | None = None
         self.rules = HealthRules(
-            unhealthy_after=settings.unhealthy_after,
-            consecutive_errors=settings.outlier_consecutive_errors,
-            ejection_s=settings.outlier_ejection_s,
-            max_ejection_s=settings.outlier_max_ejection_s,
-            max_ejected_fraction=settings.outlier_max_ejected_fraction,
+            unhealthy_after=settings.health.unhealthy_after,
+            consecutive_errors=settings.outlier.consecutive_errors,
+            ejection_s=settings.outlier.ejection_s,
+            max_ejection_s=settings.outlier.max_ejection_s,
+            max_ejected_fraction=settings.outlier.max_ejected_fraction,
+            panic_threshold=settings.health.panic_threshold,
         )
+        self._panic: frozenset[Role] = frozenset()  # the roles routed in panic at the last snapshot
+        # what context_length answers, per request: worked out again only when a member's changes
+        self._contexts: tuple[dict[str, int], int | None] = ({}, None)
 
     # ---- health -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,13 +110,14 @@ class InstanceRegistry:
         if any(s.spec.url.rstrip("/") == url for s in self.states.values()):
             raise InstanceExists(f"an instance at {spec.url} exists already", param="url")
         upstream = Upstream(
-            spec.name, spec.url, timeouts=self.pool.timeouts, max_connections=self._settings.max_connections_per_upstream
+            spec.name, spec.url, timeouts=self.pool.timeouts, max_connections=self._settings.limits.max_connections_per_upstream
         )
         await upstream.start()
         self._own_upstreams[spec.name] = upstream
         target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
         state = InstanceState(spec=spec, target=target, health=InstanceHealth(spec.name), origin=origin)
         self.states[spec.name] = state
+        self._contexts_changed()
         log.info("instance %s (%s, %s) added by %s", spec.name, spec.role.value, spec.url, origin)
         for listener in self.listeners:
             await listener.instance_added(spec)
@@ -187,7 +125,7 @@ class InstanceRegistry:
         return state
 
     def drain(self, name: str, by: Origin = "admin") -> InstanceState:
-        """Out of rotation now; removed when its last request here ends, or after drain_grace_s."""
+        """Out of rotation now; removed when its last request here ends, or after timeouts.drain_grace_s."""
         state = self._member(name)
         if not state.draining:
             state.draining, state.drained_by = True, by
@@ -208,11 +146,12 @@ class InstanceRegistry:
         """Out at once. Its requests in flight run on; its connections close when they end."""
         state = self._member(name)
         del self.states[name]
+        self._contexts_changed()
         task = self._drains.pop(name, None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
-        # past request_timeout_s no request of it can still run: the deadline sweep closed it
-        self.retired[name] = (state, time.monotonic() + self._settings.request_timeout_s + 1.0)
+        # past timeouts.request_s no request of it can still run: the deadline sweep closed it
+        self.retired[name] = (state, time.monotonic() + self._settings.timeouts.request_s + 1.0)
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.create_task(self._reap(), name="retired-instances")
         log.info("instance %s removed (%d requests still in flight)", name, state.inflight)
@@ -226,7 +165,7 @@ class InstanceRegistry:
         return state
 
     async def _finish_drain(self, name: str) -> None:
-        deadline = time.monotonic() + self._settings.drain_grace_s
+        deadline = time.monotonic() + self._settings.timeouts.drain_grace_s
         while (state := self.states.get(name)) is not None and state.draining:
             if state.inflight == 0 or time.monotonic() >= deadline:
                 self._drains.pop(name, None)
@@ -248,10 +187,10 @@ class InstanceRegistry:
                         listener.instance_released(name)
 
     async def _probe_forever(self) -> None:
-        """Every instance each health_interval_s; between those rounds, the instances out of
-        rotation each health_unhealthy_interval_s (when that is the shorter)."""
-        full_s = self._settings.health_interval_s
-        tick_s = min(full_s, self._settings.health_unhealthy_interval_s)
+        """Every instance each health.interval_s; between those rounds, the instances out of
+        rotation each health.unhealthy_interval_s (when that is the shorter)."""
+        full_s = self._settings.health.interval_s
+        tick_s = min(full_s, self._settings.health.unhealthy_interval_s)
         next_full = time.monotonic() + full_s
         while True:
             await asyncio.sleep(max(0.0, min(tick_s, next_full - time.monotonic())))
@@ -273,7 +212,8 @@ class InstanceRegistry:
         await asyncio.gather(*(self._probe(s) for s in self.states.values() if not s.health.available))
 
     async def _probe(self, state: InstanceState) -> None:
-        timeout = self._settings.health_timeout_s
+        timeout = self._settings.health.timeout_s
+        refused = None
         try:
             # probes use the instance's own small probe pool: a decode whose every pooled
             # connection carries a stream is busy, not dead
@@ -283,13 +223,16 @@ class InstanceRegistry:
                 models = await state.target.upstream.get("/v1/models", timeout_s=timeout, probe=True)
                 if models.status == 200:
                     data = decode_json(models.body).get("data", [])
-                    state.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
-        except (UpstreamError, ValueError, AttributeError):
-            ok = False
-        self.record_probe(state, ok)
+                    cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+                    state.models = tuple(m["id"] for m in cards)
+                    state.context_lengths = {m["id"]: m["max_model_len"] for m in cards if _positive_int(m.get("max_model_len"))}
+                    self._contexts_changed()
+        except (UpstreamError, ValueError, AttributeError) as exc:
+            ok, refused = False, _refused(exc)
+        self.record_probe(state, ok, refused)
 
-    def record_probe(self, state: InstanceState, ok: bool) -> None:
-        state.health.on_probe(ok, time.monotonic(), self.rules)
+    def record_probe(self, state: InstanceState, ok: bool, refused: bool | None = None) -> None:
+        state.health.on_probe(ok, time.monotonic(), self.rules, refused)
 
     def report_failure(self, name: str) -> None:
         """A request to the instance could not even connect: count it like a failed probe too."""
@@ -312,6 +255,20 @@ class InstanceRegistry:
     def healthy_count(self, role: Role) -> int:
         return sum(1 for s in self.states.values() if s.spec.role == role and s.healthy)
 
+    def context_length(self, model: str | None) -> int | None:
+        """The smallest context length the members serving `model` report (a request may land on
+        any of them); when none names the model, the smallest any member reports; None when no
+        member reports one. What bounds a prompt's tokens (conductor/kv/prompt_bounds.py)."""
+        by_model, smallest = self._contexts
+        return by_model.get(model, smallest) if model is not None else smallest
+
+    def _contexts_changed(self) -> None:
+        by_model: dict[str, int] = {}
+        for state in self.states.values():
+            for model, length in state.context_lengths.items():
+                by_model[model] = min(length, by_model.get(model, length))
+        self._contexts = (by_model, min(by_model.values(), default=None))
+
     def models(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         for state in self.states.values():
@@ -327,12 +284,35 @@ class InstanceRegistry:
         remote = self.load_share.remote()
         ends = self.load_share.prefill_ends() if remote else {}
         # a draining instance is no candidate at all (not even a "down" one a policy might count)
+        members = [(n, s) for n, s in self.states.items() if not s.draining]
+        panic = self.panic_roles([s for _, s in members])
         return ClusterSnapshot(
             now=now,
-            instances=tuple(
-                s.view(now, remote.get(n), n in exclude, ends.get(n)) for n, s in self.states.items() if not s.draining
-            ),
+            instances=tuple(s.view(now, remote.get(n), n in exclude, ends.get(n), s.spec.role in panic) for n, s in members),
         )
+
+    def panic_roles(self, members: list[InstanceState]) -> frozenset[Role]:
+        """The roles below the panic threshold among `members` (fleet/health.py, `panicking`);
+        a role entering or leaving panic is logged once."""
+        by_role: dict[Role, list[InstanceHealth]] = {}
+        for state in members:
+            by_role.setdefault(state.spec.role, []).append(state.health)
+        panic = frozenset(role for role, healths in by_role.items() if panicking(healths, self.rules))
+        if panic != self._panic:
+            for role in panic - self._panic:
+                healths = by_role[role]
+                log.warning(
+                    "PANIC: %d of %d %s instances available, below health.panic_threshold %.0f%%: routing over "
+                    "every one that has answered a probe until more recover",
+                    sum(1 for h in healths if h.available),
+                    len(healths),
+                    role.value,
+                    100 * self.rules.panic_threshold,
+                )
+            for role in self._panic - panic:
+                log.warning("panic over: %s instances back above health.panic_threshold", role.value)
+            self._panic = panic
+        return panic
 
     def _state(self, name: str) -> InstanceState | None:
         """A member's bookkeeping, or a removed one's while its requests still run."""
@@ -391,3 +371,18 @@ class InstanceRegistry:
         state = self._state(name)
         if state is not None and state.decodes.pop(request_id, None) is not None:
             self.load_share.changed()
+
+
+def _positive_int(value: object) -> bool:
+    return type(value) is int and value > 0
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a probe failed because nothing listens there (refused, unreachable) rather than on a
+    timeout: a stopped worker refuses, a starved gateway's probes time out."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
+            return True
+        cause = cause.__cause__
+    return False

@@ -25,7 +25,7 @@ import hmac
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -33,15 +33,15 @@ from prometheus_client.metrics import MetricWrapperBase
 from pydantic import ValidationError
 
 from adapters.discovery import Discovered, DnsDiscovery, DnsResolver, DnsSource
-from conductor.config.settings import InstanceSpec
+from adapters.pd.base import PDProtocol
+from conductor.config.settings import InstanceSpec, Settings
 from conductor.core.errors import BadRequest, ConductorError, Unauthorized
 from conductor.core.types import Role
-from conductor.fleet.instances import InstanceState, Origin
+from conductor.fleet.instances import InstanceRegistry, InstanceState, Origin
+from conductor.kv.analysis import PromptAnalyzer
 from conductor.kv.analyzer import KVAwareAnalyzer, KVEventsEndpoint
 from conductor.ops.loop_metrics import LoopMetric
-
-if TYPE_CHECKING:
-    from conductor.gateway import Gateway
+from conductor.ops.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,27 @@ class AdminDisabled(ConductorError):
 class Membership:
     """Listens to the registry's membership changes and runs DNS discovery when configured."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.admin_keys = gateway.settings.admin_keys()  # read once, like the client keys
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: InstanceRegistry,
+        protocol: PDProtocol,
+        analyzer: PromptAnalyzer,
+        metrics: GatewayMetrics,
+    ) -> None:
+        """The parts an instance's arrival or departure touches besides the registry: the
+        protocol (a Mooncake prefill's engine), the analyzer (KV events) and the metrics."""
+        self.settings = settings
+        self.registry = registry
+        self.protocol = protocol
+        self.analyzer = analyzer
+        self.metrics = metrics
+        self.admin_keys = settings.auth.admin_keys()  # read once, like the client keys
         # DNS-found instances the API drained or removed, by name: kept out while DNS lists them
         self.overruled: set[str] = set()
-        gateway.registry.listeners.append(self)
-        d = gateway.settings.discovery
+        registry.listeners.append(self)
+        d = settings.discovery
         self.discovery: DnsDiscovery | None = None
         self.live = False  # the gateway's parts have started: a new instance is started by us
         if d.sources():
@@ -93,7 +107,7 @@ class Membership:
     # ---- DNS ----------------------------------------------------------------------------
     async def apply_dns(self, role: Role, found: tuple[Discovered, ...]) -> None:
         """`found` is every instance of `role` DNS lists now: add the new ones, drain the gone ones."""
-        registry = self.gateway.registry
+        registry = self.registry
         names = {d.name for d in found}
         listed_here = {n for n in self.overruled if n.startswith(f"{role.value}-")}
         self.overruled -= listed_here - names  # DNS let go of them: the API's word is spent
@@ -123,31 +137,30 @@ class Membership:
 
     # ---- what the registry tells --------------------------------------------------------
     async def instance_added(self, spec: InstanceSpec) -> None:
-        gw = self.gateway
         assert spec.name is not None
         for kind in ("status", "transport"):  # series at 0 from the start, as for the static ones
-            gw.metrics.upstream_errors.labels(spec.name, kind)
-        gw.metrics.ejections.labels(spec.name)
-        if isinstance(gw.analyzer, KVAwareAnalyzer):
-            events = gw.settings.kv.kv_events.get(spec.name)
+            self.metrics.upstream_errors.labels(spec.name, kind)
+        self.metrics.ejections.labels(spec.name)
+        if isinstance(self.analyzer, KVAwareAnalyzer):
+            events = self.settings.kv.kv_events.get(spec.name)
             if events is None and spec.kv_events_endpoint:
                 events = KVEventsEndpoint(endpoint=spec.kv_events_endpoint, replay_endpoint=spec.kv_events_replay_endpoint)
-            await gw.analyzer.add_instance(spec.name, spec.role, spec.url, events)
-        state = gw.registry.states[spec.name]
-        if self.live and spec.role in (Role.PREFILL, Role.MIXED) and not gw.protocol.ready(state.target):
+            await self.analyzer.add_instance(spec.name, spec.role, spec.url, events)
+        state = self.registry.states[spec.name]
+        if self.live and spec.role in (Role.PREFILL, Role.MIXED) and not self.protocol.ready(state.target):
             # a Mooncake prefill's engine id comes from its bootstrap server; until then it is not ready
-            await gw.protocol.start([state.target])
+            await self.protocol.start([state.target])
 
     async def instance_removed(self, name: str) -> None:
-        if isinstance(self.gateway.analyzer, KVAwareAnalyzer):
-            await self.gateway.analyzer.remove_instance(name)
+        if isinstance(self.analyzer, KVAwareAnalyzer):
+            await self.analyzer.remove_instance(name)
         self._drop_series(name)
 
     def instance_released(self, name: str) -> None:
         self._drop_series(name)  # what its last requests recorded after the removal
 
     def _drop_series(self, name: str) -> None:
-        for metric in vars(self.gateway.metrics).values():
+        for metric in vars(self.metrics).values():
             if not isinstance(metric, MetricWrapperBase | LoopMetric):
                 continue
             for label in _SERIES_LABELS:
@@ -159,7 +172,7 @@ class Membership:
     # ---- the admin API ------------------------------------------------------------------
     def authorize(self, authorization: str | None) -> None:
         if not self.admin_keys:
-            raise AdminDisabled("the admin API is disabled: configure admin_api_keys or admin_api_keys_file")
+            raise AdminDisabled("the admin API is disabled: configure auth.admin_api_keys or auth.admin_api_keys_file")
         if not authorization or not authorization.startswith("Bearer "):
             raise Unauthorized("missing admin API key: send 'Authorization: Bearer <key>'")
         given = authorization[7:].strip().encode()
@@ -180,23 +193,23 @@ class Membership:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or None
             raise BadRequest(f"{where}: {err['msg']}" if where else err["msg"], param=where) from None
-        settings = self.gateway.settings
+        settings = self.settings
         if (spec.role is Role.MIXED) == settings.disaggregated:
             raise BadRequest(
                 f"a {spec.role.value} instance does not fit this gateway "
                 f"({'prefill/decode' if settings.disaggregated else 'mixed'} workers)",
                 param="role",
             )
-        if spec.role is Role.PREFILL and settings.pd_protocol in ("mooncake", "sglang") and spec.bootstrap_port is None:
-            raise BadRequest(f"pd_protocol {settings.pd_protocol} needs a bootstrap_port for a prefill", param="bootstrap_port")
+        if spec.role is Role.PREFILL and settings.pd.protocol in ("mooncake", "sglang") and spec.bootstrap_port is None:
+            raise BadRequest(f"pd.protocol {settings.pd.protocol} needs a bootstrap_port for a prefill", param="bootstrap_port")
         if spec.name is not None and not _NAME.fullmatch(spec.name):
             raise BadRequest("name must be 1-63 letters, digits, '.', '_' or '-'", param="name")
         if spec.name is None:
             spec = spec.model_copy(update={"name": self._free_name(spec.role)})
-        return await self.gateway.registry.add(spec, origin="admin")
+        return await self.registry.add(spec, origin="admin")
 
     def _free_name(self, role: Role) -> str:
-        taken = self.gateway.registry.states.keys() | self.gateway.registry.retired.keys()
+        taken = self.registry.states.keys() | self.registry.retired.keys()
         n = 0
         while f"{role.value}-{n}" in taken:
             n += 1
@@ -226,19 +239,19 @@ def describe(state: InstanceState, ready: bool = True) -> dict[str, Any]:
 def admin_routes(membership: Membership) -> APIRouter:
     """GET/POST /admin/instances, POST /admin/instances/{name}/drain, DELETE /admin/instances/{name}."""
     router = APIRouter(prefix="/admin/instances", tags=["admin"])
-    gw = membership.gateway
+    registry, protocol = membership.registry, membership.protocol
     errors: dict[int | str, dict[str, Any]] = {
         401: {"description": "no admin key or an unknown one"},
         403: {"description": "the admin API is disabled (no admin key configured)"},
     }
 
     def listed(state: InstanceState) -> dict[str, Any]:
-        return describe(state, gw.protocol.ready(state.target) or state.spec.role is not Role.PREFILL)
+        return describe(state, protocol.ready(state.target) or state.spec.role is not Role.PREFILL)
 
     @router.get("", responses=errors)
     async def list_instances(request: Request) -> JSONResponse:
         membership.authorize(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": [listed(s) for s in gw.registry.states.values()]})
+        return JSONResponse({"object": "list", "data": [listed(s) for s in registry.states.values()]})
 
     @router.post(
         "",
@@ -261,15 +274,15 @@ def admin_routes(membership: Membership) -> APIRouter:
     @router.post("/{name}/drain", status_code=202, responses={**errors, 404: {"description": "unknown instance"}})
     async def drain_instance(name: str, request: Request) -> JSONResponse:
         membership.authorize(request.headers.get("authorization"))
-        state = gw.registry.drain(name, by="admin")
+        state = registry.drain(name, by="admin")
         membership.overrule(state)
         return JSONResponse(listed(state), status_code=202)
 
     @router.delete("/{name}", responses={**errors, 404: {"description": "unknown instance"}})
     async def remove_instance(name: str, request: Request) -> JSONResponse:
         membership.authorize(request.headers.get("authorization"))
-        state = gw.registry.states.get(name)
-        await gw.registry.remove(name)  # 404 when unknown
+        state = registry.states.get(name)
+        await registry.remove(name)  # 404 when unknown
         if state is not None:
             membership.overrule(state)
         return JSONResponse({"name": name, "deleted": True})

@@ -221,7 +221,7 @@ def create_indexer_app(service: IndexerService, limits: QueryLimits | None = Non
     app = FastAPI(title="Conductor indexer", version="0.1.0", lifespan=lifespan, redoc_url=None)
     http_errors.install(app)
     handler = QueryHandler(service, limits or QueryLimits())
-    body_limit = service.settings.max_body_bytes
+    body_limit = service.settings.limits.max_body_bytes
     m = service.metrics
 
     async def lookup(route: str, request: Request) -> Response:

@@ -62,20 +62,20 @@ def indexer_main(argv: list[str]) -> int:
         "host": args.host,
         "port": args.port,
         "admin_port": args.admin_port,
-        "log_level": args.log_level,
+        "logs": None if args.log_level is None else {"level": args.log_level},
         "decode": args.decode,
         "mixed": args.mixed,
     }
     if args.prefill:
         overrides["prefill"] = [_prefill_arg(v) for v in args.prefill]
     settings = load_settings(args.config, overrides=overrides)
-    configure_logging(settings.log_level, settings.log_format, settings.access_log)
+    configure_logging(settings.logs.level, settings.logs.format, settings.logs.access_log)
     service = IndexerService(settings)
     limits = QueryLimits(args.max_query_tokens, args.max_query_hashes)
     app = create_indexer_app(service, limits, with_metrics=settings.admin_port is None)
     common: dict[str, Any] = {
         "host": settings.host,
-        "log_level": settings.log_level,
+        "log_level": settings.logs.level,
         "access_log": False,
         "proxy_headers": False,
         "log_config": None,
@@ -83,7 +83,11 @@ def indexer_main(argv: list[str]) -> int:
     servers = [
         uvicorn.Server(
             uvicorn.Config(
-                app, port=settings.port, lifespan="on", timeout_graceful_shutdown=max(1, round(settings.drain_grace_s)), **common
+                app,
+                port=settings.port,
+                lifespan="on",
+                timeout_graceful_shutdown=max(1, round(settings.timeouts.drain_grace_s)),
+                **common,
             )
         )
     ]

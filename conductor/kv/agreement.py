@@ -24,165 +24,19 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from conductor.kv.diagnosis import EvidenceSource, FeedEvidence, HashSetup, Sample, agreement, coverage, diagnose, explain
+
+__all__ = ["EvidenceSource", "FeedEvidence", "HashAgreement", "HashSetup", "Sample", "agreement", "coverage", "diagnose"]
 
 # the analyzer's logger: operators filter and alert on it (this module was split out of kv_awareness)
 log = logging.getLogger(__name__)
 
 Direction = Literal["over", "under"]
 MAX_INSTANCES = 1024  # windows kept; instance names come from the configuration, this is a backstop
-
-
-@dataclass(frozen=True, slots=True)
-class FeedEvidence:
-    """What the KV event feed of one instance has shown (see adapters/index/feed.py)."""
-
-    configured: bool = False  # a KV events endpoint is configured for the instance
-    endpoint: str | None = None
-    batches: int = 0  # event batches received, live and replayed
-    hash_checked: int = 0  # prompt-start blocks whose vLLM hash the gateway recomputed
-    hash_mismatched: int = 0  # ... and found different
-    last_mismatch: tuple[int, int] | None = None  # (worker's hash, gateway's hash)
-    orphans: int = 0  # blocks stored under parents the gateway never saw stored
-    block_size_mismatched: int = 0  # blocks in events of another block size
-
-
-@dataclass(frozen=True, slots=True)
-class HashSetup:
-    """What the gateway assumes about the workers: quoted in the warnings."""
-
-    key_mode: str = "xxhash"
-    algo: str = "sha256"
-    seed: str | None = None
-    tokenizer: str = "builtin"
-    block_size: int = 16
-
-
-EvidenceSource = Callable[[str], FeedEvidence]
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    predicted: int
-    reported: int
-    lengths: tuple[int, int] | None = None  # (gateway, worker) prompt tokens, when both are known
-
-
-def agreement(samples: Iterable[Sample]) -> float:
-    predicted = confirmed = 0
-    for s in samples:
-        predicted += s.predicted
-        confirmed += min(s.predicted, s.reported)
-    return 1.0 if predicted == 0 else confirmed / predicted
-
-
-def coverage(samples: Iterable[Sample]) -> float:
-    reported = confirmed = 0
-    for s in samples:
-        reported += s.reported
-        confirmed += min(s.predicted, s.reported)
-    return 1.0 if reported == 0 else confirmed / reported
-
-
-def _tokenizer_name(setup: HashSetup) -> str:
-    return "the built-in byte tokenizer" if setup.tokenizer == "builtin" else f"kv.tokenizer {setup.tokenizer!r}"
-
-
-def diagnose(setup: HashSetup, instance: str, samples: Iterable[Sample], ev: FeedEvidence, served: int) -> list[tuple[str, str]]:
-    """Likely causes of a disagreement, most likely first: (tag, explanation) pairs. The tags are
-    stable (block_size, hash_seed, tokenizer, no_events, late_start, unknown)."""
-    causes: list[tuple[str, str]] = []
-    if ev.block_size_mismatched:
-        causes.append(
-            (
-                "block_size",
-                f"{ev.block_size_mismatched} blocks from {instance} came in KV events of "
-                f"another block size than block_size {setup.block_size}: set it to the workers' --block-size",
-            )
-        )
-    if ev.hash_checked and 2 * ev.hash_mismatched >= ev.hash_checked:
-        seed = "unset (workers without PYTHONHASHSEED)" if setup.seed is None else repr(setup.seed)
-        last = (
-            ""
-            if ev.last_mismatch is None
-            else f" (last: worker {ev.last_mismatch[0]:#018x}, gateway {ev.last_mismatch[1]:#018x})"
-        )
-        causes.append(
-            (
-                "hash_seed",
-                f"{ev.hash_mismatched} of {ev.hash_checked} KV events from {instance} that start "
-                f"a prompt carry a block hash other than the gateway's vLLM hash of their own token ids{last}: "
-                f"kv.vllm_hash_algo {setup.algo!r} / kv.vllm_hash_seed {seed} do not match the workers' "
-                "--prefix-caching-hash-algo / PYTHONHASHSEED (the gateway's own PYTHONHASHSEED is never used)",
-            )
-        )
-    lengths = [s.lengths for s in samples if s.lengths is not None]
-    differing = [pair for pair in lengths if pair[0] != pair[1]]
-    if lengths and 2 * len(differing) >= len(lengths):
-        gw, worker = differing[-1]
-        causes.append(
-            (
-                "tokenizer",
-                f"the workers counted another prompt length than the gateway in {len(differing)} "
-                f"of {len(lengths)} recent requests (e.g. gateway {gw} vs worker {worker} tokens): "
-                f"{_tokenizer_name(setup)} is not the model's; set kv.tokenizer to the model's tokenizer "
-                "directory or 'worker'",
-            )
-        )
-    if not ev.configured:
-        causes.append(
-            (
-                "no_events",
-                f"no KV events endpoint is configured for {instance}: the index knows only this "
-                "gateway's dispatches, forgotten after kv.unconfirmed_ttl_s; give it a kv_events_endpoint",
-            )
-        )
-    elif ev.batches == 0:
-        causes.append(
-            (
-                "no_events",
-                f"no KV event has arrived from {instance} ({ev.endpoint}) while {served} "
-                "requests were served there: check the worker's --kv-events-config and that the gateway "
-                "reaches that endpoint",
-            )
-        )
-    if ev.orphans:
-        causes.append(
-            (
-                "late_start",
-                f"{ev.orphans} blocks from {instance} were stored under blocks the gateway never "
-                "saw stored: the worker cached those prefixes before the gateway listened (or events were "
-                "lost) and no replay reached back; give the instance a replay endpoint or reset its prefix cache",
-            )
-        )
-    if not causes and setup.tokenizer == "builtin" and not lengths:
-        causes.append(
-            (
-                "tokenizer",
-                "the gateway tokenizes with the built-in byte tokenizer, which only emulated "
-                "workers share; against a real model set kv.tokenizer (not confirmed: the workers' prompt "
-                "lengths were not reported)",
-            )
-        )
-    if not causes:
-        causes.append(
-            (
-                "unknown",
-                "no evidence points at one cause: check block_size against --block-size, "
-                "kv.key_mode / kv.vllm_hash_algo / kv.vllm_hash_seed against --prefix-caching-hash-algo / "
-                "PYTHONHASHSEED, kv.tokenizer against the model, and that KV events arrive",
-            )
-        )
-    return causes
-
-
-def _explain(causes: list[tuple[str, str]]) -> str:
-    (tag, text), rest = causes[0], causes[1:]
-    return f"Likely cause [{tag}]: {text}." + "".join(f" Also [{t}]: {x}." for t, x in rest)
 
 
 class _Instance:
@@ -206,7 +60,7 @@ class HashAgreement:
         min_samples: int = 20,
         alarm_below: float = 0.2,
         coverage_alarm_below: float = 0.8,
-        setup: HashSetup = HashSetup(),
+        setup: HashSetup | None = None,
         evidence: EvidenceSource | None = None,
     ) -> None:
         self._window_size = window
@@ -214,7 +68,7 @@ class HashAgreement:
         self._instances: dict[str, _Instance] = {}
         self._min_samples = min_samples
         self._thresholds: dict[Direction, float] = {"over": alarm_below, "under": coverage_alarm_below}
-        self._setup = setup
+        self._setup = setup or HashSetup()
         self._evidence = evidence or (lambda _: FeedEvidence(configured=True, batches=1))
         self._ratio = Gauge(
             "conductor_kv_hash_agreement",
@@ -387,7 +241,7 @@ class HashAgreement:
                 sum(s.predicted for s in inst.window),
                 confirmed,
                 100 * figure,
-                _explain(causes),
+                explain(causes),
             )
         else:
             log.warning(
@@ -399,5 +253,5 @@ class HashAgreement:
                 sum(s.reported for s in inst.window),
                 confirmed,
                 100 * figure,
-                _explain(causes),
+                explain(causes),
             )

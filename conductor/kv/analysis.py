@@ -17,6 +17,7 @@ import msgspec
 
 from conductor.core.errors import BadRequest
 from conductor.core.types import CachedPrefix, Decision, Observation
+from conductor.kv.prompt_bounds import PromptBound, check_prompt_size
 
 RequestKind = Literal["completions", "chat"]
 
@@ -52,6 +53,13 @@ class PromptAnalyzer(Protocol):
     async def on_dispatch(self, analysis: PromptAnalysis, decision: Decision) -> None: ...
 
     def on_result(self, analysis: PromptAnalysis, decision: Decision, observation: Observation) -> None: ...
+
+
+def bind_prompt_bound(analyzer: PromptAnalyzer, bound: PromptBound) -> None:
+    """Give an analyzer that bounds prompts (both of this package's do) the gateway's bound: the
+    context length its workers report, read per request. Another analyzer is left as it is."""
+    if isinstance(getattr(analyzer, "prompt_bound", None), PromptBound):
+        analyzer.prompt_bound = bound  # type: ignore[attr-defined]
 
 
 def vocab_size_of(analyzer: PromptAnalyzer) -> int | None:
@@ -133,7 +141,14 @@ def estimate_prompt_tokens(kind: RequestKind, body: Mapping[str, Any]) -> tuple[
 
 
 class EstimatingAnalyzer:
-    """No tokenizer, no index: prompt lengths are estimated and nothing is known to be cached."""
+    """No tokenizer, no index: prompt lengths are estimated and nothing is known to be cached.
+    Prompts given as token ids longer than the bound are refused (400), and texts too long for any
+    tokenization when `max_chars_per_token` is given (kv.max_chars_per_token): with no tokenizer
+    of its own, the gateway knows no such bound otherwise."""
+
+    def __init__(self, prompt_bound: PromptBound | None = None, max_chars_per_token: int | None = None) -> None:
+        self.prompt_bound = prompt_bound or PromptBound()
+        self.chars_per_token = max_chars_per_token
 
     async def start(self) -> None:
         return None
@@ -142,6 +157,7 @@ class EstimatingAnalyzer:
         return None
 
     async def analyse(self, kind: RequestKind, body: Mapping[str, Any]) -> PromptAnalysis:
+        check_prompt_size(kind, body, self.prompt_bound.limit(body.get("model")), self.chars_per_token)
         tokens, exact = estimate_prompt_tokens(kind, body)
         return PromptAnalysis(prompt_tokens=tokens, exact=exact)
 

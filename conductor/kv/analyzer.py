@@ -1,7 +1,9 @@
 """The real PromptAnalyzer: tokenize, key the blocks, ask the index where they live.
 
-Wiring, per request: tokenizer -> block keys (`conductor.core.block_keys`) -> `KVIndex.match` (and a
-Mooncake Store probe) -> PromptAnalysis. After the decision the prompt's keys are inserted for the
+Wiring, per request: the prompt's length bound (`conductor.kv.prompt_bounds`: its size, then its
+token count) -> tokenizer -> block keys (`conductor.core.block_keys`; both off the event loop for a
+long prompt, `conductor.kv.encoding`) -> `KVIndex.match` (and a Mooncake Store probe) ->
+PromptAnalysis. The KV event feeds: `conductor.kv.feeds`. After the decision the prompt's keys are inserted for the
 chosen prefill instance as unconfirmed entries; vLLM's KV events confirm (or remove) them. When a
 request finishes, the cached tokens the worker reports are compared with what the index predicted,
 both ways and per instance (`conductor.kv.agreement.HashAgreement`): predicted hits the workers
@@ -20,7 +22,6 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import httpx
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
@@ -29,7 +30,7 @@ from adapters.index.feed import IndexFeeder, mapped_within
 from adapters.index.guarded import GuardedIndex
 from adapters.index.memory import MemoryIndex
 from adapters.index.metrics import register_kv_memory
-from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
+from adapters.kv_events import EventSubscriber
 from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
 from conductor.config.kv import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
@@ -40,8 +41,11 @@ from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Decision, Observation, Role
 from conductor.kv.agreement import FeedEvidence, HashAgreement, HashSetup
 from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
+from conductor.kv.encoding import PromptEncoder, chars_per_token
 from conductor.kv.event_metrics import KVEventsCollector
+from conductor.kv.feeds import start_subscribers, subscribers_for, watch_silent_instances
 from conductor.kv.index_factory import make_index
+from conductor.kv.prompt_bounds import PromptBound, check_prompt_size, check_token_count
 
 __all__ = ["HashAgreement", "KVAwareAnalyzer", "KVAwarenessSettings", "KVEventsEndpoint", "build_analyzer"]
 
@@ -73,10 +77,17 @@ class KVAwareAnalyzer:
         replay_on_start: bool = True,
         prefix_memo: PrefixMemo | None = None,
         keep_token_ids: bool = False,
+        prompt_bound: PromptBound | None = None,
+        max_chars_per_token: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheme = scheme
         self.prefix_memo = prefix_memo  # the scheme's keys, each shared prefix hashed once
+        self.encoder = PromptEncoder(tokenizer, scheme, prefix_memo)  # long prompts off the event loop
+        # how long a prompt may be (the gateway binds the workers' context length), and the most
+        # characters one token stands for: the size check before any work per token
+        self.prompt_bound = prompt_bound or PromptBound()
+        self.chars_per_token = max_chars_per_token or chars_per_token(tokenizer)
         self.index = index
         self.feeder = feeder
         self.agreement = agreement
@@ -103,26 +114,11 @@ class KVAwareAnalyzer:
         if events is not None:
             if self._ctx is None:  # no instance had events at start-up
                 self._ctx = zmq.asyncio.Context()
-            subs = [
-                EventSubscriber(
-                    EventSource.for_instance(
-                        name,
-                        url,
-                        offset_endpoint(events.endpoint, rank),
-                        None if events.replay_endpoint is None else offset_endpoint(events.replay_endpoint, rank),
-                        events.topic,
-                        rank,
-                    ),
-                    self.feeder.on_batch,
-                    self.feeder.on_resync,
-                    context=self._ctx,
-                    replay_timeout_s=self._replay_timeout_s,
-                    catch_up=self._replay_on_start,
-                )
-                for rank in range(events.data_parallel_size)
-            ]
+            subs = subscribers_for(
+                name, url, events, self.feeder, self._ctx, replay_timeout_s=self._replay_timeout_s, catch_up=self._replay_on_start
+            )
             if self._started:  # else start() starts them with the others
-                await asyncio.gather(*(sub.start() for sub in subs))
+                await start_subscribers(subs)
         self.subscribers = (*self.subscribers, *subs)
         self._sync_collector(name, role, added=True)
         if self._started and self.subscribers and self._watchdog is None:
@@ -150,8 +146,7 @@ class KVAwareAnalyzer:
     async def start(self) -> None:
         if isinstance(self.index, GuardedIndex):
             await self.index.probe()  # never raises: a Redis absent now is picked up when it answers
-        # all at once: each may wait up to replay_timeout_s for its worker's replay at start-up
-        await asyncio.gather(*(sub.start() for sub in self.subscribers))
+        await start_subscribers(self.subscribers)  # a socket that cannot open: ConfigError
         self._started = True
         if isinstance(self.store, MooncakeStoreProbe):
             await self.store.start()
@@ -172,28 +167,13 @@ class KVAwareAnalyzer:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
 
-    async def _token_ids(self, kind: RequestKind, body: Mapping[str, Any]) -> tuple[list[int] | None, bool]:
-        """(token ids, came from text) or (None, False) when the prompt is a batch or unusable."""
-        if kind == "chat":
-            messages = body.get("messages")
-            return (await self.tokenizer.encode_chat(messages, body), False) if messages else (None, False)
-        prompt = body.get("prompt")
-        specials = body.get("add_special_tokens", True) is not False  # vLLM's completions default
-        if isinstance(prompt, str):
-            return await self.tokenizer.encode_prompt(prompt, specials), True
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt], False
-        if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one
-            one = prompt[0]
-            if isinstance(one, str):
-                return await self.tokenizer.encode_prompt(one, specials), False
-            if isinstance(one, list) and all(isinstance(t, int) for t in one):
-                return [int(t) for t in one], False
-        return None, False
-
     async def analyse(self, kind: RequestKind, body: Mapping[str, Any]) -> PromptAnalysis:
+        """Tokenize, key and look up the prompt; 400 when it is longer than the model's context
+        (its size checked before any of that, its token count before it is keyed)."""
+        limit = self.prompt_bound.limit(body.get("model"))
+        size = check_prompt_size(kind, body, limit, self.chars_per_token)
         try:
-            ids, from_text = await self._token_ids(kind, body)
+            ids, from_text = await self.encoder.token_ids(kind, body, size)
         except ConductorError as exc:  # a worker's /tokenize down must not fail the request
             log.warning("tokenizing failed, estimating instead: %s", exc.message)
             ids, from_text = None, False
@@ -204,7 +184,8 @@ class KVAwareAnalyzer:
         if ids is None:
             tokens, exact = estimate_prompt_tokens(kind, body)
             return PromptAnalysis(prompt_tokens=tokens, exact=exact)
-        keys = self.prefix_memo.keys(ids) if self.prefix_memo is not None else self.scheme.keys(ids)
+        check_token_count(kind, len(ids), limit)
+        keys, store_hashes = await self.encoder.keys(ids, store=self.store is not None)
         try:
             match = await self.index.match(keys)
         except Exception as exc:  # noqa: BLE001  # a shared index being down must not fail requests
@@ -213,12 +194,8 @@ class KVAwareAnalyzer:
                 log.warning("KV index lookup failed (%d so far), routing without cache knowledge: %r", self._index_failures, exc)
             match = PrefixMatch()
         store_tokens = 0
-        if self.store is not None and keys:
-            if isinstance(self.scheme, VllmKeys):
-                hashes = [d.hex() for d in self.scheme.digests(ids)]
-            else:
-                hashes = [f"{k:016x}" for k in keys]
-            store_tokens = await self.store.leading_blocks(hashes, keys) * self.scheme.block_size
+        if self.store is not None and store_hashes:
+            store_tokens = await self.store.leading_blocks(store_hashes, keys) * self.scheme.block_size
         kept = tuple(ids) if self.keep_token_ids else None
         forward = (kept or tuple(ids)) if from_text and self.forward_token_ids and kind == "completions" else None
         return PromptAnalysis(
@@ -285,34 +262,13 @@ class KVAwareAnalyzer:
 
     async def _watch(self) -> None:
         """Drop instances whose events stopped and whose /health fails; they come back with events."""
-        interval = max(self.events_silence_s / 2, 0.05)
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while True:
-                await asyncio.sleep(interval)
-                now = asyncio.get_running_loop().time()
-                for sub in self.subscribers:
-                    inst = sub.source.instance
-                    last = sub.stats.last_event_at
-                    if last is not None and now - last < self.events_silence_s:
-                        self._gone.discard(inst)
-                        continue
-                    if inst in self._gone or inst not in self.instances:
-                        continue
-                    if not await _healthy(client, self.instances[inst][2]):
-                        log.warning(
-                            "instance %s: no KV events for %.0fs and /health fails: dropped from the index",
-                            inst,
-                            self.events_silence_s,
-                        )
-                        self._gone.add(inst)
-                        await self.feeder.on_resync(inst, "instance gone")
-
-
-async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
-    try:
-        return (await client.get(f"{url.rstrip('/')}/health")).status_code == 200
-    except httpx.HTTPError:
-        return False
+        await watch_silent_instances(
+            lambda: self.subscribers,
+            lambda: {name: info[2] for name, info in self.instances.items()},
+            self._gone,
+            lambda name: self.feeder.on_resync(name, "instance gone"),
+            self.events_silence_s,
+        )
 
 
 def _make_tokenizer(s: KVAwarenessSettings, instances: Sequence[InstanceInfo]) -> PromptTokenizer:
@@ -342,8 +298,11 @@ def build_analyzer(
     options: Mapping[str, Any] | KVAwarenessSettings,
     instances: Sequence[InstanceInfo],
     registry: CollectorRegistry | None = None,
+    *,
+    prompt_bound: PromptBound | None = None,
 ) -> PromptAnalyzer:
-    """The analyzer the settings describe. `instances` are (id, role, base URL); call `start()` next."""
+    """The analyzer the settings describe. `instances` are (id, role, base URL); `prompt_bound`: how
+    many tokens a prompt may have (the default when None); call `start()` next."""
     s = options if isinstance(options, KVAwarenessSettings) else KVAwarenessSettings.model_validate(options)
     scheme = make_scheme(s.key_mode, s.block_size, seed=s.hash_seed, algo=s.vllm_hash_algo, vllm_seed=s.vllm_hash_seed)
     index = make_index(s, registry)
@@ -361,26 +320,12 @@ def build_analyzer(
         raise ConfigError(f"kv.kv_events names unknown instances: {sorted(unknown)}")
     # with an indexer, it ingests the events: this gateway subscribes to none
     ctx = zmq.asyncio.Context() if s.kv_events and s.index != "indexer" else None
-    subscribers = [
-        EventSubscriber(
-            EventSource.for_instance(
-                iid,
-                urls[iid],
-                offset_endpoint(ep.endpoint, rank),
-                None if ep.replay_endpoint is None else offset_endpoint(ep.replay_endpoint, rank),
-                ep.topic,
-                rank,
-            ),
-            feeder.on_batch,
-            feeder.on_resync,
-            context=ctx,
-            replay_timeout_s=s.replay_timeout_s,
-            catch_up=s.replay_on_start,
-        )
-        for iid, ep in s.kv_events.items()
-        for rank in range(ep.data_parallel_size)
-        if ctx is not None
-    ]
+    subscribers: list[EventSubscriber] = []
+    if ctx is not None:
+        for iid, ep in s.kv_events.items():
+            subscribers += subscribers_for(
+                iid, urls[iid], ep, feeder, ctx, replay_timeout_s=s.replay_timeout_s, catch_up=s.replay_on_start
+            )
     store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None
     setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
     agreement = HashAgreement(
@@ -407,6 +352,8 @@ def build_analyzer(
         replay_on_start=s.replay_on_start,
         prefix_memo=_prefix_memo(s, scheme),
         keep_token_ids=s.keep_token_ids,
+        prompt_bound=prompt_bound,
+        max_chars_per_token=s.max_chars_per_token,
     )
     if s.index != "indexer":  # the feeds' evidence is the indexer's there, not ours
         agreement.set_evidence(analyzer.evidence)

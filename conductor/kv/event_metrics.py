@@ -18,6 +18,8 @@ Counters (exported with the `_total` suffix):
   catch-up, gaps, publisher restarts)
 - conductor_kv_events_replayed_batches{instance,rank}: batches applied from the replay socket
 - conductor_kv_events_resyncs{instance,rank}: times the index forgot the instance
+- conductor_kv_events_rejected{instance,rank,reason}: messages dropped unapplied (frames, oversize,
+  undecodable, invalid, seq_jump: see adapters/kv_events.py)
 - conductor_kv_events_blocks_stored / _blocks_removed{instance}: blocks indexed / removed
 - conductor_kv_events_blocks_skipped{instance}: not indexable (LoRA, extra keys, other KV cache
   group or block size)
@@ -41,6 +43,7 @@ from adapters.kv_events import EventSubscriber
 
 _SUB = ("instance", "rank")
 _INST = ("instance",)
+_REASON = ("instance", "rank", "reason")
 
 
 class KVEventsCollector(Collector):
@@ -105,7 +108,10 @@ class KVEventsCollector(Collector):
                 "conductor_kv_events_hash_mismatched", "Recomputed vLLM hashes that differed from the worker's", labels=_INST
             ),
         }
-        out: list[Metric] = [configured, *sub_counters.values(), last_seq, silence, delay, *feed_counters.values()]
+        rejected = CounterMetricFamily(
+            "conductor_kv_events_rejected", "KV event messages dropped unapplied, by reason", labels=_REASON
+        )
+        out: list[Metric] = [configured, *sub_counters.values(), rejected, last_seq, silence, delay, *feed_counters.values()]
         if empty:
             return out
         have = {sub.source.instance for sub in self.subscribers}
@@ -120,6 +126,8 @@ class KVEventsCollector(Collector):
             labels = [sub.source.instance, str(sub.source.rank)]
             for attr, family in sub_counters.items():
                 family.add_metric(labels, getattr(st, attr))
+            for reason, count in sorted(st.rejected.items()):
+                rejected.add_metric([*labels, reason], count)
             last_seq.add_metric(labels, -1 if st.last_seq is None else st.last_seq)
             since = st.last_received_wall if st.last_received_wall is not None else st.started_wall
             if since is not None:

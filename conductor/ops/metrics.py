@@ -69,7 +69,7 @@ class GatewayMetrics:
             "conductor_pd_peer_pull",
             "Prefill-to-prefill pulls (conductor/routing/peer_pull.py): staging requests whose "
             "holder pinned the prefix (staged), that failed or answered no usable blocks (stage_failed: the prefill "
-            "computed the prefix itself), pulls planned and not staged (skipped: below pd_pull_min_tokens, or "
+            "computed the prefix itself), pulls planned and not staged (skipped: below pd.pull_min_tokens, or "
             "predicted to outlast the holder's lease), and staged pulls whose prefill failed to read (failed)",
             ["event"],
             registry=r,

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing of the request path, off unless `otlp_traces_endpoint` is set.
+"""OpenTelemetry tracing of the request path, off unless `tracing.otlp_endpoint` is set.
 
 One span per request (`conductor.request`, SERVER kind) whose parent is the client's
 `traceparent` when it sends one, with children for the prompt analysis (tokenize, block keys,

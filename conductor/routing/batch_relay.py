@@ -5,7 +5,8 @@ OpenAI server puts `final_res_batch[0].kv_transfer_params` on the response), so 
 batched decode would give every prompt but the first someone else's KV. Here each prompt is its
 own P/D exchange on the instances the decision chose, all at once, and the answers are merged
 into what one engine answers for the batch (`conductor/routing/batching.py`): choices in prompt order,
-usage summed, streams interleaved with one `[DONE]`.
+usage summed, streams interleaved with one `[DONE]`. The attempt's skeleton (dispatch, settle,
+observe) is the single relay's (`Relay.run`, conductor/routing/relay.py).
 """
 
 from __future__ import annotations
@@ -15,21 +16,13 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from adapters.pd.base import Exchange, Outgoing
+from adapters.pd.base import Exchange, Outgoing, PDProtocol
 from conductor.core.errors import UpstreamError
-from conductor.core.types import Observation
-from conductor.gateway import Gateway, Routed
+from conductor.routing.attempt import Attempt, Dispatch
 from conductor.routing.batching import StreamMerger, merge_replies
-from conductor.routing.relay import (
-    ClientState,
-    Dispatch,
-    Send,
-    StreamStats,
-    count_failure,
-    dispatch,
-    id_headers,
-    settle_prefill,
-)
+from conductor.routing.relay import Relay
+from conductor.routing.router import Routed
+from conductor.routing.streams import ClientState, Send, end_stream, send_whole, start_stream
 
 
 def sub_requests(out: Outgoing, bodies: list[dict[str, Any]]) -> list[Outgoing]:
@@ -42,8 +35,15 @@ def sub_requests(out: Outgoing, bodies: list[dict[str, Any]]) -> list[Outgoing]:
     return subs
 
 
-async def _exchange_all(gw: Gateway, subs: list[Outgoing], d: Dispatch) -> list[Exchange]:
-    tasks = [asyncio.create_task(d.open(gw, sub)) for sub in subs]
+def choices_per_prompt(body: Mapping[str, Any]) -> int:
+    """The client's `n` (validated: an integer from 1 up), 1 when it sets none: every prompt's
+    answer has that many choices, and the merged stream numbers them prompt by prompt."""
+    n = body.get("n")
+    return n if type(n) is int and n > 0 else 1
+
+
+async def _exchange_all(protocol: PDProtocol, subs: list[Outgoing], d: Dispatch) -> list[Exchange]:
+    tasks = [asyncio.create_task(d.open(protocol, sub)) for sub in subs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
@@ -67,7 +67,7 @@ async def _chunks(exchange: Exchange) -> AsyncIterator[bytes]:
 
 
 async def run_batch_attempt(
-    gw: Gateway,
+    relay: Relay,
     routed: Routed,
     out: Outgoing,
     bodies: list[dict[str, Any]],
@@ -76,97 +76,60 @@ async def run_batch_attempt(
     arrived: float,
 ) -> int:
     """Serve a batch on the decision's instances; the HTTP status sent."""
-    decision = routed.decision
-    analysis = routed.analysis
-    d = await dispatch(gw, routed, out.request_id, client, routed.view.max_tokens * len(bodies), may_pull=False)
-    prefill, decode_name, predicted_cached = d.prefill, d.decode_name, d.predicted_cached
-    loop = asyncio.get_running_loop()
-    exchanges: list[Exchange] = []
-    stats = StreamStats()
-    ok = False
-    cached_reported: int | None = None
+    output_tokens = routed.view.max_tokens * len(bodies)
+    a = await relay.dispatch(routed, out, client, arrived, output_tokens, batched=True)
+    return await relay.run(a, lambda started: _serve(relay, started, bodies, send, client))
+
+
+async def _serve(relay: Relay, a: Attempt, bodies: list[dict[str, Any]], send: Send, client: ClientState) -> int:
     try:
-        try:
-            exchanges = await _exchange_all(gw, sub_requests(out, bodies), d)
-        except UpstreamError as exc:
-            count_failure(gw, exc)
-            raise
-        gw.registry.end_prefill(prefill.name, out.request_id)
-        gw.registry.mark_decoding(decode_name, out.request_id)
-        if not out.stream:
-            replies = [ex.reply for ex in exchanges]
-            assert all(r is not None for r in replies)
-            failed = next((r for r in replies if r is not None and r.status != 200), None)
-            if failed is not None:  # a worker's 4xx about one prompt: the client gets it as written
-                status, payload, ctype = failed.status, failed.body, failed.content_type
-            else:
-                status, payload, ctype = 200, merge_replies([r.body for r in replies if r is not None]), "application/json"
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": [(b"content-type", ctype.encode()), *id_headers(out)],
-                }
-            )
-            client.response_started = client.response_done = True
-            await send({"type": "http.response.body", "body": payload})
-            stats.first_token = loop.time()
-            ok = status == 200
-        else:
-            options = out.body.get("stream_options")
-            include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
-            merger = StreamMerger([_chunks(ex) for ex in exchanges], include_usage=include_usage)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *id_headers(out)],
-                }
-            )
-            client.response_started = True
-            try:
-                async for chunk in merger:
-                    now = loop.time()
-                    events = stats.see(chunk, now)
-                    if events and stats.first_token is None:
-                        stats.first_token = now
-                        gw.metrics.ttft.observe(now - arrived)
-                    gw.registry.advance_decode(decode_name, out.request_id, events)
-                    client.response_done = client.response_done or stats.done
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finally:
-                await merger.aclose()
-            client.response_done = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            cached_reported = merger.cached_tokens
-            ok = True
-            status = 200
-        for ex in exchanges:
-            await settle_prefill(gw, ex, prefill.name)
-        if ok:
-            d.succeeded(gw)
-        return status
-    except BaseException:
-        for ex in exchanges:
-            ex.abort()
+        a.exchanges = await _exchange_all(relay.protocol, sub_requests(a.out, bodies), a.dispatch)
+    except UpstreamError as exc:
+        relay.count_failure(exc)
         raise
+    relay.prefill_over(a)
+    if not a.out.stream:
+        return await _relay_replies(a, send, client)
+    return await _relay_streams(relay, a, send, client)
+
+
+async def _relay_replies(a: Attempt, send: Send, client: ClientState) -> int:
+    """Every prompt's answer, merged into one; a worker's 4xx about one prompt as it wrote it."""
+    replies = [ex.reply for ex in a.exchanges]
+    assert all(r is not None for r in replies)
+    failed = next((r for r in replies if r is not None and r.status != 200), None)
+    if failed is not None:
+        status, payload, ctype = failed.status, failed.body, failed.content_type
+    else:
+        status, payload, ctype = 200, merge_replies([r.body for r in replies if r is not None]), "application/json"
+    await send_whole(send, client, a.out, status, ctype, payload)
+    a.stats.first_token = asyncio.get_running_loop().time()
+    a.ok = status == 200
+    return status
+
+
+async def _relay_streams(relay: Relay, a: Attempt, send: Send, client: ClientState) -> int:
+    """Every prompt's stream, interleaved as their chunks arrive, choices numbered prompt by prompt."""
+    options = a.out.body.get("stream_options")
+    include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
+    streams = [_chunks(ex) for ex in a.exchanges]
+    merger = StreamMerger(streams, include_usage=include_usage, n=choices_per_prompt(a.out.body))
+    await start_stream(send, client, a.out, 200, "text/event-stream")
+    loop = asyncio.get_running_loop()
+    stats, request_id, decode_name = a.stats, a.dispatch.request_id, a.dispatch.decode_name
+    try:
+        async for chunk in merger:
+            now = loop.time()
+            events = stats.see(chunk, now)
+            if events and stats.first_token is None:
+                stats.first_token = now
+                relay.metrics.ttft.observe(now - a.arrived)
+            relay.registry.advance_decode(decode_name, request_id, events)
+            client.response_done = client.response_done or stats.done
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
     finally:
-        d.end(gw)
-        prefill_cached = [ex.prefill_cached_tokens for ex in exchanges if ex.prefill_cached_tokens is not None]
-        prefill_times = [ex.prefill_s for ex in exchanges if ex.prefill_s is not None]
-        gw.observe(
-            routed,
-            Observation(
-                request_id=out.request_id,
-                prefill=prefill.name,
-                decode=decision.decode,
-                prompt_tokens=analysis.prompt_tokens,
-                cached_tokens=sum(prefill_cached) if prefill_cached else cached_reported,
-                predicted_cached_tokens=predicted_cached,
-                # the prompts ran as separate prefills: no single leg time to learn the model from
-                queue_and_prefill_s=max(prefill_times) if len(prefill_times) == 1 else None,
-                ttft_s=None,
-                output_tokens=stats.tokens,
-                ok=ok,
-            ),
-        )
+        await merger.aclose()
+    await end_stream(send, client)
+    a.cached_reported = merger.cached_tokens
+    a.ok = True
+    return 200

@@ -2,7 +2,7 @@
 
 `asyncio.timeout` arms a loop timer for every request and cancels it at the end: about 4 us of CPU
 each (measured on this project's 2-core machines), a few per cent of what the gateway spends on a
-request. Every request here has the same timeout (`request_timeout_s`), so requests entered in
+request. Every request here has the same timeout (`timeouts.request_s`), so requests entered in
 arrival order are also in deadline order: the sweep looks at the oldest entries only and stops at
 the first that still has time, and entering or leaving is a dict insert or delete.
 

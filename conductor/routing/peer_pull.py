@@ -16,34 +16,27 @@ With stock vLLM (0.32's NixlConnector, `bidirectional_kv_xfer` on every prefill)
 
 What it costs: the staging request waits in the holder's FCFS queue like any other, so a pull
 from a busy holder pays that queue, and going to the holder would be as quick. Where the prefills
-run vLLM's `--scheduling-policy priority`, `pd_peer_pull_priority` (below the clients' 0) lets it
+run vLLM's `--scheduling-policy priority`, `pd.peer_pull_priority` (below the clients' 0) lets it
 jump the queue: it waits only for the prefill running there. The gateway says which sources need
 staging and how (`RequestView.queued_pull_sources`, `staging_jumps_queue`) and the policy adds
 that predicted wait to the pull.
 
 When something fails, nothing is lost: a staging request that fails, times out or answers no
 usable blocks leaves the chosen prefill to compute the prefix itself (`stage_failed`); a pull that
-fails on the prefill is retried without it (conductor/routing/relay.py, `pull_failed`). A prefill whose
-request fails before it reads leaves the blocks to the holder's lease, which frees them.
+fails on the prefill is retried without it. A prefill whose request fails before it reads leaves
+the blocks to the holder's lease, which frees them. Planning, staging and the fallback are
+`PullPlanner`'s (conductor/routing/pulls.py); this module holds the rules they follow.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-from conductor.core.errors import UpstreamError
 from conductor.core.types import Role, Tier
 from conductor.kv.analysis import PromptAnalysis
-
-if TYPE_CHECKING:
-    from adapters.pd.base import Outgoing
-    from conductor.gateway import Gateway
-
-log = logging.getLogger(__name__)
 
 
 class StagedKvParams(msgspec.Struct, forbid_unknown_fields=False):
@@ -106,44 +99,3 @@ def pull_params(answer: Any, tokens: int, block_size: int) -> dict[str, Any] | N
         "tp_size": p.tp_size,
         "remote_num_tokens": blocks * block_size,
     }
-
-
-async def stage(gw: Gateway, holder: str, out: Outgoing, analysis: PromptAnalysis, tokens: int) -> dict[str, Any] | None:
-    """Stage the prompt's first `tokens` tokens on `holder` (module doc); the pull's params, or None
-    when staging failed (counted, logged; the caller's prefill then computes the prefix)."""
-    ids = analysis.token_ids
-    stage = getattr(gw.protocol, "stage_prefix", None)
-    state = gw.registry.states.get(holder)
-    if ids is None or stage is None or state is None or len(ids) <= tokens:
-        gw.metrics.peer_pull.labels("stage_failed").inc()
-        return None
-    stage_id = f"{out.request_id}-stage"
-    # the holder computes one token for it and pins the prefix: other decisions see that load
-    gw.registry.add_prefill(holder, stage_id, 1, tokens)
-    try:
-        answer, elapsed = await stage(state.target, out, ids[: tokens + 1], gw.settings.pd_peer_pull_priority)
-    except UpstreamError as exc:
-        gw.metrics.peer_pull.labels("stage_failed").inc()
-        log.warning(
-            "request %s: staging %d tokens on %s failed (%s); the prefill computes them",
-            out.request_id,
-            tokens,
-            holder,
-            exc.message,
-        )
-        return None
-    finally:
-        gw.registry.end_prefill(holder, stage_id)
-    params = pull_params(answer, tokens, gw.settings.block_size)
-    if params is None:
-        gw.metrics.peer_pull.labels("stage_failed").inc()
-        log.warning(
-            "request %s: %s answered the staging request without usable kv_transfer_params (is it a "
-            "NIXL prefill?); the prefill computes the prefix",
-            out.request_id,
-            holder,
-        )
-        return None
-    gw.metrics.peer_pull.labels("staged").inc()
-    gw.metrics.peer_pull_stage.observe(elapsed)
-    return params

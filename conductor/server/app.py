@@ -1,46 +1,53 @@
 """The FastAPI applications: the public one (the OpenAI routes, plain ASGI endpoints from
 conductor/server/endpoint.py, plus /v1/models, /health, /ready) and the operational routes: /metrics,
-/openapi.json and /docs, on the public port or, with `admin_port` set, only on a second server
-bound to that port. Both servers run in one event loop and share the gateway."""
+/openapi.json and /docs (conductor/server/docs.py), on the public port or, with `admin_port` set, only
+on a second server bound to that port. Both servers run in one event loop and share the gateway.
+
+On the public port the operational routes are closed like the API: with client keys configured
+they take a key too (`operational_keys`), or a Prometheus without credentials could read the
+fleet's names, health and load, and anyone the list of routes, from wherever the port is exposed
+(an Ingress passes every path). The key they take is an admin key, since /metrics is the operator's
+view of every tenant's traffic, not a client's; a client key only where no admin key is configured
+(the one credential there is). `auth.public_metrics` leaves /metrics open for a scrape without
+credentials. The admin port, a private port by design, stays as it is.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import traceback
 from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
+from conductor.core.capabilities import ReportsPredictionErrors
+from conductor.core.errors import ConfigError
 from conductor.fleet.membership import admin_routes
-from conductor.gateway import SLO_TBT_HEADER, SLO_TTFT_HEADER, Gateway
+from conductor.gateway import Gateway
 from conductor.server import errors as http_errors
+from conductor.server.auth import ApiKeys
+from conductor.server.docs import OPENAI_ROUTES, PASS_THROUGH_ROUTES, Guard, docs_routes, install_openapi, openapi_document
 from conductor.server.endpoint import CompletionsEndpoint
-from conductor.server.requests import ChatCompletionRequest, CompletionRequest
-
-OPENAI_ROUTES = (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"))
-# forwarded as they are to mixed workers (400 in P/D): vLLM serves both, no KV routing for them
-PASS_THROUGH_ROUTES = (("/v1/embeddings", "embeddings"), ("/v1/responses", "responses"))
 
 
 class FastPath:
-    """POSTs to the OpenAI routes go straight to their endpoints; everything else (and the
-    lifespan) to the FastAPI app. The middleware stack costs ~30 us a request and the hot path
-    needs none of it: it renders its own errors."""
+    """POSTs to the OpenAI routes go straight to their endpoints; everything else to the FastAPI
+    app. The middleware stack costs ~30 us a request and the hot path needs none of it: it renders
+    its own errors. The lifespan is answered here: it starts and stops the gateway's parts."""
 
-    def __init__(self, app: FastAPI, routes: dict[str, CompletionsEndpoint]) -> None:
+    def __init__(self, app: FastAPI, routes: dict[str, CompletionsEndpoint], gateway: Gateway) -> None:
         self.app = app
         self.routes = routes
         self.state = app.state
+        self.gateway = gateway
+        self.startup_error: ConfigError | None = None  # why the gateway could not start, when it could not
+        self.quiet_startup_errors = False  # set by `run`, which raises startup_error for the CLI to print
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -48,149 +55,33 @@ class FastPath:
             if endpoint is not None:
                 await endpoint(scope, receive, send)
                 return
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
         await self.app(scope, receive, send)
 
-
-# ---- the OpenAPI document ----------------------------------------------------------------------
-
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "integer", "null"]},
-            },
-        }
-    },
-}
-_RETRY_HEADERS = {
-    "Retry-After": {"description": "seconds to wait before trying again", "schema": {"type": "integer"}},
-    "x-should-retry": {
-        "description": "whether a retry can succeed (the OpenAI SDKs obey it)",
-        "schema": {"type": "string", "enum": ["true", "false"]},
-    },
-}
-_ERRORS = {
-    400: (
-        "The body is malformed: not JSON, nested too deeply, a field of the wrong type, an empty "
-        "prompt, a token id outside the vocabulary, or an SLO header that is not a number",
-        None,
-    ),
-    401: ("No API key or an unknown one (only when the gateway is configured with keys)", None),
-    404: ("The model is not served", None),
-    413: ("The body exceeds max_body_bytes", None),
-    429: ("Admission control: the request is predicted to miss its SLO (code: the reason)", _RETRY_HEADERS),
-    502: ("A worker failed or answered an error of its own", None),
-    503: ("No healthy instance, or the gateway holds max_inflight_requests already", _RETRY_HEADERS),
-    504: ("A worker did not answer in time", None),
-}
-_COMPLETION_SCHEMA = {
-    "type": "object",
-    "description": "an OpenAI completion object, as the worker wrote it",
-    "properties": {"id": {"type": "string"}, "object": {"type": "string"}, "choices": {"type": "array"}},
-}
-
-
-def _slo_header(name: str, what: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "in": "header",
-        "required": False,
-        "description": f"this request's {what} SLO in milliseconds, over the configured one",
-        "schema": {"type": "number", "exclusiveMinimum": 0},
-    }
-
-
-def _operation(kind: str, schema_ref: str, secured: bool) -> dict[str, Any]:
-    responses: dict[str, Any] = {
-        "200": {
-            "description": "the worker's answer, relayed as it arrives",
-            "content": {"application/json": {"schema": _COMPLETION_SCHEMA}, "text/event-stream": {"schema": {"type": "string"}}},
-        }
-    }
-    for status, (description, headers) in _ERRORS.items():
-        if status == 401 and not secured:
-            continue
-        response: dict[str, Any] = {
-            "description": description,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
-        }
-        if headers:
-            response["headers"] = headers
-        responses[str(status)] = response
-    operation: dict[str, Any] = {
-        "summary": f"Create a {'chat ' if kind == 'chat' else ''}completion",
-        "description": "Validated, routed by the configured policy and forwarded to the workers. Fields "
-        "not named in the schema are passed to the workers as they are.",
-        "operationId": f"create_{'chat_' if kind == 'chat' else ''}completion",
-        "parameters": [_slo_header(SLO_TTFT_HEADER, "time-to-first-token"), _slo_header(SLO_TBT_HEADER, "time-between-tokens")],
-        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": schema_ref}}}},
-        "responses": responses,
-    }
-    if secured:
-        operation["security"] = [{"bearer": []}]
-    return operation
-
-
-def openapi_document(app: FastAPI, gateway: Gateway) -> dict[str, Any]:
-    """FastAPI's document of its own routes, plus the two plain ASGI POST routes it cannot see,
-    their bodies described by the very models `conductor.server.requests.parse_request` enforces."""
-    doc = get_openapi(
-        title=app.title,
-        version=app.version,
-        routes=app.routes,
-        description="OpenAI-compatible, KV-cache-aware gateway in front of vLLM workers",
-    )
-    refs, defs = models_json_schema(
-        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")], ref_template="#/components/schemas/{model}"
-    )
-    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    schemas.update(defs.get("$defs", {}))
-    schemas["ErrorResponse"] = _ERROR_SCHEMA
-    secured = bool(gateway.api_keys)
-    if secured:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    bodies: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
-    for path, kind in OPENAI_ROUTES:
-        ref = refs[(bodies[kind], "validation")]["$ref"]
-        doc.setdefault("paths", {}).setdefault(path, {})["post"] = _operation(kind, ref, secured)
-    schemas["PassThroughRequest"] = _PASS_THROUGH_SCHEMA
-    for path, kind in PASS_THROUGH_ROUTES:
-        op = _operation(kind, "#/components/schemas/PassThroughRequest", secured)
-        op.update(
-            summary=f"Create {'embeddings' if kind == 'embeddings' else 'a response'} (mixed workers)",
-            operationId=f"create_{kind}",
-            description="Forwarded as it is to a mixed worker chosen by the policy; 400 when the gateway "
-            "routes to prefill/decode pairs. Fields other than model and input are the worker's.",
-        )
-        doc.setdefault("paths", {}).setdefault(path, {})["post"] = op
-    return doc
-
-
-_PASS_THROUGH_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "input"],
-    "additionalProperties": True,
-    "properties": {
-        "model": {"type": "string", "minLength": 1},
-        "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]},
-    },
-}
-
-
-def _install_openapi(app: FastAPI, build: Callable[[], dict[str, Any]]) -> None:
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:  # built on first use, then kept, as FastAPI's own is
-            app.openapi_schema = build()
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        """The ASGI lifespan protocol. A ConfigError while starting (a KV events port another process
+        holds, say) fails the start with its own one-line message, not a traceback: it is the
+        operator's setting, not a bug; anything else fails it with the traceback."""
+        await receive()  # lifespan.startup
+        try:
+            await self.gateway.start()
+        except ConfigError as exc:
+            self.startup_error = exc
+            await send({"type": "lifespan.startup.failed", "message": "" if self.quiet_startup_errors else exc.message})
+            return
+        except BaseException:
+            await send({"type": "lifespan.startup.failed", "message": traceback.format_exc()})
+            raise
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        try:
+            await self.gateway.close()
+        except BaseException:
+            await send({"type": "lifespan.shutdown.failed", "message": traceback.format_exc()})
+            raise
+        await send({"type": "lifespan.shutdown.complete"})
 
 
 # ---- the routes --------------------------------------------------------------------------------
@@ -211,7 +102,7 @@ def _health_routes(gateway: Gateway) -> APIRouter:
     return router
 
 
-def _metrics_route(gateway: Gateway) -> APIRouter:
+def _metrics_route(gateway: Gateway, guard: Guard | None = None) -> APIRouter:
     router = APIRouter()
 
     @router.get(
@@ -219,15 +110,16 @@ def _metrics_route(gateway: Gateway) -> APIRouter:
         response_class=Response,
         responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
     )
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if guard is not None:
+            guard(request)
         m = gateway.metrics
         for state in gateway.registry.states.values():
             m.instance_healthy.labels(state.name, state.spec.role.value).set(1 if state.healthy else 0)
             m.queued_prefill_tokens.labels(state.name).set(sum(p.new_tokens for p in state.prefills.values()))
             m.running_decodes.labels(state.name).set(len(state.decodes))
-        error_stats = getattr(gateway.policy, "error_stats", None)  # policies with fitted predictors
-        if callable(error_stats):
-            for st in error_stats():
+        if isinstance(gateway.policy, ReportsPredictionErrors):  # policies with fitted predictors
+            for st in gateway.policy.error_stats():
                 m.prediction_mape.labels(st.component, st.instance).set(st.mape)
                 m.prediction_coverage.labels(st.component, st.instance).set(st.p90_coverage)
                 m.prediction_samples.labels(st.component, st.instance).set(st.samples)
@@ -236,32 +128,32 @@ def _metrics_route(gateway: Gateway) -> APIRouter:
     return router
 
 
+def operational_keys(gateway: Gateway) -> ApiKeys:
+    """The keys /metrics, /openapi.json and /docs take on the public port: none without client keys
+    (the API is open, so is what describes it); else the admin keys, or the client keys when no admin
+    key is set (see the module docstring)."""
+    if not gateway.api_keys:
+        return ApiKeys(())
+    admin = gateway.settings.auth.admin_keys()
+    return ApiKeys(admin, what="admin API key") if admin else ApiKeys(gateway.api_keys)
+
+
+def _guard(keys: ApiKeys) -> Guard | None:
+    if not keys:
+        return None
+    return lambda request: keys.check(request.headers.get("authorization"))
+
+
 def create_app(gateway: Gateway) -> FastPath:
     """The public app serving `gateway`; its lifespan starts and stops the gateway's parts. With
     `admin_port` set it has no /metrics, /openapi.json or /docs: see `create_admin_app`."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gateway.start()
-        try:
-            yield
-        finally:
-            await gateway.close()
-
-    public_docs = gateway.settings.admin_port is None
-    app = FastAPI(
-        title="Conductor",
-        version="0.1.0",
-        lifespan=lifespan,
-        redoc_url=None,
-        openapi_url="/openapi.json" if public_docs else None,
-        docs_url="/docs" if public_docs else None,
-    )
+    public_ops = gateway.settings.admin_port is None
+    app = FastAPI(title="Conductor", version="0.1.0", redoc_url=None, openapi_url=None, docs_url=None)
     app.state.gateway = gateway
     http_errors.install(app)
     hot: dict[str, CompletionsEndpoint] = {}
     for path, kind in OPENAI_ROUTES + PASS_THROUGH_ROUTES:
-        hot[path] = CompletionsEndpoint(gateway, kind, path)  # type: ignore[arg-type]
+        hot[path] = CompletionsEndpoint(gateway.request_path, kind, path)  # type: ignore[arg-type]
         # also routed in FastAPI, so other methods on these paths get a 405
         app.router.routes.append(Route(path, endpoint=hot[path], methods=["POST"]))
 
@@ -279,22 +171,25 @@ def create_app(gateway: Gateway) -> FastPath:
         )
 
     app.include_router(_health_routes(gateway))
-    if public_docs:
-        app.include_router(_metrics_route(gateway))
+    install_openapi(app, lambda: openapi_document(app, secured=bool(gateway.api_keys)))
+    if public_ops:
+        guard = _guard(operational_keys(gateway))
+        app.include_router(_metrics_route(gateway, None if gateway.settings.auth.public_metrics else guard))
+        app.include_router(docs_routes(app.openapi, guard))
         app.include_router(admin_routes(gateway.membership))  # no admin port: the admin API is here
-    _install_openapi(app, lambda: openapi_document(app, gateway))
-    return FastPath(app, hot)
+    return FastPath(app, hot, gateway)
 
 
 def create_admin_app(gateway: Gateway, public: FastPath) -> FastAPI:
     """The admin port's app: /metrics, /health, /ready, and /openapi.json and /docs describing
     the public port's API. It has no lifespan: the public app starts and stops the gateway."""
-    app = FastAPI(title="Conductor", version="0.1.0", redoc_url=None)
+    app = FastAPI(title="Conductor", version="0.1.0", redoc_url=None, openapi_url=None, docs_url=None)
     http_errors.install(app)
     app.include_router(_health_routes(gateway))
     app.include_router(_metrics_route(gateway))
     app.include_router(admin_routes(gateway.membership))
-    _install_openapi(app, lambda: openapi_document(public.app, gateway))
+    install_openapi(app, lambda: openapi_document(public.app, secured=bool(gateway.api_keys)))
+    app.include_router(docs_routes(app.openapi))
     return app
 
 
@@ -336,10 +231,20 @@ def admin_server(config: uvicorn.Config, gateway: Gateway) -> uvicorn.Server | N
 def run(config: uvicorn.Config, gateway: Gateway, sockets: list[socket.socket] | None = None) -> None:
     """Run the public server `config` describes and, with `admin_port` set, the admin server beside
     it in the same event loop. The admin server starts first, so on SIGTERM the public one stops
-    (and drains) first while /metrics and /ready still answer."""
+    (and drains) first while /metrics and /ready still answer. A ConfigError that stopped the
+    gateway from starting is raised once both have stopped."""
     servers = [uvicorn.Server(config)]
     admin = admin_server(config, gateway)
     if admin is not None:
         servers.insert(0, admin)
-    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(serve_all(servers, sockets))
+    public = config.app if isinstance(config.app, FastPath) else None
+    if public is not None:
+        public.quiet_startup_errors = True  # raised below, for `conductor serve` to print as one line
+    try:
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            runner.run(serve_all(servers, sockets))
+    except SystemExit:  # uvicorn exits so when the start-up failed
+        if public is None or public.startup_error is None:
+            raise
+    if public is not None and public.startup_error is not None:
+        raise public.startup_error

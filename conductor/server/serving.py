@@ -71,7 +71,7 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
         create_app(gateway),
         host=settings.host,
         port=settings.port,
-        log_level=settings.log_level,
+        log_level=settings.logs.level,
         # uvicorn runs the sockets, lifespan and shutdown; each connection is the gateway's own
         # protocol (adapters/http1_server.py: one write per non-streamed answer, no watcher task)
         access_log=False,
@@ -82,10 +82,10 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
         # every request passes through) is left out
         proxy_headers=False,
         log_config=None,  # uvicorn's own lines go through the handler configure_logging set (JSON or text)
-        # SIGTERM: stop accepting, let requests in flight finish for drain_grace_s, then close them
+        # SIGTERM: stop accepting, let requests in flight finish for timeouts.drain_grace_s, then close them
         # (typed int, used as a float timeout: fractions of a second work)
-        timeout_graceful_shutdown=settings.drain_grace_s,  # type: ignore[arg-type]
-        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # (a float timeout, too)
+        timeout_graceful_shutdown=settings.timeouts.drain_grace_s,  # type: ignore[arg-type]
+        timeout_keep_alive=settings.timeouts.keep_alive_s,  # type: ignore[arg-type]  # (a float timeout, too)
     )
 
 
@@ -146,8 +146,8 @@ def worker_settings(settings: Settings, slot: int) -> Settings:
     update: dict[str, object] = {"workers": 1}
     if settings.admin_port is not None:
         update["admin_port"] = settings.admin_port + slot
-    if settings.replica_id is not None:
-        update["replica_id"] = f"{settings.replica_id}-w{slot}"
+    if settings.load_share.replica_id is not None:
+        update["load_share"] = settings.load_share.model_copy(update={"replica_id": f"{settings.load_share.replica_id}-w{slot}"})
     return settings.model_copy(update=update)
 
 
@@ -161,8 +161,8 @@ def run_worker(settings: Settings, slot: int, workers: int, segment: str, lesson
     from conductor.server.app import run
 
     settings = worker_settings(settings, slot)
-    configure_logging(settings.log_level, settings.log_format, settings.access_log)
-    share = SharedMemoryLoadShare(segment, slot, workers) if settings.load_share == "none" else None
+    configure_logging(settings.logs.level, settings.logs.format, settings.logs.access_log)
+    share = SharedMemoryLoadShare(segment, slot, workers) if settings.load_share.mode == "none" else None
     lessons = UnixLessonShare(lessons_dir, slot, workers) if settings.share_lessons else None
     gateway = Gateway(settings, load_share=share, lesson_share=lessons)
     sock = listening_socket(settings.host, settings.port)
@@ -175,7 +175,11 @@ def run_worker(settings: Settings, slot: int, workers: int, segment: str, lesson
         settings.port,
         settings.admin_port,
     )
-    run(uvicorn_config(settings, gateway), gateway, sockets=[sock])
+    try:
+        run(uvicorn_config(settings, gateway), gateway, sockets=[sock])
+    except ConfigError as exc:  # a start-up failure of the operator's making: one line, not a traceback
+        log.error("worker %d cannot start: %s", slot, exc.message)
+        raise SystemExit(2) from None
 
 
 class Supervisor:
@@ -269,7 +273,7 @@ class Supervisor:
         for proc in alive:
             if proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.drain_grace_s + 5.0
+        deadline = time.monotonic() + self.settings.timeouts.drain_grace_s + 5.0
         for proc in alive:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():

@@ -24,14 +24,13 @@ from conductor.config.settings import load_settings
 from conductor.core.types import Role
 from conductor.gateway import Gateway
 from conductor.server.app import create_app
+from tests.support.ci import require
 from tests.support.servers import ServerThread, free_port, serve
 from tests.support.standin import StandIn
 from tests.support.waiting import wait_for
 
 NAME = "mixed.conductor.test"
 KEY = "admin-secret"
-
-pytestmark = pytest.mark.skipif(shutil.which("dnsmasq") is None, reason="dnsmasq not installed (bash .ci/apt.sh dnsmasq-base)")
 
 
 class Dnsmasq:
@@ -87,6 +86,8 @@ class Dnsmasq:
 
 @pytest.fixture
 def dns(tmp_path: Path) -> Iterator[Dnsmasq]:
+    # .ci/run installs it: there a missing dnsmasq fails the tests that need it (tests/support/ci.py)
+    require(shutil.which("dnsmasq") is not None, "dnsmasq not installed (bash .ci/apt.sh dnsmasq-base)")
     server = Dnsmasq(tmp_path).start()
     try:
         yield server
@@ -165,8 +166,8 @@ def test_the_gateway_follows_the_records_without_a_restart(dns: Dnsmasq) -> None
             environ={},
             overrides={
                 "models": ["tiny"],
-                "health_interval_s": 0.3,
-                "admin_api_keys": [KEY],
+                "health": {"interval_s": 0.3},
+                "auth": {"admin_api_keys": [KEY]},
                 "discovery": {
                     "mixed": {"name": NAME, "port": port},
                     "interval_s": 0.2,
@@ -207,9 +208,9 @@ def test_a_name_with_no_records_means_no_instances(dns: Dnsmasq) -> None:
             environ={},
             overrides={
                 "models": ["tiny"],
-                "health_interval_s": 0.3,
-                "admin_api_keys": [KEY],
-                "drain_grace_s": 0.5,
+                "health": {"interval_s": 0.3},
+                "auth": {"admin_api_keys": [KEY]},
+                "timeouts": {"drain_grace_s": 0.5},
                 "discovery": {
                     "mixed": {"name": NAME, "port": port},
                     "interval_s": 0.2,
@@ -235,8 +236,8 @@ def test_the_api_overrules_dns_while_dns_lists_the_address(dns: Dnsmasq) -> None
             environ={},
             overrides={
                 "models": ["tiny"],
-                "health_interval_s": 0.3,
-                "admin_api_keys": [KEY],
+                "health": {"interval_s": 0.3},
+                "auth": {"admin_api_keys": [KEY]},
                 "discovery": {
                     "mixed": {"name": NAME, "port": port},
                     "interval_s": 0.2,

@@ -177,7 +177,8 @@ async def test_bad_headers_are_refused_before_connecting(
     with pytest.raises(InvalidRequest) as info:
         await pool.request("POST", "/", headers, b"{}")
     assert isinstance(info.value, ValueError)
-    await asyncio.sleep(0.05)  # had anything been sent, the server would have seen a connection by now
+    # refused before connecting: the pool never opened a connection (nothing to wait for), nor holds a slot
+    assert pool.opened == 0 and pool.in_use == 0
     assert server.connections == 0 and server.requests == []
 
 

@@ -5,6 +5,7 @@ read back with h11 (a maintained parser), never split by hand."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -313,25 +314,31 @@ def test_a_head_trickled_past_the_timeout_gets_408(impatient: Any) -> None:
     assert app.bodies == []
 
 
-def test_a_stalled_body_ends_the_request_as_a_disconnect(impatient: Any) -> None:
+def test_a_stalled_body_is_answered_408_and_ends_the_request_as_a_disconnect(impatient: Any) -> None:
     app, server = impatient
     with connect(server) as sock:
         sock.settimeout(10)
         sock.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly part")
-        assert closed(sock)  # silence past the timeout mid-body: the connection is closed
+        [(resp, body)] = responses(sock, 1)  # silence past the timeout mid-body: a 408, then the close
+        assert resp.status_code == 408 and json.loads(body)["error"]["type"] == "invalid_request_error"
+        assert closed(sock)
     # the app's task runs on the server's thread and may record the body just after the close
     assert wait_for(lambda: app.bodies != [], timeout=10)
     assert app.bodies == [b"only part"]  # the app saw the body end with the client gone
 
 
-def test_a_flood_of_pipelined_requests_closes_the_connection_and_the_server_stays(served: Any) -> None:
+def test_a_flood_of_pipelined_requests_is_answered_up_to_the_limit_then_503(served: Any) -> None:
     app, server = served
     with connect(server) as sock:
         sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /q HTTP/1.1\r\nHost: x\r\n\r\n" * 200)
-        assert closed_or_cut(sock)  # 200 requests queued behind a slow one: over the limit of 32
-    app.release.set()
-    assert wait_for(lambda: "/slow:end" in app.order)
-    assert app.order.count("/q:start") == 0  # none of the flood was answered
+        assert wait_for(lambda: app.order == ["/slow:start"])
+        app.release.set()
+        got = responses(sock, 200)  # 200 requests queued behind a slow one: over the limit of 32
+        assert [r.status_code for r, _ in got] == [200] * 33 + [503]
+        assert header(got[-1][0], b"connection") == b"close" and header(got[-1][0], b"retry-after") == b"1"
+        assert json.loads(got[-1][1])["error"]["type"] == "service_unavailable"
+        assert closed_or_cut(sock)
+    assert app.order.count("/q:start") == 32  # those within the limit were answered, the rest never ran
     with connect(server) as sock:  # the server itself is fine
         sock.sendall(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
         [(resp, _)] = responses(sock, 1)

@@ -1,9 +1,14 @@
 """The OpenAPI document describes the plain ASGI POST routes; with `--admin-port` the operational
 routes (/metrics, /openapi.json, /docs) move to a second server in the same process, sharing the
-gateway, and the public port answers 404 for them."""
+gateway, and the public port answers 404 for them. Without one, and with client keys, they take a
+key on the public port (`auth.public_metrics` opens /metrics); /docs loads nothing from elsewhere."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -45,11 +50,80 @@ def test_openapi_describes_the_post_routes() -> None:
 
 
 def test_openapi_documents_401_when_keys_are_configured() -> None:
-    with cluster("nixl", models=["tiny"], api_keys=["sk-1"]) as c:
-        doc = httpx.get(c.url + "/openapi.json").json()
+    with cluster("nixl", models=["tiny"], auth={"api_keys": ["sk-1"]}) as c:
+        doc = httpx.get(c.url + "/openapi.json", headers={"Authorization": "Bearer sk-1"}).json()
     op = doc["paths"]["/v1/completions"]["post"]
     assert "401" in op["responses"] and op["security"] == [{"bearer": []}]
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+OPERATIONAL = ("/metrics", "/openapi.json", "/docs")
+
+
+def _status(url: str, key: str | None = None) -> int:
+    return httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30).status_code
+
+
+def test_with_client_keys_the_operational_routes_on_the_public_port_need_a_key() -> None:
+    with cluster("nixl", models=["tiny"], auth={"api_keys": ["sk-1"]}) as c:
+        for path in OPERATIONAL:
+            r = httpx.get(c.url + path, timeout=30)
+            assert r.status_code == 401, path
+            assert r.json()["error"]["type"] == "authentication_error", path
+            assert _status(c.url + path, "sk-wrong") == 401, path
+            assert _status(c.url + path, "sk-1") == 200, path  # no admin key set: the client key opens them
+        for path in ("/health", "/ready"):  # probes never carry a key
+            assert _status(c.url + path) == 200, path
+
+
+def test_an_admin_key_is_what_opens_them_when_admin_keys_are_set() -> None:
+    with cluster("nixl", models=["tiny"], auth={"api_keys": ["sk-1"], "admin_api_keys": ["adm-1"]}) as c:
+        for path in OPERATIONAL:
+            assert _status(c.url + path, "sk-1") == 401, path  # a tenant's key does not read the fleet's metrics
+            assert _status(c.url + path, "adm-1") == 200, path
+        r = httpx.post(
+            c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer adm-1"}
+        )
+        assert r.status_code == 401  # and an admin key is no client key
+
+
+def test_public_metrics_opens_metrics_alone_for_a_scrape_without_credentials() -> None:
+    with cluster("nixl", models=["tiny"], auth={"api_keys": ["sk-1"], "public_metrics": True}) as c:
+        assert _status(c.url + "/metrics") == 200
+        assert _status(c.url + "/openapi.json") == 401
+        assert _status(c.url + "/docs") == 401
+
+
+def test_without_client_keys_the_operational_routes_stay_open() -> None:
+    with cluster("nixl", models=["tiny"]) as c:
+        for path in OPERATIONAL:
+            assert _status(c.url + path) == 200, path
+
+
+def test_docs_is_one_self_contained_page_that_lists_the_routes() -> None:
+    with cluster("nixl", models=["tiny"]) as c:
+        r = httpx.get(c.url + "/docs", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    # nothing loaded from anywhere: no script, style sheet, image or frame with a source, no URL at all
+    assert not re.search(r"<(script|link|img|iframe)[^>]*\b(src|href)=", page, re.IGNORECASE)
+    assert "http://" not in page and "https://" not in page and "//cdn" not in page
+    # and the browser is told so: only the page's own inline script and style may run
+    policy = dict(part.strip().split(" ", 1) for part in r.headers["content-security-policy"].split(";"))
+    assert policy["default-src"] == "'none'"
+    scripts = re.findall(r"<script>(.*?)</script>", page, re.DOTALL)
+    styles = re.findall(r"<style>(.*?)</style>", page, re.DOTALL)
+    assert len(scripts) == 1 and len(styles) == 1
+    assert policy["script-src"] == _sha256_source(scripts[0]) and policy["style-src"] == _sha256_source(styles[0])
+    # the document rides in the page: every route of the API, ready for the script to list
+    data = re.search(r'<script type="application/json" id="openapi">(.*?)</script>', page, re.DOTALL)
+    assert data is not None and "</" not in data.group(1)
+    doc = json.loads(data.group(1))
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(doc["paths"])
+
+
+def _sha256_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
 @pytest.fixture

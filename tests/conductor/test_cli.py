@@ -45,6 +45,16 @@ def test_every_help_shows_defaults(command: str, shown: str, capsys: pytest.Capt
     assert shown in " ".join(capsys.readouterr().out.split())
 
 
+def test_serve_help_shows_the_defaults_of_grouped_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    # --pd-protocol sets pd.protocol, --max-body-bytes limits.max_body_bytes, --log-level logs.level
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for text in ("P/D handshake (default: nixl)", "(default: transfer_id)", "largest request body (default: 16777216)"):
+        assert text in shown
+    assert "(default: info)" in shown
+
+
 def test_missing_optional_package_names_the_extra(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(cli.SUBCOMMANDS, "needs-vllm", ("test", cli._delegate("vllm.not_here", "main")))
     assert cli.main(["needs-vllm"]) == 2

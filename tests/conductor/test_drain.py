@@ -35,7 +35,7 @@ def gateway(worker_url: str, grace_s: float) -> Iterator[tuple[str, subprocess.P
             "--log-level",
             "warning",
         ],
-        env={"CONDUCTOR_DRAIN_GRACE_S": str(grace_s), "PATH": "/usr/bin:/bin"},
+        env={"CONDUCTOR_TIMEOUTS__DRAIN_GRACE_S": str(grace_s), "PATH": "/usr/bin:/bin"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

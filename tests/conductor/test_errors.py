@@ -9,6 +9,7 @@ from conductor.core.types import ClusterSnapshot, Decision, Rejection, RequestVi
 from policies.base import BasePolicy
 from tests.support.cluster import cluster
 from tests.support.servers import free_port
+from tests.support.waiting import wait_for
 
 
 def _assert_openai_error(r: httpx.Response, status: int) -> dict:
@@ -22,7 +23,7 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
 
 @pytest.fixture(scope="module")
 def c():
-    with cluster("nixl", models=["tiny"], max_body_bytes=4096, read_timeout_s=1.0) as c:
+    with cluster("nixl", models=["tiny"], limits={"max_body_bytes": 4096}, timeouts={"read_s": 1.0}) as c:
         yield c
 
 
@@ -83,7 +84,7 @@ def test_upstream_failure_502_and_worker_4xx_relayed() -> None:
 
 
 def test_connection_refused_502() -> None:
-    with cluster("nixl", health_interval_s=30) as c:
+    with cluster("nixl", health={"interval_s": 30}) as c:
         # point decode at a port nobody listens on, after start-up found it healthy
         dead = f"http://127.0.0.1:{free_port()}"
         c.gateway.registry.states["decode-0"].target.upstream.base_url = dead
@@ -98,20 +99,39 @@ def test_connection_refused_502() -> None:
         assert _assert_openai_error(r, 502)["code"] == "bad_gateway"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_502_names_the_instance_not_its_address(stream: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that refuses the connection: the client learns which instance and what kind of
+    failure, never the worker's host and port; the gateway's log keeps the whole story."""
+    import asyncio
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="conductor")
+    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, health={"interval_s": 30}) as c:
+        port = free_port()  # nobody listens there: pointed at after start-up found the worker healthy
+        upstream = c.gateway.registry.states["mixed-0"].target.upstream
+        loop = c.servers["gateway"].loop
+        asyncio.run_coroutine_threadsafe(upstream.close(), loop).result()
+        upstream.base_url = f"http://127.0.0.1:{port}"
+        asyncio.run_coroutine_threadsafe(upstream.start(), loop).result()
+        r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": stream}, timeout=10)
+        err = _assert_openai_error(r, 502)
+        assert err["code"] == "bad_gateway" and err["message"] == "mixed-0 could not be reached"
+        assert "127.0.0.1" not in r.text and str(port) not in r.text
+        assert any(f"127.0.0.1:{port}" in record.getMessage() for record in caplog.records)
+
+
 def test_upstream_timeout_504() -> None:
-    with cluster("nixl", read_timeout_s=0.5, standin={"decode": {"hang": True}}) as c:
+    with cluster("nixl", timeouts={"read_s": 0.5}, standin={"decode": {"hang": True}}) as c:
         r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
         assert _assert_openai_error(r, 504)["type"] == "upstream_timeout"
 
 
 def test_no_healthy_instance_503() -> None:
-    with cluster("nixl", health_interval_s=0.2, unhealthy_after=1) as c:
+    with cluster("nixl", health={"interval_s": 0.2, "unhealthy_after": 1}) as c:
         c.servers["decode-0"].stop()
-        import time
-
-        deadline = time.monotonic() + 5
-        while c.gateway.registry.healthy_count(c.gateway.registry.states["decode-0"].spec.role) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        role = c.gateway.registry.states["decode-0"].spec.role
+        assert wait_for(lambda: c.gateway.registry.healthy_count(role) == 0), "the stopped decode stayed healthy"
         r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
         assert _assert_openai_error(r, 503)["code"] == "no_healthy_instance"
         assert httpx.get(c.url + "/ready").status_code == 503
@@ -143,7 +163,7 @@ def test_rejection_429_with_retry_after() -> None:
 
 
 def test_api_key_401() -> None:
-    with cluster("nixl", api_keys=["sk-good"]) as c:
+    with cluster("nixl", auth={"api_keys": ["sk-good"]}) as c:
         body = {"model": "tiny", "prompt": "x"}
         assert _assert_openai_error(httpx.post(c.url + "/v1/completions", json=body), 401)["type"] == "authentication_error"
         bad = httpx.post(c.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
@@ -158,7 +178,7 @@ def test_inflight_limit_503_without_queueing() -> None:
 
     # the first request holds the only slot for as long as this test keeps its stream open (up to
     # 400 tokens at 50 ms: far longer than the test needs, however busy the machine)
-    with cluster("nixl", max_inflight_requests=1, standin={"decode": {"token_delay_s": 0.05}}) as c:
+    with cluster("nixl", limits={"max_inflight_requests": 1}, standin={"decode": {"token_delay_s": 0.05}}) as c:
         with httpx.stream(
             "POST",
             c.url + "/v1/completions",
@@ -168,10 +188,10 @@ def test_inflight_limit_503_without_queueing() -> None:
             assert slow.status_code == 200
             chunks = slow.iter_bytes()  # kept: a dropped iterator would close the stream
             next(chunks)  # answering: admitted and in flight
-            assert c.gateway.inflight == 1
+            assert c.gateway.inflight.count == 1
             r = httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
             err = _assert_openai_error(r, 503)
             assert err["code"] == "overloaded" and r.headers["retry-after"] == "1"
         # the client went away: the slot is given back
-        assert wait_for(lambda: c.gateway.inflight == 0, 10.0)
+        assert wait_for(lambda: c.gateway.inflight.count == 0, 10.0)
         assert httpx.post(c.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 200

@@ -34,7 +34,7 @@ def _metric(c: Cluster, name: str) -> float:
 
 def _nothing_in_flight(c: Cluster) -> bool:
     gw = c.gateway
-    return gw.inflight == 0 and all(not s.prefills and not s.decodes for s in gw.registry.states.values())
+    return gw.inflight.count == 0 and all(not s.prefills and not s.decodes for s in gw.registry.states.values())
 
 
 def test_refused_prefill_fails_over_to_another() -> None:
@@ -48,7 +48,7 @@ def test_refused_prefill_fails_over_to_another() -> None:
 
 
 def test_instance_answering_500_forever_is_ejected_while_its_health_is_fine() -> None:
-    with cluster("nixl", n_prefill=2, outlier_consecutive_errors=3, outlier_ejection_s=60.0) as c:
+    with cluster("nixl", n_prefill=2, outlier={"consecutive_errors": 3, "ejection_s": 60.0}) as c:
         c.prefills[0].fail_status = 500  # /health still answers 200
         statuses = [_post(c.url, {}).status_code for _ in range(12)]
         assert statuses == [200] * 12  # every failure before a byte was sent fails over
@@ -62,30 +62,30 @@ def test_instance_answering_500_forever_is_ejected_while_its_health_is_fine() ->
 
 
 def test_every_instance_failing_gives_502_after_bounded_attempts() -> None:
-    with cluster("nixl", n_prefill=2, max_attempts=2, outlier_consecutive_errors=100) as c:
+    with cluster("nixl", n_prefill=2, limits={"max_attempts": 2}, outlier={"consecutive_errors": 100}) as c:
         for p in c.prefills:
             p.fail_status = 500
         r = _post(c.url, {})
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
-        assert sum(len(p.requests) for p in c.prefills) == 2  # max_attempts, not more
+        assert sum(len(p.requests) for p in c.prefills) == 2  # limits.max_attempts, not more
         assert not c.decodes[0].requests
         assert _nothing_in_flight(c)
 
 
 def test_stalled_stream_hits_the_request_deadline() -> None:
-    with cluster("nixl", request_timeout_s=1.0, standin={"decode": {"token_delay_s": 30.0}}) as c:
+    with cluster("nixl", timeouts={"request_s": 1.0}, standin={"decode": {"token_delay_s": 30.0}}) as c:
         with httpx.stream(
             "POST", c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}, timeout=30
         ) as r:
             assert r.status_code == 200
             text = r.read().decode()
-        assert '"gateway_timeout"' in text and "request_timeout_s" in text  # an SSE error event, then the end
+        assert '"gateway_timeout"' in text and "timeouts.request_s" in text  # an SSE error event, then the end
         assert wait_for(lambda: bool(c.decodes[0].cancelled))  # the worker saw its connection close
         assert wait_for(lambda: _nothing_in_flight(c))
 
 
 def test_stalled_non_streamed_answer_is_a_504() -> None:
-    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, request_timeout_s=0.5, standin={"mixed": {"hang": True}}) as c:
+    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, timeouts={"request_s": 0.5}, standin={"mixed": {"hang": True}}) as c:
         r = _post(c.url, {})
         assert r.status_code == 504 and r.json()["error"]["code"] == "gateway_timeout"
         assert len(c.mixed[0].requests) == 1  # not retried: the work may be running there
@@ -95,7 +95,7 @@ def test_stalled_non_streamed_answer_is_a_504() -> None:
 def test_concurrent_prefill_hanging_after_the_decode_finished() -> None:
     """Mooncake: both legs at once. The decode answers in full while the prefill leg hangs: the
     client gets its answer and [DONE] at once and nothing after it; the prefill leg is closed."""
-    with cluster("mooncake", read_timeout_s=0.5, standin={"prefill": {"hang": True}}) as c:
+    with cluster("mooncake", timeouts={"read_s": 0.5}, standin={"prefill": {"hang": True}}) as c:
         with httpx.stream(
             "POST", c.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}, timeout=30
         ) as r:
@@ -154,7 +154,7 @@ def test_client_kv_transfer_params_never_reach_a_worker(protocol: str) -> None:
 
 
 def test_trusted_clients_may_send_kv_transfer_params() -> None:
-    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, trust_client_kv_transfer_params=True) as c:
+    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, pd={"trust_client_kv_transfer_params": True}) as c:
         assert _post(c.url, {"kv_transfer_params": {"do_remote_decode": True}}).status_code == 200
         assert c.mixed[0].requests[0].body["kv_transfer_params"] == {"do_remote_decode": True}
 

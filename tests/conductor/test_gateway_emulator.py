@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from adapters.emulator.profile import load_profile
-from conductor.config.settings import load_settings
+from conductor.config.settings import load_settings, merge_settings
 from conductor.gateway import Gateway
 from tests.support.emulator import start_emulator
 from tests.support.servers import serve_gateway
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _gateway(stack: ExitStack, **overrides):
-    gateway = Gateway(load_settings(environ={}, overrides={"health_interval_s": 1.0, **overrides}))
+    gateway = Gateway(load_settings(environ={}, overrides=merge_settings({"health": {"interval_s": 1.0}}, overrides)))
     return stack.enter_context(serve_gateway(gateway)), gateway
 
 
@@ -31,7 +31,7 @@ def test_pd_through_emulated_workers(protocol: str) -> None:
         p = stack.enter_context(start_emulator("prefill", protocol, time_scale=0.01, model="tiny"))
         d = stack.enter_context(start_emulator("decode", protocol, time_scale=0.01, model="tiny"))
         server, _ = _gateway(
-            stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url], pd_protocol=protocol
+            stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url], pd={"protocol": protocol}
         )
         prompt = list(range(1, 257))  # 256 token ids: 16 full blocks of 16
         for attempt in range(2):

@@ -292,7 +292,9 @@ def test_feeds_not_reachable_keep_it_unready_with_the_reason() -> None:
 def test_bad_queries_get_openai_style_errors(path: str, body: bytes | dict[str, Any], status: int, says: str) -> None:
     with (
         publishers(1) as (pub,),
-        running_indexer(indexer_settings([pub.instance], max_body_bytes=4096), QueryLimits(max_token_ids=100, max_hashes=10)) as (
+        running_indexer(
+            indexer_settings([pub.instance], limits={"max_body_bytes": 4096}), QueryLimits(max_token_ids=100, max_hashes=10)
+        ) as (
             url,
             _,
         ),

@@ -1,4 +1,4 @@
-"""The gateway keeps an idle client connection open for `keep_alive_timeout_s`, not uvicorn's 5 s.
+"""The gateway keeps an idle client connection open for `timeouts.keep_alive_s`, not uvicorn's 5 s.
 
 A client reuses an idle connection until its own expiry (httpx 5 s, aiohttp 15 s, a proxy's 60 s);
 a server that closes first races it, and the request written at that moment is lost ("server
@@ -48,14 +48,14 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 def test_the_served_config_carries_the_setting() -> None:
-    settings = load_settings(environ={}, overrides={"mixed": ["http://127.0.0.1:9"], "keep_alive_timeout_s": 12.5})
+    settings = load_settings(environ={}, overrides={"mixed": ["http://127.0.0.1:9"], "timeouts": {"keep_alive_s": 12.5}})
     assert uvicorn_config(settings, Gateway(settings)).timeout_keep_alive == 12.5  # what `conductor serve` runs
     default = load_settings(environ={}, overrides={"mixed": ["http://127.0.0.1:9"]})
-    assert default.keep_alive_timeout_s == 75.0  # past aiohttp's 15 s and a proxy's 60 s
+    assert default.timeouts.keep_alive_s == 75.0  # past aiohttp's 15 s and a proxy's 60 s
 
 
 def test_an_idle_connection_outlives_uvicorns_default_and_serves_the_next_request() -> None:
-    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, health_interval_s=0.2) as c:
+    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, health={"interval_s": 0.2}) as c:
         host, port = c.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             conn = h11.Connection(h11.CLIENT)
@@ -65,7 +65,7 @@ def test_an_idle_connection_outlives_uvicorns_default_and_serves_the_next_reques
 
 
 def test_a_short_setting_closes_an_idle_connection() -> None:
-    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, keep_alive_timeout_s=0.3) as c:
+    with cluster("nixl", n_prefill=0, n_decode=0, n_mixed=1, timeouts={"keep_alive_s": 0.3}) as c:
         host, port = c.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=1) as sock:
             assert _get(sock, h11.Connection(h11.CLIENT), "/health") == 200

@@ -18,10 +18,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from adapters.index.memory import MemoryIndex
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, WorkerTokenizer, chat_template_arguments
 from conductor.core.block_keys import XxhashKeys
+from conductor.core.errors import BadRequest
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import CachedPrefix, Decision, Observation, Role
 from conductor.core.vllm_hash import VllmBlockHasher
 from conductor.kv.analyzer import HashAgreement, KVAwareAnalyzer, build_analyzer
+from conductor.kv.prompt_bounds import PromptBound
 from tests.support.emulator import Emulator, start_emulator
 
 WORDS = ["hello", "world", "the", "cache", "is", "warm", "a", "b", "c", "d"]
@@ -147,6 +149,35 @@ async def test_hf_prompt_tokenizer_and_analyzer_forward_token_ids(hf_dir: Path) 
         batch = await analyzer.analyse("completions", {"prompt": ["a b", "c d"]})
         assert not batch.block_keys and not batch.exact  # batches are estimated, not keyed
         assert isinstance(HFPromptTokenizer(HFTokenizer(hf_dir)), HFPromptTokenizer)
+    finally:
+        await analyzer.close()
+
+
+async def test_a_tokenizer_directory_bounds_prompts_by_its_longest_token(hf_dir: Path) -> None:
+    """No token of this vocabulary stands for more than 13 characters ("<|assistant|>"): a text of
+    more than 13 characters a token is refused untokenized; a shorter one on its token count."""
+    options = {"enabled": True, "tokenizer": str(hf_dir), "block_size": 2}
+    analyzer = build_analyzer(options, [], prompt_bound=PromptBound(max_prompt_tokens=4))
+    assert isinstance(analyzer, KVAwareAnalyzer) and analyzer.chars_per_token == len("<|assistant|>")
+    try:
+        with pytest.raises(BadRequest, match="53 characters") as refused:
+            await analyzer.analyse("completions", {"prompt": "hello " * 8 + "world"})
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "prompt")
+        with pytest.raises(BadRequest, match="resulted in 5 tokens"):  # <s> hello world the cache
+            await analyzer.analyse("completions", {"prompt": "hello world the cache"})
+        with pytest.raises(BadRequest, match="resulted in 6 tokens") as refused:
+            await analyzer.analyse("chat", {"messages": [{"role": "user", "content": "hello world"}]})
+        assert refused.value.param == "messages"
+        assert (await analyzer.analyse("completions", {"prompt": "hello world the"})).prompt_tokens == 4
+        # long prompts are tokenized in a thread, by the same rules as inline
+        long = build_analyzer(options, [])
+        assert isinstance(long, KVAwareAnalyzer)
+        text = " ".join(WORDS[i % len(WORDS)] for i in range(20_000))
+        threaded = await long.analyse("completions", {"prompt": text})
+        assert threaded.forward_token_ids == tuple(HFTokenizer(hf_dir).encode(text))
+        chat = await long.analyse("chat", {"messages": [{"role": "user", "content": text}]})
+        assert chat.prompt_tokens == len(HFTokenizer(hf_dir).apply_chat_template([{"role": "user", "content": text}]))
+        await long.close()
     finally:
         await analyzer.close()
 

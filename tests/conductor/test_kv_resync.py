@@ -51,7 +51,7 @@ def _gateway(worker: Emulator, *, key_mode: str = "xxhash", seed: str | None = S
             "mixed": [{"url": worker.url, "name": "m0", "kv_events_endpoint": f"tcp://*:{_port(worker.kv_events_endpoint)}"}],
             "policy": "kvcache_aware",
             "block_size": BS,
-            "log_level": "warning",
+            "logs": {"level": "warning"},
             "kv": {
                 "enabled": True,
                 "key_mode": key_mode,
@@ -123,7 +123,7 @@ def test_gateway_started_after_the_worker_catches_up_from_its_replay_socket(work
     assert _metric(metrics, "conductor_kv_events_configured", '{instance="m0"}') == 1
 
 
-def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
+def _wait_for(predicate: Any, timeout: float = 30.0) -> None:  # a bound for a hang, not a speed check
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -65,9 +65,9 @@ def setup() -> Iterator[Setup]:
         settings = load_settings(
             environ={},
             overrides={
-                "pd_protocol": "nixl",
+                "pd": {"protocol": "nixl"},
                 "block_size": 16,
-                "health_interval_s": 0.5,
+                "health": {"interval_s": 0.5},
                 "prefill": [prefill.url],
                 "decode": [decode.url],
             },
@@ -125,7 +125,7 @@ def test_local_prefills_need_decodes_that_can_compute() -> None:
     settings = load_settings(
         environ={},
         overrides={
-            "pd_protocol": "sglang",
+            "pd": {"protocol": "sglang"},
             "prefill": [{"url": "http://127.0.0.1:9", "bootstrap_port": 8998}],
             "decode": ["http://127.0.0.1:9"],
         },

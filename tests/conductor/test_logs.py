@@ -22,7 +22,7 @@ def test_json_logs_with_an_access_line_per_request() -> None:
         port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "conductor", "serve", "--mixed", worker.url, "--port", str(port), "--model", "tiny"],
-            env={"CONDUCTOR_LOG_FORMAT": "json", "CONDUCTOR_ACCESS_LOG": "true", "PATH": "/usr/bin:/bin"},
+            env={"CONDUCTOR_LOGS__FORMAT": "json", "CONDUCTOR_LOGS__ACCESS_LOG": "true", "PATH": "/usr/bin:/bin"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.config.settings import load_settings
+from conductor.config.settings import load_settings, merge_settings
 from conductor.gateway import Gateway
 from tests.support.emulator import start_emulator
 from tests.support.servers import ServerThread, serve, serve_gateway
@@ -53,11 +53,11 @@ def gateway(workers: list[str], **settings: Any) -> Iterator[Running]:
     overrides: dict[str, Any] = {
         "mixed": workers,
         "models": ["tiny"],
-        "health_interval_s": 0.3,
-        "admin_api_keys": [KEY],
+        "health": {"interval_s": 0.3},
+        "auth": {"admin_api_keys": [KEY]},
         "policy": "round_robin",
-        **settings,
     }
+    overrides = merge_settings(overrides, settings)
     gw = Gateway(load_settings(environ={}, overrides=overrides))
     with serve_gateway(gw) as server:
         yield Running(server.url, gw, server)
@@ -86,14 +86,14 @@ def _completions(worker: StandIn) -> int:
 
 
 def test_the_admin_api_is_off_without_an_admin_key() -> None:
-    with serve(StandIn(model="tiny")) as w, gateway([w.url], admin_api_keys=[]) as g:
+    with serve(StandIn(model="tiny")) as w, gateway([w.url], auth={"admin_api_keys": []}) as g:
         r = httpx.get(g.url + "/admin/instances", headers=AUTH)
         assert r.status_code == 403
         assert r.json()["error"]["code"] == "admin_api_disabled" and "admin_api_keys" in r.json()["error"]["message"]
 
 
 def test_the_admin_api_wants_the_admin_key() -> None:
-    with serve(StandIn(model="tiny")) as w, gateway([w.url], api_keys=["client-key"]) as g:
+    with serve(StandIn(model="tiny")) as w, gateway([w.url], auth={"api_keys": ["client-key"]}) as g:
         for headers in ({}, {"Authorization": "Bearer client-key"}, {"Authorization": "Bearer wrong"}):
             for method, path in (("GET", ""), ("POST", ""), ("POST", "/mixed-0/drain"), ("DELETE", "/mixed-0")):
                 r = httpx.request(method, g.url + "/admin/instances" + path, headers=headers, json={})
@@ -151,7 +151,7 @@ def test_a_drained_instance_finishes_its_stream_then_goes_with_its_index_entries
     workers = [StandIn(model="tiny", token_delay_s=0.25), StandIn(model="tiny", token_delay_s=0.25)]
     with ExitStack() as stack:
         urls = [stack.enter_context(serve(w)).url for w in workers]
-        g = stack.enter_context(gateway(urls, kv={"enabled": True}, drain_grace_s=60))
+        g = stack.enter_context(gateway(urls, kv={"enabled": True}, timeouts={"drain_grace_s": 60}))
         assert wait_for(lambda: all(i["state"] == "healthy" for i in g.instances().values()), timeout=20)
         out: list[str] = []
         thread = _stream(g.url, out)

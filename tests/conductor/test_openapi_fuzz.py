@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")  # the `test` extra installs it
+from tests.support.ci import require_import
+
+schemathesis = require_import("schemathesis", "the test extra installs schemathesis")
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-from conductor.config.settings import load_settings  # noqa: E402
+from conductor.config.settings import load_settings, merge_settings  # noqa: E402
 from conductor.gateway import Gateway  # noqa: E402
 from tests.support.servers import serve, serve_gateway  # noqa: E402
 from tests.support.standin import StandIn  # noqa: E402
@@ -47,9 +49,9 @@ def _gateway(**overrides: Any) -> Iterator[str]:
             "prefill": [{"url": prefill.url}],
             "decode": [decode.url],
             "models": [MODEL],
-            "health_interval_s": 0.5,
-            **overrides,
+            "health": {"interval_s": 0.5},
         }
+        options = merge_settings(options, overrides)
         gateway = Gateway(load_settings(environ={}, overrides=options))
         yield stack.enter_context(serve_gateway(gateway)).url
 

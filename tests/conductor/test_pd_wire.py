@@ -3,6 +3,8 @@ and SGLang's own proxies send (toy_proxy_server.py, mooncake_connector_proxy.py,
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
@@ -15,7 +17,7 @@ def _post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx
 
 
 def test_nixl_prefill_first_then_params_verbatim_to_decode() -> None:
-    with cluster("nixl", upstream_api_key="sk-upstream") as c:
+    with cluster("nixl", auth={"upstream_api_key": "sk-upstream"}) as c:
         body = {
             "model": "tiny",
             "prompt": "hello",
@@ -77,14 +79,16 @@ def test_nixl_max_completion_tokens_also_set_to_one_for_chat() -> None:
 
 @pytest.mark.parametrize("shape", ["dp_rank", "engine"])
 def test_mooncake_transfer_id_schema_concurrent_legs(shape: str) -> None:
-    opts = {"prefill": {"prefill_delay_s": 0.3}, "bootstrap": {"shape": shape}}
+    # the prefill answers only once the decode leg has arrived: legs sent one after the other never overlap
+    decode_arrived = threading.Event()
+    opts = {"prefill": {"answer_after": decode_arrived}, "decode": {"arrived": decode_arrived}, "bootstrap": {"shape": shape}}
     with cluster("mooncake", standin=opts) as c:
         boot_port = c.gateway.settings.prefill[0].bootstrap_port
         assert c.bootstraps[0].queries >= 1  # engine id read from GET /query at start-up
         r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3}, {"X-Request-ID": "rid-m"})
         assert r.status_code == 200, r.text
-        # concurrent legs: the decode may answer before the prefill leg has even arrived
-        assert wait_for(lambda: len(c.prefills[0].requests) == 1)
+        # concurrent legs: the decode may answer before the prefill leg has even arrived (or been answered)
+        assert wait_for(lambda: len(c.prefills[0].finished) == 1)
         [p] = c.prefills[0].requests
         [d] = c.decodes[0].requests
         tid = p.body["kv_transfer_params"]["transfer_id"]
@@ -99,13 +103,13 @@ def test_mooncake_transfer_id_schema_concurrent_legs(shape: str) -> None:
         }
         assert d.body["max_tokens"] == 3
         # concurrent: the decode leg arrived while the prefill leg was still being served
-        assert d.received - p.received < 0.25
+        assert p.released is True
         assert p.headers["x-request-id"] == d.headers["x-request-id"] != "rid-m"  # one gateway id for both legs
         assert r.headers["x-request-id"] == "rid-m"  # the client's, echoed
 
 
 def test_mooncake_engine_id_schema() -> None:
-    with cluster("mooncake", mooncake_schema="engine_id", standin={"bootstrap": {"shape": "engine"}}) as c:
+    with cluster("mooncake", pd={"mooncake_schema": "engine_id"}, standin={"bootstrap": {"shape": "engine"}}) as c:
         r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200, r.text
         # the legs run concurrently: the gateway may answer before the prefill leg arrives
@@ -120,7 +124,7 @@ def test_mooncake_engine_id_schema() -> None:
 
 
 def test_mooncake_bootstrap_server_schema() -> None:
-    with cluster("mooncake", mooncake_schema="bootstrap_server") as c:
+    with cluster("mooncake", pd={"mooncake_schema": "bootstrap_server"}) as c:
         r = _post(c.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200, r.text
         [d] = c.decodes[0].requests
@@ -135,11 +139,12 @@ def test_mooncake_bootstrap_server_schema() -> None:
 
 
 def test_sglang_same_body_with_bootstrap_fields() -> None:
-    with cluster("sglang", standin={"prefill": {"prefill_delay_s": 0.2}}) as c:
+    decode_arrived = threading.Event()  # the prefill answers only once the decode leg has arrived
+    with cluster("sglang", standin={"prefill": {"answer_after": decode_arrived}, "decode": {"arrived": decode_arrived}}) as c:
         body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
         r = _post(c.url, "/v1/completions", body)
         assert r.status_code == 200
-        assert wait_for(lambda: len(c.prefills[0].requests) == 1)  # concurrent: it may arrive after the answer
+        assert wait_for(lambda: len(c.prefills[0].finished) == 1)  # concurrent: it may end after the answer
         [p] = c.prefills[0].requests
         [d] = c.decodes[0].requests
         assert p.body == d.body
@@ -147,7 +152,7 @@ def test_sglang_same_body_with_bootstrap_fields() -> None:
         assert p.body["bootstrap_host"] == "127.0.0.1" and p.body["bootstrap_port"] == boot_port
         assert isinstance(p.body["bootstrap_room"], int) and 0 <= p.body["bootstrap_room"] < 2**63
         assert {k: v for k, v in p.body.items() if not k.startswith("bootstrap_")} == body
-        assert d.received - p.received < 0.15  # concurrent
+        assert p.released is True  # concurrent: the decode leg arrived while the prefill leg was held
         assert p.headers["x-request-id"] == d.headers["x-request-id"]
         r2 = _post(c.url, "/v1/completions", body)
         assert r2.status_code == 200

@@ -98,9 +98,8 @@ def setup() -> Iterator[Setup]:
         settings = load_settings(
             environ={},
             overrides={
-                "pd_protocol": "nixl",
                 "block_size": BLOCK,
-                "health_interval_s": 0.5,
+                "health": {"interval_s": 0.5},
                 "prefill": [
                     {"url": p.url, "kv_events_endpoint": "tcp://*:" + str(p.kv_events_endpoint).rsplit(":", 1)[1]}
                     for p in prefills
@@ -108,8 +107,7 @@ def setup() -> Iterator[Setup]:
                 "decode": [decode.url],
                 # the built-in tokenizer is the emulators' own: its token ids are theirs
                 "kv": {"enabled": True, "forward_token_ids": True},
-                "pd_peer_pull": "on",
-                "pd_peer_pull_priority": -1,
+                "pd": {"protocol": "nixl", "peer_pull": "on", "peer_pull_priority": -1},
             },
         )
         policy = AwayFromTheHolder()
@@ -203,7 +201,7 @@ def test_a_staging_answer_without_usable_blocks_leaves_the_prefill_to_compute() 
         n_decode=1,
         policy=policy,
         block_size=BLOCK,
-        pd_peer_pull="on",
+        pd={"peer_pull": "on"},
         kv={"enabled": True, "forward_token_ids": True},
     ) as c:
         prompt = "Tell me about the weather in Lisbon in spring. " * 10
@@ -231,7 +229,7 @@ def test_a_failing_holder_fails_the_staging_not_the_request() -> None:
         n_decode=1,
         policy=policy,
         block_size=BLOCK,
-        pd_peer_pull="on",
+        pd={"peer_pull": "on"},
         kv={"enabled": True, "forward_token_ids": True},
     ) as c:
         prompt = "Summarise the incident report for the on-call engineer. " * 8
@@ -252,11 +250,10 @@ def test_peer_pull_on_without_the_workers_token_ids_fails_start_up() -> None:
     settings = load_settings(
         environ={},
         overrides={
-            "pd_protocol": "nixl",
+            "pd": {"protocol": "nixl", "peer_pull": "on"},
             "prefill": ["http://127.0.0.1:1"],
             "decode": ["http://127.0.0.1:2"],
             "kv": {"enabled": True},
-            "pd_peer_pull": "on",
         },
     )
     with pytest.raises(ConfigError, match="token ids"):

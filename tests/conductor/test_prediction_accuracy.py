@@ -63,7 +63,7 @@ def test_online_refit_learns_a_cluster_slower_than_its_profile() -> None:
                 "prefill": [{"url": emu("prefill", 1)}, {"url": emu("prefill", 2)}],
                 "decode": [{"url": emu("decode", 3)}, {"url": emu("decode", 4)}],
                 "policy": "kvcache_aware",
-                "log_level": "warning",
+                "logs": {"level": "warning"},
             },
         )
         gateway = Gateway(settings)

@@ -58,10 +58,10 @@ def setup() -> Iterator[Setup]:
         settings = load_settings(
             environ={},
             overrides={
-                "pd_protocol": "nixl",
+                "pd": {"protocol": "nixl"},
                 "policy": "kvcache_aware",
                 "block_size": BLOCK,
-                "health_interval_s": 0.5,
+                "health": {"interval_s": 0.5},
                 "prefill": [
                     {"url": p.url, "kv_events_endpoint": "tcp://*:" + str(p.kv_events_endpoint).rsplit(":", 1)[1]}
                     for p in prefills

@@ -37,11 +37,13 @@ def redis_settings(url: str) -> dict[str, Any]:
             # Redis, and a hung one still opens the breaker after three of them
             "redis_timeout_s": 0.25,
         },
-        "load_share": "redis",
-        "redis_url": url,
-        "replica_id": f"outage-{uuid.uuid4().hex[:8]}",
-        "load_sync_interval_s": 0.05,
-        "load_share_breaker_open_s": 1.0,
+        "load_share": {
+            "mode": "redis",
+            "redis_url": url,
+            "replica_id": f"outage-{uuid.uuid4().hex[:8]}",
+            "sync_interval_s": 0.05,
+            "breaker_open_s": 1.0,
+        },
     }
 
 

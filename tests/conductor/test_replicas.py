@@ -33,10 +33,12 @@ def test_replicas_share_load_through_redis() -> None:
                     "prefill": [p_url],
                     "decode": d_urls,
                     "policy": "least_loaded",
-                    "load_share": "redis",
-                    "replica_id": f"test-{name}-{time.monotonic_ns()}",
-                    "load_sync_interval_s": 0.05,
-                    "load_share_timeout_s": 5.0,
+                    "load_share": {
+                        "mode": "redis",
+                        "replica_id": f"test-{name}-{time.monotonic_ns()}",
+                        "sync_interval_s": 0.05,
+                        "timeout_s": 5.0,
+                    },
                 },
             )
             gw = Gateway(settings)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.routing.relay import StreamStats
+from conductor.routing.streams import StreamStats
 
 
 def event(text: str) -> bytes:

@@ -64,11 +64,13 @@ def deployment(load_share: str) -> Iterator[Deployment]:
                     "prefill": p_specs,
                     "decode": [{"url": d_url, "name": f"d0-{run}"}],
                     "policy": "kvcache_aware",
-                    "load_share": load_share,
-                    "replica_id": f"test3-{run}-{r}",
-                    "load_sync_interval_s": 0.05,
-                    "load_share_timeout_s": 5.0,
-                    "health_interval_s": 0.5,
+                    "load_share": {
+                        "mode": load_share,
+                        "replica_id": f"test3-{run}-{r}",
+                        "sync_interval_s": 0.05,
+                        "timeout_s": 5.0,
+                    },
+                    "health": {"interval_s": 0.5},
                     "kv": {
                         "enabled": True,
                         "tokenizer": "builtin",

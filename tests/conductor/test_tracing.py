@@ -7,14 +7,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
-pytest.importorskip("opentelemetry.sdk")
-
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from conductor.ops.tracing import Tracing
+from tests.support.ci import require_import
 from tests.support.cluster import cluster
+
+require_import("opentelemetry.sdk", "the test extra (or the otel extra) installs opentelemetry-sdk")
+
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

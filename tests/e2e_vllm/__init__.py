@@ -5,5 +5,6 @@
 
 The engines run under the Python named by CONDUCTOR_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python;
 without one that imports vllm every test here skips and says why (with CONDUCTOR_VLLM_PYTHON set,
-as .ci/run sets it, they fail instead). Nothing is downloaded while they run.
+as .ci/run sets it, or under CI=true, they fail instead; under CI so does a missing nixl, mooncake
+or xxhash). Nothing is downloaded while they run.
 """

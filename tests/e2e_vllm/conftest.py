@@ -1,5 +1,6 @@
-"""Fixtures shared by the real-vLLM tests: the vLLM interpreter (or a skip saying why there is none),
-a session work directory and the tiny model built in it."""
+"""Fixtures shared by the real-vLLM tests: the vLLM interpreter (or a skip saying why there is none;
+a failure under CI or with CONDUCTOR_VLLM_PYTHON set), a session work directory and the tiny model
+built in it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.e2e_vllm.engines import (
     start_all,
     stop_all,
 )
+from tests.support.ci import in_ci, require
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +29,8 @@ def vllm_python() -> str:
         if found.explicit:
             # CONDUCTOR_VLLM_PYTHON was set (as .ci/run does): a broken vLLM must fail, not skip
             pytest.fail(found.reason)
-        pytest.skip(found.reason)
+        require(False, found.reason)
+    assert found.path is not None  # require() raised otherwise
     return found.path
 
 
@@ -46,8 +49,12 @@ def mixed_engines(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator
     """Two mixed engines shared by the modules that put gateways in front of them (each module
     its own gateways, each test its own prompts): an engine start costs a minute or more."""
     # xxhash (pickle + XXH3-128) when the engines' venv has it, as .ci/vllm.sh installs it; else the
-    # default sha256 (the P/D module covers sha256 with vLLM's default seed)
-    algo = "xxhash" if python_imports(vllm_python, "xxhash") is None else "sha256"
+    # default sha256 (the P/D module covers sha256 with vLLM's default seed). CI installs xxhash, so
+    # there a fallback would quietly leave the xxhash key mode untested: it fails instead
+    missing = python_imports(vllm_python, "xxhash")
+    if missing is not None and in_ci():
+        pytest.fail(f"xxhash does not import under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)", pytrace=False)
+    algo = "xxhash" if missing is None else "sha256"
     engines = {
         f"mixed-{i}": Engine(
             f"mixed-{i}", vllm_python, tiny_model, e2e_dir / "mixed", core=i, hash_algo=algo, hash_seed=HASH_SEED, kv_events=True

@@ -41,7 +41,9 @@ HASH_SEED = "20261130"
 GEN = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True}
 TIMINGS: list[str] = []  # one line per engine start and model build, printed at the end of the run
 
-# Engine flags shared by every engine of these tests (see RUNBOOK "vLLM on the CPU").
+# Engine flags shared by every engine of these tests, each with why beside it (the timings were
+# measured on this project's 2-core CI machine); vLLM's CPU build is described in its installation
+# guide, https://docs.vllm.ai/en/latest/getting_started/installation/cpu.html
 COMMON_ARGS = (
     "--served-model-name",
     MODEL_NAME,
@@ -364,9 +366,14 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 
 def pd_connector(protocol: str, role: str, **extra: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """--kv-transfer-config and environment of one engine of a P/D pair (RUNBOOK, "P/D between two
-    CPU vLLM instances"); `extra`: the connector's kv_connector_extra_config. vLLM 0.32 deprecates
-    kv_both for NixlConnector: producer and consumer it is."""
+    """--kv-transfer-config and environment of one engine of a P/D pair on one CPU host; `extra`:
+    the connector's kv_connector_extra_config. The connectors' documented setups, brought to
+    loopback TCP: vLLM's NixlConnector usage guide (docs.vllm.ai, features/nixl_connector_usage)
+    and Mooncake's "Disaggregated Prefill-Decode with MooncakeConnector"
+    (kvcache-ai.github.io/Mooncake, deployment/integrations/vllm/disagg-prefill-decode); the
+    variables are read in vllm/envs.py (VLLM_NIXL_SIDE_CHANNEL_HOST/_PORT, VLLM_MOONCAKE_BOOTSTRAP_PORT).
+    vLLM 0.32 deprecates kv_both for NixlConnector (a warning in nixl/connector.py): producer and
+    consumer it is."""
     if protocol == "nixl":
         config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
         if extra:

@@ -3,7 +3,7 @@
 The gateway runs on a real uvicorn server in this (the main venv's) process, built from settings as
 `conductor serve` builds it. Two read-only windows into it:
 - every `Observation` it makes when a request finishes (worker-reported vs index-predicted cached
-  tokens, the instance that served it), recorded by wrapping `Gateway.observe`;
+  tokens, the instance that served it), recorded by wrapping `Router.observe`;
 - its KV index, read on the gateway's own event loop (the index is not thread-safe).
 """
 
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import httpx
 
 from adapters.index.memory import MemoryIndex
-from conductor.config.settings import load_settings
+from conductor.config.settings import load_settings, merge_settings
 from conductor.core.types import Observation
 from conductor.gateway import Gateway
 from conductor.kv.analyzer import KVAwareAnalyzer
@@ -123,25 +123,21 @@ def run_gateway(policy: Any = None, **overrides: Any) -> Iterator[GatewayUnderTe
     # these tests are not about ejecting engines (nor connect timeouts)
     settings = load_settings(
         environ={},
-        overrides={
-            "health_interval_s": 1.0,
-            "health_timeout_s": 15.0,
-            "unhealthy_after": 4,
-            "connect_timeout_s": 30.0,
-            **overrides,
-        },
+        overrides=merge_settings(
+            {"health": {"interval_s": 1.0, "timeout_s": 15.0, "unhealthy_after": 4}, "timeouts": {"connect_s": 30.0}}, overrides
+        ),
     )
     gateway = Gateway(settings, policy=policy)
     with serve_gateway(gateway) as server:  # yielded once ready: every engine answered a probe
         gut = GatewayUnderTest(url=server.url, gateway=gateway, server=server)
-        original = gateway.observe
+        original = gateway.router.observe
 
         def observe(routed: Any, observation: Observation) -> None:
             original(routed, observation)
             with gut._lock:
                 gut.observations.append(observation)
 
-        gateway.observe = observe  # type: ignore[method-assign]
+        gateway.router.observe = observe  # type: ignore[method-assign]
         decisions = logging.getLogger("conductor.decisions")
         handler = _LogLines(gut.decisions, logging.INFO)
         old_level = decisions.level

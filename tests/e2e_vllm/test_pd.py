@@ -33,6 +33,7 @@ from tests.e2e_vllm.engines import (
     words,
 )
 from tests.e2e_vllm.gateway import GatewayUnderTest, run_gateway
+from tests.support.ci import require
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(900)  # a pair starts inside the first test's setup
@@ -54,8 +55,7 @@ def pd(request: pytest.FixtureRequest, vllm_python: str, tiny_model: Path, e2e_d
     protocol: str = request.param
     needed = "nixl._api" if protocol == "nixl" else "mooncake.engine"
     missing = python_imports(vllm_python, needed)
-    if missing is not None:
-        pytest.skip(f"{protocol}: `import {needed}` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
+    require(missing is None, f"{protocol}: `import {needed}` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
     engines = []
     for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
         config, env = pd_connector(protocol, role)
@@ -81,7 +81,7 @@ def pd(request: pytest.FixtureRequest, vllm_python: str, tiny_model: Path, e2e_d
         # sha256 with vLLM's default seed (no PYTHONHASHSEED on either side): the other half of the
         # hash settings next to the mixed module's xxhash with a seed
         with run_gateway(
-            pd_protocol=protocol,
+            pd={"protocol": protocol},
             prefill=[prefill],
             decode=[d.url],
             policy="kvcache_aware",

@@ -43,6 +43,7 @@ from tests.e2e_vllm.engines import (
     words,
 )
 from tests.e2e_vllm.gateway import GatewayUnderTest, run_gateway
+from tests.support.ci import require
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(900)
@@ -63,8 +64,7 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Pair]:
     missing = python_imports(vllm_python, "nixl._api")
-    if missing is not None:
-        pytest.skip(f"nixl: `import nixl._api` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
+    require(missing is None, f"nixl: `import nixl._api` fails under {vllm_python}: {missing} (bash .ci/vllm.sh installs it)")
     extra = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": RECOMPUTE_THRESHOLD}
     engines = []
     for core, (kind, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"), ("prefill-b", "kv_producer"))):
@@ -88,7 +88,7 @@ def pair(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Pair]:
     start_all(engines)
     try:
         with run_gateway(
-            pd_protocol="nixl",
+            pd={"protocol": "nixl"},
             prefill=[{"url": p.url, "kv_events_endpoint": p.events_endpoint}],
             decode=[d.url],
             policy="kvcache_aware",
@@ -187,13 +187,10 @@ def peers(pair: Pair, tiny_model: Path) -> Iterator[tuple[GatewayUnderTest, Away
     policy = AwayFromTheHolder()
     with run_gateway(
         policy=policy,
-        pd_protocol="nixl",
+        pd={"protocol": "nixl", "peer_pull": "on", "pull_min_tokens": RECOMPUTE_THRESHOLD, "peer_pull_priority": -1},
         prefill=[{"url": e.url, "kv_events_endpoint": e.events_endpoint} for e in (pair.prefill, pair.second)],
         decode=[pair.decode.url],
         block_size=BLOCK_SIZE,
-        pd_peer_pull="on",
-        pd_pull_min_tokens=RECOMPUTE_THRESHOLD,
-        pd_peer_pull_priority=-1,
         kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": "sha256"},
     ) as gw:
         yield gw, policy

@@ -5,18 +5,21 @@ probes, Redis, ServiceMonitors and the dashboards ConfigMap are right, and every
 against the Kubernetes 1.33 schemas. test_chart_run.py runs the rendered command lines.
 
 Needs a helm binary on PATH or at .ci/bin/helm (`bash .ci/helm.sh` puts one there); skipped with
-that hint otherwise. The dashboards' own checks are in test_dashboards.py and need no helm.
+that hint otherwise, failed under CI (tests/support/ci.py). The dashboards' own checks are in
+test_dashboards.py and need no helm.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conductor.config.legacy import DeprecatedSettingWarning
 from conductor.config.settings import load_settings
 from tests.helm.chart import (
     CHART,
@@ -35,6 +38,7 @@ from tests.helm.chart import (
     ports,
     render,
 )
+from tests.support.ci import require_import
 
 pytestmark = needs_helm
 
@@ -70,13 +74,15 @@ def test_gateway_lists_every_pod_and_engines_agree(protocol: str, n_prefill: int
         f"prefill.replicas={n_prefill}",
         f"decode.replicas={n_decode}",
         "gateway.slo.ttftSeconds=2.5",
-        "gateway.config.read_timeout_s=33",
+        "gateway.config.timeouts.read_s=33",
     )
     cfg = gateway_config(docs)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    settings = load_settings(tmp_path / "config.yaml", environ={})  # the gateway accepts it as is
-    assert settings.pd_protocol == protocol
-    assert (settings.slo.ttft_s, settings.slo.tbt_s, settings.read_timeout_s) == (2.5, None, 33)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecatedSettingWarning)  # and finds no old flat key in it
+        settings = load_settings(tmp_path / "config.yaml", environ={})  # the gateway accepts it as is
+    assert settings.pd.protocol == protocol
+    assert (settings.slo.ttft_s, settings.slo.tbt_s, settings.timeouts.read_s) == (2.5, None, 33)
     assert [s.name for s in settings.prefill] == [f"prefill-{i}" for i in range(n_prefill)]
     assert [s.name for s in settings.decode] == [f"decode-{i}" for i in range(n_decode)]
     for role, specs, n in (("prefill", settings.prefill, n_prefill), ("decode", settings.decode, n_decode)):
@@ -141,15 +147,21 @@ def test_gateway_deployment_probes_config_mount_and_redis(tmp_path: Path) -> Non
     [vol] = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
     assert config_path.name in one(docs, "ConfigMap", vol["configMap"]["name"])["data"]
     e = env(c)
-    assert e["CONDUCTOR_REDIS_URL"] == f"redis://{FULL}-redis:6379/0" and e["CONDUCTOR_LOAD_SHARE"] == "redis"
+    assert e["CONDUCTOR_LOAD_SHARE__REDIS_URL"] == f"redis://{FULL}-redis:6379/0" and e["CONDUCTOR_LOAD_SHARE__MODE"] == "redis"
     # the env names are real settings fields (unknown CONDUCTOR_* variables are ignored silently)
     (tmp_path / "config.yaml").write_text(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
-    literal = {k: v for k, v in e.items() if isinstance(v, str)} | {"CONDUCTOR_REPLICA_ID": "gw-0"}
-    settings = load_settings(tmp_path / "config.yaml", environ=literal)
-    assert (settings.load_share, settings.redis_url, settings.replica_id) == ("redis", e["CONDUCTOR_REDIS_URL"], "gw-0")
+    literal = {k: v for k, v in e.items() if isinstance(v, str)} | {"CONDUCTOR_LOAD_SHARE__REPLICA_ID": "gw-0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecatedSettingWarning)  # every variable by its current name
+        settings = load_settings(tmp_path / "config.yaml", environ=literal)
+    assert (settings.load_share.mode, settings.load_share.redis_url, settings.load_share.replica_id) == (
+        "redis",
+        e["CONDUCTOR_LOAD_SHARE__REDIS_URL"],
+        "gw-0",
+    )
     # KV awareness on, with the index shared in the same Redis
     assert (settings.kv.enabled, settings.kv.tokenizer, settings.kv.index) == (True, "worker", "redis")
-    assert settings.kv.redis_url == e["CONDUCTOR_REDIS_URL"] and settings.kv.mooncake is None
+    assert settings.kv.redis_url == e["CONDUCTOR_LOAD_SHARE__REDIS_URL"] and settings.kv.mooncake is None
     redis_svc = one(docs, "Service", f"{FULL}-redis")
     assert redis_svc["spec"]["ports"][0]["port"] == 6379
     assert "--maxmemory" in container(one(docs, "Deployment", f"{FULL}-redis"))["args"]  # bounded
@@ -157,11 +169,14 @@ def test_gateway_deployment_probes_config_mount_and_redis(tmp_path: Path) -> Non
 
     external = render("redis.enabled=false", "redis.externalUrl=redis://cache.infra:6379/2")
     assert not [d for d in external if d["metadata"]["name"] == f"{FULL}-redis"]
-    assert env(container(one(external, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_REDIS_URL"] == "redis://cache.infra:6379/2"
+    assert (
+        env(container(one(external, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_LOAD_SHARE__REDIS_URL"]
+        == "redis://cache.infra:6379/2"
+    )
     assert gateway_config(external)["kv"]["redis_url"] == "redis://cache.infra:6379/2"
     no_redis = render("redis.enabled=false", "gateway.replicas=1")
     assert gateway_config(no_redis)["kv"]["index"] == "memory"
-    assert "CONDUCTOR_REDIS_URL" not in env(container(one(no_redis, "Deployment", f"{FULL}-gateway")))
+    assert "CONDUCTOR_LOAD_SHARE__REDIS_URL" not in env(container(one(no_redis, "Deployment", f"{FULL}-gateway")))
 
 
 def test_mooncake_store_probe_points_at_the_master(tmp_path: Path) -> None:
@@ -233,7 +248,7 @@ CRD_GROUPS = ("monitoring.coreos.com/", "gateway.networking.k8s.io/")
 
 
 def test_manifests_validate_against_kubernetes_schemas() -> None:
-    kv = pytest.importorskip("kubernetes_validate")
+    kv = require_import("kubernetes_validate", "the test extra installs kubernetes-validate")
     renders = [
         render(f"pdProtocol={protocol}", "mixed.replicas=1", "mooncakeMaster.kvEventsPort=5558")
         for protocol in ("nixl", "mooncake", "sglang")

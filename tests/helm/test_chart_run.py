@@ -21,6 +21,7 @@ import redis
 import yaml
 
 from tests.helm.chart import FULL, STATIC, container, env, flag, needs_helm, one, render, venv_exe, wait_http
+from tests.support.ci import require
 from tests.support.servers import free_port
 
 # the processes of a cluster start slowly on a loaded box (the gateway missed 30 s once, in a full
@@ -41,14 +42,14 @@ def rendered_gateway(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
     environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
     # what kubernetes would fill in, and this machine's Redis (own db: other tests share the load prefix)
     environ.update(
-        CONDUCTOR_REPLICA_ID="rel-conductor-gateway-abc",
-        CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14",
+        CONDUCTOR_LOAD_SHARE__REPLICA_ID="rel-conductor-gateway-abc",
+        CONDUCTOR_LOAD_SHARE__REDIS_URL="redis://127.0.0.1:6379/14",
         CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
         CONDUCTOR_HOST="127.0.0.1",
         CONDUCTOR_PORT=str(port),
-        CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
+        CONDUCTOR_HEALTH__TIMEOUT_S="0.5",
         # start-up waits this long for the absent prefill pods' Mooncake bootstrap servers
-        CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5",
+        CONDUCTOR_TIMEOUTS__BOOTSTRAP_S="0.5",
     )
     exe = venv_exe(c["command"][0])
     assert exe, c["command"]
@@ -74,8 +75,8 @@ def test_rendered_gateway_command_starts_on_rendered_settings(rendered_gateway: 
 def test_rendered_mooncake_master_command_serves() -> None:
     """The master's rendered command line on the real binary: it accepts every flag and serves."""
     exe = venv_exe("mooncake_master")
-    if exe is None:
-        pytest.skip("no mooncake_master: pip install -e '.[mooncake]'")
+    require(exe is not None, "no mooncake_master: pip install -e '.[mooncake]'")
+    assert exe is not None
     rpc, metrics, meta, events = (free_port() for _ in range(4))
     docs = render(
         f"mooncakeMaster.rpcPort={rpc}",
@@ -154,8 +155,8 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         environ.update(
             CONDUCTOR_HOST="127.0.0.1",
             CONDUCTOR_PORT=str(port),
-            CONDUCTOR_HEALTH_INTERVAL_S="0.2",
-            CONDUCTOR_API_KEYS=keys,
+            CONDUCTOR_HEALTH__INTERVAL_S="0.2",
+            CONDUCTOR_AUTH__API_KEYS=keys,
             CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
             CONDUCTOR_KV__REDIS_PREFIX=prefix,
         )  # taken as written: a string field
@@ -166,7 +167,7 @@ def test_emulated_cluster_from_the_chart_serves_a_stream(protocol: str, n_prefil
         with gw_log.open("wb") as log_file:  # the child keeps its own descriptor
             procs.append(
                 subprocess.Popen(
-                    [gw_exe, *args], env={**environ, "CONDUCTOR_LOG_LEVEL": "debug"}, stdout=subprocess.DEVNULL, stderr=log_file
+                    [gw_exe, *args], env={**environ, "CONDUCTOR_LOGS__LEVEL": "debug"}, stdout=subprocess.DEVNULL, stderr=log_file
                 )
             )
         url = f"http://127.0.0.1:{port}"

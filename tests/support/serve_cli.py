@@ -27,4 +27,4 @@ def serve_command(port: int, admin: int | None, workers: int, *instances: str, p
 
 
 def serve_env() -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "CONDUCTOR_DRAIN_GRACE_S": "5", "CONDUCTOR_HEALTH_INTERVAL_S": "0.5"}
+    return {"PATH": "/usr/bin:/bin", "CONDUCTOR_TIMEOUTS__DRAIN_GRACE_S": "5", "CONDUCTOR_HEALTH__INTERVAL_S": "0.5"}

@@ -25,7 +25,7 @@ class ServerThread:
         self.url = f"http://127.0.0.1:{self.port}"
         if isinstance(app, FastPath):  # the gateway serves on its own protocol and keep-alive, as in production
             config.setdefault("http", HttpServerConnection)
-            config.setdefault("timeout_keep_alive", app.state.gateway.settings.keep_alive_timeout_s)
+            config.setdefault("timeout_keep_alive", app.state.gateway.settings.timeouts.keep_alive_s)
         self.config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False, lifespan="auto", **config
         )

@@ -14,6 +14,10 @@ from tests.support.asgi import lifespan, whole_body
 
 Scope = dict[str, Any]
 
+# How long a worker with `answer_after` holds an answer at most: a bound that only a gateway which
+# never sends the other leg while this one is open reaches (the test then fails on `released`).
+ANSWER_HOLD_S = 30.0
+
 
 @dataclass
 class Recorded:
@@ -22,6 +26,7 @@ class Recorded:
     headers: dict[str, str]
     received: float
     client_port: int
+    released: bool | None = None  # held for `answer_after`: whether it was set while held (None: not held)
 
 
 @dataclass
@@ -40,6 +45,11 @@ class StandIn:
     bidirectional: bool = False
     fail_pulls: int | None = None  # a prefill: answer requests that carry a readback with this status
     cached_tokens: int = 0
+    # The order of events across stand-ins, with no clock: `arrived` is set once a request is
+    # recorded; a worker given another's `arrived` as `answer_after` holds each answer until that
+    # worker has received a request, so only legs that overlap are answered at once.
+    arrived: threading.Event = field(default_factory=threading.Event)
+    answer_after: threading.Event | None = None
     requests: list[Recorded] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -62,7 +72,9 @@ class StandIn:
             return await _json(send, 404, {"error": "no"})
         body = json.loads(await whole_body(receive))
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        self.requests.append(Recorded(path, body, headers, time.monotonic(), scope["client"][1]))
+        record = Recorded(path, body, headers, time.monotonic(), scope["client"][1])
+        self.requests.append(record)
+        self.arrived.set()
         rid = headers.get("x-request-id", "")
         pulling = (body.get("kv_transfer_params") or {}).get("remote_block_ids") and self.role == "prefill"
         if self.fail_pulls is not None and pulling:
@@ -80,6 +92,8 @@ class StandIn:
             if self.hang:
                 await asyncio.sleep(3600)
             await asyncio.sleep(self.prefill_delay_s)
+            if self.answer_after is not None:  # off the loop, which keeps serving
+                record.released = await asyncio.to_thread(self.answer_after.wait, ANSWER_HOLD_S)
             await self._answer(send, path, body, rid)
             self.finished.append(rid)
         except (asyncio.CancelledError, OSError):

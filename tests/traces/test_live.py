@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conductor.config.settings import load_settings
+from conductor.config.settings import load_settings, merge_settings
 from conductor.gateway import Gateway
 from tests.support.emulator import Emulator, free_port, start_emulator
 from tests.support.servers import READY_TIMEOUT_S, ServerThread, serve_gateway
@@ -112,7 +112,7 @@ def pd_workers() -> Iterator[tuple[Emulator, Emulator]]:
 
 def _gateway(stack: ExitStack, ready_timeout_s: float | None = READY_TIMEOUT_S, **overrides: object) -> ServerThread:
     """`ready_timeout_s`: as serve_gateway's (None where the workers are dead on purpose)."""
-    settings = load_settings(environ={}, overrides={"health_interval_s": 1.0, **overrides})
+    settings = load_settings(environ={}, overrides=merge_settings({"health": {"interval_s": 1.0}}, overrides))
     return stack.enter_context(serve_gateway(Gateway(settings), ready_timeout_s=ready_timeout_s))
 
 
@@ -133,19 +133,25 @@ def _replay(url: str, requests: list[TraceRequest], **kw: object) -> LiveResult:
 def test_replay_through_pd_gateway_measures_every_request(pd_workers: tuple[Emulator, Emulator]) -> None:
     p, d = pd_workers
     with ExitStack() as stack:
-        gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl")
+        gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd={"protocol": "nixl"})
         result = _replay(gw.url, _conversation(20), slo_ttft_s=5.0, slo_tbt_s=1.0, label="rr")
     run = result.run
     assert (run.mode, run.policy, run.n_prefill, run.n_decode) == ("live", "rr", 1, 1)
     assert run.requests == run.completed == 20 and run.rejected == 0 and not result.errors
-    assert run.ttft.count == 20 and run.ttft.p50 > 0
-    assert run.tbt.count == 20 and 0 < run.tbt.p50 < 1.0
-    assert run.slo_met == 20 and run.goodput_rps == pytest.approx(20 / 0.19, rel=0.01)  # arrivals span 1.9 s / 10
+    # the distributions are of what the client measured, whatever this box's speed
+    ttfts = [o.http.ttft_s for o in result.outcomes if o.http.ttft_s is not None]
+    tbts = [o.http.tbt_s for o in result.outcomes if o.http.tbt_s is not None]
+    assert run.ttft.count == len(ttfts) == 20 and 0 < min(ttfts) <= run.ttft.p50 <= max(ttfts)
+    assert run.tbt.count == len(tbts) == 20 and 0 < min(tbts) <= run.tbt.p50 <= max(tbts)
+    # the SLOs are judged on those measurements; goodput is the requests that met them over the
+    # arrivals' span (1.9 s of trace / 10)
+    met = len([o for o in result.outcomes if (o.http.ttft_s or 0) <= 5.0 and (o.http.tbt_s or 0) <= 1.0])
+    assert run.slo_met == met and run.goodput_rps == pytest.approx(met / 0.19, rel=0.01)
     # arrivals honoured: request i is due at i * 0.1 s / 10, and none was sent early
     for o in result.outcomes:
         assert o.scheduled_s == pytest.approx((o.line - 1) * 0.01, abs=1e-9)
-        assert o.lag_s > -0.005
-    assert run.makespan_s >= 0.19
+        assert o.lag_s > -0.005  # a lower bound (asyncio's timers may fire a clock tick early): no slowness fails it
+    assert run.makespan_s >= 0.19  # the last request is not even sent before 0.19 s
     for o in result.outcomes:
         assert o.http.chunks == o.max_tokens  # every token arrived as its own content chunk
         assert o.http.prompt_tokens == o.prompt_tokens == 4 * 128 - 25
@@ -182,7 +188,12 @@ def test_rejections_are_counted_by_reason(pd_workers: tuple[Emulator, Emulator])
     p, d = pd_workers
     with ExitStack() as stack:
         gw = _gateway(
-            stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl", policy="kvcache_aware", slo={"ttft_s": 0.001}
+            stack,
+            prefill=[{"url": p.url}],
+            decode=[d.url],
+            pd={"protocol": "nixl"},
+            policy="kvcache_aware",
+            slo={"ttft_s": 0.001},
         )  # no prefill is that fast
         result = _replay(gw.url, _conversation(6), slo_ttft_s=0.001)
     run = result.run
@@ -205,7 +216,7 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
     p, d = pd_workers
     out = tmp_path / "live.json"
     with ExitStack() as stack:
-        gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd_protocol="nixl", policy="kvcache_aware")
+        gw = _gateway(stack, prefill=[{"url": p.url}], decode=[d.url], pd={"protocol": "nixl"}, policy="kvcache_aware")
         printed = io.StringIO()
         with redirect_stdout(printed):
             rc = replay_main(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from policies.registry import load_policy
+from tests.support.ci import require_import
 from traces.formats import load_trace, resolve_trace
 from traces.replay_cli import replay_main
 from traces.sim.config import SimConfig
@@ -146,7 +147,7 @@ def test_tune_pd_sweeps_recommends_and_plots(tmp_path: Path, capsys: pytest.Capt
     pick = doc["recommended"]
     assert pick == flat[(len(flat) - 1) // 2] or pick == flat[len(flat) // 2]
     assert f"recommended: {pick['prefill']} prefill + {pick['decode']} decode" in text and "plateau" in text
-    pytest.importorskip("matplotlib")
+    require_import("matplotlib", "the test extra (or the plot extra) installs matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

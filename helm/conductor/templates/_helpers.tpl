@@ -82,7 +82,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
-{{/* gateway.apiKeys as the JSON list CONDUCTOR_API_KEYS holds: every key a string (`--set` turns
+{{/* gateway.apiKeys as the JSON list CONDUCTOR_AUTH__API_KEYS holds: every key a string (`--set` turns
      digits into numbers, which the gateway would refuse), valid YAML and JSON alike. */}}
 {{- define "conductor.apiKeysJson" -}}
 {{- $keys := list -}}
@@ -100,8 +100,8 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Refuse value combinations that would render a working but wrong (or insecure) release. */}}
 {{- define "conductor.validate" -}}
 {{- $g := .Values.gateway -}}
-{{- if hasKey $g.config "api_keys" -}}
-{{- fail "gateway.config.api_keys would put the API keys in a ConfigMap in plain text: give them as gateway.apiKeys (the chart makes a Secret) or name an existing Secret in gateway.apiKeysSecret.name" -}}
+{{- if or (hasKey $g.config "api_keys") (hasKey ($g.config.auth | default dict) "api_keys") -}}
+{{- fail "gateway.config.auth.api_keys would put the API keys in a ConfigMap in plain text: give them as gateway.apiKeys (the chart makes a Secret) or name an existing Secret in gateway.apiKeysSecret.name" -}}
 {{- end -}}
 {{- if and $g.apiKeys $g.apiKeysSecret.name -}}
 {{- fail "give either gateway.apiKeys or gateway.apiKeysSecret.name, not both" -}}
@@ -120,18 +120,32 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-The gateway's settings (conductor/config/settings.py field names), as YAML: every worker pod with its
-URL, bootstrap port (mooncake, sglang) and KV events endpoint, then gateway.config merged over.
+The gateway's settings (conductor/config/settings.py field names, grouped: pd.protocol, timeouts.drain_grace_s),
+as YAML: every worker pod with its URL, bootstrap port (mooncake, sglang) and KV events endpoint, then
+gateway.config merged over.
 */}}
 {{- define "conductor.gatewayConfig" -}}
 {{- $v := .Values -}}
-{{- $cfg := dict "host" "0.0.0.0" "port" (int $v.gateway.port) "pd_protocol" $v.pdProtocol
+{{- $user := $v.gateway.config | default dict -}}
+{{- /* a setting gateway.config still gives by its old flat name (pd_protocol, mooncake_schema, drain_grace_s)
+       is left to it: the gateway moves it to its group with a warning, and refuses a file naming it both ways */ -}}
+{{- $pd := dict -}}
+{{- if not (hasKey $user "pd_protocol") }}{{ $_ := set $pd "protocol" $v.pdProtocol }}{{ end -}}
+{{- if and (eq $v.pdProtocol "mooncake") (not (hasKey $user "mooncake_schema")) -}}
+{{- $_ := set $pd "mooncake_schema" $v.gateway.mooncakeSchema -}}
+{{- end -}}
+{{- $timeouts := dict -}}
+{{- if not (hasKey $user "drain_grace_s") }}{{ $_ := set $timeouts "drain_grace_s" (float64 $v.gateway.drainGraceSeconds) }}{{ end -}}
+{{- $cfg := dict "host" "0.0.0.0" "port" (int $v.gateway.port) "pd" $pd "timeouts" $timeouts
       "policy" $v.gateway.policy "block_size" (int $v.model.blockSize)
-      "models" (list (include "conductor.servedModel" .))
-      "drain_grace_s" (float64 $v.gateway.drainGraceSeconds) -}}
+      "models" (list (include "conductor.servedModel" .)) -}}
 {{- if not (kindIs "invalid" $v.gateway.adminPort) }}{{ $_ := set $cfg "admin_port" (int $v.gateway.adminPort) }}{{ end -}}
-{{- if eq $v.pdProtocol "mooncake" -}}
-{{- $_ := set $cfg "mooncake_schema" $v.gateway.mooncakeSchema -}}
+{{- /* with client keys and no admin port, /metrics on the public port takes a key, which the scrape set up
+       here (pod annotations, a ServiceMonitor on port http) does not send: it stays open for it (auth.public_metrics;
+       /docs and /openapi.json still take a key). gateway.adminPort takes /metrics off the public port instead. */ -}}
+{{- $scraped := or $v.monitoring.podAnnotations $v.monitoring.serviceMonitor.enabled -}}
+{{- if and (kindIs "invalid" $v.gateway.adminPort) (include "conductor.apiKeysSecretName" .) $scraped -}}
+{{- $_ := set $cfg "auth" (dict "public_metrics" true) -}}
 {{- end -}}
 {{- $slo := dict -}}
 {{- if not (kindIs "invalid" $v.gateway.slo.ttftSeconds) }}{{ $_ := set $slo "ttft_s" (float64 $v.gateway.slo.ttftSeconds) }}{{ end -}}

@@ -4,7 +4,7 @@ published wire format only (ZMQ SUB + a generic msgpack decoder; no project code
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -14,9 +14,31 @@ import zmq
 
 from tests.support.emulator import Emulator, start_emulator
 
+# Marker prompts of 129 tokens (a full block stored at any block size up to 128), told apart by
+# tokens 3 and 4; no other test prompt repeats a token three times in a row.
+_MARK = 249
+
+
+def _marker(n: int) -> list[int]:
+    return [_MARK, _MARK, _MARK, n // 250 % 250, n % 250] + [_MARK] * 124
+
+
+def _marker_index(event: dict[str, Any]) -> int | None:
+    tokens = event.get("token_ids") or []
+    if event.get("type") == "BlockStored" and tokens[:3] == [_MARK] * 3 and len(tokens) >= 5:
+        return int(tokens[3]) * 250 + int(tokens[4])
+    return None
+
+
+def _newest_marker(batches: list[tuple[bytes, int, list[Any]]], newest: int) -> int:
+    found = [i for _, _, batch in batches for e in batch[1] if (i := _marker_index(e)) is not None]
+    return max([newest, *found])
+
 
 class Subscriber:
-    """Receives `[topic, seq, payload]` messages; payload = msgpack `[ts, events, dp_rank]`."""
+    """Receives `[topic, seq, payload]` messages; payload = msgpack `[ts, events, dp_rank]`.
+
+    Every read is bounded generously (`within_s`), to fail a hang, never to time the emulator."""
 
     def __init__(self, endpoint: str) -> None:
         self.ctx = zmq.Context()
@@ -24,12 +46,33 @@ class Subscriber:
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        time.sleep(0.3)  # ZMQ slow joiner: let the subscription reach the publisher
 
-    def batches(self, timeout: float = 2.0, until: int | None = None) -> list[tuple[bytes, int, list[Any]]]:
-        """Messages received within `timeout` (or as soon as `until` of them arrived)."""
+    def join(self, emu: Emulator, within_s: float = 30.0) -> None:
+        """Return once the subscription is live and nothing published before now is left to read.
+
+        ZMQ's slow joiner: a SUB misses what is published before its subscription reaches the
+        publisher, and no fixed wait makes sure it has. So publish marker batches until one arrives:
+        every later one arrives too, in order. Read up to the last marker, then reset the emulator
+        (the markers leave its cache and request log) and read up to that AllBlocksCleared."""
+        deadline = time.monotonic() + within_s
+        sent, newest = 0, -1
+        with httpx.Client(timeout=30.0) as client:
+            while newest < 0:  # not joined yet: one more marker, then a short look for any
+                assert time.monotonic() < deadline, f"none of {sent} marker batches arrived"
+                client.post(emu.url + "/v1/completions", json={"prompt": _marker(sent), "max_tokens": 1}).raise_for_status()
+                sent += 1
+                newest = _newest_marker(self.batches(within_s=0.05), newest)
+            while newest < sent - 1:  # joined: the later markers are on their way, in order
+                batches = self.batches(within_s=max(deadline - time.monotonic(), 0.0), until=1)
+                assert batches, f"markers {newest + 1}..{sent - 1} never arrived"
+                newest = _newest_marker(batches, newest)
+            client.post(emu.url + "/emulator/reset").raise_for_status()
+        self.read_until(lambda e: e["type"] == "AllBlocksCleared", max(deadline - time.monotonic(), 1.0))
+
+    def batches(self, within_s: float = 30.0, until: int | None = None) -> list[tuple[bytes, int, list[Any]]]:
+        """Messages received within `within_s` (or as soon as `until` of them arrived)."""
         out: list[tuple[bytes, int, list[Any]]] = []
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_s
         while (left := deadline - time.monotonic()) > 0 and (until is None or len(out) < until):
             if not self.sock.poll(int(left * 1000)):
                 break
@@ -37,8 +80,24 @@ class Subscriber:
             out.append((topic, int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
         return out
 
-    def events(self, timeout: float = 2.0) -> list[dict[str, Any]]:
-        return [event for _, _, batch in self.batches(timeout) for event in batch[1]]
+    def read_until(self, last: Callable[[dict[str, Any]], bool], within_s: float = 30.0) -> list[dict[str, Any]]:
+        """Every event received, up to and including the first for which `last(event)` holds."""
+        deadline = time.monotonic() + within_s
+        out: list[dict[str, Any]] = []
+        while True:
+            left = deadline - time.monotonic()
+            batch = self.batches(within_s=left, until=1) if left > 0 else []
+            assert batch, f"no event ended the read within {within_s} s; got {[e['type'] for e in out]}"
+            for event in batch[0][2][1]:
+                out.append(event)
+                if last(event):
+                    return out
+
+    def events_until_reset(self, emu: Emulator) -> list[dict[str, Any]]:
+        """Everything published since the last read: the emulator is reset, and what came before
+        its AllBlocksCleared (which comes after every event of the requests already answered) returned."""
+        httpx.post(emu.url + "/emulator/reset", timeout=30).raise_for_status()
+        return self.read_until(lambda e: e["type"] == "AllBlocksCleared")[:-1]
 
     def close(self) -> None:
         self.sock.close()
@@ -49,9 +108,12 @@ class Subscriber:
 def subscriber() -> Iterator[Any]:
     subs: list[Subscriber] = []
 
-    def make(endpoint: str) -> Subscriber:
-        sub = Subscriber(endpoint)
+    def make(emu: Emulator) -> Subscriber:
+        """A subscriber to `emu`'s KV events that has joined: it gets every batch published after this."""
+        assert emu.kv_events_endpoint is not None
+        sub = Subscriber(emu.kv_events_endpoint)
         subs.append(sub)
+        sub.join(emu)
         return sub
 
     yield make

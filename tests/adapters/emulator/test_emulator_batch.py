@@ -80,11 +80,11 @@ def test_batch_answers_each_prompt_as_a_single_request_would(mixed: Emulator) ->
 
 def test_each_prompt_has_its_own_prefix_lookup_and_kv_events(mixed: Emulator, subscriber: Any) -> None:
     reset(mixed)
-    sub = subscriber(mixed.kv_events_endpoint)
+    sub = subscriber(mixed)
     post(mixed, {"prompt": P0, "max_tokens": 1})  # warms P0's two full blocks only
     again = post(mixed, {"prompt": [P0, P1], "max_tokens": 2})
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # P0's hit, summed with P1's 0
-    stored = [e for e in sub.events(timeout=2) if e["type"] == "BlockStored"]
+    stored = [e for e in sub.events_until_reset(mixed) if e["type"] == "BlockStored"]
     runs = sorted(tuple(e["token_ids"]) for e in stored)
     assert runs == sorted([tuple(P0[:32]), tuple(P1[:64])])  # P0 stored once; P1 in its own run
 

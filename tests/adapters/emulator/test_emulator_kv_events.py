@@ -45,10 +45,10 @@ def complete(emu: Emulator, tokens: list[int]) -> dict[str, Any]:
 
 
 def test_block_stored_wire_format_and_hashes(mixed: Emulator, subscriber: Any) -> None:
-    sub = subscriber(mixed.kv_events_endpoint)
+    sub = subscriber(mixed)
     tokens = prompt(1, 40)
     complete(mixed, tokens)
-    batches = sub.batches(timeout=3, until=1)
+    batches = sub.batches(until=1)
     assert batches, "no KV event batch arrived"
     topic, seq, batch = batches[0]
     assert topic == b"" and seq >= 0
@@ -64,13 +64,13 @@ def test_block_stored_wire_format_and_hashes(mixed: Emulator, subscriber: Any) -
 
 
 def test_shared_prefix_stores_only_new_blocks_with_parent(mixed: Emulator, subscriber: Any) -> None:
-    sub = subscriber(mixed.kv_events_endpoint)
+    sub = subscriber(mixed)
     base = prompt(2, 32)
     complete(mixed, base)
     longer = base + prompt(3, 20)
     body = complete(mixed, longer)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
-    events = [e for e in sub.events(timeout=1.5) if e["type"] == "BlockStored"]
+    events = [e for e in sub.events_until_reset(mixed) if e["type"] == "BlockStored"]
     assert len(events) == 2
     ids = vllm_event_ids(longer)
     assert events[1]["block_hashes"] == ids[2:3]
@@ -79,14 +79,21 @@ def test_shared_prefix_stores_only_new_blocks_with_parent(mixed: Emulator, subsc
 
 
 def test_lru_eviction_emits_block_removed(mixed: Emulator, subscriber: Any) -> None:
-    sub = subscriber(mixed.kv_events_endpoint)
+    sub = subscriber(mixed)
     # Capacity is 1,024 tokens = 64 blocks; five distinct 16-block prompts overflow it by 16.
     prompts = [prompt(10 + k, 16 * BLOCK + 1) for k in range(5)]
     for p in prompts:
         complete(mixed, p)
-    events = sub.events(timeout=1.5)
-    removed = [h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
-    assert sorted(removed) == sorted(vllm_event_ids(prompts[0]))
+    evicted = vllm_event_ids(prompts[0])
+    removed: list[int] = []
+
+    def all_removed(event: dict[str, Any]) -> bool:  # read up to the removal of the 16th block
+        if event["type"] == "BlockRemoved":
+            removed.extend(event["block_hashes"])
+        return len(removed) >= len(evicted)
+
+    events = sub.read_until(all_removed)  # no reset to end the read: the cache is checked below
+    assert sorted(removed) == sorted(evicted)
     assert all(e["medium"] == "GPU" for e in events if e["type"] == "BlockRemoved")
     # The evicted prefix is gone: its first request is a full miss again; the latest is still a hit.
     assert complete(mixed, prompts[0])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -94,11 +101,11 @@ def test_lru_eviction_emits_block_removed(mixed: Emulator, subscriber: Any) -> N
 
 
 def test_reset_announces_all_blocks_cleared(mixed: Emulator, subscriber: Any) -> None:
-    sub = subscriber(mixed.kv_events_endpoint)
+    sub = subscriber(mixed)
     tokens = prompt(4, 33)
     complete(mixed, tokens)
     httpx.post(mixed.url + "/emulator/reset").raise_for_status()
-    events = sub.events(timeout=1.5)
+    events = sub.read_until(lambda e: e["type"] == "AllBlocksCleared")
     assert [e["type"] for e in events] == ["BlockStored", "AllBlocksCleared"]
     assert complete(mixed, tokens)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 

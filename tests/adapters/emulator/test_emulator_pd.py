@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.support.emulator import Emulator, start_emulator
+from tests.support.waiting import wait_for
 
 PROMPT = [(i * 13) % 250 for i in range(100)]  # 6 full blocks + 4 tokens
 # each test starts and stops two emulator processes; in CI this file runs beside the real-vLLM
@@ -77,22 +78,26 @@ def test_nixl_decode_uses_the_params_and_falls_back_without(nixl: tuple[Emulator
 
 def _run_decode(emu: Emulator, body: dict[str, Any], out: dict[str, Any]) -> None:
     out["body"] = post(emu, body, timeout=60)
-    out["done"] = time.monotonic()
+
+
+def _waiting_for_remote_kv(emu: Emulator) -> int:
+    return int(httpx.get(emu.url + "/emulator/state", timeout=30).json()["waiting_for_remote_kv"])
 
 
 def _decode_waits_for_prefill(p: Emulator, d: Emulator, d_body: dict[str, Any], p_body: dict[str, Any]) -> None:
+    """The decode leg, sent first, waits (as the emulator's own state shows) until its prefill has run,
+    then decodes on the KV that prefill made: every prompt token cached, none computed locally."""
     out: dict[str, Any] = {}
-    t0 = time.monotonic()
     thread = threading.Thread(target=_run_decode, args=(d, d_body, out))
     thread.start()
-    time.sleep(0.6)
-    assert "done" not in out, "decode answered before its prefill ran"
+    # the default remote_wait_s (120 s) keeps it waiting far longer than this poll can take
+    assert wait_for(lambda: _waiting_for_remote_kv(d) == 1), "the decode leg never waited for its prefill"
+    assert "body" not in out, "decode answered before its prefill ran"
     p_answer = post(p, p_body)
-    p_done = time.monotonic()
-    thread.join(timeout=30)
-    assert out["done"] >= p_done - 0.05 and out["done"] - t0 >= 0.6
+    thread.join(timeout=60)
     assert out["body"]["usage"]["completion_tokens"] == 4
-    assert out["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT)
+    assert out["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT)  # the prefill's KV
+    assert _waiting_for_remote_kv(d) == 0
     assert p_answer["usage"]["completion_tokens"] == 1
 
 
@@ -140,7 +145,9 @@ def test_decode_prefills_locally_when_the_prefill_never_comes() -> None:
         }
         t0 = time.monotonic()
         body = post(d, {"max_tokens": 2, "kv_transfer_params": d_params})
-        assert time.monotonic() - t0 >= 0.9
+        # a lower bound the emulator's own 1 s deadline sets: it waited before prefilling locally
+        # (no slowness of the machine can make this fail; only not waiting can)
+        assert time.monotonic() - t0 >= 1.0
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert body["usage"]["completion_tokens"] == 2
         # A decode leg whose client leaves while it waits for the prefill is aborted and recorded.
@@ -151,8 +158,7 @@ def test_decode_prefills_locally_when_the_prefill_never_comes() -> None:
                 timeout=0.3,
                 json={"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {**d_params, "transfer_id": "never-2"}},
             )
-        deadline = time.monotonic() + 5
-        while "left-waiting" not in httpx.get(d.url + "/emulator/cancelled").json()["request_ids"]:
-            assert time.monotonic() < deadline, "abort not recorded"
-            time.sleep(0.05)
+        assert wait_for(lambda: "left-waiting" in httpx.get(d.url + "/emulator/cancelled").json()["request_ids"]), (
+            "abort not recorded"
+        )
         assert httpx.get(d.url + "/emulator/state").json()["waiting_for_remote_kv"] == 0

@@ -8,7 +8,6 @@ a busy machine cannot stretch; how close wall-clock time comes to them is a benc
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 
 from adapters.emulator.profile import load_profile
 from tests.support.emulator import Emulator, modelled, start_emulator
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +75,6 @@ def _cancelled(emu: Emulator) -> list[str]:
     return list(httpx.get(emu.url + "/emulator/cancelled").json()["request_ids"])
 
 
-def _wait_for(predicate: object, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_stream_disconnect_aborts_and_is_recorded(real_time: Emulator) -> None:
     body = {"prompt": "disconnect me", "max_tokens": 2000, "stream": True}
     with (
@@ -96,8 +87,8 @@ def test_stream_disconnect_aborts_and_is_recorded(real_time: Emulator) -> None:
         state = httpx.get(real_time.url + "/emulator/state").json()
         assert state["running"] == 1
     # leaving the block closed the connection mid-stream
-    assert _wait_for(lambda: "gone-1" in _cancelled(real_time))
-    assert _wait_for(lambda: httpx.get(real_time.url + "/emulator/state").json()["running"] == 0)
+    assert wait_for(lambda: "gone-1" in _cancelled(real_time))
+    assert wait_for(lambda: httpx.get(real_time.url + "/emulator/state").json()["running"] == 0)
 
 
 def test_non_streamed_disconnect_is_recorded(real_time: Emulator) -> None:
@@ -108,5 +99,5 @@ def test_non_streamed_disconnect_is_recorded(real_time: Emulator) -> None:
             headers={"X-Request-ID": "gone-2"},
             timeout=0.3,
         )
-    assert _wait_for(lambda: "gone-2" in _cancelled(real_time))
-    assert _wait_for(lambda: httpx.get(real_time.url + "/emulator/state").json()["running"] == 0)
+    assert wait_for(lambda: "gone-2" in _cancelled(real_time))
+    assert wait_for(lambda: httpx.get(real_time.url + "/emulator/state").json()["running"] == 0)

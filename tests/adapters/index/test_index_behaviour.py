@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ from adapters.index.base import IndexLimits, KVIndex
 from adapters.index.memory import MemoryIndex
 from conductor.core.block_keys import XxhashKeys
 from conductor.core.types import CachedPrefix, Tier
+from tests.support.waiting import until
 
 KEYS = XxhashKeys(16, seed=3)
 
@@ -50,18 +50,58 @@ async def test_longest_leading_run_per_instance_with_tiers(make_index: Callable[
     assert (await idx.match([])).blocks == {}
 
 
-async def test_dispatch_guesses_expire_unless_confirmed(make_index: Callable[..., KVIndex]) -> None:
-    idx = make_index(IndexLimits(unconfirmed_ttl_s=0.3))
+class ManualClock:
+    """A clock the test moves: MemoryIndex(clock=...) reads it instead of time.monotonic."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_dispatch_guesses_expire_exactly_at_their_ttl() -> None:
+    clock = ManualClock()  # steps that are binary fractions: sums without rounding
+    idx = MemoryIndex(IndexLimits(unconfirmed_ttl_s=4.0), clock=clock)
     keys = prompt(3, 8)
     await idx.insert("p", keys, confirmed=False)
     await idx.insert("q", keys, confirmed=False)
     await idx.insert("p", keys[:5], confirmed=True)  # events confirm five blocks on p
+    clock.now += 3.75
     m = await idx.match(keys)
+    assert m.blocks == {"p": 8, "q": 8} and m.confirmed_blocks == {"p": 5}
+    await idx.insert("q", keys[:2], confirmed=False)  # a later dispatch renews q's first two guesses
+    clock.now += 0.25  # the TTL since the first inserts
+    m = await idx.match(keys)
+    assert m.blocks == {"p": 5, "q": 2}  # p's unconfirmed tail and q's older guesses are gone
+    assert m.confirmed_blocks == {"p": 5}
+    clock.now += 3.5
+    assert (await idx.match(keys)).blocks == {"p": 5, "q": 2}
+    clock.now += 0.25  # the TTL since the renewal
+    assert (await idx.match(keys)).blocks == {"p": 5}  # confirmed blocks never expire
+    assert (await idx.stats()).blocks == 5
+
+
+async def test_redis_dispatch_guesses_expire_by_the_servers_clock(redis_index_factory: Any) -> None:
+    """Redis keeps time itself (TIME), which no test moves: guesses written with an hour's TTL are
+    all there; written again (same prefix, another client) with a millisecond's, they go soon after."""
+    lasting = redis_index_factory(IndexLimits(unconfirmed_ttl_s=3600))
+    fleeting = redis_index_factory(IndexLimits(unconfirmed_ttl_s=0.001))
+    keys = prompt(3, 8)
+    await lasting.insert("p", keys, confirmed=False)
+    await lasting.insert("q", keys, confirmed=False)
+    await lasting.insert("p", keys[:5], confirmed=True)  # events confirm five blocks on p
+    m = await lasting.match(keys)
     assert m.blocks == {"p": 8, "q": 8}
     assert m.confirmed_blocks == {"p": 5}
-    await asyncio.sleep(0.45)
-    m = await idx.match(keys)
-    assert m.blocks == {"p": 5}  # q's guesses and p's unconfirmed tail are gone
+    await fleeting.insert("p", keys, confirmed=False)  # renewed guesses: a confirmed block stays confirmed
+    await fleeting.insert("q", keys, confirmed=False)
+
+    async def expired() -> bool:
+        return (await lasting.match(keys)).blocks == {"p": 5}  # q's guesses and p's unconfirmed tail are gone
+
+    assert await until(expired)
+    assert (await lasting.match(keys)).confirmed_blocks == {"p": 5}
 
 
 async def test_remove_by_tier_and_drop_instance(make_index: Callable[..., KVIndex]) -> None:

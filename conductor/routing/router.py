@@ -1,0 +1,192 @@
+"""Deciding where a request goes, and learning from how it went.
+
+`Router.decide` turns a prompt's analysis into the policy's view of the request (with the pulls
+it may choose, conductor/routing/pulls.py), asks the policy, logs and counts the decision, and
+raises the rejection's error when there is one. `observe` and `observe_prefill_leg` hand what a
+request taught back to the policy and the prompt analyzer; what the policy's predictors learn then
+goes to the sibling processes of `conductor serve --workers N`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.lesson_share import LessonShare, NoLessonShare
+from conductor.config.settings import Settings
+from conductor.core.capabilities import OnlineLearner, online_learner
+from conductor.core.decision_log import decision_log_record
+from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected
+from conductor.core.types import Decision, Observation, Policy, PrefillLeg, PrefillLegObserver, RequestView, Slo
+from conductor.fleet.instances import InstanceRegistry
+from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer
+from conductor.ops.metrics import GatewayMetrics
+from conductor.ops.tracing import Tracing, decision_attributes
+from conductor.routing.pulls import PullOffer, PullPlanner
+from policies.base import NO_INSTANCE
+
+log = logging.getLogger(__name__)
+decision_log = logging.getLogger("conductor.decisions")
+
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TBT_HEADER = "x-slo-tbt-ms"
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A request that passed admission: where it goes and what was predicted."""
+
+    decision: Decision
+    analysis: PromptAnalysis
+    view: RequestView
+    pulls: PullOffer  # the pulls offered to the policy (one is carried out if the decision pulls)
+
+
+class Router:
+    """The policy's side of the gateway: decide, and observe what happened."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: InstanceRegistry,
+        policy: Policy,
+        analyzer: PromptAnalyzer,
+        pulls: PullPlanner,
+        metrics: GatewayMetrics,
+        tracing: Tracing | None,
+        lessons: LessonShare,
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self.policy = policy
+        self._analyzer = analyzer
+        self._pulls = pulls
+        self._metrics = metrics
+        self._tracing = tracing
+        self._lessons = lessons
+        self._seq = itertools.count()
+        self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
+        self._leg_observer = policy if isinstance(policy, PrefillLegObserver) else None
+        # a policy that learns online (kvcache_aware's predictors) shares what it learns with the
+        # sibling processes and learns what they do; a policy without predictors has nothing to share
+        self.learner: OnlineLearner | None = online_learner(policy)
+        self._lesson_outbox = None
+        if self.learner is not None and not isinstance(lessons, NoLessonShare):
+            self._lesson_outbox = self.learner.record_lessons()
+
+    # ---- deciding ---------------------------------------------------------------------------
+    def slo_for(self, ttft_header: str | None, tbt_header: str | None) -> Slo:
+        """The request's SLOs: per-request headers (milliseconds) over the configured defaults."""
+        if not ttft_header and not tbt_header:
+            return self._default_slo
+        ttft = self._settings.slo.ttft_s
+        tbt = self._settings.slo.tbt_s
+        if ttft_header:
+            ttft = _slo_ms(SLO_TTFT_HEADER, ttft_header)
+        if tbt_header:
+            tbt = _slo_ms(SLO_TBT_HEADER, tbt_header)
+        return Slo(ttft_s=ttft, tbt_s=tbt)
+
+    def decide(
+        self,
+        request_id: str,
+        model: str,
+        max_tokens: int,
+        stream: bool,
+        slo: Slo,
+        analysis: PromptAnalysis,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Routed:
+        """Ask the policy; `exclude`: instances this request already failed on (a failover).
+        Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away."""
+        started = time.perf_counter()
+        offer = self._pulls.offer(analysis, exclude)
+        view = RequestView(
+            request_id=request_id,
+            seq=next(self._seq),
+            model=model,
+            prompt_tokens=analysis.prompt_tokens,
+            max_tokens=max_tokens,
+            block_size=self._settings.block_size,
+            block_keys=analysis.block_keys,
+            cached=analysis.cached,
+            store_cached_tokens=analysis.store_cached_tokens,
+            slo=slo,
+            stream=stream,
+            pull_sources=offer.sources,
+            queued_pull_sources=offer.queued,
+            staging_jumps_queue=offer.jumps_queue,
+        )
+        with self._tracing.child("conductor.decide") if self._tracing else contextlib.nullcontext() as span:
+            snapshot = self._registry.snapshot(exclude)
+            decision = self.policy.decide(view, snapshot)
+            self.policy.on_decided(view, snapshot, decision)
+            if span is not None:
+                span.set_attributes(decision_attributes(decision, view.prompt_tokens))
+        self._metrics.decision_time.observe(time.perf_counter() - started)
+        if decision_log.isEnabledFor(logging.INFO):
+            decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens)))
+        self._count(decision)
+        return Routed(decision, analysis, view, offer)
+
+    def _count(self, decision: Decision) -> None:
+        """The decision's metrics; a rejection raised as the error the client gets."""
+        rejection = decision.rejection
+        if rejection is not None:
+            self._metrics.rejections.labels(rejection.reason).inc()
+            if rejection.reason == NO_INSTANCE:
+                raise NoHealthyInstance(rejection.message)
+            raise Rejected(
+                rejection.message, reason=rejection.reason, retry_after_s=rejection.retry_after_s, retryable=rejection.retryable
+            )
+        self._metrics.decisions.labels(decision.policy, decision.prefill or "", decision.decode or "").inc()
+        if decision.predicted_ttft_s is not None:
+            self._metrics.predicted_ttft.observe(decision.predicted_ttft_s)
+
+    # ---- learning ---------------------------------------------------------------------------
+    def observe_prefill_leg(self, leg: PrefillLeg) -> None:
+        """Tell a PrefillLegObserver policy a prefill leg as soon as it answered (NIXL, before the
+        decode): its prefill model learns it a decode's length sooner than from the Observation."""
+        if self._leg_observer is not None:
+            self._teach(self._leg_observer.observe_prefill_leg, leg, leg.request_id)
+
+    def observe(self, routed: Routed, observation: Observation) -> None:
+        """Feed what happened back to the policy's predictors and the KV index."""
+        self._teach(self.policy.observe, observation, observation.request_id)
+        try:
+            self._analyzer.on_result(routed.analysis, routed.decision, observation)
+        except Exception:
+            log.exception("prompt analyzer failed on result of %s", observation.request_id)
+        if observation.cached_tokens is not None:
+            self._metrics.cached_tokens.labels("cached").inc(observation.cached_tokens)
+            self._metrics.cached_tokens.labels("computed").inc(max(0, observation.prompt_tokens - observation.cached_tokens))
+
+    def _teach(self, method: Callable[[Any], None], what: object, request_id: str) -> None:
+        """Hand the policy what a request taught; then what its predictors learned goes to the
+        sibling processes. A policy's learning bug must not fail the request that taught it."""
+        try:
+            method(what)
+        except Exception:
+            log.exception("policy %s failed to learn from %s of %s", self.policy.name, type(what).__name__, request_id)
+        if self._lesson_outbox:
+            self._lessons.publish(self._lesson_outbox)
+            self._lesson_outbox.clear()
+
+
+def _slo_ms(header: str, value: str) -> float:
+    """An SLO header's milliseconds as seconds: a finite positive number, else 400."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not math.isfinite(ms) or ms <= 0 or "_" in value:
+        raise BadRequest(f"{header} must be a positive number of milliseconds, got {value[:32]!r}", param=header)
+    return ms / 1000.0
