@@ -318,6 +318,9 @@ class HttpServerConnection(asyncio.Protocol):
         self._done_reading = True
         self._cancel_body_timer()
         refused, self._parsing = self._parsing, None
+        if refused is not None and refused.response_complete:  # answered before its body ended (a 413)
+            self._linger()
+            return
         extra = [b"retry-after: 1\r\n"] if status == 503 else []
         response = error_response(status, message, None, extra)
         if refused is not None and refused is self.exchange:

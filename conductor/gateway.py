@@ -15,6 +15,7 @@ from adapters.lesson_share import LessonShare, NoLessonShare
 from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
+from conductor.config.derived import kv_settings
 from conductor.config.settings import Settings
 from conductor.core.capabilities import local_prefill_enabled
 from conductor.core.errors import ConfigError
@@ -22,13 +23,13 @@ from conductor.core.types import Policy, Role
 from conductor.fleet.instances import InstanceRegistry
 from conductor.fleet.membership import Membership
 from conductor.kv.analysis import EstimatingAnalyzer, PromptAnalyzer, bind_prompt_bound
-from conductor.kv.analyzer import KVAwarenessSettings, KVEventsEndpoint, build_analyzer
+from conductor.kv.analyzer import build_analyzer
 from conductor.kv.prompt_bounds import PromptBound
 from conductor.ops.gc_freeze import GcFreezer
 from conductor.ops.metrics import GatewayMetrics, LessonMetrics
 from conductor.ops.tracing import Tracing
 from conductor.routing.deadlines import Deadlines
-from conductor.routing.pulls import PullPlanner, forwards_token_ids, peer_pull_possible
+from conductor.routing.pulls import PullPlanner
 from conductor.routing.relay import Relay
 from conductor.routing.request_path import InflightLimit, RequestPath
 from conductor.routing.router import Router
@@ -186,24 +187,6 @@ class Gateway:
         else:
             ok = counts["mixed"] >= 1
         return ok, counts
-
-
-def kv_settings(settings: Settings) -> KVAwarenessSettings:
-    """The KV-awareness options with what the gateway settings already say filled in: the block size,
-    each instance's KV events endpoint, and whether prompts may be forwarded as token ids (only with
-    the model's own tokenizer, unless asked: the built-in one's ids mean nothing to a real model)."""
-    kv = settings.kv
-    events = {
-        spec.name: KVEventsEndpoint(endpoint=spec.kv_events_endpoint, replay_endpoint=spec.kv_events_replay_endpoint)
-        for spec in settings.instances()
-        if spec.kv_events_endpoint and spec.name
-    }
-    update: dict[str, object] = {"block_size": settings.block_size, "kv_events": {**events, **kv.kv_events}}
-    if kv.index == "indexer" and kv.indexer_model is None and settings.models:
-        update["indexer_model"] = settings.models[0]  # the indexer checks it against the same `models`
-    update["forward_token_ids"] = forwards_token_ids(kv)
-    update["keep_token_ids"] = peer_pull_possible(settings)
-    return kv.model_copy(update=update)
 
 
 def _analyzer(settings: Settings, metrics: GatewayMetrics) -> PromptAnalyzer:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its sibling module
-from dashboard_model import RATE, Panel, Row, Target, dashboard, mean, quantile, rate, sel
+from dashboard_model import RATE, Panel, Row, Target, dashboard, mean, of_role, quantile, rate, sel
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,7 +57,8 @@ def _gateway_rows() -> tuple[Row, ...]:
                 ),
                 Panel(
                     "Success ratio",
-                    (Target(f"sum({ok}) / sum({rate('conductor_requests_total')})", "2xx"),),
+                    # no 2xx series at all while requests fail is 0%, not "No data"
+                    (Target(f"(sum({ok}) or vector(0)) / sum({rate('conductor_requests_total')})", "2xx"),),
                     "percentunit",
                     kind="stat",
                     width=4,
@@ -84,8 +85,8 @@ def _gateway_rows() -> tuple[Row, ...]:
                     "Upstream errors by instance and kind",
                     (Target(f"sum by (instance, kind) ({rate('conductor_upstream_errors_total')})", "{{instance}} {{kind}}"),),
                     "reqps",
-                    description='Failed legs to workers per second (connect, timeout, 5xx, ...). "No data" '
-                    "until a gateway sees its first error: the series is created then, not at start-up.",
+                    description="Failed legs to workers per second (connect, timeout, 5xx, ...). A series "
+                    "appears at an instance's first error; until a gateway has seen one the panel reads 0.",
                 ),
                 Panel(
                     "Decisions by prefill instance",
@@ -202,15 +203,27 @@ def _gateway_rows() -> tuple[Row, ...]:
             (
                 Panel(
                     "Queued prefill tokens per instance",
-                    (Target(f"sum by (instance) ({sel('conductor_instance_queued_prefill_tokens')})", "{{instance}}"),),
+                    (
+                        Target(
+                            f"sum by (instance) ({of_role(sel('conductor_instance_queued_prefill_tokens'), 'prefill|mixed')})",
+                            "{{instance}}",
+                        ),
+                    ),
                     "short",
-                    description="Prefill tokens in flight, all replicas.",
+                    description="Prefill tokens the gateway replicas have in flight on each prefill and mixed "
+                    "instance (decode instances, which never prefill for the gateway, are left out).",
                 ),
                 Panel(
                     "Running decodes per instance",
-                    (Target(f"sum by (instance) ({sel('conductor_instance_running_decodes')})", "{{instance}}"),),
+                    (
+                        Target(
+                            f"sum by (instance) ({of_role(sel('conductor_instance_running_decodes'), 'decode|mixed')})",
+                            "{{instance}}",
+                        ),
+                    ),
                     "short",
-                    description="Decode streams in flight, all replicas.",
+                    description="Decode streams the gateway replicas have in flight on each decode and mixed "
+                    "instance (prefill instances, which only prefill, are left out).",
                 ),
                 Panel(
                     "Instance health",
@@ -493,7 +506,9 @@ def _kv_events_row() -> Row:
                 "Prompt length mismatches",
                 (
                     Target(
-                        f"sum by (instance) ({rate('conductor_kv_prompt_length_mismatches_total')}) / "
+                        # an instance's mismatch series appears at its first mismatch: until then its share is 0
+                        f"(sum by (instance) ({rate('conductor_kv_prompt_length_mismatches_total')}) or "
+                        f"0 * sum by (instance) ({rate('conductor_kv_prompt_length_checks_total')})) / "
                         f"sum by (instance) ({rate('conductor_kv_prompt_length_checks_total')})",
                         "{{instance}}",
                     ),

@@ -5,6 +5,7 @@ tests/helm/test_dashboards.py against the metric names).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,21 @@ def mean(histogram: str) -> str:
     return f"sum({rate(histogram + '_sum')}) / sum({rate(histogram + '_count')})"
 
 
+def of_role(expr: str, roles: str) -> str:
+    """`expr`'s per-instance series kept for the instances whose role matches `roles` (a regex).
+
+    The gateway exports its per-instance gauges for every instance, whatever its role; the role
+    is a label of conductor_instance_healthy only. Grouped by (namespace, instance, role) that is
+    one series of value 1 per instance, however many gateway replicas report it, so the join is
+    many-to-one and the product keeps `expr`'s values."""
+    healthy = sel("conductor_instance_healthy", f'role=~"{roles}"')
+    return f"{expr} * on (namespace, instance) group_left (role) group by (namespace, instance, role) ({healthy})"
+
+
+# rate() / increase() of a counter: what such a panel plots is a count of events
+_COUNTER_RATE = re.compile(r"\b(?:rate|increase)\([a-zA-Z_:][a-zA-Z0-9_:]*_total\{")
+
+
 @dataclass(frozen=True)
 class Target:
     """One PromQL query of a panel. legend: Grafana legend format ({{label}} placeholders)."""
@@ -57,6 +73,15 @@ class Panel:
     height: int = 8
     stack: bool = False
     mappings: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def counts_events(self) -> bool:
+        """Every query a rate of counters (no ratio, no histogram): no series means nothing counted.
+
+        A labelled counter (by reason, by instance and kind) has no series until its first event,
+        so such a panel reads 0 when empty (Grafana's "no value"), never "No data", which looks
+        broken; a ratio or a quantile of nothing stays "No data": it has no value."""
+        return all(_COUNTER_RATE.search(t.expr) and " / " not in t.expr and not t.heatmap for t in self.targets)
 
     def __post_init__(self) -> None:
         # the description is the panel's help text in Grafana (the "i" by its title): an operator
@@ -127,6 +152,8 @@ def _panel_json(p: Panel, panel_id: int) -> dict[str, Any]:
             target["format"] = "heatmap"
         targets.append(target)
     defaults: dict[str, Any] = {"unit": p.unit}
+    if p.counts_events:
+        defaults["noValue"] = "0"
     if p.mappings:
         defaults["mappings"] = list(p.mappings)
     if p.kind == "timeseries":

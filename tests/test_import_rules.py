@@ -51,7 +51,7 @@ ROOM_ARROWS: dict[str, frozenset[str]] = {
     "fleet": frozenset({"config", "ops", "kv"}),
     "routing": frozenset({"config", "ops", "kv", "fleet"}),
     "server": _BELOW_SERVER,
-    "gateway": _BELOW_SERVER,
+    "gateway": _BELOW_SERVER | {"server"},  # the wiring builds the request path the server calls
     "indexer": frozenset({"config", "ops", "kv", "server", "cli"}),
     "demo": frozenset({"config", "ops", "server", "cli"}),
     "cli": frozenset({"config", "ops", "server", "top"}),
@@ -60,7 +60,7 @@ ROOM_ARROWS: dict[str, frozenset[str]] = {
 # the app factory and the serving loop build the wiring around the HTTP surface; the wiring checks
 # client keys with the server's constant-time ApiKeys (conductor/server/auth.py: hashlib, hmac, no room)
 ROOM_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
-    {("conductor.server.app", "gateway"), ("conductor.server.serving", "gateway"), ("conductor.gateway", "server")}
+    {("conductor.server.app", "gateway"), ("conductor.server.serving", "gateway")}
 )
 IO_LIBRARIES = frozenset(
     {

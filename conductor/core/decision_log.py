@@ -13,10 +13,15 @@ from typing import Any
 from conductor.core.types import CandidateScore, Decision
 
 
-def _num(x: float | None) -> float | None:
+def json_number(x: float | None) -> float | None:
+    """A figure as the decision log writes it: rounded to 6 places, None when not finite (JSON has
+    no infinity); conductor/routing/explain.py writes its figures so too, to compare equal."""
     if x is None or not math.isfinite(x):
         return None
     return round(x, 6)
+
+
+_num = json_number
 
 
 def _candidate(c: CandidateScore) -> dict[str, Any]:

@@ -167,7 +167,7 @@ class IndexerService:
     """
 
     def __init__(self, settings: Settings, *, registry: CollectorRegistry | None = None) -> None:
-        from conductor.gateway import kv_settings  # the gateway's own reading of `kv` (block size, endpoints)
+        from conductor.config.derived import kv_settings  # the gateway's own reading of `kv` (block size, endpoints)
 
         kv = kv_settings(settings)
         if kv.index == "indexer":  # the gateways' setting in a shared config file: never ask ourselves

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adapters.pd.base import Outgoing, PDProtocol, PrefixStager
+from conductor.config.derived import peer_pull_possible
 from conductor.config.settings import Settings
 from conductor.core.errors import ConfigError, UpstreamError
 from conductor.core.types import Decision, RequestView
 from conductor.fleet.instances import InstanceRegistry
 from conductor.kv.analysis import PromptAnalysis
-from conductor.kv.analyzer import KVAwarenessSettings
 from conductor.ops.metrics import GatewayMetrics
 from conductor.routing.peer_pull import peer_sources, pull_params
 from conductor.routing.readback import Offer, ReadbackTable, parse_decode_params, pull_sources, pull_tokens_for
@@ -247,22 +247,3 @@ class PullPlanner:
             return
         self.readback.record(prompt_keys, handle)
         self._metrics.readback.labels("recorded").inc()
-
-
-def peer_pull_possible(settings: Settings) -> bool:
-    """Whether prefill-to-prefill pulls can be staged at all: NIXL P/D, KV awareness on (block keys
-    say who holds what), and the gateway's token ids the workers' own (a model tokenizer, or
-    kv.forward_token_ids set): the staging request names the prefix by them."""
-    return (
-        settings.pd.peer_pull != "off"
-        and settings.disaggregated
-        and settings.pd.protocol == "nixl"
-        and settings.kv.enabled
-        and forwards_token_ids(settings.kv)
-    )
-
-
-def forwards_token_ids(kv: KVAwarenessSettings) -> bool:
-    """kv.forward_token_ids as set, else only with the model's own tokenizer (the built-in one's ids
-    mean nothing to a real model)."""
-    return kv.forward_token_ids if "forward_token_ids" in kv.model_fields_set else kv.tokenizer != "builtin"

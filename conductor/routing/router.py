@@ -2,7 +2,8 @@
 
 `Router.decide` turns a prompt's analysis into the policy's view of the request (with the pulls
 it may choose, conductor/routing/pulls.py), asks the policy, logs and counts the decision, and
-raises the rejection's error when there is one. `observe` and `observe_prefill_leg` hand what a
+raises the rejection's error when there is one; `propose` is its first half alone, the decision
+the policy would make now with nothing acted upon (what conductor/routing/explain.py shows). `observe` and `observe_prefill_leg` hand what a
 request taught back to the policy and the prompt analyzer; what the policy's predictors learn then
 goes to the sibling processes of `conductor serve --workers N`.
 """
@@ -10,7 +11,6 @@ goes to the sibling processes of `conductor serve --workers N`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -24,7 +24,16 @@ from conductor.config.settings import Settings
 from conductor.core.capabilities import OnlineLearner, online_learner
 from conductor.core.decision_log import decision_log_record
 from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected
-from conductor.core.types import Decision, Observation, Policy, PrefillLeg, PrefillLegObserver, RequestView, Slo
+from conductor.core.types import (
+    ClusterSnapshot,
+    Decision,
+    Observation,
+    Policy,
+    PrefillLeg,
+    PrefillLegObserver,
+    RequestView,
+    Slo,
+)
 from conductor.fleet.instances import InstanceRegistry
 from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer
 from conductor.ops.metrics import GatewayMetrics
@@ -47,6 +56,16 @@ class Routed:
     analysis: PromptAnalysis
     view: RequestView
     pulls: PullOffer  # the pulls offered to the policy (one is carried out if the decision pulls)
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """The policy's decision for a request and what it was decided on, not yet acted upon."""
+
+    decision: Decision
+    view: RequestView
+    snapshot: ClusterSnapshot
+    pulls: PullOffer
 
 
 class Router:
@@ -72,7 +91,7 @@ class Router:
         self._metrics = metrics
         self._tracing = tracing
         self._lessons = lessons
-        self._seq = itertools.count()
+        self._next_seq = 0  # RequestView.seq of the next decision
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
         self._leg_observer = policy if isinstance(policy, PrefillLegObserver) else None
         # a policy that learns online (kvcache_aware's predictors) shares what it learns with the
@@ -95,7 +114,7 @@ class Router:
             tbt = _slo_ms(SLO_TBT_HEADER, tbt_header)
         return Slo(ttft_s=ttft, tbt_s=tbt)
 
-    def decide(
+    def propose(
         self,
         request_id: str,
         model: str,
@@ -104,14 +123,16 @@ class Router:
         slo: Slo,
         analysis: PromptAnalysis,
         exclude: frozenset[str] = frozenset(),
-    ) -> Routed:
-        """Ask the policy; `exclude`: instances this request already failed on (a failover).
-        Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away."""
-        started = time.perf_counter()
+        *,
+        seq: int | None = None,
+    ) -> Proposal:
+        """What the policy decides for this request now, and nothing more: no sequence number taken
+        (`seq` None: the one the next decision will get), nothing remembered by the policy, logged
+        or counted. `decide` acts on it; conductor/routing/explain.py only shows it."""
         offer = self._pulls.offer(analysis, exclude)
         view = RequestView(
             request_id=request_id,
-            seq=next(self._seq),
+            seq=self._next_seq if seq is None else seq,
             model=model,
             prompt_tokens=analysis.prompt_tokens,
             max_tokens=max_tokens,
@@ -125,17 +146,34 @@ class Router:
             queued_pull_sources=offer.queued,
             staging_jumps_queue=offer.jumps_queue,
         )
+        snapshot = self._registry.snapshot(exclude)
+        return Proposal(self.policy.decide(view, snapshot), view, snapshot, offer)
+
+    def decide(
+        self,
+        request_id: str,
+        model: str,
+        max_tokens: int,
+        stream: bool,
+        slo: Slo,
+        analysis: PromptAnalysis,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Routed:
+        """Ask the policy; `exclude`: instances this request already failed on (a failover).
+        Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away."""
+        started = time.perf_counter()
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         with self._tracing.child("conductor.decide") if self._tracing else contextlib.nullcontext() as span:
-            snapshot = self._registry.snapshot(exclude)
-            decision = self.policy.decide(view, snapshot)
-            self.policy.on_decided(view, snapshot, decision)
+            proposal = self.propose(request_id, model, max_tokens, stream, slo, analysis, exclude, seq=seq)
+            decision, view = proposal.decision, proposal.view
+            self.policy.on_decided(view, proposal.snapshot, decision)
             if span is not None:
                 span.set_attributes(decision_attributes(decision, view.prompt_tokens))
         self._metrics.decision_time.observe(time.perf_counter() - started)
         if decision_log.isEnabledFor(logging.INFO):
             decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens)))
         self._count(decision)
-        return Routed(decision, analysis, view, offer)
+        return Routed(decision, analysis, view, proposal.pulls)
 
     def _count(self, decision: Decision) -> None:
         """The decision's metrics; a rejection raised as the error the client gets."""

@@ -221,7 +221,7 @@ def test_secrets_from_files_kubernetes_mounts(tmp_path) -> None:
 
 
 def test_an_indexer_index_needs_its_url_and_names_the_served_model() -> None:
-    from conductor.gateway import kv_settings
+    from conductor.config.derived import kv_settings
 
     with pytest.raises(ConfigError, match=r"kv\.indexer_url"):
         load_settings(environ={}, overrides={"mixed": ["http://m:1"], "kv": {"enabled": True, "index": "indexer"}})

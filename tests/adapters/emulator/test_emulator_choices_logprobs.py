@@ -83,6 +83,7 @@ def test_completions_batch_with_n_numbers_choices_prompt_major(client: httpx.Cli
 def test_streamed_n_matches_the_whole_answer(client: httpx.Client) -> None:
     request = {"prompt": [P0, P1], "n": 2, "max_tokens": 4}
     whole = post(client, "/v1/completions", request)
+    client.post("/emulator/reset").raise_for_status()  # the same cold cache for the stream
     chunks = stream(client, "/v1/completions", request)
     *tokens, last = chunks
     assert last["choices"] == [] and last["usage"] == whole["usage"]
@@ -99,6 +100,7 @@ def test_chat_n_streamed_opens_every_choice_with_its_role(client: httpx.Client) 
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
     assert len({c["message"]["content"] for c in whole["choices"]}) == 3
     assert whole["usage"]["completion_tokens"] == 9 and whole["usage"]["prompt_tokens"] == 11
+    client.post("/emulator/reset").raise_for_status()
     chunks = stream(client, "/v1/chat/completions", {"messages": CHAT, "n": 3, "max_tokens": 3})
     roles = [c["choices"][0] for c in chunks[:3]]
     assert [(r["index"], r["delta"]) for r in roles] == [(i, {"role": "assistant", "content": ""}) for i in range(3)]
