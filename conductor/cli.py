@@ -11,6 +11,7 @@ from typing import Any
 from conductor import __version__
 from conductor.core.cli_help import DefaultsHelpFormatter
 from conductor.core.errors import ConductorError, ConfigError
+from conductor.core.vllm_hash import HASH_ALGOS
 
 # optional packages a subcommand may need, and the extra that installs each
 OPTIONAL_PACKAGES = {"matplotlib": "plot", "mooncake": "mooncake", "vllm": "vllm", "uvloop": "uvloop", "opentelemetry": "otel"}
@@ -39,8 +40,38 @@ def _default(key: str) -> str:
     return "none" if value in (None, ()) else str(value)
 
 
+def _choices(key: str) -> list[str]:
+    """The values a Literal setting ("kv.index") allows, read from the settings model itself."""
+    from typing import get_args
+
+    from conductor.config.settings import Settings
+
+    model: Any = Settings
+    *groups, name = key.split(".")
+    for group in groups:
+        model = model.model_fields[group].annotation
+    return [str(v) for v in get_args(model.model_fields[name].annotation)]
+
+
+SERVE_DESCRIPTION = (
+    "Run the OpenAI-compatible gateway. With no --policy it schedules with Conductor's own policy "
+    "(kvcache_aware) and the KV-cache index on: prompts tokenized by the workers' /tokenize, the index fed "
+    "by the workers' KV events where an instance has a kv_events_endpoint, by the gateway's own dispatches "
+    "otherwise. `--policy round_robin --no-kv` routes without either."
+)
+SERVE_EPILOG = (
+    "An annotated config: examples/conductor.yaml in the repository; the installed package ships the same "
+    "file (conductor/data/conductor.yaml), written out by `conductor serve --print-example-config > "
+    "conductor.yaml`. Check a config before starting: `conductor serve --config conductor.yaml --check "
+    "[--probe]`."
+)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML settings file")
+    p.add_argument(
+        "--config",
+        help="YAML settings file (an annotated example: examples/conductor.yaml, or --print-example-config)",
+    )
     p.add_argument("--host", help=f"listen address (default: {_default('host')})")
     p.add_argument("--port", type=int, help=f"listen port (default: {_default('port')})")
     p.add_argument(
@@ -84,6 +115,58 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="gateway processes on --port, scheduling as one; more than one "
         f"needs --admin-port, worker i serving its /metrics on admin port + i (default: {_default('workers')})",
     )
+    _add_kv_args(p.add_argument_group("KV-cache awareness (the kv: settings)"))
+    checks = p.add_argument_group("checking instead of serving")
+    checks.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration (settings, policy and its options, key files, tokenizer, KV settings) "
+        "without binding a port or starting anything: exit 0 with a one-line summary, 2 with the error",
+    )
+    checks.add_argument(
+        "--probe",
+        action="store_true",
+        help="with --check (implied): also reach every worker (health, /v1/models, /tokenize, KV events "
+        "endpoint, block size): one line per instance, exit 1 if one failed",
+    )
+    checks.add_argument("--print-example-config", action="store_true", help="print the annotated example config and exit")
+
+
+def _add_kv_args(kv: argparse._ArgumentGroup) -> None:
+    kv.add_argument(
+        "--kv",
+        action=argparse.BooleanOptionalAction,
+        help="the KV-cache index the default policy places requests by; --no-kv: prompts only estimated "
+        f"(kv.enabled) (default: {'on' if _default('kv.enabled') == 'True' else 'off'})",
+    )
+    kv.add_argument(
+        "--tokenizer",
+        metavar="PATH_OR_URL",
+        help="auto (the workers' /tokenize, the built-in byte tokenizer where they serve none), worker, "
+        f"builtin, a local Hugging Face tokenizer dir, or a worker URL to ask (default: {_default('kv.tokenizer')})",
+    )
+    kv.add_argument(
+        "--block-size", type=int, help=f"tokens per KV block: the workers' --block-size (default: {_default('block_size')})"
+    )
+    kv.add_argument("--kv-index", choices=_choices("kv.index"), help=f"where the index lives (default: {_default('kv.index')})")
+    kv.add_argument("--redis-url", help=f"the KV index's Redis, --kv-index redis (default: {_default('kv.redis_url')})")
+    kv.add_argument("--indexer-url", help="a `conductor indexer`'s base URL, --kv-index indexer (default: none)")
+    kv.add_argument(
+        "--key-mode",
+        choices=_choices("kv.key_mode"),
+        help="block keys: the gateway's own xxhash chain (worker hashes translated from the events) or vLLM's "
+        f"hashes (default: {_default('kv.key_mode')})",
+    )
+    kv.add_argument(
+        "--hash-algo",
+        choices=HASH_ALGOS,
+        help="with --key-mode vllm: the workers' --prefix-caching-hash-algo "
+        f"(kv.vllm_hash_algo) (default: {_default('kv.vllm_hash_algo')})",
+    )
+    kv.add_argument(
+        "--hash-seed",
+        help="with --key-mode vllm: the PYTHONHASHSEED the workers run with (kv.vllm_hash_seed) (default: none)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -102,6 +185,17 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         "limits": _given(max_body_bytes=args.max_body_bytes),
         "logs": _given(level=args.log_level),
         "slo": _given(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt),
+        "block_size": args.block_size,
+        "kv": _given(
+            enabled=args.kv,
+            index=args.kv_index,
+            redis_url=args.redis_url,
+            indexer_url=args.indexer_url,
+            key_mode=args.key_mode,
+            vllm_hash_algo=args.hash_algo,
+            vllm_hash_seed=args.hash_seed,
+            **_tokenizer_flag(args.tokenizer),
+        ),
     }
     if args.prefill:
         overrides["prefill"] = [_prefill_arg(v) for v in args.prefill]
@@ -116,20 +210,38 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return load_settings(args.config, overrides=overrides)
 
 
+def _tokenizer_flag(value: str | None) -> dict[str, str | None]:
+    """--tokenizer: a worker's URL is "ask that worker's /tokenize"; anything else is kv.tokenizer."""
+    if value is not None and value.startswith(("http://", "https://")):
+        return {"tokenizer": "worker", "tokenizer_url": value}
+    return {"tokenizer": value}
+
+
 def _given(**flags: Any) -> dict[str, Any] | None:
     """The flags given (a group's fields), None when none was: a flag left out sets nothing."""
     given = {k: v for k, v in flags.items() if v is not None}
     return given or None
 
 
+def example_config() -> str:
+    """The annotated example config the package ships (examples/conductor.yaml in the repository)."""
+    from importlib.resources import files
+
+    return files("conductor").joinpath("data", "conductor.yaml").read_text(encoding="utf-8")
+
+
 def serve(args: argparse.Namespace) -> int:
     from conductor.ops.logs import configure_logging
-    from conductor.server import serving
+    from conductor.server import check, serving
 
+    if args.print_example_config:
+        sys.stdout.write(example_config())
+        return 0
+    if args.check or args.probe:
+        return check.run_check(lambda: settings_from_args(args), probe=args.probe)
     settings = settings_from_args(args)
     configure_logging(settings.logs.level, settings.logs.format, settings.logs.access_log)
-    if not settings.instances() and not settings.discovery.sources():
-        raise ConfigError("no instances: give --prefill/--decode or --mixed, discovery: sources (or a --config file)")
+    check.check_instances(settings)
     return serving.serve(settings)
 
 
@@ -184,6 +296,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[str, list[str], bool], int]]] = {
         "ingest every worker's KV events and answer cache look-ups (Mooncake RFC 1403 API)",
         _delegate("conductor.indexer.cli", "indexer_main"),
     ),
+    "explain": (
+        "show where a gateway would route a request now, and why",
+        _delegate("conductor.explain_cli", "explain_main"),
+    ),
 }
 
 
@@ -195,7 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"conductor {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full errors (import errors, tracebacks)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible gateway", formatter_class=DefaultsHelpFormatter))
+    serve_parser = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible gateway",
+        description=SERVE_DESCRIPTION,
+        epilog=SERVE_EPILOG,
+        formatter_class=DefaultsHelpFormatter,
+    )
+    add_serve_args(serve_parser)
     for name, (help_text, _) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     verbose = False

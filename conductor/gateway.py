@@ -11,11 +11,13 @@ import logging
 import os
 import socket
 
+from adapters.http1 import ResponseLimits
 from adapters.lesson_share import LessonShare, NoLessonShare
 from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
 from adapters.upstream import Timeouts, UpstreamPool
 from conductor.config.derived import kv_settings
+from conductor.config.keys import ApiKeys
 from conductor.config.settings import Settings
 from conductor.core.capabilities import local_prefill_enabled
 from conductor.core.errors import ConfigError
@@ -33,7 +35,6 @@ from conductor.routing.pulls import PullPlanner
 from conductor.routing.relay import Relay
 from conductor.routing.request_path import InflightLimit, RequestPath
 from conductor.routing.router import Router
-from conductor.server.auth import ApiKeys
 from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,11 @@ class Gateway:
         self.tracing = tracing or Tracing.from_settings(
             settings.tracing.otlp_endpoint, settings.tracing.sample_ratio, settings.tracing.service_name
         )
+        limits = settings.limits
         self.pool = UpstreamPool(
             Timeouts(connect_s=settings.timeouts.connect_s, read_s=settings.timeouts.read_s),
-            settings.limits.max_connections_per_upstream,
+            limits.max_connections_per_upstream,
+            limits=ResponseLimits(limits.max_upstream_head_bytes, limits.max_upstream_headers, limits.max_upstream_body_bytes),
         )
         self.registry = InstanceRegistry(settings, self.pool, load_share or _load_share(settings, self.metrics))
         for name in self.registry.states:  # series at 0 from the start, so rate() and alerts see them
@@ -88,7 +91,7 @@ class Gateway:
         self.deadlines = Deadlines(settings.timeouts.request_s)  # timeouts.request_s, swept (conductor/routing/deadlines.py)
         self.inflight = InflightLimit(settings.limits.max_inflight_requests)  # admission to last byte
         self.api_keys = settings.auth.client_keys()  # read once: a key file is checked at start-up
-        self.client_keys = ApiKeys(self.api_keys)  # compared in constant time (conductor/server/auth.py)
+        self.client_keys = ApiKeys(self.api_keys)  # compared in constant time (conductor/config/keys.py)
         self.upstream_key = settings.auth.upstream_key()
         # instances joining and leaving at run time (DNS, admin API)
         self.membership = Membership(

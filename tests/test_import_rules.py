@@ -57,8 +57,7 @@ ROOM_ARROWS: dict[str, frozenset[str]] = {
     "cli": frozenset({"config", "ops", "server", "top"}),
     "top": frozenset({"cli"}),
 }
-# the app factory and the serving loop build the wiring around the HTTP surface; the wiring checks
-# client keys with the server's constant-time ApiKeys (conductor/server/auth.py: hashlib, hmac, no room)
+# the app factory and the serving loop build the wiring around the HTTP surface
 ROOM_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
     {("conductor.server.app", "gateway"), ("conductor.server.serving", "gateway")}
 )

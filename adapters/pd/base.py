@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
@@ -21,7 +21,10 @@ _decode = msgspec.json.Decoder().decode
 
 # Fields that only make sense for the leg that generates tokens; vLLM's toy proxy strips them from
 # the prefill leg (a 1-token prefill cannot honour a minimum length).
-DECODE_ONLY_FIELDS = ("min_tokens", "min_completion_tokens", "stream_options")
+# sampling the prefill leg must not do: its one token is thrown away, so logprobs are wasted work, and
+# more than one choice would start child requests whose KV holds no decode ever reads (vLLM answers
+# only the first prompt's kv_transfer_params; the others stay pinned until the connector's timeout)
+DECODE_ONLY_FIELDS = ("min_tokens", "min_completion_tokens", "stream_options", "logprobs", "top_logprobs", "best_of")
 
 
 def encode_json(obj: Any) -> bytes:
@@ -61,6 +64,16 @@ class Outgoing:
     # kv_transfer_params the prefill leg adds to its usual ones: a pull the decision planned (NIXL
     # readback of a decode's pinned KV, conductor/routing/readback.py); None: no pull
     pull: Mapping[str, Any] | None = None
+    # headers of one leg ("prefill", or "decode": the leg that answers the client) on top of
+    # `headers`, asked as that leg is sent: the gateway's trace context of the leg (its span starts
+    # then, conductor/ops/tracing.py); None: every leg sends `headers`
+    leg_headers: Callable[[str], Mapping[str, str]] | None = None
+
+    def headers_for(self, leg: str) -> Mapping[str, str]:
+        """The headers the `leg` ("prefill" or "decode") sends, asked once as it is sent."""
+        if self.leg_headers is None:
+            return self.headers
+        return {**self.headers, **self.leg_headers(leg)}
 
 
 @dataclass(slots=True)
@@ -161,6 +174,8 @@ def prefill_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any])
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if "n" in out:
+        out["n"] = 1
     return out
 
 
@@ -189,8 +204,9 @@ def check_leg(reply: UpstreamReply, target: Target, leg: str) -> Any:
 async def open_leg(target: Target, out: Outgoing, body: Mapping[str, Any]) -> Exchange:
     """Send the leg that answers the client: streamed or not, as the client asked."""
     data = encode_json(body)
+    headers = out.headers_for("decode")
     if out.stream:
-        stream = await target.upstream.open_stream(out.path, data, out.headers)
+        stream = await target.upstream.open_stream(out.path, data, headers)
         if stream.status >= 400:
             try:
                 payload = b"".join([c async for c in stream.chunks()])
@@ -198,7 +214,7 @@ async def open_leg(target: Target, out: Outgoing, body: Mapping[str, Any]) -> Ex
                 stream.close()
             raise leg_failed(target, "decode", stream.status, payload)
         return Exchange(stream=stream)
-    reply = await target.upstream.post(out.path, data, out.headers)
+    reply = await target.upstream.post(out.path, data, headers)
     if reply.status >= 500:  # a 4xx answer is relayed to the client as the worker wrote it
         raise leg_failed(target, "decode", reply.status, reply.body)
     return Exchange(reply=reply)

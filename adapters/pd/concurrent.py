@@ -26,7 +26,9 @@ async def concurrent_exchange(
 
     async def run_prefill() -> None:
         try:
-            reply = await prefill.upstream.post(out.path, encode_json(prefill_payload), prefill_headers or out.headers)
+            reply = await prefill.upstream.post(
+                out.path, encode_json(prefill_payload), prefill_headers or out.headers_for("prefill")
+            )
             answer = check_leg(reply, prefill, "prefill")
         except Exception as exc:
             if holder:  # the decode stream is already with the client: end it now

@@ -182,5 +182,5 @@ class MooncakeProtocol:
         p_body = prefill_body(out.body, self.schema.prefill(transfer_id, engine))
         d_body = dict(out.body)
         d_body["kv_transfer_params"] = self.schema.decode(transfer_id, engine, prefill)
-        headers = {**out.headers, **self.schema.prefill_headers(engine)}
+        headers = {**out.headers_for("prefill"), **self.schema.prefill_headers(engine)}
         return await concurrent_exchange(out, prefill, p_body, decode, d_body, prefill_headers=headers)

@@ -40,5 +40,8 @@ def peer_pull_possible(settings: Settings) -> bool:
 
 def forwards_token_ids(kv: KVAwarenessSettings) -> bool:
     """kv.forward_token_ids as set, else only with the model's own tokenizer (the built-in one's ids
-    mean nothing to a real model)."""
-    return kv.forward_token_ids if "forward_token_ids" in kv.model_fields_set else kv.tokenizer != "builtin"
+    mean nothing to a real model). Not with "auto": which tokenizer it ends up with is known only
+    once a worker answers (it may fall back to the built-in one), so prompts go on as text."""
+    if "forward_token_ids" in kv.model_fields_set:
+        return kv.forward_token_ids
+    return kv.tokenizer not in ("builtin", "auto")

@@ -113,6 +113,9 @@ class TimeoutSettings(_Model):
     # reuses a connection the server is closing at that moment loses its request ("server
     # disconnected"), which uvicorn's 5 s default makes routine under load. nginx's keepalive_timeout
     keep_alive_s: float = Field(default=75.0, gt=0)
+    # a client's request body, from its head to its last byte: past it, 408 (a trickled body holds a
+    # connection and a buffer; the keep-alive bound above only catches a body that goes silent)
+    request_body_s: float = Field(default=60.0, gt=0)
 
 
 class LimitSettings(_Model):
@@ -129,6 +132,16 @@ class LimitSettings(_Model):
     # None: the context length the workers report (max_model_len in /v1/models), 131072 if none does;
     # a value here caps that
     max_prompt_tokens: int | None = Field(default=None, gt=0)
+    # what a worker's answer may bring (adapters/http1_conn.py): its head in bytes and header lines,
+    # and a body read whole (a stream is relayed piece by piece, each piece bounded); past one, the
+    # leg fails as a 502 and the connection is dropped
+    max_upstream_head_bytes: int = Field(default=64 * 1024, gt=0)
+    max_upstream_headers: int = Field(default=256, gt=0)
+    max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # client connections per server (public and admin apart): past it, 503 and close
+    max_client_connections: int = Field(default=10_000, gt=0)
+    # requests one connection may have parsed ahead of the one being answered: past it, 503 and close
+    max_pipelined_requests: int = Field(default=32, gt=0)
 
 
 class OutlierSettings(_Model):

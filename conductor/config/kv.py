@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -17,7 +17,7 @@ from conductor.core.memory_budgets import DEFAULT_INDEX_BUDGET_BYTES, DEFAULT_MA
 from conductor.core.mooncake_naming import MooncakeStoreSettings
 from conductor.core.prefix_memo import DEFAULT_MAX_ENTRIES
 from conductor.core.types import Role
-from conductor.core.vllm_hash import DEFAULT_NONE_HASH_SEED, seed_is_reproducible
+from conductor.core.vllm_hash import DEFAULT_NONE_HASH_SEED, HASH_ALGOS, seed_is_reproducible
 
 # the analyzer's logger: these start-up warnings belong with the ones it logs later
 log = logging.getLogger(__name__)
@@ -25,6 +25,20 @@ log = logging.getLogger(__name__)
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EventBounds(TypedDict):
+    """What one KV-event publisher may send (KVAwarenessSettings.events_*), as keyword arguments."""
+
+    max_message_bytes: int
+    max_seq_jump: int
+    slice_blocks: int
+    log_interval_s: float
+
+
+DEFAULT_EVENT_BOUNDS = EventBounds(
+    max_message_bytes=32 * 1024 * 1024, max_seq_jump=10_000, slice_blocks=4096, log_interval_s=10.0
+)
 
 
 class KVEventsEndpoint(_Model):
@@ -39,9 +53,14 @@ class KVEventsEndpoint(_Model):
 class KVAwarenessSettings(_Model):
     """Options of the KV-aware analyzer; nested in the gateway settings as `kv`."""
 
-    enabled: bool = False  # off: the gateway keeps its estimating analyzer
-    tokenizer: str = "builtin"  # "builtin" (byte-level), "worker" (POST /tokenize) or a local HF dir
-    tokenizer_url: str | None = None  # for "worker": defaults to the first prefill/mixed instance
+    # on by default: the gateway's own scheduling (policy kvcache_aware) places requests by what each
+    # worker has cached. Off (`--no-kv`): prompts are only estimated, no index, no KV event feeds
+    enabled: bool = True
+    # "auto": the workers' own POST /tokenize (vLLM serves it), the built-in byte tokenizer with a
+    # warning where the workers do not (adapters/auto_tokenizer.py); "worker": a worker's /tokenize,
+    # nothing else; "builtin" (UTF-8 bytes: the emulated workers'); or a local Hugging Face tokenizer dir
+    tokenizer: str = "auto"
+    tokenizer_url: str | None = None  # for "worker" and "auto": defaults to the prefill/mixed instances
     forward_token_ids: bool = True  # send completions prompts on as token ids (tokenized once)
     # keep each prompt's token ids in its analysis (set by the gateway for prefill-to-prefill pulls)
     keep_token_ids: bool = False
@@ -91,6 +110,24 @@ class KVAwarenessSettings(_Model):
     unconfirmed_ttl_s: Annotated[float, Field(gt=0)] = 30.0
     kv_events: Mapping[str, KVEventsEndpoint] = Field(default_factory=dict)  # instance id -> endpoint
     replay_timeout_s: float = 1.0
+    # what a KV-event publisher may send (adapters/kv_events.py): a message's bytes (ZMQ drops a bigger
+    # one before buffering it), how far its sequence number may jump before the jump is held until the
+    # feed confirms it, how many blocks are applied before the event loop gets a turn, and how often a
+    # bad message may be logged per instance (every one is counted)
+    events_max_message_bytes: int = Field(default=DEFAULT_EVENT_BOUNDS["max_message_bytes"], gt=0)
+    events_max_seq_jump: int = Field(default=DEFAULT_EVENT_BOUNDS["max_seq_jump"], gt=0)
+    events_slice_blocks: int = Field(default=DEFAULT_EVENT_BOUNDS["slice_blocks"], gt=0)
+    events_log_interval_s: float = Field(default=DEFAULT_EVENT_BOUNDS["log_interval_s"], gt=0)
+
+    def event_bounds(self) -> EventBounds:
+        """The bounds above as adapters.kv_events.EventSubscriber takes them."""
+        return EventBounds(
+            max_message_bytes=self.events_max_message_bytes,
+            max_seq_jump=self.events_max_seq_jump,
+            slice_blocks=self.events_slice_blocks,
+            log_interval_s=self.events_log_interval_s,
+        )
+
     # at start-up, apply everything each worker's replay socket still buffers (from seq 0), so a
     # gateway started after its workers knows what they cached (as far back as vLLM's buffer_steps)
     replay_on_start: bool = True
@@ -109,6 +146,8 @@ class KVAwarenessSettings(_Model):
     def _indexer_has_url(self) -> KVAwarenessSettings:
         if self.index == "indexer" and not self.indexer_url:
             raise ValueError("kv.index 'indexer' needs kv.indexer_url (the conductor indexer's base URL)")
+        if self.key_mode == "vllm" and self.vllm_hash_algo not in HASH_ALGOS:  # else a traceback at start-up
+            raise ValueError(f"kv.vllm_hash_algo must be one of {', '.join(HASH_ALGOS)}, not {self.vllm_hash_algo!r}")
         return self
 
     @field_validator("vllm_hash_seed", mode="before")

@@ -145,7 +145,9 @@ class Settings(_Model):
     # workers found by DNS at run time, beside the lists above (conductor/fleet/membership.py)
     discovery: DiscoverySettings = DiscoverySettings()
     models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
-    policy: str = "round_robin"
+    # Conductor's own scheduler (policies/kvcache_aware/): by predicted TTFT/TBT and what each worker
+    # has cached (kv: below). "round_robin" and the other registered policies are a setting away
+    policy: str = "kvcache_aware"
     policy_options: Mapping[str, Any] = Field(default_factory=dict)
     slo: SloSettings = SloSettings()
     default_max_tokens: int = 256  # assumed output length when a request sets none

@@ -21,7 +21,6 @@ install exposes no way to change its fleet.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -34,8 +33,9 @@ from pydantic import ValidationError
 
 from adapters.discovery import Discovered, DnsDiscovery, DnsResolver, DnsSource
 from adapters.pd.base import PDProtocol
+from conductor.config.keys import ApiKeys
 from conductor.config.settings import InstanceSpec, Settings
-from conductor.core.errors import BadRequest, ConductorError, Unauthorized
+from conductor.core.errors import BadRequest, ConductorError
 from conductor.core.types import Role
 from conductor.fleet.instances import InstanceRegistry, InstanceState, Origin
 from conductor.kv.analysis import PromptAnalyzer
@@ -75,6 +75,7 @@ class Membership:
         self.analyzer = analyzer
         self.metrics = metrics
         self.admin_keys = settings.auth.admin_keys()  # read once, like the client keys
+        self._admin = ApiKeys(self.admin_keys, what="admin API key")
         # DNS-found instances the API drained or removed, by name: kept out while DNS lists them
         self.overruled: set[str] = set()
         registry.listeners.append(self)
@@ -173,12 +174,7 @@ class Membership:
     def authorize(self, authorization: str | None) -> None:
         if not self.admin_keys:
             raise AdminDisabled("the admin API is disabled: configure auth.admin_api_keys or auth.admin_api_keys_file")
-        if not authorization or not authorization.startswith("Bearer "):
-            raise Unauthorized("missing admin API key: send 'Authorization: Bearer <key>'")
-        given = authorization[7:].strip().encode()
-        # compared in constant time: a key must not leak one character at a time
-        if not any(hmac.compare_digest(given, key.encode()) for key in self.admin_keys):
-            raise Unauthorized("invalid admin API key")
+        self._admin.check(authorization)  # constant time, any case of 'Bearer' (conductor/config/keys.py)
 
     async def add_from_api(self, body: Any) -> InstanceState:
         if not isinstance(body, dict):

@@ -211,6 +211,7 @@ class IndexerService:
                         context=self._ctx,
                         replay_timeout_s=kv.replay_timeout_s,
                         catch_up=kv.replay_on_start,
+                        **kv.event_bounds(),
                     )
                 )
         if not self.subscribers:

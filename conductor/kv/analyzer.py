@@ -25,6 +25,7 @@ from typing import Any
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from adapters.auto_tokenizer import AutoTokenizer
 from adapters.index.base import KVIndex, MemoryUse, PrefixMatch
 from adapters.index.feed import IndexFeeder, mapped_within
 from adapters.index.guarded import GuardedIndex
@@ -33,7 +34,7 @@ from adapters.index.metrics import register_kv_memory
 from adapters.kv_events import EventSubscriber
 from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
-from conductor.config.kv import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
+from conductor.config.kv import DEFAULT_EVENT_BOUNDS, EventBounds, KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
 from conductor.core.block_keys import BlockKeyScheme, VllmKeys, XxhashKeys, make_scheme
 from conductor.core.errors import BadRequest, ConductorError, ConfigError
 from conductor.core.prefix_memo import PrefixMemo
@@ -75,6 +76,7 @@ class KVAwareAnalyzer:
         zmq_context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 1.0,
         replay_on_start: bool = True,
+        event_bounds: EventBounds = DEFAULT_EVENT_BOUNDS,
         prefix_memo: PrefixMemo | None = None,
         keep_token_ids: bool = False,
         prompt_bound: PromptBound | None = None,
@@ -104,6 +106,7 @@ class KVAwareAnalyzer:
         self._index_failures = 0
         # for instances added at run time (add_instance): how their subscribers catch up
         self._replay_timeout_s, self._replay_on_start = replay_timeout_s, replay_on_start
+        self._event_bounds = event_bounds  # what a publisher may send (KVAwarenessSettings.event_bounds)
         self.collector: KVEventsCollector | None = None  # its lists follow membership changes
         self._started = False
 
@@ -115,7 +118,14 @@ class KVAwareAnalyzer:
             if self._ctx is None:  # no instance had events at start-up
                 self._ctx = zmq.asyncio.Context()
             subs = subscribers_for(
-                name, url, events, self.feeder, self._ctx, replay_timeout_s=self._replay_timeout_s, catch_up=self._replay_on_start
+                name,
+                url,
+                events,
+                self.feeder,
+                self._ctx,
+                replay_timeout_s=self._replay_timeout_s,
+                catch_up=self._replay_on_start,
+                bounds=self._event_bounds,
             )
             if self._started:  # else start() starts them with the others
                 await start_subscribers(subs)
@@ -272,6 +282,9 @@ class KVAwareAnalyzer:
 
 
 def _make_tokenizer(s: KVAwarenessSettings, instances: Sequence[InstanceInfo]) -> PromptTokenizer:
+    if s.tokenizer == "auto":  # the workers' /tokenize, or the byte tokenizer where they serve none
+        urls = [s.tokenizer_url] if s.tokenizer_url else [u for _, role, u in instances if role != Role.DECODE]
+        return AutoTokenizer(lambda: urls)
     if s.tokenizer == "builtin":
         return LocalTokenizer(ByteTokenizer())
     if s.tokenizer == "worker":
@@ -324,7 +337,14 @@ def build_analyzer(
     if ctx is not None:
         for iid, ep in s.kv_events.items():
             subscribers += subscribers_for(
-                iid, urls[iid], ep, feeder, ctx, replay_timeout_s=s.replay_timeout_s, catch_up=s.replay_on_start
+                iid,
+                urls[iid],
+                ep,
+                feeder,
+                ctx,
+                replay_timeout_s=s.replay_timeout_s,
+                catch_up=s.replay_on_start,
+                bounds=s.event_bounds(),
             )
     store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None
     setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
@@ -350,11 +370,15 @@ def build_analyzer(
         zmq_context=ctx,
         replay_timeout_s=s.replay_timeout_s,
         replay_on_start=s.replay_on_start,
+        event_bounds=s.event_bounds(),
         prefix_memo=_prefix_memo(s, scheme),
         keep_token_ids=s.keep_token_ids,
         prompt_bound=prompt_bound,
         max_chars_per_token=s.max_chars_per_token,
     )
+    if isinstance(analyzer.tokenizer, AutoTokenizer) and not s.tokenizer_url:  # workers that join later count too
+        live = analyzer.instances
+        analyzer.tokenizer.candidates = lambda: [u for _, role, u in live.values() if role != Role.DECODE]
     if s.index != "indexer":  # the feeds' evidence is the indexer's there, not ours
         agreement.set_evidence(analyzer.evidence)
     if registry is not None:

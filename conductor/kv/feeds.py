@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from adapters.index.feed import IndexFeeder
 from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
-from conductor.config.kv import KVEventsEndpoint
+from conductor.config.kv import EventBounds, KVEventsEndpoint
 from conductor.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ def subscribers_for(
     *,
     replay_timeout_s: float,
     catch_up: bool,
+    bounds: EventBounds,
 ) -> list[EventSubscriber]:
     """One subscriber per data-parallel rank of `instance` (rank r publishes on port + r)."""
     return [
@@ -51,6 +52,7 @@ def subscribers_for(
             context=context,
             replay_timeout_s=replay_timeout_s,
             catch_up=catch_up,
+            **bounds,
         )
         for rank in range(events.data_parallel_size)
     ]

@@ -20,6 +20,7 @@ from conductor.core.errors import UpstreamError, UpstreamTimeout
 from conductor.core.types import Observation
 from conductor.fleet.instances import InstanceRegistry
 from conductor.ops.metrics import GatewayMetrics
+from conductor.ops.tracing import LegSpans
 from conductor.routing.pulls import PullPlan
 from conductor.routing.router import Routed
 from conductor.routing.streams import StreamStats
@@ -72,7 +73,7 @@ class Attempt:
     cached_reported: int | None = None  # cached tokens the decode's answer reported
     decode_batch: int = 0  # other streams decoding on its decode instance when it joined
     decode_resident: int = 0  # their context tokens
-    started_ns: int = 0  # when its legs were sent (wall clock, for the trace)
+    legs: LegSpans | None = None  # its legs' spans, with tracing on (conductor/ops/tracing.py)
 
     def observation(self) -> Observation:
         """What the policy and the analyzer learn from it (conductor/routing/router.py, observe)."""

@@ -58,10 +58,11 @@ async def _exchange_all(protocol: PDProtocol, subs: list[Outgoing], d: Dispatch)
         raise
 
 
-async def _chunks(exchange: Exchange) -> AsyncIterator[bytes]:
+async def _chunks(relay: Relay, a: Attempt, exchange: Exchange) -> AsyncIterator[bytes]:
+    """One prompt's stream, its usage with the prefill's cached tokens (`Relay.client_usage`)."""
     assert exchange.stream is not None
     async for chunk in exchange.stream.chunks():
-        yield chunk
+        yield await relay.client_usage(a, exchange, chunk) if b'"cached_tokens"' in chunk else chunk
     if exchange.prefill_failed is not None:
         raise exchange.prefill_failed
 
@@ -89,19 +90,21 @@ async def _serve(relay: Relay, a: Attempt, bodies: list[dict[str, Any]], send: S
         raise
     relay.prefill_over(a)
     if not a.out.stream:
-        return await _relay_replies(a, send, client)
+        return await _relay_replies(relay, a, send, client)
     return await _relay_streams(relay, a, send, client)
 
 
-async def _relay_replies(a: Attempt, send: Send, client: ClientState) -> int:
-    """Every prompt's answer, merged into one; a worker's 4xx about one prompt as it wrote it."""
+async def _relay_replies(relay: Relay, a: Attempt, send: Send, client: ClientState) -> int:
+    """Every prompt's answer, merged into one (each with its prefill's cached tokens); a worker's
+    4xx about one prompt as it wrote it."""
     replies = [ex.reply for ex in a.exchanges]
     assert all(r is not None for r in replies)
     failed = next((r for r in replies if r is not None and r.status != 200), None)
     if failed is not None:
         status, payload, ctype = failed.status, failed.body, failed.content_type
     else:
-        status, payload, ctype = 200, merge_replies([r.body for r in replies if r is not None]), "application/json"
+        bodies = [await relay.client_usage(a, ex, ex.reply.body) for ex in a.exchanges if ex.reply is not None]
+        status, payload, ctype = 200, merge_replies(bodies), "application/json"
     await send_whole(send, client, a.out, status, ctype, payload)
     a.stats.first_token = asyncio.get_running_loop().time()
     a.ok = status == 200
@@ -112,7 +115,7 @@ async def _relay_streams(relay: Relay, a: Attempt, send: Send, client: ClientSta
     """Every prompt's stream, interleaved as their chunks arrive, choices numbered prompt by prompt."""
     options = a.out.body.get("stream_options")
     include_usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
-    streams = [_chunks(ex) for ex in a.exchanges]
+    streams = [_chunks(relay, a, ex) for ex in a.exchanges]
     merger = StreamMerger(streams, include_usage=include_usage, n=choices_per_prompt(a.out.body))
     await start_stream(send, client, a.out, 200, "text/event-stream")
     loop = asyncio.get_running_loop()

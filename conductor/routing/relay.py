@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from adapters.pd.base import Exchange, Outgoing, PDProtocol, cached_tokens_of, decode_json
 from conductor.config.settings import Settings
@@ -22,11 +22,11 @@ from conductor.core.types import PrefillLeg
 from conductor.fleet.instances import InstanceRegistry, InstanceState
 from conductor.kv.analysis import PromptAnalyzer
 from conductor.ops.metrics import GatewayMetrics
-from conductor.ops.tracing import Tracing
+from conductor.ops.tracing import Tracing, usage_attributes
 from conductor.routing.attempt import Attempt, Dispatch, count_failure
 from conductor.routing.pulls import PullPlanner
 from conductor.routing.router import Routed, Router
-from conductor.routing.streams import ClientState, Send, end_stream, send_whole, start_stream
+from conductor.routing.streams import ClientState, Send, end_stream, send_whole, start_stream, with_cached_tokens
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,14 @@ class Relay:
         request_id = out.request_id
         d = Dispatch(request_id, prefill, decode, decode.name if decode else prefill.name, plan, local)
         predicted = plan.predicted_cached
+        legs = None
+        if self.tracing is not None:  # each leg's span starts as the protocol sends it
+            legs = self.tracing.legs({"prefill": prefill.name, "decode": d.decode_name}, one_leg=decode is None)
+            out = replace(out, leg_headers=legs.headers)
         self.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted)
         self.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
         await self.analyzer.on_dispatch(analysis, decision)
-        return Attempt(routed, out, d, arrived, predicted, batched=batched)
+        return Attempt(routed, out, d, arrived, predicted, batched=batched, legs=legs)
 
     async def run(self, a: Attempt, serve: Callable[[Attempt], Awaitable[int]]) -> int:
         """Serve a dispatched attempt; the HTTP status sent. Raises UpstreamError when a leg fails
@@ -108,8 +112,8 @@ class Relay:
             raise
         finally:
             a.dispatch.end(self.registry)
-            if self.tracing is not None and not a.batched:
-                self._trace_legs(a)
+            if self.tracing is not None:
+                self._trace(a, self.tracing)
             self.router.observe(a.routed, a.observation())
 
     def count_failure(self, exc: UpstreamError) -> None:
@@ -132,7 +136,6 @@ class Relay:
         joined = self.registry.states[d.decode_name]  # the others already decoding there (this replica's)
         others = [s for rid, s in joined.decodes.items() if rid != d.request_id]
         a.decode_batch, a.decode_resident = len(others), sum(s.context_tokens for s in others)
-        a.started_ns = time.time_ns()
         exchange = await self._open(a)
         a.exchanges.append(exchange)
         if exchange.prefill_s is not None:  # sequential prefill (nixl) is over
@@ -167,7 +170,8 @@ class Relay:
         """A non-streamed answer, as the worker wrote it (the decode's readback params taken off)."""
         reply = exchange.reply
         assert reply is not None
-        await send_whole(send, client, a.out, reply.status, reply.content_type, reply.body)
+        body = await self.client_usage(a, exchange, reply.body) if reply.status == 200 else reply.body
+        await send_whole(send, client, a.out, reply.status, reply.content_type, body)
         a.stats.first_token = asyncio.get_running_loop().time()
         if reply.status == 200:
             try:
@@ -178,8 +182,10 @@ class Relay:
             if exchange.decode_kv_params is not None:
                 self.pulls.keep(a.dispatch.decode_name, a.routed.analysis.block_keys, exchange.decode_kv_params)
             usage = answer.get("usage") if isinstance(answer, dict) else None
-            prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-            a.stats.usage_prompt_tokens = prompt_tokens if type(prompt_tokens) is int else None
+            if isinstance(usage, dict):
+                prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                a.stats.usage_prompt_tokens = prompt_tokens if type(prompt_tokens) is int else None
+                a.stats.usage_completion_tokens = completion_tokens if type(completion_tokens) is int else None
         a.ok = reply.status == 200
         return reply.status
 
@@ -208,6 +214,8 @@ class Relay:
                 registry.advance_decode(decode_name, request_id, unaccounted)
                 unaccounted = 0
             client.response_done = client.response_done or stats.done
+            if b'"cached_tokens"' in chunk:  # the usage: the prefill's cached tokens, not the decode's
+                chunk = await self.client_usage(a, exchange, chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         if exchange.prefill_failed is not None and not stats.done:
             raise exchange.prefill_failed  # the decode was cut because its KV never came
@@ -215,6 +223,21 @@ class Relay:
         a.cached_reported = stats.usage_cached_tokens
         a.ok = True
         return upstream.status
+
+    async def client_usage(self, a: Attempt, exchange: Exchange, data: bytes) -> bytes:
+        """`data` (an answer, or a chunk of one) with the usage's cached tokens the prefill leg's.
+        A P/D decode computed nothing of the prompt: it counts every prompt token it received over
+        the KV transfer as cached, so its figure says 100% on any prompt; the prefill's says what
+        its prefix cache (and a pull) saved. A concurrent prefill (mooncake, sglang) still out is
+        waited for a bounded time; when the prefill told none, the answer is left as it is."""
+        d = a.dispatch
+        if d.decode is None or b'"cached_tokens"' not in data:
+            return data  # one leg: the worker's own figure is the answer's
+        running = [task for task in exchange.pending if not task.done()]
+        if exchange.prefill_cached_tokens is None and running:
+            await asyncio.wait(running, timeout=min(PREFILL_SETTLE_S, self.settings.timeouts.read_s))
+        cached = exchange.prefill_cached_tokens
+        return data if cached is None else with_cached_tokens(data, cached)
 
     # ---- after the answer -------------------------------------------------------------------
     async def _settle(self, exchange: Exchange, prefill: str) -> None:
@@ -226,25 +249,16 @@ class Relay:
         if not await exchange.settle(timeout) or exchange.prefill_failed is not None:
             self.metrics.late_prefill_failures.labels(prefill).inc()
 
-    def _trace_legs(self, a: Attempt) -> None:
-        """The legs as spans, timed from what the exchange measured: sequential (nixl) prefill then
-        decode; concurrent (mooncake, sglang) both from dispatch; mixed: one leg."""
-        assert self.tracing is not None
-        end = time.time_ns()
-        exchange = a.exchanges[0] if a.exchanges else None
-        prefill_s = exchange.prefill_s if exchange is not None else None
-        started_ns = a.started_ns or end  # 0: it ended before its legs were sent (staging)
-        prefill_end = started_ns + int(prefill_s * 1e9) if prefill_s is not None else end
-        concurrent = self.protocol.name in ("mooncake", "sglang")
-        decode = a.dispatch.decode.name if a.dispatch.decode else None
-        self.tracing.leg(
-            "conductor.prefill_leg" if decode else "conductor.leg",
-            a.dispatch.prefill.name,
-            started_ns,
-            prefill_end if decode else end,
-            {"conductor.ok": a.ok, "conductor.prefill_s": prefill_s},
-        )
-        if decode is not None:
-            self.tracing.leg(
-                "conductor.decode_leg", decode, started_ns if concurrent else prefill_end, end, {"conductor.ok": a.ok}
-            )
+    @staticmethod
+    def _trace(a: Attempt, tracing: Tracing) -> None:
+        """Its legs' spans ended (a sequential prefill leg when it answered) and what it served on
+        the request's span: tokens in and out, and the TTFT of a stream."""
+        if a.legs is not None:
+            prefill_s = a.exchanges[0].prefill_s if len(a.exchanges) == 1 else None
+            a.legs.end(a.ok, prefill_s)
+        stats = a.stats
+        prompt_tokens = stats.usage_prompt_tokens or a.routed.analysis.prompt_tokens
+        output_tokens = stats.usage_completion_tokens if stats.usage_completion_tokens is not None else stats.tokens
+        streamed = a.out.stream and stats.first_token is not None
+        ttft_s = stats.first_token - a.arrived if streamed and stats.first_token is not None else None
+        tracing.annotate(usage_attributes(prompt_tokens, output_tokens if a.ok else None, ttft_s))

@@ -3,9 +3,10 @@
 `Router.decide` turns a prompt's analysis into the policy's view of the request (with the pulls
 it may choose, conductor/routing/pulls.py), asks the policy, logs and counts the decision, and
 raises the rejection's error when there is one; `propose` is its first half alone, the decision
-the policy would make now with nothing acted upon (what conductor/routing/explain.py shows). `observe` and `observe_prefill_leg` hand what a
-request taught back to the policy and the prompt analyzer; what the policy's predictors learn then
-goes to the sibling processes of `conductor serve --workers N`.
+the policy would make now with nothing acted upon (what conductor/routing/explain.py shows).
+`observe` and `observe_prefill_leg` hand what a request taught back to the policy and the prompt
+analyzer; what the policy's predictors learn then goes to the sibling processes of
+`conductor serve --workers N`.
 """
 
 from __future__ import annotations

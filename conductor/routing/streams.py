@@ -78,6 +78,12 @@ class StreamStats:
         return 0
 
 
+def with_cached_tokens(data: bytes, cached: int) -> bytes:
+    """An answer or SSE chunk with every `"cached_tokens": N` it carries set to `cached`. Only a
+    key matches: the same words inside generated text are JSON-escaped (`\\"cached_tokens\\"`)."""
+    return _CACHED_RE.sub(b'"cached_tokens":%d' % cached, data)
+
+
 def id_headers(out: Outgoing) -> list[tuple[bytes, bytes]]:
     return [(b"x-request-id", out.client_request_id.encode())]
 

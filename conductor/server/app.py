@@ -26,14 +26,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
+from conductor.config.keys import ApiKeys
 from conductor.core.capabilities import ReportsPredictionErrors
 from conductor.core.errors import ConfigError
 from conductor.fleet.membership import admin_routes
 from conductor.gateway import Gateway
 from conductor.server import errors as http_errors
-from conductor.server.auth import ApiKeys
 from conductor.server.docs import OPENAI_ROUTES, PASS_THROUGH_ROUTES, Guard, docs_routes, install_openapi, openapi_document
 from conductor.server.endpoint import CompletionsEndpoint
+from conductor.server.explain_route import explain_routes
 
 
 class FastPath:
@@ -177,6 +178,7 @@ def create_app(gateway: Gateway) -> FastPath:
         app.include_router(_metrics_route(gateway, None if gateway.settings.auth.public_metrics else guard))
         app.include_router(docs_routes(app.openapi, guard))
         app.include_router(admin_routes(gateway.membership))  # no admin port: the admin API is here
+        app.include_router(explain_routes(gateway.request_path, gateway.membership.authorize))
     return FastPath(app, hot, gateway)
 
 
@@ -188,6 +190,7 @@ def create_admin_app(gateway: Gateway, public: FastPath) -> FastAPI:
     app.include_router(_health_routes(gateway))
     app.include_router(_metrics_route(gateway))
     app.include_router(admin_routes(gateway.membership))
+    app.include_router(explain_routes(gateway.request_path, gateway.membership.authorize))
     install_openapi(app, lambda: openapi_document(public.app, secured=bool(gateway.api_keys)))
     app.include_router(docs_routes(app.openapi))
     return app

@@ -28,6 +28,7 @@ from conductor.core.errors import (
 from conductor.core.types import Slo
 from conductor.kv.analysis import PromptAnalysis, vocab_size_of
 from conductor.ops.logs import log_access
+from conductor.ops.tracing import OPERATIONS, request_attributes
 from conductor.routing.attempt import failover_reason, for_client
 from conductor.routing.batch_relay import run_batch_attempt
 from conductor.routing.batching import split_prompts
@@ -95,7 +96,7 @@ _READ_HEADERS = frozenset(
 class _Call:
     """One request on its way through the endpoint."""
 
-    __slots__ = ("arrived", "client", "client_id", "headers", "request_id", "task")
+    __slots__ = ("arrived", "client", "client_id", "headers", "request_id", "span", "task")
 
     def __init__(self, headers: dict[str, str], task: asyncio.Task[Any]) -> None:
         self.headers = headers
@@ -106,6 +107,7 @@ class _Call:
         self.client = ClientState()
         self.task = task
         self.arrived = 0.0
+        self.span: Any = None  # the request's span, with tracing on
 
 
 class CompletionsEndpoint:
@@ -127,18 +129,27 @@ class CompletionsEndpoint:
         call = _Call(headers, task)
         extensions = scope.get("extensions")
         on_disconnect = extensions.get("conductor.on_disconnect") if extensions else None
+        if tracing is None:
+            await self._call(call, receive, send, on_disconnect)
+            return
+        server = scope.get("server")  # (host, port); (path, None) on a unix socket
+        address = (str(server[0]), int(server[1])) if server and server[1] is not None else None
+        with tracing.request(headers, self.path, call.request_id, operation=OPERATIONS[self.kind], server=address) as span:
+            span.set_attribute("conductor.client_request_id", call.client_id)
+            call.span = span
+            tracing.request_ended(span, await self._call(call, receive, send, on_disconnect))
+
+    async def _call(
+        self, call: _Call, receive: Receive, send: Send, on_disconnect: Callable[[Callable[[], None]], None] | None
+    ) -> int:
+        """Serve the call; the HTTP status it ended with (499: the client left)."""
         try:
-            if tracing is None:
-                await self._serve(call, receive, send, on_disconnect)
-            else:
-                with tracing.request(headers, self.path, call.request_id) as span:
-                    span.set_attribute("conductor.client_request_id", call.client_id)
-                    await self._serve(call, receive, send, on_disconnect)
+            return await self._serve(call, receive, send, on_disconnect)
         except asyncio.CancelledError:
             if not call.client.disconnected:
                 raise
             # We cancelled ourselves because the client left: that is a normal end.
-            task.uncancel()
+            call.task.uncancel()
             self.parts.metrics.cancelled.inc()
             self.parts.metrics.requests.labels(self.path, "499").inc()
             log_access(
@@ -149,16 +160,19 @@ class CompletionsEndpoint:
                 prefill=call.client.prefill,
                 decode=call.client.decode,
             )
+            return 499
 
     async def _serve(
         self, call: _Call, receive: Receive, send: Send, on_disconnect: Callable[[Callable[[], None]], None] | None
-    ) -> None:
+    ) -> int:
         loop = asyncio.get_running_loop()
         call.arrived = loop.time()
         watcher: asyncio.Task[None] | None = None
         status = 200
         try:
             body = await self._read(call, receive)
+            if call.span is not None:
+                call.span.set_attributes(request_attributes(body))
             call.client.watching = True
             if on_disconnect is not None:  # the gateway's own server tells; no task needed
                 on_disconnect(functools.partial(_client_left, call.task, call.client))
@@ -187,6 +201,7 @@ class CompletionsEndpoint:
             prefill=call.client.prefill,
             decode=call.client.decode,
         )
+        return status
 
     async def _read(self, call: _Call, receive: Receive) -> dict[str, Any]:
         """The client's body, authorized, read under the size limit and validated."""

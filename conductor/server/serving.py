@@ -65,6 +65,7 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
     import uvicorn
 
     from adapters.http1_server import HttpServerConnection
+    from adapters.http1_server_limits import ServerLimits
     from conductor.server.app import create_app
 
     return uvicorn.Config(
@@ -76,7 +77,13 @@ def uvicorn_config(settings: Settings, gateway: Gateway) -> uvicorn.Config:
         # protocol (adapters/http1_server.py: one write per non-streamed answer, no watcher task)
         access_log=False,
         loop="auto",
-        http=HttpServerConnection,
+        http=HttpServerConnection.with_limits(
+            ServerLimits(
+                max_connections=settings.limits.max_client_connections,
+                body_timeout_s=settings.timeouts.request_body_s,
+                max_pipelined=settings.limits.max_pipelined_requests,
+            )
+        ),
         lifespan="on",
         # nothing reads the client's address, so uvicorn's X-Forwarded-For rewriting (a middleware
         # every request passes through) is left out

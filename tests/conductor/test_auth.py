@@ -1,4 +1,4 @@
-"""Client keys (conductor/server/auth.py): the Bearer scheme in any case, every key compared in
+"""Client keys (conductor/config/keys.py): the Bearer scheme in any case, every key compared in
 constant time; and through a real gateway."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import hmac
 import httpx
 import pytest
 
+from conductor.config.keys import ApiKeys, bearer_token
 from conductor.core.errors import Unauthorized
-from conductor.server.auth import ApiKeys, bearer_token
 from tests.support.cluster import cluster
 
 

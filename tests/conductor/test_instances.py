@@ -21,10 +21,13 @@ from tests.support.waiting import wait_for
 # the full round comes after 600 s: nothing below may wait for it; what happens sooner is the
 # fast probing of instances out of rotation, every 50 ms
 SLOW_FULL_ROUND = {"health": {"interval_s": 600.0, "unhealthy_interval_s": 0.05}, "models": ["tiny"]}
+# which workers a pool in panic sends requests to is told by where they went: round robin spreads
+# them over every worker it may use, where the default policy would rightly keep them on one
+SPREAD = {"policy": "round_robin"}
 
 
 def _gateway(mixed: list[str], **overrides: Any) -> Gateway:
-    return Gateway(load_settings(environ={}, overrides=merge_settings({"mixed": mixed, **SLOW_FULL_ROUND}, overrides)))
+    return Gateway(load_settings(environ={}, overrides=merge_settings({"mixed": mixed, **SLOW_FULL_ROUND, **SPREAD}, overrides)))
 
 
 def test_an_instance_down_at_start_joins_once_it_answers_without_waiting_a_full_round() -> None:
@@ -91,9 +94,10 @@ def _two_workers(
     with serve(workers[0]) as a, serve(workers[1]) as b:
         gw = _gateway([a.url, b.url], health={"interval_s": 0.05, **health})
         with serve_gateway(gw) as server:
+            states = gw.registry.states.values()
+            assert wait_for(lambda: all(s.health.available for s in states), 60.0)  # both answered once
             sick.set()
             failing = 1 if first_only else 2
-            states = gw.registry.states.values()
             assert wait_for(lambda: sum(not s.health.available for s in states) == failing, 60.0)
             yield server.url, gw, workers
 
@@ -130,9 +134,10 @@ def test_in_panic_a_worker_that_refuses_connections_stays_out() -> None:
         b = ServerThread(stopped).start()
         gw = _gateway([a.url, b.url], health={"interval_s": 0.05})
         with serve_gateway(gw) as server:
+            states = gw.registry.states.values()
+            assert wait_for(lambda: all(s.health.available for s in states), 60.0)  # both answered once
             sick.set()
             b.stop()  # nothing listens there any more: its probes are refused, not slow
-            states = gw.registry.states.values()
             assert wait_for(lambda: not any(s.health.available for s in states), 60.0)
             assert [_complete(server.url).status_code for _ in range(4)] == [200] * 4
             assert len(slow.requests) == 4 and not stopped.requests

@@ -303,6 +303,7 @@ def test_hash_agreement_collapse_warns_loudly(caplog: pytest.LogCaptureFixture) 
 async def test_silent_unhealthy_instance_is_dropped(unused_tcp_port: int) -> None:
     options: dict[str, Any] = {
         "enabled": True,
+        "tokenizer": "builtin",
         "events_silence_s": 0.2,
         "kv_events": {"gone": {"endpoint": f"tcp://*:{unused_tcp_port}"}},
     }
@@ -327,6 +328,7 @@ async def test_redis_backed_analyzer_records_dispatches_for_other_replicas() -> 
     prefix = f"test:kvaware:{time.monotonic_ns()}:"
     options = {
         "enabled": True,
+        "tokenizer": "builtin",
         "index": "redis",
         "redis_prefix": prefix,
         "block_size": 16,
@@ -351,7 +353,7 @@ async def test_redis_backed_analyzer_records_dispatches_for_other_replicas() -> 
 
 async def test_index_down_degrades_to_no_cache_knowledge() -> None:
     # a real Redis client pointed at a port where nothing listens
-    options = {"enabled": True, "index": "redis", "redis_url": "redis://127.0.0.1:9/0"}
+    options = {"enabled": True, "tokenizer": "builtin", "index": "redis", "redis_url": "redis://127.0.0.1:9/0"}
     analyzer = build_analyzer(options, [("p0", Role.PREFILL, "http://127.0.0.1:9")])
     try:
         a = await analyzer.analyse("completions", {"prompt": "y" * 100})
@@ -367,7 +369,9 @@ async def test_gateway_never_takes_the_vllm_seed_from_its_own_environment(
     """Finding: PYTHONHASHSEED set for the gateway and not for the workers made 0 keys match."""
     monkeypatch.setenv("PYTHONHASHSEED", "123")
     with caplog.at_level(logging.INFO, logger="conductor.kv"):
-        analyzer = build_analyzer({"enabled": True, "key_mode": "vllm", "vllm_hash_algo": "sha256_cbor"}, [])
+        analyzer = build_analyzer(
+            {"enabled": True, "tokenizer": "builtin", "key_mode": "vllm", "vllm_hash_algo": "sha256_cbor"}, []
+        )
     try:
         a = await analyzer.analyse("completions", {"prompt": "x" * 40})
         # the workers' keys when they run without PYTHONHASHSEED (vLLM's "vllm-none-hash" seed)
@@ -378,6 +382,6 @@ async def test_gateway_never_takes_the_vllm_seed_from_its_own_environment(
         await analyzer.close()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="conductor.kv"):
-        explicit = build_analyzer({"enabled": True, "key_mode": "vllm", "vllm_hash_algo": "xxhash"}, [])
+        explicit = build_analyzer({"enabled": True, "tokenizer": "builtin", "key_mode": "vllm", "vllm_hash_algo": "xxhash"}, [])
         await explicit.close()
     assert any(r.getMessage().startswith("VLLM HASH SEED UNSET with kv.vllm_hash_algo 'xxhash'") for r in caplog.records)

@@ -32,7 +32,8 @@ async def test_a_taken_kv_events_port_is_a_config_error_naming_instance_and_endp
     # a host in the endpoint: vLLM's PUB connects there, so the gateway binds it
     endpoint = f"tcp://127.0.0.1:{taken_port}"
     analyzer = build_analyzer(
-        {"enabled": True, "kv_events": {"prefill-0": {"endpoint": endpoint}}}, [("prefill-0", Role.PREFILL, "http://127.0.0.1:9")]
+        {"enabled": True, "tokenizer": "builtin", "kv_events": {"prefill-0": {"endpoint": endpoint}}},
+        [("prefill-0", Role.PREFILL, "http://127.0.0.1:9")],
     )
     try:
         with pytest.raises(ConfigError) as failed:
@@ -51,7 +52,7 @@ def test_conductor_serve_says_so_in_one_line(tmp_path: Path, taken_port: int) ->
             {
                 "models": ["tiny"],
                 "mixed": [{"url": "http://127.0.0.1:9", "kv_events_endpoint": f"tcp://127.0.0.1:{taken_port}"}],
-                "kv": {"enabled": True},
+                "kv": {"enabled": True, "tokenizer": "builtin"},
             }
         )
     )

@@ -34,7 +34,9 @@ def sdk(request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
         else:
             p = stack.enter_context(start_emulator("prefill", "nixl", time_scale=0.01, model="tiny"))
             d = stack.enter_context(start_emulator("decode", "nixl", time_scale=0.01, model="tiny"))
-            yield _sdk(stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url], pd={"protocol": "nixl"})
+            yield _sdk(
+                stack, prefill=[{"url": p.url, "bootstrap_port": p.bootstrap_port}], decode=[d.url], pd={"protocol": "nixl"}
+            )
 
 
 @pytest.fixture
@@ -86,7 +88,7 @@ def test_logprobs_completions_and_chat(sdk: openai.OpenAI) -> None:
     content = chat.choices[0].logprobs
     assert content is not None and content.content is not None and len(content.content) == 3
     for entry in content.content:
-        assert entry.logprob < 0 and [t.token for t in entry.top_logprobs][0] == entry.token
+        assert entry.logprob < 0 and entry.top_logprobs[0].token == entry.token
         assert len(entry.top_logprobs) == 3 and entry.bytes == list(entry.token.encode())
     stream = sdk.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, logprobs=True, stream=True)
     streamed = [e for chunk in stream for c in chunk.choices if c.logprobs and c.logprobs.content for e in c.logprobs.content]

@@ -168,3 +168,17 @@ def test_mixed_single_leg_body_untouched() -> None:
             assert _post(c.url, "/v1/completions", body).status_code == 200
         assert [len(m.requests) for m in c.mixed] == [2, 2]  # round robin
         assert c.mixed[0].requests[0].body == body  # token-id prompt passed through, nothing added
+
+
+@pytest.mark.parametrize("protocol", ["nixl", "mooncake"])
+def test_prefill_leg_samples_one_choice_without_logprobs(protocol: str) -> None:
+    """n > 1 on the prefill would start child requests whose KV no decode reads (vLLM hands back one
+    prompt's kv_transfer_params); its one token's logprobs are thrown away. The decode samples them."""
+    with cluster(protocol) as c:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "n": 3, "logprobs": 2, "best_of": 3}
+        r = _post(c.url, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        [p] = c.prefills[0].requests
+        [d] = c.decodes[0].requests
+        assert p.body["n"] == 1 and "logprobs" not in p.body and "best_of" not in p.body
+        assert d.body["n"] == 3 and d.body["logprobs"] == 2 and d.body["best_of"] == 3

@@ -103,7 +103,7 @@ def _too_long(r: httpx.Response, param: str, *said: str) -> None:
 
 def test_the_workers_context_length_bounds_every_prompt_before_it_is_forwarded() -> None:
     worker = ContextStandIn(max_model_len=512)
-    with _gateway(worker, kv={"enabled": True}) as (server, gateway):
+    with _gateway(worker, kv={"enabled": True, "tokenizer": "builtin"}) as (server, gateway):
         assert wait_for(lambda: gateway.registry.context_length("tiny") == 512, HANG_S)
         assert _post(server.url, "/v1/completions", {"prompt": "x" * 512}).status_code == 200  # just fits
         forwarded = len(worker.requests)
@@ -119,7 +119,10 @@ def test_the_workers_context_length_bounds_every_prompt_before_it_is_forwarded()
 
 def test_the_setting_caps_what_the_workers_report_and_bounds_without_kv_awareness() -> None:
     worker = ContextStandIn(max_model_len=512)
-    with _gateway(worker, limits={"max_prompt_tokens": 100}, kv={"max_chars_per_token": 2}) as (server, gateway):
+    with _gateway(worker, limits={"max_prompt_tokens": 100}, kv={"enabled": False, "max_chars_per_token": 2}) as (
+        server,
+        gateway,
+    ):
         assert wait_for(lambda: gateway.registry.context_length("tiny") == 512, HANG_S)
         # no tokenizer here: token ids are counted, a text judged on kv.max_chars_per_token alone
         _too_long(_post(server.url, "/v1/completions", {"prompt": [1] * 101}), "prompt", "100 tokens")

@@ -1,6 +1,7 @@
 """One trace tree per request across the gateway and the workers, as an OTLP collector receives it:
 the gateway's spans and each emulated worker's `llm_request` span (made as vLLM makes it from the
-`traceparent` the gateway sends) share the trace, the workers' spans children of the gateway's."""
+`traceparent` the gateway sends) share the trace, each worker's span a child of the gateway's
+leg span that called it (the prefill leg, the decode leg)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,11 @@ def test_trace_tree_spans_gateway_and_workers() -> None:
     tree = [s for s in spans if s.trace_id == root.trace_id]
     names = {s.name for s in tree}
     assert {"conductor.analyse", "conductor.decide", "conductor.prefill_leg", "conductor.decode_leg"} <= names
-    workers = [s for s in tree if s.name == "llm_request"]
-    assert {s.service for s in workers} == {"vllm-emulator-prefill", "vllm-emulator-decode"}
-    assert all(s.parent_span_id == root.span_id for s in workers)  # children of the gateway's request span
+    workers = {s.service: s for s in tree if s.name == "llm_request"}
+    assert set(workers) == {"vllm-emulator-prefill", "vllm-emulator-decode"}
+    legs = {s.name: s for s in tree if s.name.endswith("_leg")}
+    assert all(leg.parent_span_id == root.span_id for leg in legs.values())
+    # each worker's span is a child of the gateway's leg that called it
+    assert workers["vllm-emulator-prefill"].parent_span_id == legs["conductor.prefill_leg"].span_id
+    assert workers["vllm-emulator-decode"].parent_span_id == legs["conductor.decode_leg"].span_id
     assert len({s.trace_id for s in spans}) == 1  # one request, one trace

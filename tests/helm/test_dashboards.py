@@ -265,7 +265,65 @@ def test_every_panel_says_what_it_shows(path: Path) -> None:
     [leg] = [p for p in board["panels"] if "conductor_prefill_leg_seconds" in str(p.get("targets"))]
     assert "mooncake" in leg["description"] and "No data" in leg["description"]
     [errors] = [p for p in board["panels"] if "conductor_upstream_errors_total" in str(p.get("targets"))]
-    assert "No data" in errors["description"]
+    assert "reads 0" in errors["description"] and errors["fieldConfig"]["defaults"]["noValue"] == "0"
+
+
+def _panel(board: dict[str, Any], title: str) -> dict[str, Any]:
+    [panel] = [p for p in board["panels"] if p["title"] == title]
+    return panel
+
+
+ROLES = ("prefill", "decode", "mixed")
+ROLE_JOIN = re.compile(
+    r"\* on \(namespace, instance\) group_left \(role\) group by \(namespace, instance, role\) "
+    r'\(conductor_instance_healthy\{[^}]*role=~"([^"]+)"\}\)'
+)
+
+
+@pytest.mark.parametrize(
+    ("title", "metric", "roles"),
+    [
+        ("Queued prefill tokens per instance", "conductor_instance_queued_prefill_tokens", {"prefill", "mixed"}),
+        ("Running decodes per instance", "conductor_instance_running_decodes", {"decode", "mixed"}),
+    ],
+)
+def test_instance_load_panels_draw_their_roles_only(title: str, metric: str, roles: set[str]) -> None:
+    """The gateway exports both gauges for every instance (a decode's queued prefill tokens are a
+    flat 0): each panel keeps the instances of its roles, by their role on conductor_instance_healthy,
+    joined one-to-one per instance however many gateway replicas report it."""
+    [target] = _panel(_load(ROOT / "grafana" / "conductor-overview.json"), title)["targets"]
+    expr = target["expr"]
+    assert expr.startswith(f"sum by (instance) ({metric}{{")
+    join = ROLE_JOIN.search(expr)
+    assert join is not None, f"{title}: not filtered by role: {expr}"
+    assert {role for role in ROLES if re.fullmatch(join.group(1), role)} == roles
+
+
+def _counts_events(target: dict[str, Any]) -> bool:
+    expr = target["expr"]
+    return bool(re.search(r"\b(?:rate|increase)\([a-zA-Z_:][a-zA-Z0-9_:]*_total\{", expr)) and " / " not in expr
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_counter_panels_read_zero_when_nothing_was_counted(path: Path) -> None:
+    """A labelled counter has no series until its first event (an upstream error, a 429 of a reason):
+    its panel reads 0 then, not "No data"; ratios whose numerator may not exist yet are 0 too."""
+    board = _load(path)
+    counters = [p for p in board["panels"] if p["type"] != "row" and all(_counts_events(t) for t in p["targets"])]
+    assert counters, "no counter panels found"
+    for panel in counters:
+        assert panel["fieldConfig"]["defaults"].get("noValue") == "0", panel["title"]
+    for panel in board["panels"]:
+        if panel["type"] != "row" and panel not in counters:  # quantiles, gauges, ratios: empty means no value
+            assert "noValue" not in panel["fieldConfig"]["defaults"], panel["title"]
+    if path.name == "conductor-overview.json":
+        for title in ("Rejections (HTTP 429) by reason", "Upstream errors by instance and kind", "Failovers"):
+            assert _panel(board, title) in counters
+        # no 2xx series while every request fails is a success ratio of 0
+        [success] = _panel(board, "Success ratio")["targets"]
+        assert success["expr"].startswith("(sum(rate(conductor_requests_total{") and ") or vector(0)) / " in success["expr"]
+        [lengths] = _panel(board, "Prompt length mismatches")["targets"]
+        assert " or 0 * sum by (instance) (rate(conductor_kv_prompt_length_checks_total{" in lengths["expr"]
 
 
 def test_dashboard_covers_the_required_signals(known: dict[str, set[str]]) -> None:

@@ -42,7 +42,13 @@ def cluster(
     """`gateway_http`: a uvicorn protocol name ("httptools", "h11") to serve the gateway on instead
     of its own (adapters/http1_server.py), for what must work under any ASGI server.
 
-    `ready_timeout_s`: how long to wait for the gateway to report itself ready (serve_gateway)."""
+    `ready_timeout_s`: how long to wait for the gateway to report itself ready (serve_gateway).
+
+    The gateway routes round robin without the KV index unless `settings` say otherwise (`policy`
+    passes a Policy object): the tests built on this helper are about the gateway's HTTP, P/D and
+    fault handling, written against that baseline, not about the serve defaults (kvcache_aware with
+    the index on: tests/conductor/test_serve_defaults.py). With `kv: {enabled: true}` the tokenizer
+    is the built-in one, the stand-ins' own (they serve no /tokenize)."""
     opts = standin or {}
     with ExitStack() as stack:
         c = Cluster(url="", gateway=None)  # type: ignore[arg-type]
@@ -68,7 +74,8 @@ def cluster(
                 workers.append(worker)
                 c.servers[f"{role}-{i}"] = server
                 specs.append(server.url)
-        overrides = merge_settings({"pd": {"protocol": protocol}, "health": {"interval_s": 0.5}}, settings)
+        baseline = {"policy": "round_robin", "kv": {"enabled": False, "tokenizer": "builtin"}}
+        overrides = merge_settings({**baseline, "pd": {"protocol": protocol}, "health": {"interval_s": 0.5}}, settings)
         if prefill_specs:
             overrides["prefill"] = prefill_specs
         if decode_specs:

@@ -71,6 +71,8 @@ class StandIn:
                 return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
             return await _json(send, 404, {"error": "no"})
         body = json.loads(await whole_body(receive))
+        if path == "/tokenize":  # not served, as by an engine without the route: kv.tokenizer auto falls back
+            return await _json(send, 404, {"error": "no"})
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         record = Recorded(path, body, headers, time.monotonic(), scope["client"][1])
         self.requests.append(record)

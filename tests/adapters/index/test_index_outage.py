@@ -148,6 +148,7 @@ async def test_redis_absent_at_start_then_started_is_picked_up() -> None:
     analyzer = build_analyzer(
         {
             "enabled": True,
+            "tokenizer": "builtin",  # keys computed here: no worker answers at that address
             "index": "redis",
             "redis_url": server.url,
             "redis_prefix": f"test:absent:{uuid.uuid4().hex}:",
