@@ -2,7 +2,8 @@
 (conductor/server/explain_route.py) and `conductor explain` (conductor/explain_cli.py).
 
 `explain` runs what the request path runs up to its decision -- the prompt's analysis (tokens,
-block keys, which instances hold a prefix), other replicas' load where load sharing asks for it,
+block keys, which instances hold a prefix; with a worker's /tokenize as the tokenizer, that worker
+is asked to tokenize it, as for any request), other replicas' load where load sharing asks for it,
 the pulls offered, the policy's decision on the cluster as it is now (`Router.propose`) -- and
 stops there. Nothing is forwarded and no routing state changes: no sequence number is taken, the
 policy is not told (`on_decided`: nothing in flight, no pending prediction, no rejection counted
@@ -13,7 +14,8 @@ explained (the same placement and predictions, to the figure) while nothing else
 cluster meanwhile: the queues a prediction reads move with every request in flight.
 
 What any read touches may move: a readback handle found expired is dropped (it could serve no
-one), the KV index counts a look-up, a registry whose health crosses its panic threshold logs it.
+one), a shared (Redis) index's breaker and fallback counters see the look-up, and a registry whose
+health has crossed its panic threshold logs it.
 
 The value is the decision's placement, predictions and admission verdict, each candidate's
 components as the policy weighed them (queue, transfer, prefill, handoff; a decode's batch), and

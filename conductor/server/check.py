@@ -40,8 +40,10 @@ def check_instances(settings: Settings) -> None:
         raise ConfigError("no instances: give --prefill/--decode or --mixed, discovery: sources (or a --config file)")
 
 
-def run_check(load: Callable[[], Settings], *, probe: bool, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Build the settings with `load`, check them (and with `probe` the workers), print the result."""
+def run_check(load: Callable[[], Settings], *, probe: bool, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Build the settings with `load`, check them (and with `probe` the workers), print the result
+    (on `out` and `err`: sys.stdout and sys.stderr as they are when called)."""
+    out, err = out or sys.stdout, err or sys.stderr
     try:
         settings = load()
         summary, local_tokenizer = check_config(settings)

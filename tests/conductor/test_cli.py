@@ -3,12 +3,19 @@ missing optional packages (the full import error with -v), never a traceback by 
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conductor import cli
+from conductor.config.derived import kv_settings
+from conductor.config.settings import Settings, load_settings
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -30,7 +37,7 @@ def test_no_instances_is_a_clean_error() -> None:
 @pytest.mark.parametrize(
     ("command", "shown"),
     [
-        ("serve", "(default: round_robin)"),
+        ("serve", "(default: kvcache_aware)"),
         ("replay", "(default: round_robin)"),
         ("tune-pd", "(default: round_robin)"),
         ("demo", "(default: kvcache_aware)"),
@@ -71,3 +78,45 @@ def test_a_real_import_error_is_shown_with_verbose(monkeypatch: pytest.MonkeyPat
     assert cli.main(["-v", "broken"]) == 2
     loud = capsys.readouterr().err
     assert "Traceback" in loud and "ModuleNotFoundError" in loud
+
+
+def test_serve_help_points_to_the_example_config_and_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "examples/conductor.yaml" in shown and "conductor serve --print-example-config > conductor.yaml" in shown
+    assert "--check" in shown and "--probe" in shown
+    assert "--kv-index {memory,redis,redis_cluster,indexer}" in shown and "--kv, --no-kv" in shown
+
+
+def test_the_shipped_example_config_is_the_repositorys_and_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--print-example-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == (REPO / "examples" / "conductor.yaml").read_text(encoding="utf-8")  # one file, two places
+    settings = load_settings(REPO / "examples" / "conductor.yaml", environ={})
+    assert settings.policy == "kvcache_aware" and len(settings.prefill) == 2
+
+
+def _serve_settings(*argv: str) -> Settings:
+    parser = argparse.ArgumentParser()
+    cli.add_serve_args(parser)
+    settings: Settings = cli.settings_from_args(parser.parse_args(["--mixed", "http://m:1", *argv]))
+    return settings
+
+
+def test_the_kv_flags_set_the_kv_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.upper().startswith("CONDUCTOR_")]:
+        monkeypatch.delenv(name)
+    assert not _serve_settings("--no-kv").kv.enabled and _serve_settings("--kv").kv.enabled
+    worker = _serve_settings("--tokenizer", "http://tok:8000").kv
+    assert worker.tokenizer == "worker" and worker.tokenizer_url == "http://tok:8000"
+    assert _serve_settings("--tokenizer", "/models/qwen").kv.tokenizer == "/models/qwen"
+    s = _serve_settings("--block-size", "32", "--kv-index", "redis", "--redis-url", "redis://r:6379/1")
+    assert s.block_size == 32 and kv_settings(s).block_size == 32  # the one block size, the index's too
+    assert s.kv.index == "redis" and s.kv.redis_url == "redis://r:6379/1" and s.load_share.redis_url != "redis://r:6379/1"
+    s = _serve_settings("--key-mode", "vllm", "--hash-algo", "xxhash", "--hash-seed", "123")
+    assert (s.kv.key_mode, s.kv.vllm_hash_algo, s.kv.vllm_hash_seed) == ("vllm", "xxhash", "123")
+    s = _serve_settings("--kv-index", "indexer", "--indexer-url", "http://indexer:8400")
+    assert s.kv.index == "indexer" and s.kv.indexer_url == "http://indexer:8400"
+    with pytest.raises(SystemExit):  # the choices are the settings' own
+        _serve_settings("--kv-index", "sqlite")

@@ -45,6 +45,7 @@ class StandIn:
     bidirectional: bool = False
     fail_pulls: int | None = None  # a prefill: answer requests that carry a readback with this status
     cached_tokens: int = 0
+    metrics_text: str = ""  # what GET /metrics answers (vLLM's cache_config_info line tells the block size)
     # The order of events across stand-ins, with no clock: `arrived` is set once a request is
     # recorded; a worker given another's `arrived` as `answer_after` holds each answer until that
     # worker has received a request, so only legs that overlap are answered at once.
@@ -66,7 +67,7 @@ class StandIn:
                 return await _json(send, 200, {})
             if path == "/metrics":
                 await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-                return await send({"type": "http.response.body", "body": b""})
+                return await send({"type": "http.response.body", "body": self.metrics_text.encode()})
             if path == "/v1/models":
                 return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
             return await _json(send, 404, {"error": "no"})
