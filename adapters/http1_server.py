@@ -17,6 +17,8 @@ benchmarks/profile_gateway.py, docs/performance.md). What it does differently, a
 * `scope["extensions"]["conductor.on_disconnect"]` registers a callback for a client that goes
   away before its answer is complete, so the gateway needs no task per request blocked in
   `receive()` to find out (it still works that way under any other ASGI server).
+  `scope["extensions"]["conductor.draining"]()` tells whether uvicorn began its graceful shutdown:
+  a request cancelled then, and not by its client leaving, was cut at the end of the drain grace.
 
 HTTP itself (request line, headers, chunked request bodies, keep-alive rules) is parsed by
 httptools (llhttp); nothing here parses bytes by hand. The per-request state and the ASGI
@@ -92,6 +94,7 @@ class HttpServerConnection(asyncio.Protocol):
         self.exchange: ServerExchange | None = None  # the request being answered
         self.queued: deque[ServerExchange] = deque()  # pipelined requests behind it
         self.write_paused = False
+        self.draining = False  # uvicorn called shutdown(): the server stops once the grace is out
         self._drained: asyncio.Future[None] | None = None
         self.read_paused = False
         self._timer: asyncio.TimerHandle | None = None
@@ -176,6 +179,9 @@ class HttpServerConnection(asyncio.Protocol):
             self._drained.set_result(None)
         self._drained = None
 
+    def is_draining(self) -> bool:
+        return self.draining
+
     async def drain(self) -> None:
         """Until the transport takes writes again (the client reads too slowly)."""
         if self.write_paused:
@@ -186,6 +192,7 @@ class HttpServerConnection(asyncio.Protocol):
     # ---- uvicorn's Server calls this on SIGTERM --------------------------------------------------
 
     def shutdown(self) -> None:
+        self.draining = True
         if self.exchange is None or self.exchange.response_complete:
             if self.transport is not None:
                 self.transport.close()
@@ -232,7 +239,7 @@ class HttpServerConnection(asyncio.Protocol):
         exchange = ServerExchange(
             self, scope, keep_alive=version != "1.0" and parser.should_keep_alive(), expect_continue=self._expect_continue
         )
-        scope["extensions"] = {"conductor.on_disconnect": exchange.on_disconnect}
+        scope["extensions"] = {"conductor.on_disconnect": exchange.on_disconnect, "conductor.draining": self.is_draining}
         self._parsing = exchange
         if self.exchange is None:
             self._start(exchange)

@@ -256,7 +256,7 @@ def _import_failed(command: str, exc: ImportError, verbose: bool) -> int:
     if package is not None:
         extra = OPTIONAL_PACKAGES[package]
         print(
-            f"conductor {command}: needs the optional package {package!r}: pip install 'conductor-scheduler[{extra}]'",
+            f"conductor {command}: needs the optional package {package!r}: pip install '.[{extra}]' from the checkout",
             file=sys.stderr,
         )
     else:
@@ -300,6 +300,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[str, list[str], bool], int]]] = {
         "show where a gateway would route a request now, and why",
         _delegate("conductor.explain_cli", "explain_main"),
     ),
+    "status": ("a gateway's fleet, decisions and SLO attainment", _delegate("conductor.status_cli", "status_main")),
 }
 
 

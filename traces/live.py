@@ -44,6 +44,7 @@ from traces.live_client import (
     stream_completion,
 )
 from traces.live_results import LiveOutcome, LiveResult, print_live, summarize
+from traces.sim.options import LIVE_SLO_TBT_S, LIVE_SLO_TTFT_S
 from traces.synth import PromptSynthesizer, SynthRequest
 
 
@@ -300,8 +301,9 @@ def run_live(args: argparse.Namespace) -> int:
                 loaded.requests,
                 time_scale=args.speedup,
                 concurrency_limit=getattr(args, "concurrency", 256),
-                slo_ttft_s=args.slo_ttft,
-                slo_tbt_s=args.slo_tbt,
+                # unless given, the demo's SLOs (traces/sim/options.py says why), not the simulator's
+                slo_ttft_s=LIVE_SLO_TTFT_S if args.slo_ttft is None else args.slo_ttft,
+                slo_tbt_s=LIVE_SLO_TBT_S if args.slo_tbt is None else args.slo_tbt,
                 progress=bar,
                 synthesizer=synth,
                 model=getattr(args, "model", None),

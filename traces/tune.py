@@ -146,7 +146,7 @@ def write_plot(s: SweepResult, path: str | Path, title: str) -> bool:
         matplotlib.use("Agg")  # no display on servers
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install 'conductor-scheduler[plot]'); skipping the plot")
+        print("matplotlib is not installed (pip install '.[plot]' from the checkout); skipping the plot")
         return False
     xs = [r.n_prefill for r in s.results]
     labels = [f"{r.n_prefill}:{r.n_decode}" for r in s.results]

@@ -179,7 +179,7 @@ def warn_about_setup(s: KVAwarenessSettings, instances: Sequence[tuple[str, Role
     if s.tokenizer == "builtin":
         log.info(
             "kv.tokenizer is 'builtin' (UTF-8 bytes): its keys match only emulated workers; against a real "
-            "model set kv.tokenizer to the model's tokenizer directory or 'worker'"
+            "model set kv.tokenizer to 'auto' (the workers' /tokenize, the default) or the model's tokenizer directory"
         )
     silent = [iid for iid, role, _ in instances if role != Role.DECODE and iid not in s.kv_events]
     if silent and s.index != "indexer":  # with an indexer, it subscribes, not this gateway

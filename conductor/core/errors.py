@@ -92,6 +92,19 @@ class Overloaded(ConductorError):
         return {"Retry-After": "1"}
 
 
+class ShuttingDown(ConductorError):
+    """The gateway is shutting down and its drain grace (`timeouts.drain_grace_s`) ran out with the
+    request still in flight (HTTP 503, or an SSE error event once the answer has begun). Sending
+    it again is the cure: another replica, or this one restarted, takes it."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "gateway_shutdown"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
 class UpstreamError(ConductorError):
     """A worker failed: refused the connection, reset it, or answered with an error status."""
 

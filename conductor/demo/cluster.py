@@ -7,7 +7,9 @@ child also asks the kernel for SIGTERM should the demo itself die without cleani
 (PR_SET_PDEATHSIG), so even a SIGKILLed demo leaves no workers running.
 
 Ports are chosen by binding port 0 on loopback for all of them at once (so two are never equal),
-then released just before the children bind them.
+then released just before the children bind them; or, with a base port (`conductor demo
+--base-port N`), taken in order from N: the gateway on N, then each worker's HTTP, KV-event and
+side-channel ports (and a prefill's bootstrap port), each checked free first.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import yaml
 from conductor.config.settings import merge_settings
 
 _PR_SET_PDEATHSIG = 1
+BOOTSTRAP_PROTOCOLS = ("mooncake", "sglang")  # a prefill serves a bootstrap port for the handshake
 
 
 def free_ports(n: int) -> list[int]:
@@ -46,6 +49,37 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+class PortTaken(RuntimeError):
+    """A port the cluster was told to use is not free."""
+
+
+def ports_needed(n_prefill: int, n_decode: int, pd_protocol: str) -> int:
+    """How many ports a cluster of this shape binds: the gateway's, three per worker (HTTP, KV
+    events, side channel) and, for the protocols with one, each prefill's bootstrap port."""
+    bootstrap = n_prefill if pd_protocol in BOOTSTRAP_PROTOCOLS else 0
+    return 1 + (n_prefill + n_decode) * 3 + bootstrap
+
+
+def ports_from(base: int, count: int) -> list[int]:
+    """Ports base .. base+count-1, each checked free on loopback now; PortTaken naming the first
+    that is not, ValueError past 65535."""
+    last = base + count - 1
+    if base < 1 or last > 65535:
+        raise ValueError(f"the cluster needs {count} ports from {base} ({base}-{last}): they must lie in 1-65535")
+    for port in range(base, last + 1):
+        with socket.socket() as s:
+            # as the servers themselves bind: a port held only by a closed connection's TIME_WAIT
+            # (the previous cluster's, in a --compare) is free to them
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as exc:
+                raise PortTaken(
+                    f"port {port} is taken ({exc.strerror}); the cluster needs ports {base}-{last}: give another --base-port"
+                ) from None
+    return list(range(base, last + 1))
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -151,6 +185,7 @@ class ClusterSpec:
     policy_options: dict[str, Any] = field(default_factory=dict)
     gateway_extra: dict[str, Any] = field(default_factory=dict)  # more gateway settings (YAML keys)
     emulator_extra: tuple[str, ...] = ()  # more flags for every emulator (`--bidirectional-kv-xfer`)
+    base_port: int | None = None  # the gateway on it, the workers after it (ports_from); None: any free ports
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +204,9 @@ def _python(*args: str) -> list[str]:
 
 def start_cluster(spec: ClusterSpec, group: ChildGroup) -> StartedCluster:
     """Start the emulators and the gateway (not waiting for them: see wait_ready)."""
-    bootstrap = spec.pd_protocol in ("mooncake", "sglang")
-    n = spec.n_prefill + spec.n_decode
-    ports = iter(free_ports(1 + n * 3 + spec.n_prefill))
+    bootstrap = spec.pd_protocol in BOOTSTRAP_PROTOCOLS
+    count = ports_needed(spec.n_prefill, spec.n_decode, spec.pd_protocol)
+    ports = iter(free_ports(count) if spec.base_port is None else ports_from(spec.base_port, count))
     gw_port = next(ports)
     prefill_cfg: list[dict[str, Any]] = []
     decode_cfg: list[dict[str, Any]] = []

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 
 from conductor.core.cli_help import DefaultsHelpFormatter
-from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
+from conductor.demo.cluster import ChildGroup, ClusterSpec, PortTaken, ports_from, ports_needed, start_cluster, wait_ready
 
 if TYPE_CHECKING:
     from traces.formats import TraceRequest
@@ -58,6 +58,8 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from traces.sim.options import LIVE_SLO_TBT_S, LIVE_SLO_TTFT_S
+
     p = argparse.ArgumentParser(
         prog="conductor demo", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
@@ -86,12 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.125,
         help="scale prompt/output lengths (and the 512-token block) by this factor, 0 < f <= 1",
     )
-    p.add_argument("--slo-ttft", type=float, default=0.5, help="TTFT SLO in seconds (admission and goodput)")
-    p.add_argument("--slo-tbt", type=float, default=0.04, help="TBT SLO in seconds (admission and goodput)")
+    # the same defaults as `conductor replay --live`: its table then reads like the demo's
+    p.add_argument("--slo-ttft", type=float, default=LIVE_SLO_TTFT_S, help="TTFT SLO in seconds (admission and goodput)")
+    p.add_argument("--slo-tbt", type=float, default=LIVE_SLO_TBT_S, help="TBT SLO in seconds (admission and goodput)")
     p.add_argument("--noise", type=float, default=0.05, help="emulators' timing noise (lognormal sigma)")
     p.add_argument("--concurrency", type=int, default=256, help="most requests in flight at the client")
     p.add_argument("--model", default=DEFAULT_MODEL, help="served model name the emulators report")
     p.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="listen on ports N, N+1, ...: the gateway on N, the workers after it (each checked free first); "
+        "default: any free ports",
+    )
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the results as JSON")
     p.add_argument("--keep-logs", default=None, metavar="DIR", help="write the children's logs here and keep them")
     p.add_argument(
@@ -163,6 +174,11 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--time-scale and --speedup must be > 0"
     if not 0 < args.length_scale <= 1:
         return "--length-scale must be in (0, 1]"
+    if args.base_port is not None:
+        try:  # every port checked before anything starts; each cluster of a --compare reuses them
+            ports_from(args.base_port, ports_needed(args.prefill, args.decode, args.pd_protocol))
+        except (PortTaken, ValueError) as exc:
+            return f"--base-port {args.base_port}: {exc}"
     return None
 
 
@@ -193,6 +209,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     groups: list[ChildGroup] = []
     results: list[LiveResult] = []
+    clusters: list[dict[str, Any]] = []  # when each cluster started and was ready, for the JSON
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     ok = False
     started = time.monotonic()
@@ -204,10 +221,10 @@ def demo_main(argv: list[str] | None = None) -> int:
             group = ChildGroup(run_dir)
             groups.append(group)
             try:
-                results.append(_run(args, policy, requests, group, run_dir, started))
+                results.append(_run(args, policy, requests, group, run_dir, (started, clusters)))
             finally:
                 group.stop()
-        ok = _report(args, results, groups)
+        ok = _report(args, results, groups, clusters)
     except (KeyboardInterrupt, _Terminated):
         print("\nconductor demo: interrupted, stopping the cluster", file=sys.stderr)
     except (RuntimeError, OSError, ValueError, aiohttp.ClientError) as exc:
@@ -236,9 +253,10 @@ def _run(
     requests: Sequence[TraceRequest],
     group: ChildGroup,
     log_dir: Path,
-    started: float,
+    timings: tuple[float, list[dict[str, Any]]],
 ) -> LiveResult:
-    """Start a cluster routed by `chosen`, replay the requests through it, return what happened."""
+    """Start a cluster routed by `chosen`, replay the requests through it, return what happened.
+    `timings`: the demo's start, and the list this cluster's start and ready times go to."""
     from traces.live import TextProgress, replay_live
     from traces.synth import PromptSynthesizer
 
@@ -258,14 +276,27 @@ def _run(
         slo_tbt_s=args.slo_tbt,
         policy_options=options,
         kv_index=not args.no_kv_index,
+        base_port=args.base_port,
     )
+    demo_started, clusters = timings
+    cluster_started = time.monotonic()
     cluster = start_cluster(spec, group)
     for child in group.children:
         print(f"demo: {child.name} pid {child.pid} on {child.url}", file=sys.stderr)
     wait_ready(cluster, group)
+    ready = time.monotonic()
+    # from this cluster's own start: a --compare's second cluster does not count the first's replay
+    clusters.append(
+        {
+            "policy": policy,
+            "started_s": round(cluster_started - demo_started, 3),
+            "ready_s": round(ready - demo_started, 3),
+            "ready_after_s": round(ready - cluster_started, 3),
+        }
+    )
     print(
         f"demo: {args.prefill}P{args.decode}D ({args.pd_protocol}) ready after "
-        f"{time.monotonic() - started:.1f}s; replaying {len(requests)} requests of {args.trace} "
+        f"{ready - cluster_started:.1f}s; replaying {len(requests)} requests of {args.trace} "
         f"(lengths x{args.length_scale:g}, {args.speedup:g}x faster) through {policy} at "
         f"{cluster.gateway_url}",
         file=sys.stderr,
@@ -308,7 +339,9 @@ def _first_failures(result: LiveResult) -> dict[str, str]:
     return first
 
 
-def _report(args: argparse.Namespace, results: Sequence[LiveResult], groups: Sequence[ChildGroup]) -> bool:
+def _report(
+    args: argparse.Namespace, results: Sequence[LiveResult], groups: Sequence[ChildGroup], clusters: list[dict[str, Any]]
+) -> bool:
     """Print the runs (side by side when several), write the JSON; False when requests failed."""
     from traces.live_results import print_comparison, print_live
 
@@ -326,6 +359,7 @@ def _report(args: argparse.Namespace, results: Sequence[LiveResult], groups: Seq
                 for r, g in zip(results, groups, strict=False)
                 for c in g.children
             },
+            "clusters": clusters,
             "settings": {k: v for k, v in vars(args).items() if k != "json_out"},
         }
         Path(args.json_out).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -22,6 +22,7 @@ from conductor.config.settings import InstanceSpec, Settings
 from conductor.core.errors import ConductorError, NotFound, UpstreamError
 from conductor.core.types import ActiveDecode, ClusterSnapshot, QueuedPrefill, Role
 from conductor.fleet.health import HealthRules, InstanceHealth, may_eject, panicking
+from conductor.fleet.model_cards import carried_fields
 from conductor.fleet.state import InstanceState, Origin, RemoteEntry
 
 __all__ = ["InstanceExists", "InstanceRegistry", "InstanceState", "MembershipListener", "Origin", "RemoteEntry"]
@@ -226,6 +227,7 @@ class InstanceRegistry:
                     cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
                     state.models = tuple(m["id"] for m in cards)
                     state.context_lengths = {m["id"]: m["max_model_len"] for m in cards if _positive_int(m.get("max_model_len"))}
+                    state.model_cards = {m["id"]: carried_fields(m) for m in cards}
                     self._contexts_changed()
         except (UpstreamError, ValueError, AttributeError) as exc:
             ok, refused = False, _refused(exc)

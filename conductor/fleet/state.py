@@ -6,7 +6,7 @@ The registry of them all: conductor/fleet/instances.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from adapters.pd.base import Target
 from conductor.config.settings import InstanceSpec
@@ -28,6 +28,8 @@ class InstanceState:
     models: tuple[str, ...] = ()
     # model -> its context length, as the worker's /v1/models says (vLLM's max_model_len)
     context_lengths: dict[str, int] = field(default_factory=dict)
+    # model -> the fields of its /v1/models card the gateway passes on (conductor/fleet/model_cards.py)
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     # request id -> work queued here, in dispatch order (FCFS); the frozen values are what views
     # hand out, so a snapshot costs a tuple() of them, not an object per in-flight request
     prefills: dict[str, QueuedPrefill] = field(default_factory=dict)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -136,6 +136,18 @@ class HashAgreement:
         """The cause tag of the alarm raised on `instance` in `direction`, None when not alarmed."""
         inst = self._instances.get(instance)
         return None if inst is None else inst.alarms[direction]
+
+    def instance_figures(self, instance: str) -> dict[str, Any] | None:
+        """`instance`'s window as the status page shows it (None before its first finished request)."""
+        inst = self._instances.get(instance)
+        if inst is None:
+            return None
+        return {
+            "samples": len(inst.window),
+            "agreement": round(agreement(inst.window), 4),
+            "coverage": round(coverage(inst.window), 4),
+            "alarms": {direction: cause for direction, cause in inst.alarms.items() if cause is not None},
+        }
 
     @property
     def ratio(self) -> float:

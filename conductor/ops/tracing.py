@@ -16,7 +16,7 @@ GenAI ones (`gen_ai.operation.name`, `gen_ai.request.model`, `gen_ai.request.max
 the first token sent, on a streamed answer). Its status is ERROR on a 429 (the gateway turned it
 away) or a 5xx; a leg's is ERROR when the attempt it served failed.
 
-opentelemetry is an optional extra (`pip install 'conductor-scheduler[otel]'`), imported only when
+opentelemetry is an optional extra (`pip install '.[otel]'` from a checkout), imported only when
 tracing is on; with it off the request path pays one `is None` test per stage.
 """
 

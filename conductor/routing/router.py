@@ -38,6 +38,7 @@ from conductor.core.types import (
 from conductor.fleet.instances import InstanceRegistry
 from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer
 from conductor.ops.metrics import GatewayMetrics
+from conductor.ops.status import GatewayStatus
 from conductor.ops.tracing import Tracing, decision_attributes
 from conductor.routing.pulls import PullOffer, PullPlanner
 from policies.base import NO_INSTANCE
@@ -95,6 +96,7 @@ class Router:
         self._next_seq = 0  # RequestView.seq of the next decision
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
         self._leg_observer = policy if isinstance(policy, PrefillLegObserver) else None
+        self.status = GatewayStatus()  # recent decisions and outcomes, for the status page (conductor/ops/status.py)
         # a policy that learns online (kvcache_aware's predictors) shares what it learns with the
         # sibling processes and learns what they do; a policy without predictors has nothing to share
         self.learner: OnlineLearner | None = online_learner(policy)
@@ -173,6 +175,7 @@ class Router:
         self._metrics.decision_time.observe(time.perf_counter() - started)
         if decision_log.isEnabledFor(logging.INFO):
             decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens)))
+        self.status.decided(decision, analysis.prompt_tokens)
         self._count(decision)
         return Routed(decision, analysis, view, proposal.pulls)
 
@@ -200,6 +203,7 @@ class Router:
     def observe(self, routed: Routed, observation: Observation) -> None:
         """Feed what happened back to the policy's predictors and the KV index."""
         self._teach(self.policy.observe, observation, observation.request_id)
+        self.status.observed(observation, routed.view.slo)
         try:
             self._analyzer.on_result(routed.analysis, routed.decision, observation)
         except Exception:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 import traceback
 from typing import Any
 
@@ -30,11 +29,13 @@ from conductor.config.keys import ApiKeys
 from conductor.core.capabilities import ReportsPredictionErrors
 from conductor.core.errors import ConfigError
 from conductor.fleet.membership import admin_routes
+from conductor.fleet.model_cards import model_list
 from conductor.gateway import Gateway
 from conductor.server import errors as http_errors
 from conductor.server.docs import OPENAI_ROUTES, PASS_THROUGH_ROUTES, Guard, docs_routes, install_openapi, openapi_document
 from conductor.server.endpoint import CompletionsEndpoint
 from conductor.server.explain_route import explain_routes
+from conductor.server.status_route import status_routes
 
 
 class FastPath:
@@ -161,15 +162,8 @@ def create_app(gateway: Gateway) -> FastPath:
     @app.get("/v1/models", responses={401: {"description": "no API key or an unknown one"}})
     async def models(request: Request) -> JSONResponse:
         gateway.authorize(request.headers.get("authorization"))
-        created = int(time.time())
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"id": m, "object": "model", "created": created, "owned_by": "conductor"} for m in gateway.known_models()
-                ],
-            }
-        )
+        # the workers' cards passed on (owned_by, root, max_model_len, ...): conductor/fleet/model_cards.py
+        return JSONResponse(model_list(gateway.known_models(), gateway.registry.states.values()))
 
     app.include_router(_health_routes(gateway))
     install_openapi(app, lambda: openapi_document(app, secured=bool(gateway.api_keys)))
@@ -179,6 +173,7 @@ def create_app(gateway: Gateway) -> FastPath:
         app.include_router(docs_routes(app.openapi, guard))
         app.include_router(admin_routes(gateway.membership))  # no admin port: the admin API is here
         app.include_router(explain_routes(gateway.request_path, gateway.membership.authorize))
+        app.include_router(status_routes(gateway.request_path, gateway.membership, gateway.membership.authorize))
     return FastPath(app, hot, gateway)
 
 
@@ -191,6 +186,7 @@ def create_admin_app(gateway: Gateway, public: FastPath) -> FastAPI:
     app.include_router(_metrics_route(gateway))
     app.include_router(admin_routes(gateway.membership))
     app.include_router(explain_routes(gateway.request_path, gateway.membership.authorize))
+    app.include_router(status_routes(gateway.request_path, gateway.membership, gateway.membership.authorize))
     install_openapi(app, lambda: openapi_document(public.app, secured=bool(gateway.api_keys)))
     app.include_router(docs_routes(app.openapi))
     return app

@@ -3,6 +3,8 @@
 Plain ASGI rather than a FastAPI route because this is the hot path: it reads the body under a
 size limit (413 before reading it all), watches for the client going away (and then cancels every
 upstream leg), and writes upstream bytes to the client as they arrive, with nothing in between.
+A request the server cuts when its drain grace runs out (SIGTERM) ends with a 503, or with an SSE
+error event once its stream has begun, as a worker failure does: `ShuttingDown`, `_cut_by_shutdown`.
 Its collaborators (`RequestPath`, conductor/routing/request_path.py) are wired once by the gateway.
 """
 
@@ -22,6 +24,7 @@ from conductor.core.errors import (
     BadRequest,
     ConductorError,
     NoHealthyInstance,
+    ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -87,6 +90,18 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], state: Cl
             return
 
 
+def _cut_by_shutdown(call: _Call) -> bool:
+    """Whether the request's cancellation is the server's drain grace running out: uvicorn cancels
+    the requests still in flight then, before the process ends, and leaves their connections open,
+    so the answer can still be ended with an error the client understands (written at once: the
+    gateway's server writes to the socket as it is sent). A client that left is a 499 as ever. The
+    cancellation is taken back: the request ends normally, having told the client why."""
+    if call.client.disconnected or call.draining is None or not call.draining():
+        return False
+    call.task.uncancel()
+    return True
+
+
 # request headers the gateway reads (without tracing): everything else is passed over undecoded
 _READ_HEADERS = frozenset(
     name.encode() for name in ("authorization", "content-length", "x-request-id", SLO_TTFT_HEADER, SLO_TBT_HEADER)
@@ -96,7 +111,7 @@ _READ_HEADERS = frozenset(
 class _Call:
     """One request on its way through the endpoint."""
 
-    __slots__ = ("arrived", "client", "client_id", "headers", "request_id", "span", "task")
+    __slots__ = ("arrived", "client", "client_id", "draining", "headers", "request_id", "span", "task")
 
     def __init__(self, headers: dict[str, str], task: asyncio.Task[Any]) -> None:
         self.headers = headers
@@ -108,6 +123,7 @@ class _Call:
         self.task = task
         self.arrived = 0.0
         self.span: Any = None  # the request's span, with tracing on
+        self.draining: Callable[[], bool] | None = None  # the server's `conductor.draining` extension
 
 
 class CompletionsEndpoint:
@@ -129,6 +145,7 @@ class CompletionsEndpoint:
         call = _Call(headers, task)
         extensions = scope.get("extensions")
         on_disconnect = extensions.get("conductor.on_disconnect") if extensions else None
+        call.draining = extensions.get("conductor.draining") if extensions else None
         if tracing is None:
             await self._call(call, receive, send, on_disconnect)
             return
@@ -181,7 +198,16 @@ class CompletionsEndpoint:
             status = await self._route(call, body, send)
         except ConductorError as exc:
             status = await self._fail(exc, send, call)
-        except (asyncio.CancelledError, KeyboardInterrupt):
+        except asyncio.CancelledError:
+            if not _cut_by_shutdown(call):
+                raise
+            grace = self.parts.settings.timeouts.drain_grace_s
+            message = (
+                f"the gateway is shutting down and its drain grace ({grace:g}s) ran out before "
+                "the answer was complete; send the request again"
+            )
+            status = await self._fail(ShuttingDown(message), send, call)
+        except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - never a traceback to the client; render() logs it
             status = await self._fail(exc, send, call)

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from conductor.core.errors import BadRequest, ConductorError, Overloaded, Rejected, UpstreamError
+from conductor.core.errors import BadRequest, ConductorError, Overloaded, Rejected, ShuttingDown, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ def render(exc: BaseException) -> tuple[int, bytes, dict[str, str]]:
 def _headers(exc: ConductorError) -> dict[str, str]:
     """The error's own headers, plus the hint the OpenAI SDKs obey before their status rules:
     a 429 that retrying cannot cure says so (they would retry it twice, slower each time), and an
-    overloaded gateway says a retry is welcome."""
+    overloaded or shutting-down gateway says a retry is welcome."""
     headers = exc.headers()
     if isinstance(exc, Rejected) and not exc.retryable:
         headers = {**headers, "x-should-retry": "false"}
-    elif isinstance(exc, Overloaded):
+    elif isinstance(exc, (Overloaded, ShuttingDown)):
         headers = {**headers, "x-should-retry": "true"}
     return headers
 

@@ -66,7 +66,7 @@ def test_missing_optional_package_names_the_extra(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(cli.SUBCOMMANDS, "needs-vllm", ("test", cli._delegate("vllm.not_here", "main")))
     assert cli.main(["needs-vllm"]) == 2
     err = capsys.readouterr().err
-    assert "optional package 'vllm'" in err and "conductor-scheduler[vllm]" in err and "Traceback" not in err
+    assert "optional package 'vllm'" in err and "pip install '.[vllm]'" in err and "Traceback" not in err
     assert "-v" in err
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.ports import free_port_run
 from tests.support.prom import scrape
 from tests.support.waiting import wait_for
 
@@ -113,12 +115,20 @@ def test_demo_prints_the_table_and_leaves_no_process(tmp_path: Path) -> None:
 
 def test_compare_runs_each_policy_on_a_fresh_cluster_and_prints_them_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    proc = _demo("--requests", "24", "--compare", "round_robin", "--json", str(out), *FAST)
+    base = free_port_run(13)  # 2P2D over NIXL: the gateway, then HTTP, KV events, side channel per worker
+    proc = _demo("--requests", "24", "--compare", "round_robin", "--json", str(out), "--base-port", str(base), *FAST)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr
     # two clusters, one after the other, each stopped before the next started
     starts = re.findall(r"^demo: gateway pid (\d+) on ", stderr, re.M)
     assert len(starts) == 2 and starts[0] != starts[1]
+    # both on the ports given: the gateway on the base port, the workers' HTTP ports after it
+    urls = re.findall(r"^demo: (\S+) pid \d+ on http://127\.0\.0\.1:(\d+)$", stderr, re.M)
+    first = dict(urls[:5])
+    assert dict(urls[5:]) == first and first["gateway"] == str(base)
+    assert sorted(int(first[n]) for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")) == [
+        base + 1 + 3 * i for i in range(4)
+    ]
     assert "through kvcache_aware at" in stderr and "through round_robin at" in stderr
     header = next(line for line in stdout.splitlines() if "kvcache_aware (live)" in line)
     assert header.index("kvcache_aware (live)") < header.index("round_robin (live)")
@@ -133,6 +143,27 @@ def test_compare_runs_each_policy_on_a_fresh_cluster_and_prints_them_side_by_sid
     assert ratio and goodputs[1] > 0 and float(ratio.group(1)) == pytest.approx(goodputs[0] / goodputs[1], abs=0.006)
     every = [int(pid) for pid in re.findall(r"^demo: \S+ pid (\d+) on ", stderr, re.M)]
     assert len(every) == 10 and all(_gone(pid) for pid in every)
+    # each cluster's ready time counts from its own start, not the demo's: the second started
+    # after the first's replay, and what it printed is its own start-up, as the JSON records it
+    clusters = doc["clusters"]
+    assert [c["policy"] for c in clusters] == ["kvcache_aware", "round_robin"]
+    assert clusters[1]["started_s"] > clusters[0]["ready_s"]
+    printed = [float(x) for x in re.findall(r" ready after ([\d.]+)s; replaying", stderr)]
+    for shown, cluster in zip(printed, clusters, strict=True):
+        assert cluster["ready_after_s"] == pytest.approx(cluster["ready_s"] - cluster["started_s"], abs=0.002)
+        assert shown == pytest.approx(cluster["ready_after_s"], abs=0.051)
+
+
+def test_a_taken_base_port_is_refused_before_anything_starts() -> None:
+    base = free_port_run(13)
+    with socket.socket() as taken:  # a server already listening on one of the ports the cluster needs
+        taken.bind(("127.0.0.1", base + 7))
+        taken.listen()
+        proc = _demo("--requests", "5", "--base-port", str(base), *FAST)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert f"port {base + 7} is taken" in stderr and f"{base}-{base + 12}" in stderr, stderr
+    assert not _pids(stderr)  # refused before any process started
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -398,3 +398,21 @@ def test_building_settings_loads_no_io_library() -> None:
     probe = "import sys, conductor.config.settings; print(sorted({m.split('.')[0] for m in sys.modules}))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True).stdout
     assert not [lib for lib in ("'adapters'", "'zmq'", "'httpx'", "'redis'", "'uvicorn'") if lib in loaded], loaded
+
+
+def test_prompts_go_on_as_ids_only_with_a_tokenizer_known_to_be_the_models() -> None:
+    from conductor.config.derived import kv_settings
+
+    def forwards(kv: dict[str, object]) -> bool:
+        return kv_settings(load_settings(environ={}, overrides={"mixed": ["http://m:1"], "kv": kv})).forward_token_ids
+
+    # auto may end on the byte tokenizer (a worker without /tokenize), whose ids mean nothing to a model
+    assert not forwards({}) and not forwards({"tokenizer": "builtin"})
+    assert forwards({"tokenizer": "worker"}) and forwards({"tokenizer": "auto", "forward_token_ids": True})
+
+
+def test_an_unknown_vllm_hash_algorithm_is_a_config_error_not_a_start_up_traceback() -> None:
+    with pytest.raises(ConfigError, match=r"kv\.vllm_hash_algo must be one of sha256, sha256_cbor, xxhash, xxhash_cbor"):
+        load_settings(environ={}, overrides={"mixed": ["http://m:1"], "kv": {"key_mode": "vllm", "vllm_hash_algo": "md5"}})
+    # in xxhash mode the workers' algorithm is not used: left as it was
+    assert load_settings(environ={}, overrides={"mixed": ["http://m:1"], "kv": {"vllm_hash_algo": "md5"}}).kv.key_mode == "xxhash"

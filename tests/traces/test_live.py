@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
@@ -244,6 +245,9 @@ def test_replay_command_live(pd_workers: tuple[Emulator, Emulator], tmp_path: Pa
     doc = json.loads(out.read_text())
     result = doc["results"][0]
     assert result["mode"] == "live" and result["requests"] == 12
+    # no --slo-ttft/--slo-tbt: judged by the demo's SLOs, not the simulator's loose 30 s / 0.1 s
+    assert (result["slo_ttft_s"], result["slo_tbt_s"]) == (0.5, 0.04)
+    assert re.search(r"^SLO \(TTFT, TBT\)\s+0\.5s, 0\.04s\s*$", text, re.M), text
     assert result["completed"] + result["rejected"] + result["extra"]["errors"] == 12
     assert result["completed"] >= 1 and result["ttft"]["count"] == result["completed"]
     records = doc["live"]["requests"]

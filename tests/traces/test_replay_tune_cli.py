@@ -182,3 +182,16 @@ def test_plateau_and_its_middle() -> None:
 def test_tune_pd_rejects_too_few_nodes(capsys: pytest.CaptureFixture[str]) -> None:
     assert tune_main([HEAD, "--nodes", "1", "--plot", ""]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def test_simulation_keeps_its_own_slos_when_none_is_given() -> None:
+    # the live replay's default (the demo's 0.5 s / 40 ms) must not leak into simulations
+    from traces.replay_cli import build_parser
+    from traces.sim.options import config_from_args
+
+    args = build_parser().parse_args(["conversation"])
+    assert (args.slo_ttft, args.slo_tbt) == (None, None)
+    slo = config_from_args(args, 2, 2).slo
+    assert (slo.ttft_s, slo.tbt_s) == (30.0, 0.1)
+    slo = config_from_args(build_parser().parse_args(["conversation", "--slo-ttft", "2"]), 2, 2).slo
+    assert (slo.ttft_s, slo.tbt_s) == (2.0, 0.1)

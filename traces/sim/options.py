@@ -19,6 +19,16 @@ _D = DecodeTruth()
 PAPER_KV_LAYERS = 80  # LLaMA3-70B
 
 
+# the simulator's SLOs when none is given: loose, the paper's clusters at the trace's full lengths
+SIM_SLO_TTFT_S = 30.0
+SIM_SLO_TBT_S = 0.1
+# a live replay's when none is given: `conductor demo`'s (0.5 s, 40 ms), which its emulated cluster
+# at the demo's scaled lengths meets when the routing is good and misses when it is not; the
+# gateway's own SLOs are not exposed on its API, so the replay cannot read them
+LIVE_SLO_TTFT_S = 0.5
+LIVE_SLO_TBT_S = 0.04
+
+
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """Truth model, capacities, SLOs and replay speed."""
     g = parser.add_argument_group("simulated cluster")
@@ -88,8 +98,19 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tbt-per-mtok-ms", type=float, default=_D.per_kv_token_s * 1e9, help="decode step cost per million resident KV tokens"
     )
-    g.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT SLO in seconds")
-    g.add_argument("--slo-tbt", type=float, default=0.1, help="TBT SLO in seconds")
+    # None until given: a simulation then judges by SIM_SLO_*, a live replay by the demo's (traces.live)
+    g.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        help=f"TTFT SLO in seconds (default {SIM_SLO_TTFT_S:g}; with --live {LIVE_SLO_TTFT_S:g}, the demo's)",
+    )
+    g.add_argument(
+        "--slo-tbt",
+        type=float,
+        default=None,
+        help=f"TBT SLO in seconds (default {SIM_SLO_TBT_S:g}; with --live {LIVE_SLO_TBT_S:g}, the demo's)",
+    )
     g.add_argument("--speedup", type=float, default=1.0, help="replay arrivals X times faster")
     g.add_argument("--noise", type=float, default=0.05, help="lognormal sigma on the truth model (0: exact)")
     g.add_argument("--seed", type=int, default=0)
@@ -158,7 +179,10 @@ def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) ->
         prefill_cache_tokens=args.prefill_cache_tokens,
         store_capacity_tokens=args.store_tokens,
         max_prefill_queue=args.max_prefill_queue,
-        slo=Slo(ttft_s=args.slo_ttft, tbt_s=args.slo_tbt),
+        slo=Slo(
+            ttft_s=SIM_SLO_TTFT_S if args.slo_ttft is None else args.slo_ttft,
+            tbt_s=SIM_SLO_TBT_S if args.slo_tbt is None else args.slo_tbt,
+        ),
         speedup=args.speedup,
         noise=args.noise,
         seed=args.seed,

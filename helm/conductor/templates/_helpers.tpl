@@ -37,6 +37,17 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* Does the chart run workers itself (any prefill, decode or mixed StatefulSet)? Empty: gateway-only,
+     in front of a fleet given in gateway.config (instance lists, or discovery by DNS). */}}
+{{- define "conductor.runsWorkers" -}}
+{{- if gt (add (int .Values.prefill.replicas) (int .Values.decode.replicas) (int .Values.mixed.replicas)) 0 }}true{{ end -}}
+{{- end -}}
+
+{{/* The model the `helm test` pod asks for: gateway.config.models' first, else the served model. */}}
+{{- define "conductor.smokeModel" -}}
+{{- with .Values.gateway.config.models }}{{ first . }}{{ else }}{{ include "conductor.servedModel" . }}{{ end -}}
+{{- end -}}
+
 {{- define "conductor.servedModel" -}}
 {{- default .Values.model.name .Values.model.servedName -}}
 {{- end -}}
@@ -80,6 +91,24 @@ app.kubernetes.io/component: {{ .component }}
 {{- else if .Values.gateway.apiKeys -}}
 {{- printf "%s-gateway-api-keys" (include "conductor.fullname" .) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The Secret with the admin keys (existing or the chart's own); empty: none. */}}
+{{- define "conductor.adminKeysSecretName" -}}
+{{- $a := .Values.gateway.adminKeys -}}
+{{- if $a.existingSecret }}{{ $a.existingSecret }}{{ else if $a.keys }}{{ printf "%s-gateway-admin-keys" (include "conductor.fullname" .) }}{{ end -}}
+{{- end -}}
+
+{{/* The Secret with the upstream key (existing or the chart's own); empty: none. */}}
+{{- define "conductor.upstreamKeySecretName" -}}
+{{- $u := .Values.gateway.upstreamKey -}}
+{{- if $u.existingSecret }}{{ $u.existingSecret }}{{ else if $u.value }}{{ printf "%s-gateway-upstream-key" (include "conductor.fullname" .) }}{{ end -}}
+{{- end -}}
+
+{{/* The gateway pods' ServiceAccount; empty: the namespace's default. */}}
+{{- define "conductor.gatewayServiceAccount" -}}
+{{- $sa := .Values.gateway.serviceAccount -}}
+{{- if $sa.create }}{{ default (printf "%s-gateway" (include "conductor.fullname" .)) $sa.name }}{{ else }}{{ $sa.name }}{{ end -}}
 {{- end -}}
 
 {{/* gateway.apiKeys as the JSON list CONDUCTOR_AUTH__API_KEYS holds: every key a string (`--set` turns
@@ -137,16 +166,27 @@ gateway.config merged over.
 {{- $timeouts := dict -}}
 {{- if not (hasKey $user "drain_grace_s") }}{{ $_ := set $timeouts "drain_grace_s" (float64 $v.gateway.drainGraceSeconds) }}{{ end -}}
 {{- $cfg := dict "host" "0.0.0.0" "port" (int $v.gateway.port) "pd" $pd "timeouts" $timeouts
-      "policy" $v.gateway.policy "block_size" (int $v.model.blockSize)
-      "models" (list (include "conductor.servedModel" .)) -}}
+      "policy" $v.gateway.policy "block_size" (int $v.model.blockSize) -}}
+{{- /* the served model is known only when the chart runs the workers; a gateway in front of an existing
+       fleet (gateway-only) asks the workers' /v1/models, unless gateway.config.models says otherwise */ -}}
+{{- if include "conductor.runsWorkers" . }}{{ $_ := set $cfg "models" (list (include "conductor.servedModel" .)) }}{{ end -}}
 {{- if not (kindIs "invalid" $v.gateway.adminPort) }}{{ $_ := set $cfg "admin_port" (int $v.gateway.adminPort) }}{{ end -}}
 {{- /* with client keys and no admin port, /metrics on the public port takes a key, which the scrape set up
        here (pod annotations, a ServiceMonitor on port http) does not send: it stays open for it (auth.public_metrics;
        /docs and /openapi.json still take a key). gateway.adminPort takes /metrics off the public port instead. */ -}}
 {{- $scraped := or $v.monitoring.podAnnotations $v.monitoring.serviceMonitor.enabled -}}
+{{- $auth := dict -}}
 {{- if and (kindIs "invalid" $v.gateway.adminPort) (include "conductor.apiKeysSecretName" .) $scraped -}}
-{{- $_ := set $cfg "auth" (dict "public_metrics" true) -}}
+{{- $_ := set $auth "public_metrics" true -}}
 {{- end -}}
+{{- /* admin and upstream keys: files from Secrets (gateway.yaml mounts them), never values in this ConfigMap */ -}}
+{{- if include "conductor.adminKeysSecretName" . -}}
+{{- $_ := set $auth "admin_api_keys_file" (printf "/etc/conductor/secrets/admin/%s" $v.gateway.adminKeys.key) -}}
+{{- end -}}
+{{- if include "conductor.upstreamKeySecretName" . -}}
+{{- $_ := set $auth "upstream_api_key_file" (printf "/etc/conductor/secrets/upstream/%s" $v.gateway.upstreamKey.key) -}}
+{{- end -}}
+{{- if $auth }}{{ $_ := set $cfg "auth" $auth }}{{ end -}}
 {{- $slo := dict -}}
 {{- if not (kindIs "invalid" $v.gateway.slo.ttftSeconds) }}{{ $_ := set $slo "ttft_s" (float64 $v.gateway.slo.ttftSeconds) }}{{ end -}}
 {{- if not (kindIs "invalid" $v.gateway.slo.tbtSeconds) }}{{ $_ := set $slo "tbt_s" (float64 $v.gateway.slo.tbtSeconds) }}{{ end -}}
@@ -196,9 +236,13 @@ gateway.config merged over.
 {{- $kvCfg := dict "enabled" $kv.enabled "tokenizer" $kv.tokenizer "index" $index "max_blocks" (int $kv.maxBlocks) -}}
 {{- if eq $index "redis" }}{{ $_ := set $kvCfg "redis_url" $redisUrl }}{{ end -}}
 {{- if and $discovery (eq $kv.tokenizer "worker") -}}
-{{- /* no instance is listed at start-up to take /tokenize from: the Service's name stands for its pods */ -}}
+{{- /* no instance is listed at start-up to take /tokenize from: the Service's name stands for its pods.
+       Only a Service the chart makes (a prefill or mixed StatefulSet runs); otherwise the user's own
+       discovery source, below, once gateway.config is merged */ -}}
 {{- $tokRole := ternary "mixed" "prefill" (eq (int $v.prefill.replicas) 0) -}}
+{{- if gt (int (index $v $tokRole).replicas) 0 -}}
 {{- $_ := set $kvCfg "tokenizer_url" (printf "http://%s-%s.%s.svc.%s:%d" (include "conductor.fullname" .) $tokRole .Release.Namespace $v.clusterDomain (int $v.workers.port)) -}}
+{{- end -}}
 {{- end -}}
 {{- if $kv.mooncakeStore -}}
 {{- $m := $v.mooncakeMaster -}}
@@ -209,7 +253,18 @@ gateway.config merged over.
 {{- $_ := set $kvCfg "key_mode" "vllm" -}}
 {{- end -}}
 {{- $_ := set $cfg "kv" $kvCfg -}}
-{{- toYaml (mustMergeOverwrite $cfg (deepCopy $v.gateway.config)) -}}
+{{- $merged := mustMergeOverwrite $cfg (deepCopy $v.gateway.config) -}}
+{{- /* gateway-only by DNS: the worker tokenizer asks the user's prefill (or mixed) Service, the one
+       name that stands for the fleet's pods before any is resolved */ -}}
+{{- $mkv := $merged.kv -}}
+{{- if and (eq (toString $mkv.tokenizer) "worker") (not $mkv.tokenizer_url) (not $merged.prefill) (not $merged.mixed) -}}
+{{- $d := $merged.discovery | default dict -}}
+{{- $src := $d.prefill | default $d.mixed -}}
+{{- if and $src $src.name $src.port -}}
+{{- $_ := set $mkv "tokenizer_url" (printf "%s://%s:%d" ($src.scheme | default "http") $src.name (int $src.port)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $merged -}}
 {{- end -}}
 
 {{/* --kv-transfer-config JSON of a vLLM worker role (prefill: kv_producer, decode: kv_consumer). */}}

@@ -1,0 +1,63 @@
+"""The gateway's `/v1/models` answer, built from the model cards its workers list.
+
+A client reads a served model's card to learn what it may send: vLLM's `max_model_len` bounds the
+prompt plus the output, `root` and `parent` name the weights (and the base model of a LoRA adapter),
+`owned_by` and `permission` are what vLLM's ModelCard carries. The gateway answers for every worker
+behind it, so it passes those fields on as the workers listed them, with one rule for a model
+several workers serve: the smallest `max_model_len`, since a request may land on any of them (the
+same bound conductor/kv/prompt_bounds.py applies to prompts). A model that the settings name but
+no worker has listed yet gets a bare card owned by "conductor".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from conductor.fleet.state import InstanceState
+
+__all__ = ["CARRIED_FIELDS", "carried_fields", "model_list", "served_card"]
+
+# vLLM's ModelCard fields past id/object/created: what the gateway passes on from its workers
+CARRIED_FIELDS = ("owned_by", "root", "parent", "max_model_len", "permission")
+
+
+def carried_fields(card: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of one worker's card that the gateway passes on (the ones it lists)."""
+    return {key: card[key] for key in CARRIED_FIELDS if key in card}
+
+
+def _smaller_length(a: object, b: object) -> object:
+    """The smaller of two max_model_len values; a value that is not a positive int loses to one that is."""
+    valid_a = type(a) is int and a > 0
+    valid_b = type(b) is int and b > 0
+    if valid_a and valid_b:
+        return min(a, b)  # type: ignore[type-var]
+    return a if valid_a else b
+
+
+def served_card(model: str, states: Iterable[InstanceState], created: int) -> dict[str, Any]:
+    """`model`'s card as the gateway lists it: the first worker's fields (in membership order),
+    the smallest max_model_len of all the workers that list it."""
+    card: dict[str, Any] = {"id": model, "object": "model", "created": created}
+    seen = False
+    for state in states:
+        fields = state.model_cards.get(model)
+        if fields is None:
+            continue
+        if not seen:
+            card.update(fields)
+            seen = True
+        elif "max_model_len" in fields:
+            card["max_model_len"] = _smaller_length(card.get("max_model_len"), fields["max_model_len"])
+    if not seen:
+        card["owned_by"] = "conductor"
+    return card
+
+
+def model_list(models: Iterable[str], states: Iterable[InstanceState], created: int | None = None) -> dict[str, Any]:
+    """The `/v1/models` body for `models` served by the members `states`."""
+    members = list(states)
+    stamp = int(time.time()) if created is None else created
+    return {"object": "list", "data": [served_card(m, members, stamp) for m in models]}
