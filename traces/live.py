@@ -9,7 +9,8 @@ shared hash ids -> shared token prefixes), `max_tokens` = the (scaled) output le
 Measured at the client, from the moment the request is sent: TTFT (first content chunk), TBT (mean
 gap between content chunks of a request), cached tokens from the final usage chunk, HTTP 429s by the
 reason code in their OpenAI error body, other errors by kind. Goodput is the number of requests that
-met both SLOs per second of (scaled) trace time, as in the simulator.
+met both SLOs per second of (scaled) trace time, as in the simulator. The SLOs are `--slo-ttft` and
+`--slo-tbt`, by default `conductor demo`'s (0.5 s, 40 ms): the gateway does not publish its own.
 
 Prefix hit rate: in P/D serving the decode worker's usage counts the KV it received from prefill as
 cached (vLLM does), so the usage the client sees says little about prefix reuse. When the target is

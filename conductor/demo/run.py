@@ -3,6 +3,7 @@
     conductor demo                          # 2 prefill + 2 decode emulators, kvcache_aware, about a minute
     conductor demo --requests 100 --pd-protocol mooncake --policy round_robin --json out.json
     conductor demo --compare round_robin    # the same slice through kvcache_aware, then round_robin
+    conductor demo --base-port 9000         # the gateway on 9000, the workers on 9001, 9002, ...
 
 On loopback it starts the emulated vLLM workers (`python -m adapters.emulator`, the bundled
 Qwen3-8B/H800 profile, 5% timing noise, vLLM KV events on) and the gateway (`python -m conductor
@@ -14,9 +15,10 @@ token-id prompts (traces.synth), and prints the replay's summary table. Children
 process groups and are stopped on exit, on error, on Ctrl-C and on SIGTERM.
 
 Scaling, so a 2-core laptop can run it (see traces.synth):
-* `--length-scale` (default 1/8) shrinks prompts and outputs, and the 512-token trace block with
-  them (to 64 tokens), keeping which requests share which prefix; the first 200 requests then send
-  about 350k prompt tokens and ask for about 9k output tokens;
+* `--length-scale` (default 1/8; 1/4 for a `--compare`, of 60 requests) shrinks prompts and
+  outputs, and the 512-token trace block with them (to 64 tokens), keeping which requests share
+  which prefix; the first 200 requests then send about 350k prompt tokens and ask for about 9k
+  output tokens;
 * `--speedup` (default 1.5) replays arrivals that many times faster: 200 requests span 72 s of
   trace, so the replay takes about 50 s; the trace's bursts (10 to 16 requests within a second)
   queue up at the prefill instances and, with the default SLOs (TTFT 0.5 s, TBT 40 ms), a few get
@@ -63,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="conductor demo", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
-    p.add_argument("--requests", type=int, default=200, help="replay the first N requests of the trace")
+    p.add_argument(
+        "--requests", type=int, default=None, help="replay the first N requests of the trace (default 200; 60 with --compare)"
+    )
     p.add_argument("--trace", default=DEFAULT_TRACE, help="bundled trace name or path")
     p.add_argument("--prefill", type=int, default=2, help="prefill emulators")
     p.add_argument("--decode", type=int, default=2, help="decode emulators")
@@ -85,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--length-scale",
         type=float,
-        default=0.125,
-        help="scale prompt/output lengths (and the 512-token block) by this factor, 0 < f <= 1",
+        default=None,
+        help="scale prompt/output lengths (and the 512-token block) by this factor, 0 < f <= 1 "
+        "(default 0.125; 0.25 with --compare)",
     )
     # the same defaults as `conductor replay --live`: its table then reads like the demo's
     p.add_argument("--slo-ttft", type=float, default=LIVE_SLO_TTFT_S, help="TTFT SLO in seconds (admission and goodput)")
@@ -165,6 +170,20 @@ def _scaled_params(time_scale: float, log_dir: Path) -> str:
     return str(path)
 
 
+# a --compare's load unless told otherwise: at twice the demo's lengths the prefills queue and
+# placement shows; at the demo's own the policies met the SLOs alike (README.md has the runs)
+SINGLE_LOAD = {"requests": 200, "length_scale": 0.125}
+COMPARE_LOAD = {"requests": 60, "length_scale": 0.25}
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """The load options not given: the single run's, or the comparison's."""
+    load = COMPARE_LOAD if args.compare else SINGLE_LOAD
+    for key, value in load.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def _check(args: argparse.Namespace) -> str | None:
     if args.requests < 1:
         return "--requests must be at least 1"
@@ -184,6 +203,7 @@ def _check(args: argparse.Namespace) -> str | None:
 
 def demo_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _fill_defaults(args)
     problem = _check(args)
     if problem:
         print(f"conductor demo: {problem}", file=sys.stderr)

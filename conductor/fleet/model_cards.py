@@ -30,11 +30,8 @@ def carried_fields(card: Mapping[str, Any]) -> dict[str, Any]:
 
 def _smaller_length(a: object, b: object) -> object:
     """The smaller of two max_model_len values; a value that is not a positive int loses to one that is."""
-    valid_a = type(a) is int and a > 0
-    valid_b = type(b) is int and b > 0
-    if valid_a and valid_b:
-        return min(a, b)  # type: ignore[type-var]
-    return a if valid_a else b
+    lengths = [x for x in (a, b) if type(x) is int and x > 0]
+    return min(lengths) if lengths else a
 
 
 def served_card(model: str, states: Iterable[InstanceState], created: int) -> dict[str, Any]:

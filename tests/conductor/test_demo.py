@@ -225,3 +225,17 @@ def test_time_scale_scales_the_policy_predictions_with_the_emulators(tmp_path: P
     scaled = PredictorParams.load(_scaled_params(0.25, tmp_path))
     assert scaled.prefill.coef == pytest.approx(tuple(c * 0.25 for c in base.prefill.coef))
     assert scaled.tbt.coef == pytest.approx(tuple(c * 0.25 for c in base.tbt.coef))
+
+
+def test_a_compare_defaults_to_the_load_where_the_policies_differ() -> None:
+    from conductor.demo.run import _fill_defaults, build_parser
+
+    single = build_parser().parse_args([])
+    _fill_defaults(single)
+    assert (single.requests, single.length_scale) == (200, 0.125)  # the README's first run, unchanged
+    compare = build_parser().parse_args(["--compare", "round_robin"])
+    _fill_defaults(compare)
+    assert (compare.requests, compare.length_scale) == (60, 0.25)
+    given = build_parser().parse_args(["--compare", "round_robin", "--requests", "24", "--length-scale", "0.0625"])
+    _fill_defaults(given)
+    assert (given.requests, given.length_scale) == (24, 0.0625)
