@@ -7,8 +7,10 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from conductor.core.types import ClusterSnapshot, Decision, Observation, Rejection, RequestView, Slo
+from conductor.kv.agreement import HashAgreement
 from conductor.ops.status import DecisionRing, WindowedCounts
 from conductor.server.app import create_admin_app, create_app
 from conductor.status_cli import status_main
@@ -120,3 +122,13 @@ def test_the_window_forgets_what_is_older_than_it() -> None:
         window.decided(_decision(1))
     summary = window.summary()
     assert summary["rejections"] == {} and summary["decisions"] == 6 and summary["ttft_attainment"] is None
+
+
+def test_an_instances_kv_agreement_as_the_page_shows_it() -> None:
+    agreement = HashAgreement(CollectorRegistry(), window=10, min_samples=2, alarm_below=0.5)
+    assert agreement.instance_figures("prefill-0") is None  # nothing finished there yet
+    for _ in range(3):  # the index predicted 100 cached tokens, the worker found none: the keys disagree
+        agreement.observe(100, 0, instance="prefill-0")
+    figures = agreement.instance_figures("prefill-0")
+    assert figures is not None and figures["samples"] == 3 and figures["agreement"] == 0.0
+    assert "over" in figures["alarms"] and isinstance(figures["alarms"]["over"], str)

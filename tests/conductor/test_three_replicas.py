@@ -71,6 +71,9 @@ def deployment(load_share: str) -> Iterator[Deployment]:
                         "timeout_s": 5.0,
                     },
                     "health": {"interval_s": 0.5},
+                    # the 250K-token prompts below are past the default bound (131072 where no worker
+                    # reports a context length); the stand-in workers take any length
+                    "limits": {"max_prompt_tokens": 300_000},
                     "kv": {
                         "enabled": True,
                         "tokenizer": "builtin",

@@ -75,6 +75,11 @@ def test_gateway_only_by_dns_names_no_missing_service_and_no_model(tmp_path: Pat
     assert "Qwen" not in smoke and '"id"' in smoke
 
 
+def test_gateway_only_with_the_auto_tokenizer_asks_the_fleet_too() -> None:
+    cfg = gateway_config(render(*GATEWAY_ONLY, "gateway.kv.tokenizer=auto"))
+    assert cfg["kv"]["tokenizer_url"] == "http://prefill.fleet.svc.cluster.local:8000"
+
+
 def test_gateway_only_keeps_models_and_tokenizer_the_user_gives() -> None:
     cfg = gateway_config(render(*GATEWAY_ONLY, "gateway.config.models={m1}", "gateway.config.kv.tokenizer_url=http://tok:1"))
     assert cfg["models"] == ["m1"] and cfg["kv"]["tokenizer_url"] == "http://tok:1"
@@ -174,3 +179,13 @@ def test_prometheus_rule_alerts_on_metrics_the_gateway_exports() -> None:
         assert f'namespace="{NAMESPACE}"' in r["expr"]
     slo = next(r for r in rules if r["alert"] == "ConductorSloAttainmentLow")["expr"]
     assert 'le="2.5"' in slo and 2.5 in GatewayMetrics().ttft._bounds  # one of the histogram's bucket bounds
+
+
+def test_the_autoscaler_can_add_a_per_pod_gateway_metric() -> None:
+    docs = render("gateway.autoscaling.enabled=true", "gateway.autoscaling.podsMetric.name=conductor_requests_per_second")
+    _validate(docs)
+    metrics = one(docs, "HorizontalPodAutoscaler", f"{FULL}-gateway")["spec"]["metrics"]
+    assert [m["type"] for m in metrics] == ["Resource", "Pods"]  # CPU stays; the higher demand wins
+    assert metrics[1]["pods"]["metric"]["name"] == "conductor_requests_per_second"
+    only_cpu = one(render("gateway.autoscaling.enabled=true"), "HorizontalPodAutoscaler", f"{FULL}-gateway")
+    assert [m["type"] for m in only_cpu["spec"]["metrics"]] == ["Resource"]

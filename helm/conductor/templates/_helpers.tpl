@@ -235,7 +235,7 @@ gateway.config merged over.
 {{- if eq $index "auto" }}{{ $index = ternary "redis" "memory" (ne $redisUrl "") }}{{ end -}}
 {{- $kvCfg := dict "enabled" $kv.enabled "tokenizer" $kv.tokenizer "index" $index "max_blocks" (int $kv.maxBlocks) -}}
 {{- if eq $index "redis" }}{{ $_ := set $kvCfg "redis_url" $redisUrl }}{{ end -}}
-{{- if and $discovery (eq $kv.tokenizer "worker") -}}
+{{- if and $discovery (has (toString $kv.tokenizer) (list "worker" "auto")) -}}
 {{- /* no instance is listed at start-up to take /tokenize from: the Service's name stands for its pods.
        Only a Service the chart makes (a prefill or mixed StatefulSet runs); otherwise the user's own
        discovery source, below, once gateway.config is merged */ -}}
@@ -257,7 +257,7 @@ gateway.config merged over.
 {{- /* gateway-only by DNS: the worker tokenizer asks the user's prefill (or mixed) Service, the one
        name that stands for the fleet's pods before any is resolved */ -}}
 {{- $mkv := $merged.kv -}}
-{{- if and (eq (toString $mkv.tokenizer) "worker") (not $mkv.tokenizer_url) (not $merged.prefill) (not $merged.mixed) -}}
+{{- if and (has (toString $mkv.tokenizer) (list "worker" "auto")) (not $mkv.tokenizer_url) (not $merged.prefill) (not $merged.mixed) -}}
 {{- $d := $merged.discovery | default dict -}}
 {{- $src := $d.prefill | default $d.mixed -}}
 {{- if and $src $src.name $src.port -}}
