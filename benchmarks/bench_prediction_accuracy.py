@@ -4,7 +4,7 @@ honest, measured by the gateway itself on wall-clock times against emulated work
     python benchmarks/bench_prediction_accuracy.py
 
 Wall-clock figures need an idle machine (on a loaded one the workers' steps stretch and the
-predictions chase them), so this is a benchmark; tests/conductor/test_prediction_accuracy.py checks
+predictions chase them), so this is a benchmark; tests/conductor/routing/test_prediction_accuracy.py checks
 what holds on any machine. Exits 1 when a target is missed.
 
 2 prefill + 2 decode emulators (nixl P/D, 8% lognormal noise, time scale 0.5: the bundled profile

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conductor.test_peer_pull_gateway import AwayFromTheHolder
+from tests.conductor.routing.test_peer_pull_gateway import AwayFromTheHolder
 from tests.e2e_vllm.engines import (
     BLOCK_SIZE,
     MODEL_NAME,

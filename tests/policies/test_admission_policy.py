@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cluster_builders import decode, prefill, request, snapshot
 
 from conductor.core.errors import ConfigError
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.simple import LeastLoadedPolicy
 from predictors import OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
+from tests.policies.cluster_builders import decode, prefill, request, snapshot
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from cluster_builders import decode, prefill, request, routed, snapshot
 
 from conductor.core.types import CachedPrefix, InstanceView, Role, Tier
 from policies.dynamo_kv import DynamoKvPolicy
 from policies.llmd import LlmdPolicy
 from policies.sglang_cache_aware import SglangCacheAwarePolicy
 from policies.simple import LeastLoadedPolicy, RandomPolicy
+from tests.policies.cluster_builders import decode, prefill, request, routed, snapshot
 
 
 def test_random_is_seeded_and_uniform() -> None:

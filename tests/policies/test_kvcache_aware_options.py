@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster_builders import decode, prefill, request, snapshot
 
 from conductor.core.errors import ConfigError, PluginError
 from policies.admission import AdmissionMode
 from policies.kvcache_aware import OPTION_KEYS, KvCacheAwareOptions, KvCacheAwarePolicy, PlacementOptions
 from policies.registry import load_policy
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
+from tests.policies.cluster_builders import decode, prefill, request, snapshot
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "kvcache_aware.md"
 ROW = re.compile(r"^\| `(\w+)` \| `(\w+)\.(\w+)` \| `([^`]*)` \| (.+) \|$")

@@ -8,7 +8,6 @@ from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
-from cluster_builders import decode, prefill, request, routed, snapshot
 
 from conductor.core.types import (
     ActiveDecode,
@@ -24,6 +23,7 @@ from conductor.core.types import (
 from policies.estimate import pull_threshold
 from policies.kvcache_aware import KvCacheAwarePolicy
 from predictors import LinearModel, OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
+from tests.policies.cluster_builders import decode, prefill, request, routed, snapshot
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from cluster_builders import decode, prefill, request, routed, snapshot
 
 from conductor.core.types import ActiveDecode, Slo
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.local_prefill import LocalPrefill
 from predictors import OnlineConfig, PredictorParams, Predictors, bundled_profile, fit_profiles
+from tests.policies.cluster_builders import decode, prefill, request, routed, snapshot
 
 
 @pytest.fixture(scope="module")

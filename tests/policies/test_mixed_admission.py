@@ -4,12 +4,12 @@ neither turns away requests likely to meet their SLO nor stays stuck rejecting e
 from __future__ import annotations
 
 import pytest
-from cluster_builders import request, snapshot
 
 from conductor.core.errors import ConfigError
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
 from policies.kvcache_aware import KvCacheAwarePolicy
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
+from tests.policies.cluster_builders import request, snapshot
 
 
 def streams(n: int, context: int = 8000) -> tuple[ActiveDecode, ...]:

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from cluster_builders import decode, prefill, request, snapshot
 
 from conductor.core.decision_log import decision_log_record
 from conductor.core.errors import PluginError
 from conductor.core.types import InstanceView, Role, Slo
 from policies import RECOMMENDED_POLICY
 from policies.registry import available_policies, load_policy
+from tests.policies.cluster_builders import decode, prefill, request, snapshot
 
 BUILT_INS = (
     "round_robin",

@@ -47,7 +47,7 @@ def cluster(
     The gateway routes round robin without the KV index unless `settings` say otherwise (`policy`
     passes a Policy object): the tests built on this helper are about the gateway's HTTP, P/D and
     fault handling, written against that baseline, not about the serve defaults (kvcache_aware with
-    the index on: tests/conductor/test_serve_defaults.py). With `kv: {enabled: true}` the tokenizer
+    the index on: tests/conductor/server/test_serve_defaults.py). With `kv: {enabled: true}` the tokenizer
     is the built-in one, the stand-ins' own (they serve no /tokenize)."""
     opts = standin or {}
     with ExitStack() as stack:

@@ -14,7 +14,7 @@ from adapters.index.base import IndexLimits
 from adapters.index.remote import IndexerClient
 from conductor.core.block_keys import XxhashKeys
 from conductor.core.types import Tier
-from tests.conductor.test_indexer import BS, VllmPublisher, indexer_settings, running_indexer, stored, warm_up
+from tests.conductor.indexer.test_indexer import BS, VllmPublisher, indexer_settings, running_indexer, stored, warm_up
 from tests.support.emulator import free_port
 from tests.support.waiting import wait_for
 

@@ -101,7 +101,7 @@ def test_example_config_is_valid() -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecatedSettingWarning)  # the shipped example names no old key
-        s = load_settings(Path(__file__).resolve().parents[2] / "examples" / "conductor.yaml", environ={})
+        s = load_settings(Path(__file__).resolve().parents[3] / "examples" / "conductor.yaml", environ={})
     assert s.pd.protocol == "mooncake" and [p.bootstrap_port for p in s.prefill] == [8998, 8998]
     assert s.kv.enabled and s.kv.index == "redis" and s.policy == "kvcache_aware"
     assert s.prefill[0].kv_events_endpoint == "tcp://*:5557"

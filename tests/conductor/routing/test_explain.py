@@ -34,7 +34,7 @@ from tests.support.waiting import wait_for
 
 ADMIN_KEY = "adm-explain"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # the keys a candidate's decision-log record has besides the policy's named components
 _RECORD_KEYS = ("instance", "role", "score", "predicted_ttft_s", "predicted_tbt_s")
 

@@ -26,7 +26,7 @@ from conductor.config.settings import load_settings
 from conductor.core.types import ClusterSnapshot, Decision, RequestView, Role
 from conductor.gateway import Gateway
 from policies.base import BasePolicy, no_instance
-from tests.conductor.test_readback_gateway import cached_counters, holders, index_holders
+from tests.conductor.routing.test_readback_gateway import cached_counters, holders, index_holders
 from tests.support.cluster import cluster
 from tests.support.emulator import Emulator, start_emulator
 from tests.support.servers import ServerThread, serve_gateway
