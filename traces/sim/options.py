@@ -98,24 +98,23 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tbt-per-mtok-ms", type=float, default=_D.per_kv_token_s * 1e9, help="decode step cost per million resident KV tokens"
     )
-    # None until given: a simulation then judges by SIM_SLO_*, a live replay by the demo's (traces.live)
-    g.add_argument(
-        "--slo-ttft",
-        type=float,
-        default=None,
-        help=f"TTFT SLO in seconds (default {SIM_SLO_TTFT_S:g}; with --live {LIVE_SLO_TTFT_S:g}, the demo's)",
-    )
-    g.add_argument(
-        "--slo-tbt",
-        type=float,
-        default=None,
-        help=f"TBT SLO in seconds (default {SIM_SLO_TBT_S:g}; with --live {LIVE_SLO_TBT_S:g}, the demo's)",
-    )
+    _add_slo_args(g)
     g.add_argument("--speedup", type=float, default=1.0, help="replay arrivals X times faster")
     g.add_argument("--noise", type=float, default=0.05, help="lognormal sigma on the truth model (0: exact)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace")
     g.add_argument("--no-observe", action="store_true", help="do not feed outcomes back to the policy")
+
+
+def _add_slo_args(g: argparse._ArgumentGroup) -> None:
+    # None until given: a simulation then judges by SIM_SLO_*, a live replay by the demo's (traces.live)
+    for flag, sim, live, what in (
+        ("--slo-ttft", SIM_SLO_TTFT_S, LIVE_SLO_TTFT_S, "TTFT"),
+        ("--slo-tbt", SIM_SLO_TBT_S, LIVE_SLO_TBT_S, "TBT"),
+    ):
+        g.add_argument(
+            flag, type=float, default=None, help=f"{what} SLO in seconds (default {sim:g}; with --live {live:g}, the demo's)"
+        )
 
 
 def add_policy_args(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from tests.support.ports import free_port_run
 from tests.support.prom import scrape
 from tests.support.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FAST = ["--speedup", "8", "--length-scale", "0.0625", "--no-progress"]
 
 
