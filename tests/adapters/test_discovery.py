@@ -166,6 +166,9 @@ def test_the_gateway_follows_the_records_without_a_restart(dns: Dnsmasq) -> None
             environ={},
             overrides={
                 "models": ["tiny"],
+                # the counts are round robin's spread over whoever DNS lists
+                "policy": "round_robin",
+                "kv": {"enabled": False},
                 "health": {"interval_s": 0.3},
                 "auth": {"admin_api_keys": [KEY]},
                 "discovery": {
@@ -208,6 +211,9 @@ def test_a_name_with_no_records_means_no_instances(dns: Dnsmasq) -> None:
             environ={},
             overrides={
                 "models": ["tiny"],
+                # the counts are round robin's spread over whoever DNS lists
+                "policy": "round_robin",
+                "kv": {"enabled": False},
                 "health": {"interval_s": 0.3},
                 "auth": {"admin_api_keys": [KEY]},
                 "timeouts": {"drain_grace_s": 0.5},
@@ -236,6 +242,9 @@ def test_the_api_overrules_dns_while_dns_lists_the_address(dns: Dnsmasq) -> None
             environ={},
             overrides={
                 "models": ["tiny"],
+                # the counts are round robin's spread over whoever DNS lists
+                "policy": "round_robin",
+                "kv": {"enabled": False},
                 "health": {"interval_s": 0.3},
                 "auth": {"admin_api_keys": [KEY]},
                 "discovery": {

@@ -181,9 +181,29 @@ def test_a_gateway_started_after_the_engines_filled_their_caches_is_named(mixed_
 
 
 def test_the_builtin_byte_tokenizer_is_named(mixed_engines: MixedEngines) -> None:
-    # the minimal configuration: kv on, nothing else said (byte tokenizer, the gateway's own keys)
+    # kv on with the built-in byte tokenizer (the gateway's own keys). Not the default any more: kv.tokenizer
+    # "auto" asks the workers' /tokenize (test_the_default_tokenizer_is_the_workers_own below)
     events = _kv_right(mixed_engines)["kv_events"]
-    kv = {"enabled": True, "agreement_min_samples": MIN_SAMPLES, "events_silence_s": 3600, "kv_events": events}
+    kv = {
+        "enabled": True,
+        "tokenizer": "builtin",
+        "agreement_min_samples": MIN_SAMPLES,
+        "events_silence_s": 3600,
+        "kv_events": events,
+    }
     with planted_then_gateway(mixed_engines, **kv) as (gw, seed):
         _expect_alarm(gw, seed, "tokenizer")
         assert any("the built-in byte tokenizer is not the model's" in w for w in gw.kv_warnings)
+
+
+def test_the_default_tokenizer_is_the_workers_own(mixed_engines: MixedEngines) -> None:
+    # kv on, nothing else said: kv.tokenizer "auto" finds the engines' /tokenize, so the planted
+    # prefix's hits are predicted where the built-in tokenizer above missed them
+    events = _kv_right(mixed_engines)["kv_events"]
+    kv = {"enabled": True, "agreement_min_samples": MIN_SAMPLES, "events_silence_s": 3600, "kv_events": events}
+    with planted_then_gateway(mixed_engines, **kv) as (gw, seed):
+        seen = _through(gw, seed, REQUESTS)
+        assert [o.cached_tokens for o in seen] == [PLANTED_TOKENS] * len(seen)
+        # the built-in tokenizer's run above predicts under 80% of them
+        assert sum(o.predicted_cached_tokens for o in seen) >= 0.8 * sum(o.cached_tokens for o in seen), seen
+        assert _under_alarms(gw) == {}

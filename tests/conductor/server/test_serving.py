@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -29,8 +28,10 @@ pytestmark = pytest.mark.timeout(400)  # the suite's 120 s would cut the bound a
 
 
 @contextmanager
-def supervisor(cmd: list[str]) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def supervisor(cmd: list[str], tmpdir: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`tmpdir`: the supervisor's TMPDIR (where it makes its lessons directory), so a test counts its own."""
+    env = _env() if tmpdir is None else {**_env(), "TMPDIR": str(tmpdir)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         yield proc
     finally:
@@ -172,18 +173,19 @@ def _mapped_segments(pid: int) -> set[str]:
     return {line.rsplit("/", 1)[1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/psm_" in line}
 
 
-def _lesson_dirs() -> set[str]:
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("conductor-lessons-")}
+def _lesson_dirs(tmpdir: Path) -> set[str]:
+    return {n for n in os.listdir(tmpdir) if n.startswith("conductor-lessons-")}
 
 
-def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment() -> None:
-    lesson_dirs = _lesson_dirs()  # only supervisors make these, and those tests are all in this file
+def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment(tmp_path: Path) -> None:
+    # this supervisor's own TMPDIR: the other tests' supervisors (this file's, test_serve_defaults')
+    # make lessons directories of their own meanwhile
     with ExitStack() as stack:
         mixed_url = stack.enter_context(serve(StandIn())).url
         port, admin = free_port(), free_port_run(2)
         while admin <= port <= admin + 1:
             admin = free_port_run(2)
-        proc = stack.enter_context(supervisor(_command(port, admin, 2, "--mixed", mixed_url)))
+        proc = stack.enter_context(supervisor(_command(port, admin, 2, "--mixed", mixed_url), tmp_path))
         admins = [f"http://127.0.0.1:{admin + i}" for i in range(2)]
         assert wait_for(lambda: all(_ready(a) for a in admins), timeout=STARTUP_S), _output(proc)
         workers = _worker_pids(proc.pid)
@@ -200,9 +202,9 @@ def test_a_killed_worker_is_replaced_and_sigterm_stops_all_and_frees_the_segment
         survivors = _worker_pids(proc.pid)
         # this supervisor's own segment (others' tests may make segments of their own meanwhile)
         segments = set().union(*(_mapped_segments(pid) for pid in survivors))
-        assert len(segments) == 1 and len(_lesson_dirs() - lesson_dirs) == 1
+        assert len(segments) == 1 and len(_lesson_dirs(tmp_path)) == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert all(not Path(f"/proc/{pid}").exists() for pid in survivors)
     assert not segments & set(os.listdir("/dev/shm"))
-    assert not _lesson_dirs() - lesson_dirs
+    assert not _lesson_dirs(tmp_path)
