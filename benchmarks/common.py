@@ -57,7 +57,9 @@ class Processes:
         """Start a child; `pythonpath` replaces this checkout on its import path (another revision)."""
         out = subprocess.DEVNULL if quiet else None
         env = self.env if pythonpath is None else {**self.env, "PYTHONPATH": str(pythonpath)}
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
+        # run from that tree too: `python -m` puts the working directory first on the import path, so
+        # from this checkout's root the other revision's PYTHONPATH would lose to this checkout
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, cwd=pythonpath)
         self.procs.append(proc)
         return proc
 
