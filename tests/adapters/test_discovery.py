@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from adapters.discovery import DnsDiscovery, DnsResolver, DnsSource, ResolutionFailed, StaticResolver, instance_for
-from conductor.config.settings import load_settings
+from conductor.config.settings import Settings, load_settings
 from conductor.core.types import Role
 from conductor.gateway import Gateway
 from conductor.server.app import create_app
@@ -157,29 +157,28 @@ def _send(url: str, n: int) -> None:
         assert r.status_code == 200, r.text
 
 
+def _dns_settings(dns: Dnsmasq, port: int, *, discovery: dict[str, Any] | None = None, **extra: Any) -> Settings:
+    """A gateway that finds its workers as NAME on the test's DNS server. Round robin with KV off:
+    these tests count where requests went, and kvcache_aware would keep a repeated prompt together."""
+    found = {"mixed": {"name": NAME, "port": port}, "interval_s": 0.2, "nameserver": "127.0.0.1", "nameserver_port": dns.port}
+    overrides = {
+        "models": ["tiny"],
+        "policy": "round_robin",
+        "kv": {"enabled": False},
+        "health": {"interval_s": 0.3},
+        "auth": {"admin_api_keys": [KEY]},
+        "discovery": {**found, **(discovery or {})},
+        **extra,
+    }
+    return load_settings(environ={}, overrides=overrides)
+
+
 def test_the_gateway_follows_the_records_without_a_restart(dns: Dnsmasq) -> None:
     port = free_port()
     addresses = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     dns.set(NAME, addresses[:2])
     with _workers(addresses, port) as workers:
-        settings = load_settings(
-            environ={},
-            overrides={
-                "models": ["tiny"],
-                # the counts are round robin's spread over whoever DNS lists
-                "policy": "round_robin",
-                "kv": {"enabled": False},
-                "health": {"interval_s": 0.3},
-                "auth": {"admin_api_keys": [KEY]},
-                "discovery": {
-                    "mixed": {"name": NAME, "port": port},
-                    "interval_s": 0.2,
-                    "timeout_s": 0.5,
-                    "nameserver": "127.0.0.1",
-                    "nameserver_port": dns.port,
-                },
-            },
-        )
+        settings = _dns_settings(dns, port, discovery={"timeout_s": 0.5})
         gateway = Gateway(settings)
         with serve(create_app(gateway)) as g:
             healthy = {"mixed-127-0-0-2": "healthy", "mixed-127-0-0-3": "healthy"}
@@ -207,24 +206,7 @@ def test_a_name_with_no_records_means_no_instances(dns: Dnsmasq) -> None:
     port = free_port()
     dns.set(NAME, ["127.0.0.2"])
     with _workers(["127.0.0.2"], port):
-        settings = load_settings(
-            environ={},
-            overrides={
-                "models": ["tiny"],
-                # the counts are round robin's spread over whoever DNS lists
-                "policy": "round_robin",
-                "kv": {"enabled": False},
-                "health": {"interval_s": 0.3},
-                "auth": {"admin_api_keys": [KEY]},
-                "timeouts": {"drain_grace_s": 0.5},
-                "discovery": {
-                    "mixed": {"name": NAME, "port": port},
-                    "interval_s": 0.2,
-                    "nameserver": "127.0.0.1",
-                    "nameserver_port": dns.port,
-                },
-            },
-        )
+        settings = _dns_settings(dns, port, timeouts={"drain_grace_s": 0.5})
         with serve(create_app(Gateway(settings))) as g:
             assert wait_for(lambda: _listed(g.url) == {"mixed-127-0-0-2": "healthy"}, timeout=20)
             dns.set(NAME, [])  # the name is gone (NXDOMAIN): drained, then removed
@@ -238,23 +220,7 @@ def test_the_api_overrules_dns_while_dns_lists_the_address(dns: Dnsmasq) -> None
     port = free_port()
     dns.set(NAME, ["127.0.0.2", "127.0.0.3"])
     with _workers(["127.0.0.2", "127.0.0.3"], port) as workers:
-        settings = load_settings(
-            environ={},
-            overrides={
-                "models": ["tiny"],
-                # the counts are round robin's spread over whoever DNS lists
-                "policy": "round_robin",
-                "kv": {"enabled": False},
-                "health": {"interval_s": 0.3},
-                "auth": {"admin_api_keys": [KEY]},
-                "discovery": {
-                    "mixed": {"name": NAME, "port": port},
-                    "interval_s": 0.2,
-                    "nameserver": "127.0.0.1",
-                    "nameserver_port": dns.port,
-                },
-            },
-        )
+        settings = _dns_settings(dns, port)
         gateway = Gateway(settings)
         with serve(create_app(gateway)) as g:
             assert wait_for(lambda: len(_listed(g.url)) == 2, timeout=20)
