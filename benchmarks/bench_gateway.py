@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import ROOT, Processes, cpu_seconds, free_port, wait_http
+from common import ROOT, Processes, conductor_serve, cpu_seconds, export_revision, free_port, wait_http
 
 from tests.support.servers import free_port_run
 
@@ -145,22 +145,7 @@ def start_routers(
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
         extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
         p = procs.start(
-            [
-                sys.executable,
-                "-m",
-                "conductor",
-                "serve",
-                "--port",
-                str(port),
-                "--policy",
-                policy,
-                "--model",
-                "tiny",
-                "--log-level",
-                "warning",
-                *inst,
-                *extra,
-            ],
+            conductor_serve(port, policy, *inst, *extra),
             quiet=True,
             pythonpath=tree,
         )
@@ -174,22 +159,7 @@ def start_routers(
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
         extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
         p = procs.start(
-            [
-                sys.executable,
-                "-m",
-                "conductor",
-                "serve",
-                "--port",
-                str(port),
-                "--policy",
-                policy,
-                "--model",
-                "tiny",
-                "--log-level",
-                "warning",
-                *inst,
-                *extra,
-            ],
+            conductor_serve(port, policy, *inst, *extra),
             quiet=True,
         )
         wait_http(f"http://127.0.0.1:{admin if n > 1 else port}/ready")
@@ -356,9 +326,7 @@ def main() -> int:
         if args.against:
             tree = Path(tmp) / "against"
             tree.mkdir()
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.against], capture_output=True, check=True)
-            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-            against = (args.against[:10], tree)
+            against = (args.against[:10], export_revision(args.against, tree))
         w = start_workers(procs)
         for mode in args.modes.split(","):
             pd = mode == "pd"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, Processes, free_port, wait_http
+from common import Processes, conductor_serve, export_revision, free_port, wait_http
 
 HUGE = 15_500_000
 LARGEST_ADMITTED = 120_000
@@ -84,19 +83,11 @@ def load(url: str, pid: int, size: int) -> Run:
 
 def gateway(procs: Processes, worker: str, pythonpath: Path | None) -> tuple[str, int]:
     port = free_port()
-    argv = [sys.executable, "-m", "conductor", "serve", "--mixed", worker, "--port", str(port), "--model", "tiny"]
-    argv += ["--policy", "kvcache_aware", "--log-level", "warning"]
     procs.env.update(ENV)
-    p = procs.start(argv, quiet=True, pythonpath=pythonpath)
+    p = procs.start(conductor_serve(port, "kvcache_aware", "--mixed", worker), quiet=True, pythonpath=pythonpath)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/ready", timeout=60)
     return url, p.pid
-
-
-def export(rev: str, into: Path) -> Path:
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def main() -> None:
@@ -111,7 +102,7 @@ def main() -> None:
         wait_http(worker + "/health")
         targets = {"this checkout": gateway(procs, worker, None)}
         if args.against:
-            targets[f"conductor@{args.against}"] = gateway(procs, worker, export(args.against, Path(tmp)))
+            targets[f"conductor@{args.against}"] = gateway(procs, worker, export_revision(args.against, Path(tmp)))
         head = f"{'gateway':<22} {'prompt bytes':>12} {'statuses':<22} {'health p50 ms':>14}"
         print(f"{head} {'health max ms':>22} {'peak RSS +MB':>13}")
         for size in (HUGE, LARGEST_ADMITTED):

@@ -43,6 +43,19 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def conductor_serve(port: int, policy: str, *args: str) -> list[str]:
+    """`conductor serve` on `port` as the benchmarks run it (quiet log, the stand-ins' model), then `args`."""
+    serve = [sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy]
+    return [*serve, "--model", "tiny", "--log-level", "warning", *args]
+
+
+def export_revision(rev: str, into: Path) -> Path:
+    """This repository's tree at `rev`, written into `into` (to run as Processes.start(pythonpath=...))."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
 class Processes:
     """Child processes started by a benchmark, all stopped on exit (by PID, never by name)."""
 

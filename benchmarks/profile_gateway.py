@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway import scripts, start_workers, tree_cpu, wrk
-from common import Processes, free_port, wait_http
+from common import Processes, conductor_serve, free_port, wait_http
 
 # (stage, path fragments): the first stage whose fragment appears in a frame's file wins, frames
 # taken from the leaf outwards; order matters only within one frame
@@ -121,21 +121,7 @@ def profile_one(
         port = free_port()
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
         gw = procs.start(
-            [
-                sys.executable,
-                "-m",
-                "conductor",
-                "serve",
-                "--port",
-                str(port),
-                "--policy",
-                policy,
-                "--model",
-                "tiny",
-                "--log-level",
-                "warning",
-                *inst,
-            ],
+            conductor_serve(port, policy, *inst),
             quiet=True,
         )
         wait_http(f"http://127.0.0.1:{port}/ready")
