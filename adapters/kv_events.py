@@ -62,6 +62,7 @@ from adapters.kv_event_sources import (
 )
 from adapters.tasks import cancel_and_wait
 from adapters.throttled_log import ThrottledLog
+from conductor.core.event_bounds import DEFAULT_EVENT_BOUNDS
 
 __all__ = [
     "END_SEQ",
@@ -81,10 +82,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 32 << 20  # a vLLM batch is one engine step's blocks: a few MB at most
-MAX_SEQ_JUMP = 10_000  # vLLM's default buffer_steps: a longer gap cannot be replayed anyway
-SLICE_BLOCKS = 4096  # blocks applied between two turns of the event loop
 
 
 Handler = Callable[[str, EventBatch], Awaitable[None]]
@@ -129,10 +126,10 @@ class EventSubscriber:
         context: zmq.asyncio.Context,
         replay_timeout_s: float = 1.0,
         catch_up: bool = True,
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
-        max_seq_jump: int = MAX_SEQ_JUMP,
-        slice_blocks: int = SLICE_BLOCKS,
-        log_interval_s: float = 10.0,
+        max_message_bytes: int = DEFAULT_EVENT_BOUNDS["max_message_bytes"],
+        max_seq_jump: int = DEFAULT_EVENT_BOUNDS["max_seq_jump"],
+        slice_blocks: int = DEFAULT_EVENT_BOUNDS["slice_blocks"],
+        log_interval_s: float = DEFAULT_EVENT_BOUNDS["log_interval_s"],
     ) -> None:
         self.source = source
         self._on_batch = on_batch

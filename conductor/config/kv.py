@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from conductor.core.event_bounds import DEFAULT_EVENT_BOUNDS, EventBounds
 from conductor.core.memory_budgets import DEFAULT_INDEX_BUDGET_BYTES, DEFAULT_MAP_BUDGET_BYTES
 from conductor.core.mooncake_naming import MooncakeStoreSettings
 from conductor.core.prefix_memo import DEFAULT_MAX_ENTRIES
@@ -25,20 +26,6 @@ log = logging.getLogger(__name__)
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EventBounds(TypedDict):
-    """What one KV-event publisher may send (KVAwarenessSettings.events_*), as keyword arguments."""
-
-    max_message_bytes: int
-    max_seq_jump: int
-    slice_blocks: int
-    log_interval_s: float
-
-
-DEFAULT_EVENT_BOUNDS = EventBounds(
-    max_message_bytes=32 * 1024 * 1024, max_seq_jump=10_000, slice_blocks=4096, log_interval_s=10.0
-)
 
 
 class KVEventsEndpoint(_Model):

@@ -34,9 +34,10 @@ from adapters.index.metrics import register_kv_memory
 from adapters.kv_events import EventSubscriber
 from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
 from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
-from conductor.config.kv import DEFAULT_EVENT_BOUNDS, EventBounds, KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
+from conductor.config.kv import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
 from conductor.core.block_keys import BlockKeyScheme, VllmKeys, XxhashKeys, make_scheme
 from conductor.core.errors import BadRequest, ConductorError, ConfigError
+from conductor.core.event_bounds import DEFAULT_EVENT_BOUNDS, EventBounds
 from conductor.core.prefix_memo import PrefixMemo
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Decision, Observation, Role

@@ -19,8 +19,9 @@ import zmq.asyncio
 
 from adapters.index.feed import IndexFeeder
 from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
-from conductor.config.kv import EventBounds, KVEventsEndpoint
+from conductor.config.kv import KVEventsEndpoint
 from conductor.core.errors import ConfigError
+from conductor.core.event_bounds import EventBounds
 
 log = logging.getLogger(__name__)
 
