@@ -1,6 +1,6 @@
 """Where a gateway request's CPU goes, by stage: py-spy samples of a loaded gateway, attributed.
 
-    python benchmarks/profile_gateway.py [--seconds 8] [--concurrency 64] [--modes mixed,pd] [--policy round_robin]
+    python benchmarks/profile_gateway.py [--seconds 8] [--concurrency 64] [--modes mixed,pd] [--policy P] [--against REV]
 
 For each mode (mixed: two stand-in workers; pd: one prefill and one decode, NIXL) and body (non-stream,
 32-token stream), a gateway in its own process takes wrk's load while py-spy samples it (CPU time
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway import scripts, start_workers, tree_cpu, wrk
-from common import Processes, conductor_serve, free_port, wait_http
+from common import Processes, conductor_serve, export_revision, free_port, wait_http
 
 # (stage, path fragments): the first stage whose fragment appears in a frame's file wins, frames
 # taken from the leaf outwards; order matters only within one frame
@@ -115,15 +115,13 @@ def breakdown(raw: Path) -> tuple[collections.Counter[str], collections.Counter[
 
 
 def profile_one(
-    w: dict[str, str], pd: bool, policy: str, script: Path, conc: int, seconds: int, out: Path
+    w: dict[str, str], pd: bool, policy: str, script: Path, conc: int, seconds: int, out: Path, tree: Path | None = None
 ) -> tuple[tuple[collections.Counter[str], collections.Counter[tuple[str, str]]], float, int]:
+    """One gateway (this checkout, or the exported `tree` of another revision) under wrk, sampled."""
     with Processes() as procs:
         port = free_port()
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
-        gw = procs.start(
-            conductor_serve(port, policy, *inst),
-            quiet=True,
-        )
+        gw = procs.start(conductor_serve(port, policy, *inst), quiet=True, pythonpath=tree)
         wait_http(f"http://127.0.0.1:{port}/ready")
         url = f"http://127.0.0.1:{port}/v1/completions"
         wrk(url, script, conc, 1, None)  # warm up
@@ -160,6 +158,7 @@ def main() -> int:
     ap.add_argument("--modes", default="mixed,pd")
     ap.add_argument("--policy", default="round_robin")
     ap.add_argument("--detail", type=int, default=0, help="also print the N frames that cost most, per stage")
+    ap.add_argument("--against", default=None, help="also profile this git revision, alternating with the checkout")
     args = ap.parse_args()
     for tool in ("py-spy", "wrk"):
         if shutil.which(tool) is None:
@@ -168,22 +167,29 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
         lua = scripts(Path(tmp))
         w = start_workers(procs)
+        trees: list[tuple[str, Path | None]] = [("this checkout", None)]
+        if args.against:
+            trees.append((args.against, export_revision(args.against, Path(tempfile.mkdtemp(dir=tmp)))))
         for mode in args.modes.split(","):
             for body in ("non-stream", "stream32"):
-                (counts, frames), cpu_us, n = profile_one(
-                    w, mode == "pd", args.policy, lua[body], args.concurrency, args.seconds, Path(tmp) / f"{mode}-{body}.txt"
-                )
-                total = sum(counts.values()) or 1
-                print(
-                    f"\n{mode} {body}, concurrency {args.concurrency}, {args.policy}: {n} requests, "
-                    f"{cpu_us:.0f} us CPU per request, {total} samples"
-                )
-                for stage, k in counts.most_common():
-                    print(f"  {stage:<42} {100 * k / total:5.1f}%  {cpu_us * k / total:6.1f} us")
-                    top = [(f, c) for (st, f), c in frames.most_common() if st == stage][: args.detail]
-                    for frame, c in top:
-                        print(f"      {100 * c / total:5.1f}%  {frame[:110]}")
+                for label, tree in trees:
+                    raw = Path(tmp) / f"{mode}-{body}-{len(label)}.txt"
+                    (counts, frames), cpu_us, n = profile_one(
+                        w, mode == "pd", args.policy, lua[body], args.concurrency, args.seconds, raw, tree
+                    )
+                    print(f"\n{label}: {mode} {body}, concurrency {args.concurrency}, {args.policy}: {n} requests")
+                    report(counts, frames, cpu_us, args.detail)
     return 0
+
+
+def report(counts: collections.Counter[str], frames: collections.Counter[tuple[str, str]], cpu_us: float, detail: int) -> None:
+    total = sum(counts.values()) or 1
+    print(f"  {cpu_us:.0f} us CPU per request, {total} samples")
+    for stage, k in counts.most_common():
+        print(f"  {stage:<42} {100 * k / total:5.1f}%  {cpu_us * k / total:6.1f} us")
+        top = [(f, c) for (st, f), c in frames.most_common() if st == stage][:detail]
+        for frame, c in top:
+            print(f"      {100 * c / total:5.1f}%  {frame[:110]} {cpu_us * c / total:6.1f} us")
 
 
 if __name__ == "__main__":

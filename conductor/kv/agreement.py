@@ -23,12 +23,21 @@ events that chain onto blocks the gateway never saw stored (late start).
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from conductor.kv.diagnosis import EvidenceSource, FeedEvidence, HashSetup, Sample, agreement, coverage, diagnose, explain
+from conductor.kv.diagnosis import (
+    EvidenceSource,
+    FeedEvidence,
+    HashSetup,
+    Sample,
+    SampleWindow,
+    agreement,
+    coverage,
+    diagnose,
+    explain,
+)
 
 __all__ = ["EvidenceSource", "FeedEvidence", "HashAgreement", "HashSetup", "Sample", "agreement", "coverage", "diagnose"]
 
@@ -43,7 +52,7 @@ class _Instance:
     __slots__ = ("alarms", "served", "silent_warned", "window")
 
     def __init__(self, window: int) -> None:
-        self.window: deque[Sample] = deque(maxlen=window)
+        self.window = SampleWindow(window)
         self.alarms: dict[Direction, str | None] = {"over": None, "under": None}  # cause tag while alarmed
         self.served = 0
         self.silent_warned = False
@@ -64,7 +73,7 @@ class HashAgreement:
         evidence: EvidenceSource | None = None,
     ) -> None:
         self._window_size = window
-        self._window: deque[Sample] = deque(maxlen=window)
+        self._window = SampleWindow(window)
         self._instances: dict[str, _Instance] = {}
         self._min_samples = min_samples
         self._thresholds: dict[Direction, float] = {"over": alarm_below, "under": coverage_alarm_below}
@@ -144,18 +153,18 @@ class HashAgreement:
             return None
         return {
             "samples": len(inst.window),
-            "agreement": round(agreement(inst.window), 4),
-            "coverage": round(coverage(inst.window), 4),
+            "agreement": round(inst.window.agreement, 4),
+            "coverage": round(inst.window.coverage, 4),
             "alarms": {direction: cause for direction, cause in inst.alarms.items() if cause is not None},
         }
 
     @property
     def ratio(self) -> float:
-        return agreement(self._window)
+        return self._window.agreement
 
     @property
     def coverage(self) -> float:
-        return coverage(self._window)
+        return self._window.coverage
 
     def observe(
         self,
@@ -188,8 +197,8 @@ class HashAgreement:
         inst.window.append(sample)
         self._ratio.set(self.ratio)
         self._coverage.set(self.coverage)
-        self._inst_ratio.labels(instance).set(agreement(inst.window))
-        self._inst_coverage.labels(instance).set(coverage(inst.window))
+        self._inst_ratio.labels(instance).set(inst.window.agreement)
+        self._inst_coverage.labels(instance).set(inst.window.coverage)
         self._check(instance, inst, "over")
         self._check(instance, inst, "under")
 
@@ -217,11 +226,12 @@ class HashAgreement:
 
     def _check(self, name: str, inst: _Instance, direction: Direction) -> None:
         over = direction == "over"
-        figure = agreement(inst.window) if over else coverage(inst.window)
+        window = inst.window
+        figure = window.agreement if over else window.coverage
         threshold = self._thresholds[direction]
         raised = inst.alarms[direction]
         if raised is None:
-            samples = sum(1 for s in inst.window if (s.predicted if over else s.reported) > 0)
+            samples = window.predicting if over else window.reporting
             if samples >= self._min_samples and figure < threshold:
                 self._raise(name, inst, direction, figure, None)
         elif figure >= (2 * threshold if over else (1 + threshold) / 2):
@@ -241,7 +251,7 @@ class HashAgreement:
             self._alarm.labels(name, direction, raised).set(0)
         inst.alarms[direction] = cause
         self._alarm.labels(name, direction, cause).set(1)
-        confirmed = sum(min(s.predicted, s.reported) for s in inst.window)
+        confirmed = inst.window.confirmed
         revised = "" if raised is None else f" (cause revised, was [{raised}])"
         if direction == "over":
             log.warning(
@@ -250,7 +260,7 @@ class HashAgreement:
                 name,
                 revised,
                 len(inst.window),
-                sum(s.predicted for s in inst.window),
+                inst.window.predicted,
                 confirmed,
                 100 * figure,
                 explain(causes),
@@ -262,7 +272,7 @@ class HashAgreement:
                 name,
                 revised,
                 len(inst.window),
-                sum(s.reported for s in inst.window),
+                inst.window.reported,
                 confirmed,
                 100 * figure,
                 explain(causes),

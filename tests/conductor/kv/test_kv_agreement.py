@@ -118,3 +118,24 @@ def test_the_cause_is_revised_when_later_evidence_points_elsewhere(caplog: pytes
     assert agreement.alarm("p0", "under") == "late_start"
     revised = [m for m in _warnings(caplog) if "KV CACHE HITS UNPREDICTED" in m]
     assert len(revised) == 2 and "(cause revised, was [no_events])" in revised[1] and "[late_start]" in revised[1]
+
+
+def test_the_sliding_window_keeps_the_figures_a_full_recount_gives() -> None:
+    """The window's running sums (O(1) per request) equal the figures recomputed from its samples,
+    as samples come and the oldest leave."""
+    import random
+
+    from conductor.kv.diagnosis import SampleWindow, agreement, coverage
+
+    rng = random.Random(7)
+    window = SampleWindow(25)
+    kept: list[Sample] = []
+    for _ in range(400):
+        sample = Sample(rng.choice([0, 0, 16, 512]) * rng.randint(0, 3), rng.choice([0, 16, 256]) * rng.randint(0, 2))
+        window.append(sample)
+        kept = [*kept, sample][-25:]
+        assert list(window) == kept
+        assert window.agreement == agreement(kept) and window.coverage == coverage(kept)
+        assert window.predicting == sum(s.predicted > 0 for s in kept)
+        assert window.reporting == sum(s.reported > 0 for s in kept)
+        assert window.confirmed == sum(min(s.predicted, s.reported) for s in kept)
