@@ -39,7 +39,9 @@ class BlockStored:
     block_hashes: vLLM's hash of each block (low 64 bits). parent_block_hash: hash of the block
     before the first one, None at the start of a prompt. token_ids: all blocks' tokens, concatenated.
     medium: "GPU" or "CPU" (offloaded), None means GPU. lora_name/extra_keys: what else went into
-    vLLM's hash; blocks that carry them cannot be keyed from token ids alone.
+    vLLM's hash: the LoRA adapter (its name; every block's extra keys `[name]`), multimodal inputs,
+    a cache salt (conductor/core/adapter_keys.py `event_adapter` tells them apart). lora_id: the
+    adapter's number on that engine (deprecated in vLLM: `lora_name` names it).
     """
 
     block_hashes: tuple[int, ...]
@@ -50,6 +52,7 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     group_idx: int | None = None
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +228,7 @@ def _event(e: _WireEvent) -> KVEvent:
             lora_name=e.lora_name,
             extra_keys=None if e.extra_keys is None else tuple(e.extra_keys),
             group_idx=e.group_idx,
+            lora_id=e.lora_id,
         )
     if isinstance(e, _RemovedFields):
         return BlockRemoved(_fold(e.block_hashes), e.medium, e.group_idx)
@@ -276,4 +280,5 @@ def _pieces(event: KVEvent, max_blocks: int) -> Iterator[KVEvent]:
             lora_name=event.lora_name,
             extra_keys=event.extra_keys,  # whole: whether the blocks are keyable stays the same
             group_idx=event.group_idx,
+            lora_id=event.lora_id,
         )

@@ -30,6 +30,7 @@ from conductor.kv.prompt_bounds import PromptBound
 from conductor.ops.gc_freeze import GcFreezer
 from conductor.ops.metrics import GatewayMetrics, LessonMetrics
 from conductor.ops.tracing import Tracing
+from conductor.routing.adapter_loads import AdapterLoads
 from conductor.routing.deadlines import Deadlines
 from conductor.routing.pulls import PullPlanner
 from conductor.routing.relay import Relay
@@ -75,7 +76,11 @@ class Gateway:
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
         self.lessons = lesson_share or NoLessonShare()
         self.metrics.registry.register(LessonMetrics(self.lessons))
-        self.analyzer = analyzer or _analyzer(settings, self.metrics)
+        # which LoRA adapter a model names (its KV keys), and the ones loaded at run time (lora_adapters)
+        self.adapter_loads = AdapterLoads(
+            settings.lora_adapters, self.registry, self.metrics.registry, upstream_key=settings.auth.upstream_key()
+        )
+        self.analyzer = analyzer or _analyzer(settings, self.metrics, self.adapter_loads)
         bind_prompt_bound(self.analyzer, PromptBound(settings.limits.max_prompt_tokens, self.registry.context_length))
         protocol_name = settings.pd.protocol if settings.disaggregated else "mixed"
         self.protocol: PDProtocol = make_protocol(
@@ -121,6 +126,7 @@ class Gateway:
             analyzer=self.analyzer,
             metrics=self.metrics,
             tracing=self.tracing,
+            adapter_loads=self.adapter_loads if self.settings.lora_adapters else None,
         )
         self.request_path = RequestPath(
             settings=self.settings,
@@ -174,8 +180,10 @@ class Gateway:
     def authorize(self, authorization: str | None) -> None:
         self.client_keys.check(authorization)
 
-    def known_models(self) -> tuple[str, ...]:
-        return self.settings.models or self.registry.models()
+    def known_models(self) -> frozenset[str]:
+        """Configured models, the instances' base models and adapters, aliases: worked out on each
+        change (conductor/fleet/model_pools.py), read per request."""
+        return self.registry.pools.known
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         """Ready when enough instances can take requests: healthy, not ejected, and (Mooncake) with
@@ -192,11 +200,17 @@ class Gateway:
         return ok, counts
 
 
-def _analyzer(settings: Settings, metrics: GatewayMetrics) -> PromptAnalyzer:
+def _analyzer(settings: Settings, metrics: GatewayMetrics, adapters: AdapterLoads) -> PromptAnalyzer:
     if not settings.kv.enabled:
         return EstimatingAnalyzer(max_chars_per_token=settings.kv.max_chars_per_token)
     instances = [(spec.name or "", spec.role, spec.url) for spec in settings.instances()]
-    return build_analyzer(kv_settings(settings), instances, metrics.registry)
+    return build_analyzer(
+        kv_settings(settings),
+        instances,
+        metrics.registry,
+        adapter_for=adapters.adapter_for,
+        instance_adapter=adapters.instance_adapter,
+    )
 
 
 def _load_share(settings: Settings, metrics: GatewayMetrics | None = None) -> LoadShare:

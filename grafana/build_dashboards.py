@@ -67,6 +67,14 @@ def _traffic_row() -> Row:
                 "leg of such a request is cancelled.",
             ),
             Panel(
+                "Requests by model",
+                (Target(f"sum by (model) ({rate('conductor_model_requests_total')})", "{{model}}"),),
+                "reqps",
+                stack=True,
+                description="Answers per second by the model served (an alias counts as its served name; "
+                "a name the gateway does not know, a 404, makes no series).",
+            ),
+            Panel(
                 "Rejections (HTTP 429) by reason",
                 (Target(f"sum by (reason) ({rate('conductor_rejections_total')})", "{{reason}}"),),
                 "reqps",

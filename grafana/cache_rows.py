@@ -17,8 +17,11 @@ _CONFIGURED = (
 )
 
 
+_UNLOAD_LEGEND = "unload, {{instance}} {{result}}"
+
+
 def kv_index_row() -> Row:
-    """The gateway's KV index: agreement with the workers, memory, evictions."""
+    """The gateway's KV index: agreement with the workers, memory, evictions; the LoRA adapters it loads."""
     return Row(
         "KV cache index",
         (
@@ -71,6 +74,19 @@ def kv_index_row() -> Row:
                 "ops",
                 width=8,
                 description="Entries evicted to stay within the memory budget.",
+            ),
+            Panel(
+                "LoRA adapters loaded by the gateway",
+                (
+                    Target(f"sum by (instance, result) ({rate('conductor_lora_loads_total')})", "load, {{instance}} {{result}}"),
+                    Target(f"sum by (instance, result) ({rate('conductor_lora_unloads_total')})", _UNLOAD_LEGEND),
+                ),
+                "ops",
+                width=24,
+                description="lora_adapters: loads of an adapter no worker listed, on the worker a request "
+                "for it went to (loaded, present: the worker held it already, failed: the request failed "
+                "over or got a 502), and unloads to stay within the gateway's cap per worker. Each "
+                "adapter's blocks are keyed apart in the index.",
             ),
         ),
     )

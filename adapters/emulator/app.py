@@ -3,7 +3,8 @@
 GET /emulator/requests lists each request's headers and body and, once each leg's first token is
 out, `modelled`: per leg (engine sequence) the times the engine modelled for it (queue_s, prefill_s,
 ttft_s, transfer_s for a remote-KV decode leg; see engine.py), which CPU contention does not change.
-/v1/models, /tokenize, /v1/embeddings and /v1/responses: routes.py.
+/v1/models, /tokenize, /v1/embeddings and /v1/responses: routes.py. LoRA adapters (static, loaded
+at run time, and a request's adapter in its block hashes and KV events): lora.py.
 
 A plain ASGI app: the token path sends pre-encoded SSE bytes straight to the server, and a watcher
 on `receive()` sees `http.disconnect` the moment a client goes away, aborts the sequence in the
@@ -39,6 +40,7 @@ from adapters.emulator.engine import Engine, RemoteWait
 from adapters.emulator.kv_content import RemoteKv
 from adapters.emulator.kv_events import publisher_for
 from adapters.emulator.legs import Leg, batch_usage, fan_out, modelled_times, relay, stream_legs
+from adapters.emulator.lora import LoraAdapters, runtime_updates_allowed
 from adapters.emulator.metrics import CONTENT_TYPE, EngineMetrics
 from adapters.emulator.openai_format import ApiError, error_body, parse_request, priority_of
 from adapters.emulator.prefix_cache import PrefixCache
@@ -46,7 +48,7 @@ from adapters.emulator.profile import load_profile
 from adapters.emulator.protocols import LegPlan, NixlAnswer, plan_leg
 from adapters.emulator.readback import KvPuller, ReadbackStore
 from adapters.emulator.render import Choice, Renderer
-from adapters.emulator.routes import ApiRoutes
+from adapters.emulator.routes import LORA_UPDATE_PATHS, ApiRoutes
 from adapters.emulator.tracing import EmulatorTracing
 from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Role
@@ -68,6 +70,9 @@ class EmulatorApp(ApiRoutes):
         # a stand-in for a vLLM worker: like vLLM, it reads PYTHONHASHSEED from its own environment
         self.hasher = VllmBlockHasher(config.hash_algo, config.block_size, worker_seed(config.hash_seed, os.environ))
         self.cache = PrefixCache(config.block_size, config.kv_capacity_tokens)
+        # like vLLM, runtime loading is allowed by a flag or by VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        runtime = config.allow_runtime_lora_updating or runtime_updates_allowed(os.environ)
+        self.loras = LoraAdapters(config.model, config.lora_modules, runtime_updates=runtime)
         self.metrics = EngineMetrics(config.model)
         self.publisher = publisher_for(config)
         self.engine = Engine(
@@ -165,6 +170,8 @@ class EmulatorApp(ApiRoutes):
             await send_json(send, 200, self._models())
         elif method == "POST" and path == "/tokenize":
             await self._tokenize(receive, send)
+        elif method == "POST" and path in LORA_UPDATE_PATHS and self.loras.runtime_updates:
+            await self._lora_update(path, receive, send)
         elif method == "GET" and path == "/emulator/requests":
             await send_json(send, 200, list(self.requests))
         elif method == "GET" and path == "/emulator/cancelled":
@@ -207,6 +214,7 @@ class EmulatorApp(ApiRoutes):
                 served_model=self.config.model,
                 max_model_len=self.config.max_model_len,
                 default_max_tokens=self.config.default_max_tokens,
+                adapters=self.loras,
             )
             priority = priority_of(body)
         except ApiError as err:
@@ -227,6 +235,7 @@ class EmulatorApp(ApiRoutes):
                 pin_on_finish=self._pins(plan),
                 priority=priority,
                 sample=leg.sample,
+                lora=self.loras.get(req.model),
             )
         renderer = Renderer(chat, response_id, int(time.time()), req.model, len(legs), req.logprobs)
         if req.stream:

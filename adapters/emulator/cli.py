@@ -14,6 +14,7 @@ import uvicorn
 from adapters.emulator.app import EmulatorApp
 from adapters.emulator.bootstrap import BootstrapApp
 from adapters.emulator.config import EmulatorConfig, _engine_id
+from adapters.emulator.lora import parse_lora_modules
 from adapters.emulator.protocols import PdProtocol, Role
 from adapters.emulator.readback import SideChannelApp
 from conductor.core.cli_help import DefaultsHelpFormatter
@@ -88,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="fcfs",
         help="as vLLM's: priority takes the waiting request of the lowest `priority` first",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        help="LoRA adapters served from the start, as vLLM's: name=path or JSON {name, path, base_model_name}",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
     p.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     return p
 
@@ -124,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
         kv_lease_duration=args.kv_lease_duration,
         scheduling_policy=args.scheduling_policy,
+        lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
 
 

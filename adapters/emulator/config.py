@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from adapters.emulator.lora import LoraModule
 from adapters.emulator.protocols import PdProtocol, Role
 
 
@@ -51,6 +52,9 @@ class EmulatorConfig:
     decoder_kv_blocks_ttl: float = 480.0  # seconds a decode keeps an unread finished request's KV
     kv_lease_duration: float = 30.0  # seconds a prefill keeps a P/D request's KV for its reader
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: "fcfs" or "priority"
+    lora_modules: tuple[LoraModule, ...] = ()  # vLLM's --lora-modules: adapters loaded at start (lora.py)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter served (so does VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
     @property
     def serves_readback(self) -> bool:

@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 
 from adapters.emulator.kv_content import PulledKv, RemoteKv, content_seed, received_taint
 from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, events_for
+from adapters.emulator.lora import LoraAdapter
 from adapters.emulator.metrics import EngineMetrics, RequestTimes
 from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
 from adapters.emulator.profile import Profile
@@ -118,17 +119,19 @@ class Engine:
         priority: int = 0,
         sample: int = 0,
         pooling: bool = False,
+        lora: LoraAdapter | None = None,
     ) -> Sequence:
         loop = asyncio.get_running_loop()
         seq = Sequence(
             request_id,
             prompt,
             max(1, max_tokens),
-            self.hasher.digests(prompt),
+            self.hasher.digests(prompt, None if lora is None else lora.extra_keys),
             loop.time(),
             content_seed(prompt),
             sample=sample,
             pooling=pooling,
+            lora=lora,
             arrival_index=self._arrivals,
             pin_on_finish=pin_on_finish,
             priority=priority,
@@ -221,7 +224,7 @@ class Engine:
     def _admit(self, seq: Sequence, hit_blocks: int) -> None:
         """Pin the cache hit and cache (pin) the rest of the prompt's full blocks."""
         self.cache.acquire(seq.digests[:hit_blocks])
-        held, changes = self.cache.insert(seq.digests, seq.prompt, hit_blocks)
+        held, changes = self.cache.insert(seq.digests, seq.prompt, hit_blocks, seq.lora)
         seq.held_blocks = hit_blocks + held
         self._pending.extend(changes)
 
@@ -280,7 +283,7 @@ class Engine:
             # a reset during the transfer dropped the local hit: what is held now is where to insert from
             start = seq.held_blocks
             end = (hit * size + pulled.tokens) // size  # only full blocks are cached
-            held, changes = self.cache.insert(seq.digests[:end], seq.prompt, start)
+            held, changes = self.cache.insert(seq.digests[:end], seq.prompt, start, seq.lora)
             seq.held_blocks = start + held
             self._pending.extend(changes)
             self._flush_events()  # the pulled blocks are announced when they land
@@ -346,7 +349,7 @@ class Engine:
                 prefill = self._next_waiting()
                 prefill.scheduled_at = start
                 if prefill.preloaded:  # its hit and pulled blocks are held: cache the rest
-                    held, changes = self.cache.insert(prefill.digests, prefill.prompt, prefill.held_blocks)
+                    held, changes = self.cache.insert(prefill.digests, prefill.prompt, prefill.held_blocks, prefill.lora)
                     prefill.held_blocks += held
                     self._pending.extend(changes)
                 else:

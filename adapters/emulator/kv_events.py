@@ -11,6 +11,9 @@
   is answered with `[client_id, b"", seq, payload]` for every buffered batch with seq >= start_seq,
   then the end marker `[client_id, b"", (-1 as 8-byte signed big-endian), b""]`.
 - The replay buffer is bounded (`buffer_steps` batches).
+- A LoRA adapter's blocks: `lora_id` (the adapter's number, deprecated in vLLM), `lora_name`, and
+  per block the extra keys untagged, `[name]` (vLLM's `to_event_extra_keys`); the adapter's path,
+  which its hashes include, is never in the event.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from adapters.emulator.config import EmulatorConfig
+from adapters.emulator.lora import LoraAdapter
 from adapters.emulator.prefix_cache import CacheChanges
 from adapters.tasks import cancel_and_wait
 
@@ -45,19 +49,22 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def block_stored(block_hashes: list[int], parent: int | None, token_ids: list[int], block_size: int) -> dict[str, Any]:
-    """A BlockStored event as vLLM's block pool fills it for a plain (no LoRA, no MM) request."""
+def block_stored(
+    block_hashes: list[int], parent: int | None, token_ids: list[int], block_size: int, lora: LoraAdapter | None = None
+) -> dict[str, Any]:
+    """A BlockStored event as vLLM's block pool fills it for a request with no multimodal input
+    nor cache salt, run on the base model or on the adapter `lora`."""
     return {
         "type": "BlockStored",
         "block_hashes": block_hashes,
         "parent_block_hash": parent,
         "token_ids": token_ids,
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": None if lora is None else lora.lora_id,
         "medium": MEDIUM_GPU,
-        "lora_name": None,
+        "lora_name": None if lora is None else lora.name,
         # one entry per block; vLLM sends the list even when every entry is None
-        "extra_keys": [None] * len(block_hashes),
+        "extra_keys": [None if lora is None else [lora.name] for _ in block_hashes],
         "group_idx": 0,
     }
 
@@ -76,7 +83,7 @@ def events_for(changes: CacheChanges, block_size: int) -> list[dict[str, Any]]:
     if changes.removed:
         events.append(block_removed(list(changes.removed)))
     for run in changes.stored:
-        events.append(block_stored(list(run.block_hashes), run.parent_block_hash, list(run.token_ids), block_size))
+        events.append(block_stored(list(run.block_hashes), run.parent_block_hash, list(run.token_ids), block_size, run.lora))
     return events
 
 

@@ -15,7 +15,7 @@ each prompt's tokens once and every choice's completion tokens. The responses' b
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,12 +154,13 @@ def _max_tokens(raw_max: Any, prompt_len: int, max_model_len: int, default_max_t
     return max_tokens
 
 
-def served_model_of(body: Any, served_model: str) -> str:
-    """The request's model, checked: a JSON object naming this instance's model or none."""
+def served_model_of(body: Any, served_model: str, adapters: Container[str] = ()) -> str:
+    """The request's model, checked: a JSON object naming this instance's model, one of the LoRA
+    `adapters` it holds, or none (the model)."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model") or served_model
-    if model != served_model:
+    if model != served_model and (not isinstance(model, str) or model not in adapters):
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     return str(model)
 
@@ -179,8 +180,9 @@ def parse_request(
     served_model: str,
     max_model_len: int,
     default_max_tokens: int,
+    adapters: Container[str] = (),
 ) -> ParsedRequest:
-    model = served_model_of(body, served_model)
+    model = served_model_of(body, served_model, adapters)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):

@@ -5,7 +5,9 @@ of its leading blocks present (the chain hash makes a later block meaningless wi
 the hit never covers the whole prompt, because the last token must be computed to sample from;
 blocks a running request holds cannot be evicted; unreferenced blocks go to an LRU free queue and a
 finished request's blocks are freed tail first, so its tail is evicted before its head.
-Capacity is bounded in blocks (`capacity_tokens // block_size`).
+Capacity is bounded in blocks (`capacity_tokens // block_size`). A LoRA adapter's blocks are
+keyed by digests that include the adapter (lora.py), so they never meet the base model's; a run
+of newly cached blocks remembers the adapter for its BlockStored event.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from adapters.emulator.lora import LoraAdapter
 from conductor.core.vllm_hash import digest_to_event_id
 
 
@@ -30,6 +33,7 @@ class StoredRun:
     block_hashes: tuple[int, ...]  # event ids (low 64 bits of each digest)
     parent_block_hash: int | None  # event id of the block before the run, None at the chain's start
     token_ids: tuple[int, ...]  # the run's tokens, block after block
+    lora: LoraAdapter | None = None  # the adapter the request that cached them ran with
 
 
 @dataclass(slots=True)
@@ -104,8 +108,11 @@ class PrefixCache:
         changes.removed.append(digest_to_event_id(digest))
         return True
 
-    def insert(self, digests: Sequence[bytes], token_ids: Sequence[int], start: int) -> tuple[int, CacheChanges]:
-        """Cache (and pin) blocks `start..` of a request whose first `start` blocks it already holds.
+    def insert(
+        self, digests: Sequence[bytes], token_ids: Sequence[int], start: int, lora: LoraAdapter | None = None
+    ) -> tuple[int, CacheChanges]:
+        """Cache (and pin) blocks `start..` of a request whose first `start` blocks it already holds
+        (`lora`: the adapter it runs with, whose keys its digests include).
 
         Returns how many blocks from `start` on are now held, and the changes for KV events. Stops
         early when every cached block is pinned and nothing can be evicted.
@@ -120,7 +127,7 @@ class PrefixCache:
         def flush() -> None:
             nonlocal run_hashes, run_tokens
             if run_hashes:
-                changes.stored.append(StoredRun(tuple(run_hashes), run_parent, tuple(run_tokens)))
+                changes.stored.append(StoredRun(tuple(run_hashes), run_parent, tuple(run_tokens), lora))
                 run_hashes, run_tokens = [], []
 
         for i in range(start, len(digests)):

@@ -1,6 +1,9 @@
 """The emulator's request plumbing and the routes beside generation: vLLM's /v1/models,
 /tokenize, /v1/embeddings (embeddings.py) and /v1/responses (responses.py).
 
+LoRA adapters are listed in /v1/models after the base model, and loaded and unloaded at run time
+when that is allowed (lora.py).
+
 `ApiRoutes` is the base of `EmulatorApp` (app.py), which owns the engine and the P/D legs: a request
 is read and logged (`_accept`: GET /emulator/requests shows it, with the times the engine modelled
 for each of its sequences), then served while a watcher aborts its sequences if the client leaves
@@ -24,6 +27,7 @@ from adapters.emulator.config import EmulatorConfig
 from adapters.emulator.embeddings import answer_embeddings, embeddings_body, parse_embeddings
 from adapters.emulator.engine import Engine
 from adapters.emulator.legs import Accepted, Leg, fan_out
+from adapters.emulator.lora import LoraAdapters
 from adapters.emulator.openai_format import ApiError, error_body, priority_of, tokenize_response
 from adapters.emulator.protocols import LegPlan
 from adapters.emulator.responses import ResponsesRenderer, answer_responses, parse_responses
@@ -31,6 +35,8 @@ from adapters.emulator.tracing import EmulatorTracing, request_span
 from conductor.core.tokenization import ByteTokenizer
 
 _decode = msgspec.json.Decoder().decode
+# vLLM's runtime LoRA routes (served only when runtime updates are allowed)
+LORA_UPDATE_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 class ApiRoutes:
@@ -39,6 +45,7 @@ class ApiRoutes:
     config: EmulatorConfig
     engine: Engine
     tokenizer: ByteTokenizer
+    loras: LoraAdapters
     requests: deque[dict[str, Any]]
     tracing: EmulatorTracing | None
     created: int
@@ -61,7 +68,20 @@ class ApiRoutes:
             "max_model_len": self.config.max_model_len,
             "permission": [],
         }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *self.loras.cards(self.created)]}
+
+    async def _lora_update(self, path: str, receive: Receive, send: Send) -> None:
+        """POST /v1/load_lora_adapter or /v1/unload_lora_adapter: vLLM's plain-text success line,
+        or its error."""
+        ok, body = await self._read_json(receive, send)
+        if not ok:
+            return
+        try:
+            line = self.loras.update(path, body)
+        except ApiError as err:
+            await send_bytes(send, err.status, error_body(err))
+            return
+        await send_bytes(send, 200, line.encode(), b"text/plain; charset=utf-8")
 
     async def _read_json(self, receive: Receive, send: Send) -> tuple[bool, Any]:
         try:

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from adapters.emulator.kv_content import Taint
+from adapters.emulator.lora import LoraAdapter
 from adapters.emulator.openai_format import sample_seed
 
 
@@ -22,6 +23,7 @@ class Sequence:
     kv_seed: int  # content seed of the KV this sequence runs on: the generated text follows it
     sample: int = 0  # which of its prompt's n choices (n > 1) it is: the others sample other text
     pooling: bool = False  # an embedding request: one forward pass over the prompt, no token generated
+    lora: LoraAdapter | None = None  # the adapter it runs with (its digests include it); None: the base model
     kv_taint: Taint | None = None  # where its KV stops being its tokens' (kv_content.py); None: clean
     tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     cached_tokens: int = 0  # served from this instance's prefix cache

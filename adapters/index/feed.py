@@ -16,19 +16,29 @@ The feeder also keeps per-instance evidence for the hash agreement diagnosis
 after the worker cached their prefix), and, in "vllm" mode, a check of the worker's own hashes: a
 BlockStored at the start of a prompt carries its token ids, so the gateway hashes the first block
 itself; a different hash means kv.vllm_hash_algo or kv.vllm_hash_seed is not the workers'.
+
+A LoRA adapter's blocks (the event names it: `lora_name`) are indexed like any others. Their vLLM
+hashes include the adapter's name and path, so in "vllm" mode they go in as they are; where the
+feeder rebuilds keys from an event's token ids (its own keys in "xxhash" mode, the hash check) it
+keys them with the adapter as the gateway keys that adapter's prompts (conductor/core/adapter_keys.py),
+the path taken from what the instance lists (`adapter_of`). An adapter whose path is not known is
+skipped in "xxhash" mode and left out of the hash check. Blocks keyed on anything else beside their
+tokens (multimodal inputs, a cache salt, prompt embeddings) are skipped.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from adapters.index.base import KVIndex, MemoryUse, entries_within
 from adapters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from conductor.core.adapter_keys import AdapterSchemes, event_adapter
 from conductor.core.block_keys import BlockKeyScheme
 from conductor.core.memory_budgets import DEFAULT_MAP_BUDGET_BYTES
+from conductor.core.models import AdapterCard
 from conductor.core.types import Tier
 
 log = logging.getLogger(__name__)
@@ -62,7 +72,8 @@ class FeedStats:
 
     stored / removed: blocks inserted / removed from events. unmapped: blocks whose parent hash was
     unknown (xxhash mode: their own keys cannot be chained). skipped: blocks keyed on more than
-    tokens (LoRA, multimodal extras) or from another KV cache group. cleared: AllBlocksCleared and
+    tokens and an adapter (multimodal inputs, a cache salt), blocks of an adapter whose path is not
+    known (xxhash mode), or from another KV cache group. cleared: AllBlocksCleared and
     resyncs. dispatched: blocks inserted, unconfirmed, after dispatches.
     """
 
@@ -111,10 +122,14 @@ class IndexFeeder:
         *,
         translate: bool,
         max_mapped_per_instance: int = DEFAULT_MAP_BUDGET_BYTES // MAPPED_ENTRY_BYTES,
+        adapter_of: Callable[[str, str], AdapterCard | None] | None = None,
     ) -> None:
-        """translate: True in xxhash mode (vLLM hashes -> own keys), False when keys are vLLM's."""
+        """translate: True in xxhash mode (vLLM hashes -> own keys), False when keys are vLLM's.
+        adapter_of: (instance, adapter name) -> the adapter that instance lists under that name."""
         self.index = index
         self.scheme = scheme
+        self.adapter_of = adapter_of
+        self._adapter_schemes = AdapterSchemes(scheme)
         self.translate = translate
         self._max_mapped = max_mapped_per_instance
         self._maps: dict[str, OrderedDict[int, int]] = {}
@@ -174,7 +189,8 @@ class IndexFeeder:
     async def _stored_event(self, instance: str, ev: BlockStored) -> None:
         n = len(ev.block_hashes)
         feed = self.instance(instance)
-        if ev.group_idx not in (None, 0) or ev.lora_name or (ev.extra_keys and any(ev.extra_keys)):
+        usable, scheme = self._event_scheme(instance, ev) if ev.group_idx in (None, 0) else (False, None)
+        if not usable or (scheme is None and self.translate):
             self._skipped += n
             feed.skipped += n
             return
@@ -194,7 +210,7 @@ class IndexFeeder:
             return
         tier = tier_of_medium(ev.medium)
         if not self.translate:
-            await self._check_vllm_event(instance, feed, ev)
+            await self._check_vllm_event(instance, feed, ev, scheme)
             await self.index.insert(instance, ev.block_hashes, tier=tier, confirmed=True)
             self._stored += n
             feed.stored += n
@@ -207,7 +223,8 @@ class IndexFeeder:
                 self._unmapped += n
                 feed.orphans += n
                 return
-        keys = self.scheme.extend(parent, ev.token_ids[: n * ev.block_size])
+        assert scheme is not None
+        keys = scheme.extend(parent, ev.token_ids[: n * ev.block_size])
         for vllm_hash, key in zip(ev.block_hashes, keys, strict=False):
             mapping.pop(vllm_hash, None)
             mapping[vllm_hash] = key
@@ -220,13 +237,25 @@ class IndexFeeder:
         self._stored += len(keys)
         feed.stored += len(keys)
 
-    async def _check_vllm_event(self, instance: str, feed: InstanceFeed, ev: BlockStored) -> None:
-        """Evidence for the diagnosis, "vllm" mode: are the worker's hashes ours, is its parent known?"""
+    def _event_scheme(self, instance: str, ev: BlockStored) -> tuple[bool, BlockKeyScheme | None]:
+        """(usable, scheme): whether the event's blocks may be indexed, and the scheme that keys
+        them from their token ids (None: their adapter's path is not known here)."""
+        keyable, lora = event_adapter(ev.lora_name, ev.extra_keys, ev.lora_id)
+        if not keyable:
+            return False, None
+        if lora is None:
+            return True, self.scheme
+        adapter = self.adapter_of(instance, lora) if self.adapter_of is not None else None
+        return True, (self._adapter_schemes.get(adapter) if adapter is not None else None)
+
+    async def _check_vllm_event(self, instance: str, feed: InstanceFeed, ev: BlockStored, scheme: BlockKeyScheme | None) -> None:
+        """Evidence for the diagnosis, "vllm" mode: are the worker's hashes ours, is its parent known?
+        `scheme`: what keys the event's blocks (an adapter's); None: not known, no hash check."""
         size = self.scheme.block_size
         if ev.parent_block_hash is None:
-            if len(ev.token_ids) >= size and ev.block_hashes:
+            if scheme is not None and len(ev.token_ids) >= size and ev.block_hashes:
                 # one block's hash per prompt start: cheap, and enough to tell a wrong seed or algo
-                ours = self.scheme.keys(ev.token_ids[:size])[0]
+                ours = scheme.keys(ev.token_ids[:size])[0]
                 feed.hash_checked += 1
                 if ours != ev.block_hashes[0]:
                     feed.hash_mismatched += 1

@@ -164,6 +164,9 @@ class HealthSettings(_Model):
     # unhealthy_interval); never less often than interval_s
     unhealthy_interval_s: float = Field(default=1.0, gt=0)
     timeout_s: float = 2.0
+    # each instance's /v1/models is read again this often (on a passing probe), so the LoRA adapters
+    # loaded at run time join its model pool; a failed read keeps the last lists
+    models_refresh_s: float = Field(default=30.0, gt=0)
     unhealthy_after: int = 2  # consecutive failed probes
     min_ready_prefill: int = 1
     min_ready_decode: int = 1

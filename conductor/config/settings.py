@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -69,6 +69,20 @@ class InstanceSpec(_Model):
     # vLLM's KV events replay endpoint (--kv-events-config replay_endpoint, e.g. "tcp://*:5558"): the
     # gateway catches up from it at start-up and after gaps (kv.replay_on_start)
     kv_events_replay_endpoint: str | None = None
+    # the base models the worker serves, when the settings say so: then these, before and whatever
+    # its /v1/models lists (its LoRA adapters are still learned there); None: learned from /v1/models
+    models: tuple[str, ...] | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _some_models(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        # an empty list would make an instance that serves nothing: a typo, never what was meant
+        if v is not None and (not v or not all(v)):
+            raise ValueError(
+                "an instance's `models` must list at least one non-empty model name "
+                "(omit the key to learn them from the worker's /v1/models)"
+            )
+        return v
 
     @field_validator("url")
     @classmethod
@@ -128,6 +142,13 @@ class SloSettings(_Model):
     tbt_s: float | None = None
 
 
+class LoraAdapterSpec(_Model):
+    """A LoRA adapter the gateway may load on a worker at run time (`lora_adapters`)."""
+
+    path: str = Field(min_length=1)  # vLLM's lora_path: what the worker loads, and hashes into its blocks
+    base: str | None = Field(default=None, min_length=1)  # the base model it goes on; None: any worker's
+
+
 class Settings(_Model):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -145,6 +166,12 @@ class Settings(_Model):
     # workers found by DNS at run time, beside the lists above (conductor/fleet/membership.py)
     discovery: DiscoverySettings = DiscoverySettings()
     models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
+    # public name -> served name: a request for the public name is routed and forwarded as the
+    # served one (conductor/fleet/model_pools.py); /v1/models lists both
+    model_aliases: Mapping[str, str] = Field(default_factory=dict)
+    # adapter name -> {path, base}: a request naming one that no worker lists loads it first on the
+    # worker chosen (POST /v1/load_lora_adapter; conductor/routing/adapter_loads.py)
+    lora_adapters: Mapping[Annotated[str, Field(min_length=1)], LoraAdapterSpec] = Field(default_factory=dict)
     # Conductor's own scheduler (policies/kvcache_aware/): by predicted TTFT/TBT and what each worker
     # has cached (kv: below). "round_robin" and the other registered policies are a setting away
     policy: str = "kvcache_aware"
@@ -194,6 +221,7 @@ class Settings(_Model):
             raise ValueError(f"instance names must be unique: {names}")
         if "block_size" in self.kv.model_fields_set and self.kv.block_size != self.block_size:
             raise ValueError(f"kv.block_size {self.kv.block_size} differs from block_size {self.block_size}: set block_size only")
+        _check_aliases(self)
         pd = self.pd
         if pd.peer_pull == "on" and not (pd.protocol == "nixl" and self.kv.enabled and self.decode):
             raise ValueError(
@@ -219,6 +247,24 @@ class Settings(_Model):
     @property
     def disaggregated(self) -> bool:
         return bool(self.prefill or self.decode or self.discovery.prefill or self.discovery.decode)
+
+
+def _check_aliases(settings: Settings) -> None:
+    """Each alias names a served model: not another alias nor a configured model's own name, and,
+    with `models` configured, a model that `models` or an instance's `models` lists."""
+    aliases = settings.model_aliases
+    configured = set(settings.models).union(*(spec.models or () for spec in settings.instances()))
+    for public, served in aliases.items():
+        if not public or not served:
+            raise ValueError(f"model_aliases: names must be non-empty, got {public!r}: {served!r}")
+        if served in aliases:
+            raise ValueError(f"model_aliases: {public!r} names {served!r}, itself an alias; name the served model")
+        if public in configured:
+            raise ValueError(f"model_aliases: {public!r} is also a served model's name in the settings")
+        if settings.models and served not in configured:
+            raise ValueError(
+                f"model_aliases: {public!r} names {served!r}, which neither `models` nor any instance's `models` lists"
+            )
 
 
 def merge_settings(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

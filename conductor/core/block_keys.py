@@ -17,6 +17,7 @@ Pure: no I/O, no event loop.
 
 from __future__ import annotations
 
+import copy
 import sys
 from array import array
 from collections.abc import Sequence
@@ -118,23 +119,34 @@ class VllmKeys:
     seed: the workers' PYTHONHASHSEED, or None when the workers run without one (vLLM's default
     none-hash seed for sha256*; for xxhash* unreproducible, see `vllm_hash.seed_is_reproducible`).
     Never this process's own PYTHONHASHSEED: the gateway is not a worker.
+    extra_keys: what vLLM hashes into every block beside its tokens, the same for each block (a
+    LoRA adapter's `(("lora", name, path),)`: conductor/core/adapter_keys.py); None: a plain prompt.
     """
 
-    def __init__(self, block_size: int, algo: str = "sha256", seed: str | int | None = None) -> None:
+    def __init__(
+        self, block_size: int, algo: str = "sha256", seed: str | int | None = None, extra_keys: tuple | None = None
+    ) -> None:
         # Imported here so that xxhash-mode users do not pay for (or depend on) the vLLM hasher.
         from conductor.core.vllm_hash import VllmBlockHasher
 
         self._block_size = block_size
         self.algo = algo
         self.seed = seed
+        self.extra_keys = extra_keys
         self._hasher = VllmBlockHasher(algo, block_size, None if seed is None else str(seed))
+
+    def with_extra_keys(self, extra_keys: tuple | None) -> VllmKeys:
+        """The same hashes with `extra_keys` in every block (NONE_HASH shared, not derived again)."""
+        other = copy.copy(self)
+        other.extra_keys = extra_keys
+        return other
 
     @property
     def block_size(self) -> int:
         return self._block_size
 
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
-        return list(self._hasher.event_ids([int(t) for t in token_ids]))
+        return list(self._hasher.event_ids([int(t) for t in token_ids], self.extra_keys))
 
     def extend(self, parent: int | None, token_ids: Sequence[int] | np.ndarray) -> list[int]:
         if parent is None:
@@ -144,12 +156,13 @@ class VllmKeys:
 
     def chain(self, state: object | None, token_ids: Sequence[int]) -> tuple[list[int], Sequence[object]]:
         """`ResumableKeys.chain`: the state after a block is its full digest (the chain's link)."""
-        digests = self._hasher.digests([int(t) for t in token_ids], parent=state if isinstance(state, bytes) else None)
+        parent = state if isinstance(state, bytes) else None
+        digests = self._hasher.digests([int(t) for t in token_ids], self.extra_keys, parent)
         return [int.from_bytes(d, "big") & _MASK64 for d in digests], digests
 
     def digests(self, token_ids: Sequence[int]) -> list[bytes]:
         """Full digests (what vLLM's MooncakeStoreConnector puts in object names, as hex)."""
-        return list(self._hasher.digests([int(t) for t in token_ids]))
+        return list(self._hasher.digests([int(t) for t in token_ids], self.extra_keys))
 
 
 def make_scheme(

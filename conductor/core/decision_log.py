@@ -35,11 +35,13 @@ def _candidate(c: CandidateScore) -> dict[str, Any]:
     return out
 
 
-def decision_log_record(decision: Decision, prompt_tokens: int | None = None) -> dict[str, Any]:
+def decision_log_record(decision: Decision, prompt_tokens: int | None = None, model: str | None = None) -> dict[str, Any]:
     """One structured log line for the gateway's decision logger (`prompt_tokens`: the prompt's size,
-    when the caller knows it; sizes and predictions only, never text)."""
+    `model`: the model it was routed for (a served name, never an alias), when the caller knows them;
+    sizes and predictions only, never text)."""
     record: dict[str, Any] = {
         "request_id": decision.request_id,
+        "model": model,
         "prompt_tokens": prompt_tokens,
         "policy": decision.policy,
         "prefill": decision.prefill,

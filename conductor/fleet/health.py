@@ -124,3 +124,14 @@ def panicking(role_members: list[InstanceHealth], rules: HealthRules) -> bool:
         return False
     available = sum(1 for h in role_members if h.available)
     return available < rules.panic_threshold * len(role_members)
+
+
+def refused_probe(exc: BaseException) -> bool:
+    """Whether a probe failed because nothing listens there (refused, unreachable) rather than on a
+    timeout: a stopped worker refuses, a starved gateway's probes time out."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
+            return True
+        cause = cause.__cause__
+    return False

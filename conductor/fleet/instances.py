@@ -6,6 +6,10 @@ Membership changes at run time (conductor/fleet/membership.py drives them: DNS d
 finishes, then removes it; `remove` takes it out at once. A removed instance's requests still in
 flight are not cut: its bookkeeping moves aside ("retired") until they end, and only then are its
 connections closed. Listeners hear of each change (the KV index, the metrics).
+
+Each member's `/v1/models` is read when it first answers its health probe and again every
+health.models_refresh_s (adapters loaded at run time); which member serves which model is worked out
+again on each change (conductor/fleet/model_pools.py), never per request.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from adapters.upstream import Upstream, UpstreamPool
 from conductor.config.settings import InstanceSpec, Settings
 from conductor.core.errors import ConductorError, NotFound, UpstreamError
 from conductor.core.types import ActiveDecode, ClusterSnapshot, QueuedPrefill, Role
-from conductor.fleet.health import HealthRules, InstanceHealth, may_eject, panicking
-from conductor.fleet.model_cards import carried_fields
+from conductor.fleet.health import HealthRules, InstanceHealth, may_eject, panicking, refused_probe
+from conductor.fleet.model_cards import model_list
+from conductor.fleet.model_pools import ModelPools, build_pools, take_listing
 from conductor.fleet.state import InstanceState, Origin, RemoteEntry
 
 __all__ = ["InstanceExists", "InstanceRegistry", "InstanceState", "MembershipListener", "Origin", "RemoteEntry"]
@@ -81,8 +86,9 @@ class InstanceRegistry:
             panic_threshold=settings.health.panic_threshold,
         )
         self._panic: frozenset[Role] = frozenset()  # the roles routed in panic at the last snapshot
-        # what context_length answers, per request: worked out again only when a member's changes
-        self._contexts: tuple[dict[str, int], int | None] = ({}, None)
+        # who serves which model, the names known, the context lengths: worked out again only on a change
+        self.pools: ModelPools = ModelPools()
+        self.models_changed()
 
     # ---- health -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,7 +124,7 @@ class InstanceRegistry:
         target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
         state = InstanceState(spec=spec, target=target, health=InstanceHealth(spec.name), origin=origin)
         self.states[spec.name] = state
-        self._contexts_changed()
+        self.models_changed()
         log.info("instance %s (%s, %s) added by %s", spec.name, spec.role.value, spec.url, origin)
         for listener in self.listeners:
             await listener.instance_added(spec)
@@ -147,7 +153,7 @@ class InstanceRegistry:
         """Out at once. Its requests in flight run on; its connections close when they end."""
         state = self._member(name)
         del self.states[name]
-        self._contexts_changed()
+        self.models_changed()
         task = self._drains.pop(name, None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -220,18 +226,27 @@ class InstanceRegistry:
             # connection carries a stream is busy, not dead
             reply = await state.target.upstream.get("/health", timeout_s=timeout, probe=True)
             ok = reply.status == 200
-            if ok and not state.models:
-                models = await state.target.upstream.get("/v1/models", timeout_s=timeout, probe=True)
-                if models.status == 200:
-                    data = decode_json(models.body).get("data", [])
-                    cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-                    state.models = tuple(m["id"] for m in cards)
-                    state.context_lengths = {m["id"]: m["max_model_len"] for m in cards if _positive_int(m.get("max_model_len"))}
-                    state.model_cards = {m["id"]: carried_fields(m) for m in cards}
-                    self._contexts_changed()
         except (UpstreamError, ValueError, AttributeError) as exc:
-            ok, refused = False, _refused(exc)
+            ok, refused = False, refused_probe(exc)
+        if ok and time.monotonic() >= state.models_due:
+            # before the probe counts: an instance back in rotation is routed by what it serves now
+            await self._read_models(state, timeout)
         self.record_probe(state, ok, refused)
+
+    async def _read_models(self, state: InstanceState, timeout_s: float) -> None:
+        """The member's `/v1/models` taken in. A failed read keeps the lists it had and is tried
+        again at the next probe; it fails no probe (its /health answered)."""
+        try:
+            reply = await state.target.upstream.get("/v1/models", timeout_s=timeout_s, probe=True)
+            data = decode_json(reply.body).get("data") if reply.status == 200 else None
+        except (UpstreamError, ValueError, AttributeError) as exc:
+            log.debug("instance %s: /v1/models not read (%s)", state.name, exc)
+            return
+        if data is None:
+            return
+        state.models_due = time.monotonic() + self._settings.health.models_refresh_s
+        if take_listing(state, data) and self.states.get(state.name) is state:
+            self.models_changed()
 
     def record_probe(self, state: InstanceState, ok: bool, refused: bool | None = None) -> None:
         state.health.on_probe(ok, time.monotonic(), self.rules, refused)
@@ -261,22 +276,23 @@ class InstanceRegistry:
         """The smallest context length the members serving `model` report (a request may land on
         any of them); when none names the model, the smallest any member reports; None when no
         member reports one. What bounds a prompt's tokens (conductor/kv/prompt_bounds.py)."""
-        by_model, smallest = self._contexts
-        return by_model.get(model, smallest) if model is not None else smallest
+        pools = self.pools
+        return pools.contexts.get(model, pools.smallest_context) if model is not None else pools.smallest_context
 
-    def _contexts_changed(self) -> None:
-        by_model: dict[str, int] = {}
-        for state in self.states.values():
-            for model, length in state.context_lengths.items():
-                by_model[model] = min(length, by_model.get(model, length))
-        self._contexts = (by_model, min(by_model.values(), default=None))
+    def models_changed(self) -> None:
+        """A member's lists changed, or a member came or went: the pools worked out again."""
+        settings = self._settings
+        loadable = {name: spec.base for name, spec in settings.lora_adapters.items()}
+        self.pools = build_pools(self.states.values(), settings.models, settings.model_aliases, loadable)
 
     def models(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for state in self.states.values():
-            for m in state.models:
-                seen[m] = None
-        return tuple(seen)
+        """Every model name known: the configured ones, the members' base models, their adapters
+        (what a request may name: `pools.known`; the members outside a model's pool: `pools.excluded`)."""
+        return self.pools.names
+
+    def model_list(self) -> dict[str, object]:
+        """The gateway's `/v1/models` body: every model, adapter and alias (conductor/fleet/model_cards.py)."""
+        return model_list(self.pools.names, self.states.values(), aliases=self.pools.aliases)
 
     # ---- load accounting -----------------------------------------------------------------
     def snapshot(self, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
@@ -373,18 +389,3 @@ class InstanceRegistry:
         state = self._state(name)
         if state is not None and state.decodes.pop(request_id, None) is not None:
             self.load_share.changed()
-
-
-def _positive_int(value: object) -> bool:
-    return type(value) is int and value > 0
-
-
-def _refused(exc: BaseException) -> bool:
-    """Whether a probe failed because nothing listens there (refused, unreachable) rather than on a
-    timeout: a stopped worker refuses, a starved gateway's probes time out."""
-    cause = exc.__cause__
-    while cause is not None:
-        if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
-            return True
-        cause = cause.__cause__
-    return False

@@ -179,7 +179,7 @@ class Membership:
     async def add_from_api(self, body: Any) -> InstanceState:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object with url and role")
-        allowed = {"url", "role", "name", "kv_events_endpoint", "kv_events_replay_endpoint", "bootstrap_port"}
+        allowed = {"url", "role", "name", "kv_events_endpoint", "kv_events_replay_endpoint", "bootstrap_port", "models"}
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise BadRequest(f"unknown fields: {unknown}; allowed: {sorted(allowed)}", param=unknown[0])

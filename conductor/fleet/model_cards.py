@@ -6,7 +6,8 @@ prompt plus the output, `root` and `parent` name the weights (and the base model
 behind it, so it passes those fields on as the workers listed them, with one rule for a model
 several workers serve: the smallest `max_model_len`, since a request may land on any of them (the
 same bound conductor/kv/prompt_bounds.py applies to prompts). A model that the settings name but
-no worker has listed yet gets a bare card owned by "conductor".
+no worker has listed yet gets a bare card owned by "conductor"; an alias (`model_aliases`) a card
+of its own whose `root` is the served name.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from conductor.fleet.state import InstanceState
 
-__all__ = ["CARRIED_FIELDS", "carried_fields", "model_list", "served_card"]
+__all__ = ["CARRIED_FIELDS", "alias_card", "carried_fields", "model_list", "served_card"]
 
 # vLLM's ModelCard fields past id/object/created: what the gateway passes on from its workers
 CARRIED_FIELDS = ("owned_by", "root", "parent", "max_model_len", "permission")
@@ -53,8 +54,27 @@ def served_card(model: str, states: Iterable[InstanceState], created: int) -> di
     return card
 
 
-def model_list(models: Iterable[str], states: Iterable[InstanceState], created: int | None = None) -> dict[str, Any]:
-    """The `/v1/models` body for `models` served by the members `states`."""
+def alias_card(alias: str, served: Mapping[str, Any]) -> dict[str, Any]:
+    """An alias's card: the served model's card (`served`, as `served_card` made it) under the
+    alias's id, `root` naming the served model; no `parent`, so no client takes it for an adapter."""
+    card = {key: value for key, value in served.items() if key != "parent"}
+    card["id"], card["root"] = alias, served["id"]
+    return card
+
+
+def model_list(
+    models: Iterable[str],
+    states: Iterable[InstanceState],
+    created: int | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The `/v1/models` body for `models` served by the members `states`, then `aliases` (public
+    name -> served name)."""
     members = list(states)
     stamp = int(time.time()) if created is None else created
-    return {"object": "list", "data": [served_card(m, members, stamp) for m in models]}
+    data = [served_card(m, members, stamp) for m in models]
+    if aliases:
+        by_id = {card["id"]: card for card in data}
+        for alias, target in aliases.items():
+            data.append(alias_card(alias, by_id.get(target) or served_card(target, members, stamp)))
+    return {"object": "list", "data": data}

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from adapters.pd.base import Target
 from conductor.config.settings import InstanceSpec
+from conductor.core.models import AdapterCard
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill
 from conductor.fleet.health import InstanceHealth
 
@@ -25,10 +26,18 @@ class InstanceState:
     spec: InstanceSpec
     target: Target
     health: InstanceHealth
+    # the base models it serves: its spec's `models` when the settings list them, else what its
+    # /v1/models lists (read again each health.models_refresh_s: conductor/fleet/model_pools.py)
     models: tuple[str, ...] = ()
-    # model -> its context length, as the worker's /v1/models says (vLLM's max_model_len)
+    # the LoRA adapters it lists, by served name (a request names one in its `model`)
+    adapters: dict[str, AdapterCard] = field(default_factory=dict)
+    # whether `models` is known (listed in the settings or by the worker): until then the
+    # instance serves any model, as it would with one model behind the gateway
+    models_known: bool = False
+    models_due: float = 0.0  # time.monotonic() when its /v1/models is read again
+    # model or adapter -> its context length, as the worker's /v1/models says (vLLM's max_model_len)
     context_lengths: dict[str, int] = field(default_factory=dict)
-    # model -> the fields of its /v1/models card the gateway passes on (conductor/fleet/model_cards.py)
+    # model or adapter -> the fields of its /v1/models card the gateway passes on (conductor/fleet/model_cards.py)
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     # request id -> work queued here, in dispatch order (FCFS); the frozen values are what views
     # hand out, so a snapshot costs a tuple() of them, not an object per in-flight request
@@ -40,6 +49,10 @@ class InstanceState:
     draining: bool = False  # out of rotation; removed once what runs here has ended
     drained_by: Origin | None = None  # who asked for the drain (DNS undoes only its own)
 
+    def __post_init__(self) -> None:
+        if self.spec.models is not None:
+            self.models, self.models_known = self.spec.models, True
+
     @property
     def name(self) -> str:
         assert self.spec.name is not None
@@ -49,6 +62,10 @@ class InstanceState:
     def healthy(self) -> bool:
         """May take requests: its probes answer, it is not ejected as an outlier nor draining."""
         return self.health.available and not self.draining
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for `model` (a base model or an adapter) may go here."""
+        return not self.models_known or model in self.models or model in self.adapters
 
     @property
     def inflight(self) -> int:

@@ -23,7 +23,9 @@ Choices where the RFC is silent or loose, and where this indexer differs from it
   event reports disk). Each medium's figure is its own leading run; longest_matched is the longest
   run of any one medium and rank (a prefix split across media counts its longest single part).
 - One tenant, "default": another tenant_id gets {} (nothing registered under it). A non-empty lora_name,
-  lora_id or cache_salt gets every instance at 0: such blocks carry extra hash inputs and are not indexed.
+  lora_id or cache_salt gets every instance at 0: such blocks carry extra hash inputs (a LoRA
+  adapter's path, which a query does not give; an adapter's blocks from events are indexed in
+  "vllm" key mode, under vLLM's hashes, and skipped in "xxhash" mode: the indexer lists no adapters).
 - `model` is required (non-empty); it must be one of `models` when the settings name any (else 404),
   otherwise any model is answered from the one index. `block_size` must be the indexer's (else 400).
   An `instance_id` the indexer does not track is a 404. Unknown fields are ignored.
@@ -130,7 +132,7 @@ class QueryHandler:
             raise NotFound(f"instance {body.instance_id!r} is not tracked by this indexer", param="instance_id")
 
     def _unindexed(self, body: QueryBody) -> bool:
-        """Blocks of a LoRA or a cache salt are keyed on more than tokens: never indexed."""
+        """Blocks of a LoRA or a cache salt are keyed on more than tokens: a query's own keys never find them."""
         return bool(body.lora_name) or bool(body.lora_id) or bool(body.cache_salt)
 
     async def answer(self, body: QueryBody, keys: list[int]) -> dict[str, Any]:

@@ -33,17 +33,17 @@ from adapters.index.memory import MemoryIndex
 from adapters.index.metrics import register_kv_memory
 from adapters.kv_events import EventSubscriber
 from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
-from adapters.tokenizers import HFPromptTokenizer, HFTokenizer, LocalTokenizer, PromptTokenizer, WorkerTokenizer
+from adapters.tokenizers import PromptTokenizer
 from conductor.config.kv import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
 from conductor.core.block_keys import BlockKeyScheme, VllmKeys, XxhashKeys, make_scheme
 from conductor.core.errors import BadRequest, ConductorError, ConfigError
 from conductor.core.event_bounds import DEFAULT_EVENT_BOUNDS, EventBounds
+from conductor.core.models import AdapterCard
 from conductor.core.prefix_memo import PrefixMemo
-from conductor.core.tokenization import ByteTokenizer
 from conductor.core.types import Decision, Observation, Role
 from conductor.kv.agreement import FeedEvidence, HashAgreement, HashSetup
 from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
-from conductor.kv.encoding import PromptEncoder, chars_per_token
+from conductor.kv.encoding import PromptEncoder, chars_per_token, make_tokenizer
 from conductor.kv.event_metrics import KVEventsCollector
 from conductor.kv.feeds import start_subscribers, subscribers_for, watch_silent_instances
 from conductor.kv.index_factory import make_index
@@ -82,8 +82,12 @@ class KVAwareAnalyzer:
         keep_token_ids: bool = False,
         prompt_bound: PromptBound | None = None,
         max_chars_per_token: int | None = None,
+        adapter_for: Callable[[str], AdapterCard | None] | None = None,
     ) -> None:
+        """adapter_for: the LoRA adapter a request's `model` names (None: a base model), whose
+        blocks are keyed with it as vLLM hashes them (conductor/core/adapter_keys.py)."""
         self.tokenizer = tokenizer
+        self.adapter_for = adapter_for
         self.scheme = scheme
         self.prefix_memo = prefix_memo  # the scheme's keys, each shared prefix hashed once
         self.encoder = PromptEncoder(tokenizer, scheme, prefix_memo)  # long prompts off the event loop
@@ -196,7 +200,9 @@ class KVAwareAnalyzer:
             tokens, exact = estimate_prompt_tokens(kind, body)
             return PromptAnalysis(prompt_tokens=tokens, exact=exact)
         check_token_count(kind, len(ids), limit)
-        keys, store_hashes = await self.encoder.keys(ids, store=self.store is not None)
+        model = body.get("model")
+        adapter = self.adapter_for(model) if self.adapter_for is not None and isinstance(model, str) else None
+        keys, store_hashes = await self.encoder.keys(ids, store=self.store is not None, adapter=adapter)
         try:
             match = await self.index.match(keys)
         except Exception as exc:  # noqa: BLE001  # a shared index being down must not fail requests
@@ -282,20 +288,6 @@ class KVAwareAnalyzer:
         )
 
 
-def _make_tokenizer(s: KVAwarenessSettings, instances: Sequence[InstanceInfo]) -> PromptTokenizer:
-    if s.tokenizer == "auto":  # the workers' /tokenize, or the byte tokenizer where they serve none
-        urls = [s.tokenizer_url] if s.tokenizer_url else [u for _, role, u in instances if role != Role.DECODE]
-        return AutoTokenizer(lambda: urls)
-    if s.tokenizer == "builtin":
-        return LocalTokenizer(ByteTokenizer())
-    if s.tokenizer == "worker":
-        url = s.tokenizer_url or next((u for _, role, u in instances if role != Role.DECODE), None)
-        if url is None:
-            raise ConfigError("kv.tokenizer 'worker' needs kv.tokenizer_url or a prefill/mixed instance")
-        return WorkerTokenizer(url)
-    return HFPromptTokenizer(HFTokenizer(s.tokenizer))
-
-
 def _index_memory(index: KVIndex) -> Callable[[], MemoryUse | None]:
     memory: Callable[[], MemoryUse | None] | None = getattr(index, "memory", None)
     return memory if memory is not None else lambda: None
@@ -308,15 +300,31 @@ def _prefix_memo(s: KVAwarenessSettings, scheme: BlockKeyScheme) -> PrefixMemo |
     return PrefixMemo(scheme, max_entries=s.prefix_memo_entries)
 
 
+def _agreement(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> HashAgreement:
+    setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
+    return HashAgreement(
+        registry or CollectorRegistry(),
+        window=s.agreement_window,
+        min_samples=s.agreement_min_samples,
+        alarm_below=s.agreement_alarm_below,
+        coverage_alarm_below=s.agreement_coverage_alarm_below,
+        setup=setup,
+    )
+
+
 def build_analyzer(
     options: Mapping[str, Any] | KVAwarenessSettings,
     instances: Sequence[InstanceInfo],
     registry: CollectorRegistry | None = None,
     *,
     prompt_bound: PromptBound | None = None,
+    adapter_for: Callable[[str], AdapterCard | None] | None = None,
+    instance_adapter: Callable[[str, str], AdapterCard | None] | None = None,
 ) -> PromptAnalyzer:
     """The analyzer the settings describe. `instances` are (id, role, base URL); `prompt_bound`: how
-    many tokens a prompt may have (the default when None); call `start()` next."""
+    many tokens a prompt may have (the default when None); `adapter_for`: the LoRA adapter a
+    request's model names; `instance_adapter`: the adapter an instance lists under a name (its
+    KV events name the adapter, never its path); call `start()` next."""
     s = options if isinstance(options, KVAwarenessSettings) else KVAwarenessSettings.model_validate(options)
     scheme = make_scheme(s.key_mode, s.block_size, seed=s.hash_seed, algo=s.vllm_hash_algo, vllm_seed=s.vllm_hash_seed)
     index = make_index(s, registry)
@@ -325,6 +333,7 @@ def build_analyzer(
         scheme,
         translate=s.key_mode == "xxhash",
         max_mapped_per_instance=mapped_within(s.hash_map_memory_bytes_per_instance),
+        adapter_of=instance_adapter or (None if adapter_for is None else lambda _, name: adapter_for(name)),
     )
     if registry is not None:
         register_kv_memory(registry, _index_memory(index), feeder.map_memory)
@@ -348,17 +357,9 @@ def build_analyzer(
                 bounds=s.event_bounds(),
             )
     store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None
-    setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
-    agreement = HashAgreement(
-        registry or CollectorRegistry(),
-        window=s.agreement_window,
-        min_samples=s.agreement_min_samples,
-        alarm_below=s.agreement_alarm_below,
-        coverage_alarm_below=s.agreement_coverage_alarm_below,
-        setup=setup,
-    )
+    agreement = _agreement(s, registry)
     analyzer = KVAwareAnalyzer(
-        tokenizer=_make_tokenizer(s, instances),
+        tokenizer=make_tokenizer(s, instances),
         scheme=scheme,
         index=index,
         feeder=feeder,
@@ -376,6 +377,7 @@ def build_analyzer(
         keep_token_ids=s.keep_token_ids,
         prompt_bound=prompt_bound,
         max_chars_per_token=s.max_chars_per_token,
+        adapter_for=adapter_for,
     )
     if isinstance(analyzer.tokenizer, AutoTokenizer) and not s.tokenizer_url:  # workers that join later count too
         live = analyzer.instances

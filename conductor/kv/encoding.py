@@ -1,4 +1,5 @@
-"""A request's token ids and block keys, computed off the event loop when the prompt is long.
+"""A request's token ids and block keys, computed off the event loop when the prompt is long (and
+the tokenizer the settings name, `make_tokenizer`).
 
 Tokenizing, keying (a SHA-256 per block in vllm key mode) and the Mooncake Store's hashes all cost
 time in proportion to the prompt. Under `OFFLOAD_SIZE` characters or token ids they run inline:
@@ -17,13 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from adapters.tokenizers import HFPromptTokenizer, LocalTokenizer, PromptTokenizer, chat_template_arguments
+from adapters.auto_tokenizer import AutoTokenizer
+from adapters.tokenizers import (
+    HFPromptTokenizer,
+    HFTokenizer,
+    LocalTokenizer,
+    PromptTokenizer,
+    WorkerTokenizer,
+    chat_template_arguments,
+)
+from conductor.config.kv import KVAwarenessSettings
+from conductor.core.adapter_keys import AdapterSchemes
 from conductor.core.block_keys import BlockKeyScheme, VllmKeys
+from conductor.core.errors import ConfigError
+from conductor.core.models import AdapterCard
 from conductor.core.prefix_memo import PrefixMemo
 from conductor.core.tokenization import ByteTokenizer
+from conductor.core.types import Role
 from conductor.kv.analysis import RequestKind
 
 OFFLOAD_SIZE = 32 * 1024  # characters of text or token ids: beyond this, milliseconds of work
@@ -41,6 +55,21 @@ def chars_per_token(tokenizer: PromptTokenizer) -> int:
         return 1  # every UTF-8 byte a token: a character is at least one
     longest = getattr(inner, "longest_token_chars", None)
     return longest if isinstance(longest, int) and longest > 0 else UNKNOWN_CHARS_PER_TOKEN
+
+
+def make_tokenizer(s: KVAwarenessSettings, instances: Sequence[tuple[str, Role, str]]) -> PromptTokenizer:
+    """The tokenizer `kv.tokenizer` names; `instances`: (id, role, base URL) of the workers."""
+    if s.tokenizer == "auto":  # the workers' /tokenize, or the byte tokenizer where they serve none
+        urls = [s.tokenizer_url] if s.tokenizer_url else [u for _, role, u in instances if role != Role.DECODE]
+        return AutoTokenizer(lambda: urls)
+    if s.tokenizer == "builtin":
+        return LocalTokenizer(ByteTokenizer())
+    if s.tokenizer == "worker":
+        url = s.tokenizer_url or next((u for _, role, u in instances if role != Role.DECODE), None)
+        if url is None:
+            raise ConfigError("kv.tokenizer 'worker' needs kv.tokenizer_url or a prefill/mixed instance")
+        return WorkerTokenizer(url)
+    return HFPromptTokenizer(HFTokenizer(s.tokenizer))
 
 
 def _prompt_ids(prompt: Any) -> list[int] | None:
@@ -98,7 +127,9 @@ def _sync_tokenizer(tokenizer: PromptTokenizer) -> SyncTokenize | None:
 
 
 class PromptEncoder:
-    """Token ids, block keys and the Mooncake Store's hashes of one prompt."""
+    """Token ids, block keys and the Mooncake Store's hashes of one prompt. A LoRA adapter's prompt
+    is keyed with the adapter in every block (conductor/core/adapter_keys.py), without the prefix
+    memo (its entries are the base model's keys)."""
 
     def __init__(
         self,
@@ -111,6 +142,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.scheme = scheme
         self.prefix_memo = prefix_memo
+        self.adapter_schemes = AdapterSchemes(scheme)
         self.offload_size = offload_size
         self._sync = _sync_tokenizer(tokenizer)
         self._memo_lock = threading.Lock()
@@ -129,25 +161,30 @@ class PromptEncoder:
         specials = body.get("add_special_tokens", True) is not False  # vLLM's completions default
         return await self.tokenizer.encode_prompt(text, specials), whole
 
-    async def keys(self, ids: list[int], *, store: bool) -> tuple[list[int], list[str] | None]:
-        """The block keys of `ids` and, with `store`, the Mooncake Store's names of its blocks."""
+    async def keys(
+        self, ids: list[int], *, store: bool, adapter: AdapterCard | None = None
+    ) -> tuple[list[int], list[str] | None]:
+        """The block keys of `ids` run with `adapter` (None: the base model) and, with `store`, the
+        Mooncake Store's names of its blocks; none when the scheme cannot key an adapter's blocks."""
+        scheme = self.adapter_schemes.get(adapter)
+        if scheme is None:
+            return [], None
         if len(ids) > self.offload_size:
-            return await asyncio.to_thread(self._keys, ids, store, True)
-        return self._keys(ids, store, False)
+            return await asyncio.to_thread(self._keys, ids, store, True, scheme)
+        return self._keys(ids, store, False, scheme)
 
-    def _keys(self, ids: list[int], store: bool, may_wait: bool) -> tuple[list[int], list[str] | None]:
+    def _keys(self, ids: list[int], store: bool, may_wait: bool, scheme: BlockKeyScheme) -> tuple[list[int], list[str] | None]:
         keys: list[int] | None = None
-        if self.prefix_memo is not None and self._memo_lock.acquire(blocking=may_wait):
+        memo = self.prefix_memo if scheme is self.scheme else None
+        if memo is not None and self._memo_lock.acquire(blocking=may_wait):
             try:
-                keys = self.prefix_memo.keys(ids)
+                keys = memo.keys(ids)
             finally:
                 self._memo_lock.release()
         if keys is None:
-            keys = self.scheme.keys(ids)
-        hashes = None
-        if store and keys:
-            if isinstance(self.scheme, VllmKeys):
-                hashes = [d.hex() for d in self.scheme.digests(ids)]
-            else:
-                hashes = [f"{k:016x}" for k in keys]
-        return keys, hashes
+            keys = scheme.keys(ids)
+        if not (store and keys):
+            return keys, None
+        if isinstance(scheme, VllmKeys):  # the Mooncake Store names a block by its full digest
+            return keys, [d.hex() for d in scheme.digests(ids)]
+        return keys, [f"{k:016x}" for k in keys]

@@ -21,8 +21,8 @@ Counters (exported with the `_total` suffix):
 - conductor_kv_events_rejected{instance,rank,reason}: messages dropped unapplied (frames, oversize,
   undecodable, invalid, seq_jump: see adapters/kv_events.py)
 - conductor_kv_events_blocks_stored / _blocks_removed{instance}: blocks indexed / removed
-- conductor_kv_events_blocks_skipped{instance}: not indexable (LoRA, extra keys, other KV cache
-  group or block size)
+- conductor_kv_events_blocks_skipped{instance}: not indexable (multimodal or cache-salt extra keys,
+  a LoRA adapter whose path is unknown in "xxhash" key mode, other KV cache group or block size)
 - conductor_kv_events_orphan_blocks{instance}: stored under a parent the gateway never saw stored
   (late start, lost events)
 - conductor_kv_events_hash_checked / _hash_mismatched{instance}: prompt-start blocks whose vLLM
@@ -95,7 +95,7 @@ class KVEventsCollector(Collector):
             "removed": CounterMetricFamily("conductor_kv_events_blocks_removed", "Blocks removed by BlockRemoved", labels=_INST),
             "skipped": CounterMetricFamily(
                 "conductor_kv_events_blocks_skipped",
-                "Blocks not indexable (LoRA, extra keys, other group or block size)",
+                "Blocks not indexable (extra keys, an unknown adapter, other group or block size)",
                 labels=_INST,
             ),
             "orphans": CounterMetricFamily(

@@ -31,6 +31,11 @@ class GatewayMetrics:
         self.requests = LoopCounter(
             "conductor_requests", "Requests answered, by route and HTTP status", ["route", "status"], registry=r
         )
+        # by model (served names the gateway knows only, so the labels stay bounded); the other
+        # families carry no model label, which would multiply their series and break dashboards
+        self.model_requests = LoopCounter(
+            "conductor_model_requests", "Requests answered, by model served and HTTP status", ["model", "status"], registry=r
+        )
         self.rejections = LoopCounter(
             "conductor_rejections", "Requests refused before forwarding, by reason", ["reason"], registry=r
         )

@@ -23,6 +23,7 @@ from conductor.fleet.instances import InstanceRegistry, InstanceState
 from conductor.kv.analysis import PromptAnalyzer
 from conductor.ops.metrics import GatewayMetrics
 from conductor.ops.tracing import Tracing, usage_attributes
+from conductor.routing.adapter_loads import AdapterLoads
 from conductor.routing.attempt import Attempt, Dispatch, count_failure
 from conductor.routing.pulls import PullPlanner
 from conductor.routing.router import Routed, Router
@@ -53,8 +54,12 @@ class Relay:
         analyzer: PromptAnalyzer,
         metrics: GatewayMetrics,
         tracing: Tracing | None,
+        adapter_loads: AdapterLoads | None = None,
     ) -> None:
+        """adapter_loads: the LoRA adapters loaded on the chosen instances before a request that
+        names one goes there (conductor/routing/adapter_loads.py); None: none is ever loaded."""
         self.settings = settings
+        self.adapter_loads = adapter_loads
         self.registry = registry
         self.protocol = protocol
         self.router = router
@@ -98,6 +103,9 @@ class Relay:
         """Serve a dispatched attempt; the HTTP status sent. Raises UpstreamError when a leg fails
         (before or after bytes reached the client: the caller looks at its ClientState)."""
         try:
+            if self.adapter_loads is not None:  # its LoRA adapter loaded where it goes (a batch's too)
+                d = a.dispatch
+                await self.adapter_loads.ensure(d.request_id, a.routed.view.model, (d.prefill.name, d.decode_name))
             status = await serve(a)
             for exchange in a.exchanges:
                 await self._settle(exchange, a.dispatch.prefill.name)
@@ -112,6 +120,8 @@ class Relay:
             raise
         finally:
             a.dispatch.end(self.registry)
+            if self.adapter_loads is not None:
+                self.adapter_loads.release(a.dispatch.request_id)
             if self.tracing is not None:
                 self._trace(a, self.tracing)
             self.router.observe(a.routed, a.observation())

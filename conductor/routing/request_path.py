@@ -3,7 +3,7 @@ the in-flight limit it admits requests under. The endpoint knows these parts, ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from adapters.load_share import LoadShare
@@ -43,7 +43,7 @@ class RequestPath:
 
     settings: Settings
     authorize: Callable[[str | None], None]  # the client's Authorization header: 401 unless accepted
-    known_models: Callable[[], tuple[str, ...]]
+    known_models: Callable[[], Collection[str]]  # what a request may name (empty: anything)
     analyzer: PromptAnalyzer
     router: Router
     relay: Relay

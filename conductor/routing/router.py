@@ -4,6 +4,8 @@
 it may choose, conductor/routing/pulls.py), asks the policy, logs and counts the decision, and
 raises the rejection's error when there is one; `propose` is its first half alone, the decision
 the policy would make now with nothing acted upon (what conductor/routing/explain.py shows).
+A request for model M is decided among the instances that serve M only (conductor/fleet/model_pools.py):
+the others are passed to the policy as excluded, as a failover's failed instances are.
 `observe` and `observe_prefill_leg` hand what a request taught back to the policy and the prompt
 analyzer; what the policy's predictors learn then goes to the sibling processes of
 `conductor serve --workers N`.
@@ -132,6 +134,9 @@ class Router:
         """What the policy decides for this request now, and nothing more: no sequence number taken
         (`seq` None: the one the next decision will get), nothing remembered by the policy, logged
         or counted. `decide` acts on it; conductor/routing/explain.py only shows it."""
+        outside = self._registry.pools.excluded(model)  # the instances that do not serve the model
+        if outside:
+            exclude = exclude | outside if exclude else outside
         offer = self._pulls.offer(analysis, exclude)
         view = RequestView(
             request_id=request_id,
@@ -174,18 +179,18 @@ class Router:
                 span.set_attributes(decision_attributes(decision, view.prompt_tokens))
         self._metrics.decision_time.observe(time.perf_counter() - started)
         if decision_log.isEnabledFor(logging.INFO):
-            decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens)))
+            decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens, model)))
         self.status.decided(decision, analysis.prompt_tokens)
-        self._count(decision)
+        self._count(decision, model)
         return Routed(decision, analysis, view, proposal.pulls)
 
-    def _count(self, decision: Decision) -> None:
+    def _count(self, decision: Decision, model: str) -> None:
         """The decision's metrics; a rejection raised as the error the client gets."""
         rejection = decision.rejection
         if rejection is not None:
             self._metrics.rejections.labels(rejection.reason).inc()
-            if rejection.reason == NO_INSTANCE:
-                raise NoHealthyInstance(rejection.message)
+            if rejection.reason == NO_INSTANCE:  # within the model's pool: say which model
+                raise NoHealthyInstance(f"{rejection.message} serving model `{model}`")
             raise Rejected(
                 rejection.message, reason=rejection.reason, retry_after_s=rejection.retry_after_s, retryable=rejection.retryable
             )

@@ -29,7 +29,6 @@ from conductor.config.keys import ApiKeys
 from conductor.core.capabilities import ReportsPredictionErrors
 from conductor.core.errors import ConfigError
 from conductor.fleet.membership import admin_routes
-from conductor.fleet.model_cards import model_list
 from conductor.gateway import Gateway
 from conductor.server import errors as http_errors
 from conductor.server.docs import OPENAI_ROUTES, PASS_THROUGH_ROUTES, Guard, docs_routes, install_openapi, openapi_document
@@ -162,8 +161,9 @@ def create_app(gateway: Gateway) -> FastPath:
     @app.get("/v1/models", responses={401: {"description": "no API key or an unknown one"}})
     async def models(request: Request) -> JSONResponse:
         gateway.authorize(request.headers.get("authorization"))
-        # the workers' cards passed on (owned_by, root, max_model_len, ...): conductor/fleet/model_cards.py
-        return JSONResponse(model_list(gateway.known_models(), gateway.registry.states.values()))
+        # the workers' cards passed on (owned_by, root, parent, max_model_len, ...), adapters and
+        # aliases among them: conductor/fleet/model_cards.py
+        return JSONResponse(gateway.registry.model_list())
 
     app.include_router(_health_routes(gateway))
     install_openapi(app, lambda: openapi_document(app, secured=bool(gateway.api_keys)))

@@ -41,12 +41,12 @@ from conductor.routing.streams import ClientState
 from conductor.server.errors import render, sse_error
 from conductor.server.requests import (
     PASS_THROUGH_KINDS,
-    check_model,
     estimate_input_tokens,
     max_tokens_of,
     parse_pass_through,
     parse_request,
     read_body,
+    resolve_model,
 )
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ _READ_HEADERS = frozenset(
 class _Call:
     """One request on its way through the endpoint."""
 
-    __slots__ = ("arrived", "client", "client_id", "draining", "headers", "request_id", "span", "task")
+    __slots__ = ("arrived", "client", "client_id", "draining", "headers", "model", "request_id", "span", "task")
 
     def __init__(self, headers: dict[str, str], task: asyncio.Task[Any]) -> None:
         self.headers = headers
@@ -124,6 +124,7 @@ class _Call:
         self.arrived = 0.0
         self.span: Any = None  # the request's span, with tracing on
         self.draining: Callable[[], bool] | None = None  # the server's `conductor.draining` extension
+        self.model: str | None = None  # the served model, once its name is known to the gateway
 
 
 class CompletionsEndpoint:
@@ -169,6 +170,8 @@ class CompletionsEndpoint:
             call.task.uncancel()
             self.parts.metrics.cancelled.inc()
             self.parts.metrics.requests.labels(self.path, "499").inc()
+            if call.model is not None:
+                self.parts.metrics.model_requests.labels(call.model, "499").inc()
             log_access(
                 path=self.path,
                 status=499,
@@ -217,6 +220,8 @@ class CompletionsEndpoint:
                 watcher.cancel()
         elapsed = loop.time() - call.arrived
         self.parts.metrics.requests.labels(self.path, str(status)).inc()
+        if call.model is not None:  # a name the gateway knows: the counter's labels stay bounded
+            self.parts.metrics.model_requests.labels(call.model, str(status)).inc()
         self.parts.metrics.e2e.observe(elapsed)
         log_access(
             path=self.path,
@@ -245,7 +250,8 @@ class CompletionsEndpoint:
                 )
         else:
             body = parse_request(raw, self.kind, vocab_size=vocab_size_of(parts.analyzer))  # type: ignore[arg-type]
-        check_model(body["model"], parts.known_models())
+        # an alias becomes the served name here, before the analyzer, the router or a worker reads it
+        call.model = resolve_model(body, parts.known_models(), parts.settings.model_aliases)
         return body
 
     async def _analyse(self, body: dict[str, Any]) -> tuple[PromptAnalysis, int]:

@@ -22,7 +22,7 @@ from conductor.kv.analysis import RequestKind, vocab_size_of
 from conductor.routing.explain import explain
 from conductor.routing.request_path import RequestPath
 from conductor.routing.router import SLO_TBT_HEADER, SLO_TTFT_HEADER
-from conductor.server.requests import check_model, json_object, max_tokens_of, parse_request, read_body
+from conductor.server.requests import json_object, max_tokens_of, parse_request, read_body, resolve_model
 
 EXPLAIN_PATH = "/admin/explain"
 _KINDS: tuple[RequestKind, ...] = ("completions", "chat")
@@ -58,7 +58,7 @@ def explain_routes(parts: RequestPath, authorize: Callable[[str | None], None]) 
         raw = await read_body(request.receive, int(length) if length and length.isdigit() else None, limit)
         kind = request_kind(request.query_params.get("kind"), json_object(raw))
         body = parse_request(raw, kind, vocab_size=vocab_size_of(parts.analyzer))
-        check_model(body["model"], parts.known_models())
+        resolve_model(body, parts.known_models(), parts.settings.model_aliases)
         slo = parts.router.slo_for(request.headers.get(SLO_TTFT_HEADER), request.headers.get(SLO_TBT_HEADER))
         max_tokens = max_tokens_of(body, parts.settings.default_max_tokens)
         explained = await explain(parts, kind, body, max_tokens, slo)

@@ -92,7 +92,10 @@ async def _probe(
     health = await _health(client, spec.url)
     report.findings.append(health)
     if health.ok:  # the rest asks the same server: nothing to learn from a dead one
-        report.findings.append(await _models(client, spec.url, settings.models))
+        # its own `models` when the settings list them: every one; else one of the gateway's at least
+        # (several models behind one gateway: each worker serves some of them)
+        expected = spec.models if spec.models is not None else settings.models
+        report.findings.append(await _models(client, spec.url, expected, every=spec.models is not None))
         if kv is not None and spec.role is not Role.DECODE and _asks_tokenize(kv, spec.url, local):
             report.findings.append(await _tokenize(client, spec.url, kv, local))
         block = await _block_size(client, spec.url, settings.block_size)
@@ -127,7 +130,7 @@ async def _health(client: httpx.AsyncClient, url: str) -> Finding:
     return Finding("health", resp.status_code == 200, "200" if resp.status_code == 200 else f"answered {resp.status_code}")
 
 
-async def _models(client: httpx.AsyncClient, url: str, configured: Sequence[str]) -> Finding:
+async def _models(client: httpx.AsyncClient, url: str, configured: Sequence[str], *, every: bool = True) -> Finding:
     try:
         resp = await client.get(f"{url}/v1/models")
         cards = resp.json().get("data") if resp.status_code == 200 else None
@@ -138,6 +141,8 @@ async def _models(client: httpx.AsyncClient, url: str, configured: Sequence[str]
     served = {str(c.get("id")): c.get("max_model_len") for c in cards if isinstance(c, dict)}
     shown = ", ".join(f"{name} (max_model_len {length})" if length else name for name, length in served.items())
     missing = [m for m in configured if m not in served]
+    if not every and len(missing) < len(configured):
+        missing = []
     if not served or missing:
         return Finding("models", False, f"serves {shown or 'none'}; not {', '.join(missing)}" if missing else "serves none")
     return Finding("models", True, shown)

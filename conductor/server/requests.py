@@ -10,7 +10,7 @@ vLLM accepts many sampling fields of its own, and they are passed through untouc
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -307,9 +307,24 @@ def parse_request(raw: bytes, kind: RequestKind, *, vocab_size: int | None = Non
     return body
 
 
-def check_model(model: str, known: tuple[str, ...]) -> None:
+def check_model(model: str, known: Collection[str]) -> None:
+    """404 for a model the gateway does not know; nothing known yet (`known` empty): any passes."""
     if known and model not in known:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+
+def resolve_model(body: dict[str, Any], known: Collection[str], aliases: Mapping[str, str]) -> str | None:
+    """Check the body's model (404 when unknown) and rewrite an alias to the served name, once,
+    before anything reads it: the analyzer, the router and the workers all see the served name.
+    The served name when the gateway knows it, else None (nothing known yet): what metrics may
+    count by, never a string only the client chose."""
+    model = body["model"]
+    check_model(model, known)
+    served = aliases.get(model) if aliases else None
+    if served is not None:
+        body["model"] = served
+        return served
+    return model if model in known else None
 
 
 def max_tokens_of(body: dict[str, Any], default: int) -> int:

@@ -175,7 +175,7 @@ RATE_UNITS = (
     (re.compile(r"tokens(_by_source)?_total$"), "suffix: tok/s"),
     (
         re.compile(
-            r"^conductor_(requests|rejections|decisions|upstream_errors|client_disconnects|failovers"
+            r"^conductor_(requests|model_requests|rejections|decisions|upstream_errors|client_disconnects|failovers"
             r"|late_prefill_failures)_total$"
         ),
         "reqps",

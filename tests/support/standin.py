@@ -33,6 +33,14 @@ class Recorded:
 class StandIn:
     role: str = "mixed"  # prefill | decode | mixed
     model: str = "tiny"
+    # the base models it serves, when given (else `model` alone): /v1/models lists these, and, as
+    # vLLM does, a completion for a model neither here nor in `adapters` is answered 404
+    models: tuple[str, ...] = ()
+    # LoRA adapters loaded, served name -> path: listed as vLLM lists them (parent: the first base
+    # model, root: the path); a test may add one while the worker runs (vLLM's dynamic loading)
+    adapters: dict[str, str] = field(default_factory=dict)
+    models_status: int = 200  # what GET /v1/models answers with (not 200: an error, no list)
+    models_reads: int = 0  # GET /v1/models received
     engine_id: str = "engine-0"
     token_delay_s: float = 0.0
     # a stream's every token after the first waits for one release: a test steps the worker in
@@ -55,6 +63,14 @@ class StandIn:
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
 
+    def model_cards(self) -> list[dict[str, Any]]:
+        """What its /v1/models lists: its base models, then its adapters (vLLM's card shapes)."""
+        bases = self.models or (self.model,)
+        cards: list[dict[str, Any]] = [{"id": m, "object": "model", "owned_by": "vllm", "root": m, "parent": None} for m in bases]
+        for name, path in self.adapters.items():
+            cards.append({"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": bases[0]})
+        return cards
+
     def bodies(self, path_suffix: str = "completions") -> list[dict[str, Any]]:
         return [r.body for r in self.requests if r.path.endswith(path_suffix)]
 
@@ -69,7 +85,10 @@ class StandIn:
                 await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
                 return await send({"type": "http.response.body", "body": self.metrics_text.encode()})
             if path == "/v1/models":
-                return await _json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+                self.models_reads += 1
+                if self.models_status != 200:
+                    return await _json(send, self.models_status, {"error": {"message": "down", "code": self.models_status}})
+                return await _json(send, 200, {"object": "list", "data": self.model_cards()})
             return await _json(send, 404, {"error": "no"})
         body = json.loads(await whole_body(receive))
         if path == "/tokenize":  # not served, as by an engine without the route: kv.tokenizer auto falls back
@@ -78,6 +97,9 @@ class StandIn:
         record = Recorded(path, body, headers, time.monotonic(), scope["client"][1])
         self.requests.append(record)
         self.arrived.set()
+        if self.models and body.get("model") not in (*self.models, *self.adapters):
+            message = f"The model `{body.get('model')}` does not exist."
+            return await _json(send, 404, {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}})
         rid = headers.get("x-request-id", "")
         pulling = (body.get("kv_transfer_params") or {}).get("remote_block_ids") and self.role == "prefill"
         if self.fail_pulls is not None and pulling:

@@ -48,8 +48,8 @@ def test_gateway_logs_the_tested_record_for_admitted_and_rejected(caplog: pytest
     logged = _logged(caplog)
     assert len(logged) == 2 == len(policy.made)
     for line, (view, decision) in zip(logged, policy.made, strict=True):
-        assert line == json.loads(json.dumps(decision_log_record(decision, view.prompt_tokens)))
-        assert line["prompt_tokens"] == view.prompt_tokens
+        assert line == json.loads(json.dumps(decision_log_record(decision, view.prompt_tokens, view.model)))
+        assert line["prompt_tokens"] == view.prompt_tokens and line["model"] == "tiny"
         assert "secret" not in json.dumps(line)
     admitted, refused = logged
     assert admitted["rejected"] is False and admitted["prefill"] in ("prefill-0", "prefill-1")
