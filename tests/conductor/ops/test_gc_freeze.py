@@ -42,3 +42,20 @@ async def test_off_when_no_interval() -> None:
     await asyncio.sleep(0)
     assert freezer.rounds == 0
     await freezer.close()
+
+
+async def test_start_freezes_at_once_and_raises_the_young_threshold_until_close() -> None:
+    from conductor.ops.gc_freeze import YOUNG_THRESHOLD
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, before[1], before[2])
+    try:
+        freezer = GcFreezer(3600.0)  # no periodic round within the test: only the one at start
+        freezer.start()
+        assert freezer.rounds == 1 and gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, before[1], before[2])
+        await freezer.close()
+        assert gc.get_threshold() == (700, before[1], before[2])  # the process's own again
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
