@@ -11,6 +11,10 @@ flag gives (a bootstrap port) and keeps the rest (name, kv_events_endpoint, boot
 given); a new URL is appended. So a flag can add or adjust a worker without losing its KV events
 endpoint. Environment lists still replace the file's.
 
+`pools:` (served model -> its instance lists and SLO) is another way of writing the instance lists:
+each pool's instances are folded into them when the settings are validated, with `models: [<model>]`
+and a name of their own (conductor/config/pools.py); the instance model is conductor/config/instance_spec.py.
+
 Fields are grouped by concern (`pd:`, `auth:`, `timeouts:`, `limits:`, `outlier:`, `health:`,
 `load_share:`, `tracing:`, `logs:`: conductor/config/groups.py); what is truly the gateway's own
 (host, port, instance lists, models, policy, slo, kv) stays at the top. The old flat keys of the
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from conductor.config.env import env_values
 from conductor.config.groups import (
@@ -41,8 +45,10 @@ from conductor.config.groups import (
     TimeoutSettings,
     TracingSettings,
 )
+from conductor.config.instance_spec import InstanceSpec, with_roles
 from conductor.config.kv import KVAwarenessSettings
 from conductor.config.legacy import move_flat_keys, old_env_values, split_env, warn_moved
+from conductor.config.pools import PoolSettings, SloSettings, fold_pools
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role
 
@@ -53,55 +59,6 @@ _PLAIN_LISTS = ("auth.api_keys", "auth.admin_api_keys", "models", "prefill", "de
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class InstanceSpec(_Model):
-    """One worker the gateway routes to."""
-
-    url: str  # base URL, e.g. http://10.0.0.5:8100
-    role: Role
-    name: str | None = None  # defaults to "<role>-<n>"
-    bootstrap_port: int | None = None  # Mooncake / SGLang bootstrap server port on the same host
-    # vLLM KV events endpoint exactly as in the worker's --kv-events-config: "tcp://*:5557" (the worker
-    # binds, the gateway connects to the worker's host) or "tcp://gateway-host:5557" (the worker connects,
-    # the gateway binds there). vLLM's own rule, applied by adapters/kv_events.py.
-    kv_events_endpoint: str | None = None
-    # vLLM's KV events replay endpoint (--kv-events-config replay_endpoint, e.g. "tcp://*:5558"): the
-    # gateway catches up from it at start-up and after gaps (kv.replay_on_start)
-    kv_events_replay_endpoint: str | None = None
-    # the base models the worker serves, when the settings say so: then these, before and whatever
-    # its /v1/models lists (its LoRA adapters are still learned there); None: learned from /v1/models
-    models: tuple[str, ...] | None = None
-
-    @field_validator("models")
-    @classmethod
-    def _some_models(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        # an empty list would make an instance that serves nothing: a typo, never what was meant
-        if v is not None and (not v or not all(v)):
-            raise ValueError(
-                "an instance's `models` must list at least one non-empty model name "
-                "(omit the key to learn them from the worker's /v1/models)"
-            )
-        return v
-
-    @field_validator("url")
-    @classmethod
-    def _strip_slash(cls, v: str) -> str:
-        # Checked here so a bad worker URL is a clear config error, not a traceback at start-up.
-        from urllib.parse import urlsplit
-
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"instance URL must start with http:// or https://: {v!r}")
-        parts = urlsplit(v)
-        try:
-            parts.port  # noqa: B018  (parsing it is the check)
-        except ValueError as exc:
-            raise ValueError(f"instance URL has an invalid port: {v!r}") from exc
-        if not parts.hostname:
-            raise ValueError(f"instance URL has no host: {v!r}")
-        if parts.username is not None or parts.query or parts.fragment:
-            raise ValueError(f"instance URL must be scheme://host[:port][/path], without credentials, query or fragment: {v!r}")
-        return v.rstrip("/")
 
 
 class DnsSource(_Model):
@@ -137,11 +94,6 @@ class DiscoverySettings(_Model):
         }
 
 
-class SloSettings(_Model):
-    ttft_s: float | None = None
-    tbt_s: float | None = None
-
-
 class LoraAdapterSpec(_Model):
     """A LoRA adapter the gateway may load on a worker at run time (`lora_adapters`)."""
 
@@ -166,6 +118,9 @@ class Settings(_Model):
     # workers found by DNS at run time, beside the lists above (conductor/fleet/membership.py)
     discovery: DiscoverySettings = DiscoverySettings()
     models: tuple[str, ...] = ()  # served model names; empty: ask the workers' /v1/models
+    # served model name -> its own instances and SLO, folded into the lists above with `models: [name]`
+    # when validated; each pool's name is added to a configured `models` (conductor/config/pools.py)
+    pools: Mapping[str, PoolSettings] = Field(default_factory=dict)
     # public name -> served name: a request for the public name is routed and forwarded as the
     # served one (conductor/fleet/model_pools.py); /v1/models lists both
     model_aliases: Mapping[str, str] = Field(default_factory=dict)
@@ -208,7 +163,7 @@ class Settings(_Model):
             return data
         moved, old = move_flat_keys(data, "settings")
         warn_moved(old, ENV_PREFIX)
-        return moved
+        return fold_pools(moved)  # pools: folded into the instance lists here (conductor/config/pools.py)
 
     @model_validator(mode="after")
     def _check_roles(self) -> Settings:
@@ -278,22 +233,13 @@ def merge_settings(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str,
     return merged
 
 
-def _with_roles(data: dict[str, Any]) -> dict[str, Any]:
-    """Let YAML and env say `prefill: [http://a:8100]` or `[{url: ..., bootstrap_port: ...}]`."""
-    for role in ("prefill", "decode", "mixed"):
-        if role in data and data[role] is not None:
-            items = data[role] if isinstance(data[role], list | tuple) else [data[role]]
-            data[role] = [{"url": it, "role": role} if isinstance(it, str) else {"role": role, **it} for it in items]
-    return data
-
-
 def _url_key(url: Any) -> str:
     return str(url).rstrip("/")
 
 
 def _merge_instances(data: Mapping[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
     """`flags` with each role's instance list merged into `data`'s by URL (see the module docstring).
-    Both are already in `_with_roles` form: lists of dicts with url and role."""
+    Both are already in `with_roles` form: lists of dicts with url and role."""
     for role in ("prefill", "decode", "mixed"):
         given, listed = flags.get(role), data.get(role)
         if not given or not isinstance(listed, list | tuple) or not listed:
@@ -322,14 +268,14 @@ def load_settings(
     data: dict[str, Any] = {}
     old_keys: list[str] = []
     if config_file is not None:
-        data, old_keys = move_flat_keys(_with_roles(_read_file(config_file)), str(config_file))
+        data, old_keys = move_flat_keys(with_roles(_read_file(config_file)), str(config_file))
     env, old_env_keys = _from_environment(os.environ if environ is None else environ)
-    data = merge_settings(data, _with_roles(env))
+    data = merge_settings(data, with_roles(env))
     old_keys += old_env_keys
     if overrides:
         given, old_flag_keys = move_flat_keys({k: v for k, v in overrides.items() if v is not None}, "overrides")
         old_keys += old_flag_keys
-        flags = _with_roles(given)
+        flags = with_roles(given)
         data = merge_settings(data, _merge_instances(data, flags))
     warn_moved(old_keys, ENV_PREFIX)
     try:

@@ -40,8 +40,9 @@ class Dispatch:
     local: bool = False
 
     async def open(self, protocol: PDProtocol, out: Outgoing) -> Exchange:
-        """Start the exchange on its instances: the protocol's legs, or the local prefill's one."""
-        if self.local:
+        """Start the exchange on its instances: the protocol's legs, or one plain leg when the
+        decode prefills it itself or the instance is a mixed worker (a mixed pool beside P/D ones)."""
+        if self.local or self.decode is None:
             return await open_leg(self.prefill, out, out.body)
         return await protocol.exchange(out, self.prefill, self.decode)
 

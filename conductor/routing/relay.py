@@ -81,7 +81,8 @@ class Relay:
         local = decision.prefilled_on_decode
         prefill = states[decision.prefill].target
         decode = states[decision.decode].target if decision.decode and not local else None
-        if not local and not self.protocol.ready(prefill):
+        # a mixed worker (one leg, no decode: a mixed pool beside P/D pools) has no P/D handshake
+        if not local and decode is not None and not self.protocol.ready(prefill):
             raise NoHealthyInstance(f"prefill instance {prefill.name} is not ready (bootstrap not answered)")
         client.prefill, client.decode = prefill.name, decode.name if decode else None
         analysis = routed.analysis

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters.lesson_share import LessonShare, NoLessonShare
+from conductor.config.pools import pool_slos
 from conductor.config.settings import Settings
 from conductor.core.capabilities import OnlineLearner, online_learner
 from conductor.core.decision_log import decision_log_record
@@ -97,6 +98,7 @@ class Router:
         self._lessons = lessons
         self._next_seq = 0  # RequestView.seq of the next decision
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
+        self._slos = _model_slos(settings)  # model -> its pool's SLO (pools.<model>.slo), where set
         self._leg_observer = policy if isinstance(policy, PrefillLegObserver) else None
         self.status = GatewayStatus()  # recent decisions and outcomes, for the status page (conductor/ops/status.py)
         # a policy that learns online (kvcache_aware's predictors) shares what it learns with the
@@ -107,12 +109,13 @@ class Router:
             self._lesson_outbox = self.learner.record_lessons()
 
     # ---- deciding ---------------------------------------------------------------------------
-    def slo_for(self, ttft_header: str | None, tbt_header: str | None) -> Slo:
-        """The request's SLOs: per-request headers (milliseconds) over the configured defaults."""
+    def slo_for(self, model: str, ttft_header: str | None, tbt_header: str | None) -> Slo:
+        """The request's SLOs: per-request headers (milliseconds) over the configured ones, those of
+        `model`'s pool (`pools.<model>.slo`) where it sets them, else the gateway-wide `slo`."""
+        slo = self._slos.get(model, self._default_slo) if self._slos else self._default_slo
         if not ttft_header and not tbt_header:
-            return self._default_slo
-        ttft = self._settings.slo.ttft_s
-        tbt = self._settings.slo.tbt_s
+            return slo
+        ttft, tbt = slo.ttft_s, slo.tbt_s
         if ttft_header:
             ttft = _slo_ms(SLO_TTFT_HEADER, ttft_header)
         if tbt_header:
@@ -227,6 +230,14 @@ class Router:
         if self._lesson_outbox:
             self._lessons.publish(self._lesson_outbox)
             self._lesson_outbox.clear()
+
+
+def _model_slos(settings: Settings) -> dict[str, Slo]:
+    """model -> the SLO its pool sets, worked out once: served names, and the aliases of them (a
+    request's model is its served name by the time it is routed; an alias costs nothing here)."""
+    slos = {model: Slo(ttft_s=s.ttft_s, tbt_s=s.tbt_s) for model, s in pool_slos(settings.slo, settings.pools).items()}
+    slos.update({alias: slos[served] for alias, served in settings.model_aliases.items() if served in slos})
+    return slos
 
 
 def _slo_ms(header: str, value: str) -> float:

@@ -277,7 +277,7 @@ class CompletionsEndpoint:
         """Admit, decide and forward; the HTTP status sent. The in-flight slot is taken before
         anything else is awaited and held until the last byte."""
         parts = self.parts
-        slo = parts.router.slo_for(call.headers.get(SLO_TTFT_HEADER), call.headers.get(SLO_TBT_HEADER))
+        slo = parts.router.slo_for(body["model"], call.headers.get(SLO_TTFT_HEADER), call.headers.get(SLO_TBT_HEADER))
         analysis, max_tokens = await self._analyse(body)
         stream = bool(body.get("stream", False))
         parts.inflight.enter()
