@@ -32,10 +32,12 @@ from conductor.ops.metrics import GatewayMetrics, LessonMetrics
 from conductor.ops.tracing import Tracing
 from conductor.routing.adapter_loads import AdapterLoads
 from conductor.routing.deadlines import Deadlines
+from conductor.routing.priority import Classifier
 from conductor.routing.pulls import PullPlanner
 from conductor.routing.relay import Relay
 from conductor.routing.request_path import InflightLimit, RequestPath
 from conductor.routing.router import Router
+from conductor.routing.shares import Shares
 from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,8 @@ class Gateway:
         self.deadlines = Deadlines(settings.timeouts.request_s)  # timeouts.request_s, swept (conductor/routing/deadlines.py)
         self.inflight = InflightLimit(settings.limits.max_inflight_requests)  # admission to last byte
         self.api_keys = settings.auth.client_keys()  # read once: a key file is checked at start-up
-        self.client_keys = ApiKeys(self.api_keys)  # compared in constant time (conductor/config/keys.py)
+        # compared in constant time (conductor/config/keys.py); a tenant's keys answer its name
+        self.client_keys = ApiKeys(self.api_keys, owners=settings.auth.key_owners())
         self.upstream_key = settings.auth.upstream_key()
         # instances joining and leaving at run time (DNS, admin API)
         self.membership = Membership(
@@ -137,6 +140,8 @@ class Gateway:
             relay=self.relay,
             deadlines=self.deadlines,
             inflight=self.inflight,
+            shares=Shares(self.settings, self.inflight, self.metrics),
+            classes=Classifier(self.settings.priority, {n: t.priority for n, t in self.settings.auth.tenants.items()}),
             load_share=self.registry.load_share,
             metrics=self.metrics,
             tracing=self.tracing,
@@ -177,8 +182,9 @@ class Gateway:
         await self.pool.close()
 
     # ---- checks ---------------------------------------------------------------------------
-    def authorize(self, authorization: str | None) -> None:
-        self.client_keys.check(authorization)
+    def authorize(self, authorization: str | None) -> str | None:
+        """401 unless the header carries a client key (when any is configured); its tenant, if any."""
+        return self.client_keys.check(authorization)
 
     def known_models(self) -> frozenset[str]:
         """Configured models, the instances' base models and adapters, aliases: worked out on each

@@ -82,6 +82,21 @@ def _traffic_row() -> Row:
                 description="Requests refused before forwarding: predicted TTFT/TBT over the SLO, queue full, ...",
             ),
             Panel(
+                "Requests by priority class",
+                (Target(f"sum by (class, status) ({rate('conductor_priority_requests_total')})", "{{class}} {{status}}"),),
+                "reqps",
+                description="Answers per second by priority class (priority.classes) and HTTP status: a "
+                "sheddable class's 429s (priority_shed) rise first as the gateway fills. Empty without classes.",
+            ),
+            Panel(
+                "Tenant rejections by tenant and reason",
+                (Target(f"sum by (tenant, reason) ({rate('conductor_tenant_rejections_total')})", "{{tenant}} {{reason}}"),),
+                "reqps",
+                stack=True,
+                description="Tenants' (auth.tenants) requests refused per second: tenant_share (over its fair "
+                "share while others wait), priority_shed, the policy's SLO reasons, overloaded (503).",
+            ),
+            Panel(
                 "Upstream errors by instance and kind",
                 (Target(f"sum by (instance, kind) ({rate('conductor_upstream_errors_total')})", "{{instance}} {{kind}}"),),
                 "reqps",

@@ -7,8 +7,9 @@ still read, moved here with a warning (conductor/config/legacy.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -56,6 +57,28 @@ class PdSettings(_Model):
     trust_client_kv_transfer_params: bool = False
 
 
+# a tenant's or a priority class's name: a metric label value and a log field, so plain
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+class TenantSettings(_Model):
+    """One tenant (`auth.tenants.<name>`): the client keys that are its own, its weight in the fair
+    share of `limits.max_inflight_requests` (conductor/routing/shares.py) and the priority class of its
+    requests that name none (`priority.classes`; None: `priority.default`)."""
+
+    api_keys: tuple[SecretStr, ...] = ()
+    api_keys_file: str | None = None  # more of its keys, one per line, like auth.api_keys_file
+    weight: float = Field(default=1.0, gt=0)
+    priority: Name | None = None
+
+    def keys(self) -> frozenset[str]:
+        keys = {k.get_secret_value() for k in self.api_keys}
+        if self.api_keys_file:
+            keys |= set(_secret_lines(self.api_keys_file))
+        return frozenset(keys)
+
+
 class AuthSettings(_Model):
     """Keys: never printed (SecretStr), and may come from files Kubernetes mounts from a Secret."""
 
@@ -70,13 +93,29 @@ class AuthSettings(_Model):
     # key too (an admin key; a client key where no admin key is set): true leaves /metrics open, for a
     # Prometheus that scrapes without credentials (conductor/server/app.py)
     public_metrics: bool = False
+    # tenant name -> its keys, weight and default priority class: a request sent with one of its keys
+    # is that tenant's (fair share, conductor/routing/shares.py); `api_keys` stay accepted, tenantless
+    tenants: Mapping[Name, TenantSettings] = Field(default_factory=dict)
 
     def client_keys(self) -> frozenset[str]:
-        """Every accepted client key: `api_keys` plus the lines of `api_keys_file`."""
+        """Every accepted client key: `api_keys`, the lines of `api_keys_file` and every tenant's."""
         keys = {k.get_secret_value() for k in self.api_keys}
         if self.api_keys_file:
             keys |= set(_secret_lines(self.api_keys_file))
-        return frozenset(keys)
+        return frozenset(keys | set(self.key_owners()))
+
+    def key_owners(self) -> dict[str, str]:
+        """key -> the tenant it belongs to; a key given to two tenants is a ConfigError (a key also in
+        `api_keys` is its tenant's)."""
+        owners: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            keys = tenant.keys()
+            if not keys:
+                raise ConfigError(f"auth.tenants.{name}: no keys; give it api_keys or an api_keys_file with lines")
+            for key in keys:
+                if owners.setdefault(key, name) != name:
+                    raise ConfigError(f"auth.tenants: a key of {name!r} is also a key of {owners[key]!r}; give each its own")
+        return owners
 
     def admin_keys(self) -> frozenset[str]:
         """Every accepted admin key: `admin_api_keys` plus the lines of `admin_api_keys_file`."""

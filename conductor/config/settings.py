@@ -17,7 +17,7 @@ and a name of their own (conductor/config/pools.py); the instance model is condu
 
 Fields are grouped by concern (`pd:`, `auth:`, `timeouts:`, `limits:`, `outlier:`, `health:`,
 `load_share:`, `tracing:`, `logs:`: conductor/config/groups.py); what is truly the gateway's own
-(host, port, instance lists, models, policy, slo, kv) stays at the top. The old flat keys of the
+(host, port, instance lists, models, policy, slo, priority, kv) stays at the top. The old flat keys of the
 grouped fields (`pd_readback_ttl_s`, CONDUCTOR_HEALTH_INTERVAL_S) are still read, each source's moved
 to its group with one warning a key (conductor/config/legacy.py). This package imports nothing
 heavier than pydantic, yaml and conductor.core, so building settings loads no I/O library.
@@ -49,6 +49,7 @@ from conductor.config.instance_spec import InstanceSpec, with_roles
 from conductor.config.kv import KVAwarenessSettings
 from conductor.config.legacy import move_flat_keys, old_env_values, split_env, warn_moved
 from conductor.config.pools import PoolSettings, SloSettings, fold_pools
+from conductor.config.priority import PrioritySettings, check_tenant_classes
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role
 
@@ -132,6 +133,8 @@ class Settings(_Model):
     policy: str = "kvcache_aware"
     policy_options: Mapping[str, Any] = Field(default_factory=dict)
     slo: SloSettings = SloSettings()
+    # request classes (their SLOs, which are shed first) and the default one: conductor/config/priority.py
+    priority: PrioritySettings = PrioritySettings()
     default_max_tokens: int = 256  # assumed output length when a request sets none
 
     block_size: int = 16  # tokens per KV block: must equal the workers' --block-size
@@ -177,6 +180,7 @@ class Settings(_Model):
         if "block_size" in self.kv.model_fields_set and self.kv.block_size != self.block_size:
             raise ValueError(f"kv.block_size {self.kv.block_size} differs from block_size {self.block_size}: set block_size only")
         _check_aliases(self)
+        check_tenant_classes(self.priority, self.auth.tenants)
         pd = self.pd
         if pd.peer_pull == "on" and not (pd.protocol == "nixl" and self.kv.enabled and self.decode):
             raise ValueError(

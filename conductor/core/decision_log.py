@@ -35,9 +35,17 @@ def _candidate(c: CandidateScore) -> dict[str, Any]:
     return out
 
 
-def decision_log_record(decision: Decision, prompt_tokens: int | None = None, model: str | None = None) -> dict[str, Any]:
+def decision_log_record(
+    decision: Decision,
+    prompt_tokens: int | None = None,
+    model: str | None = None,
+    *,
+    priority: str | None = None,
+    tenant: str | None = None,
+) -> dict[str, Any]:
     """One structured log line for the gateway's decision logger (`prompt_tokens`: the prompt's size,
     `model`: the model it was routed for (a served name, never an alias), when the caller knows them;
+    `priority`, `tenant`: the request's class and tenant, in the record only where configured;
     sizes and predictions only, never text)."""
     record: dict[str, Any] = {
         "request_id": decision.request_id,
@@ -54,6 +62,10 @@ def decision_log_record(decision: Decision, prompt_tokens: int | None = None, mo
         "candidates": [_candidate(c) for c in decision.candidates],
         "unlisted_candidates": decision.unlisted_candidates,  # instances estimated but not listed (policy option)
     }
+    if priority is not None:
+        record["priority"] = priority
+    if tenant is not None:
+        record["tenant"] = tenant
     r = decision.rejection
     if r is not None:
         record["rejection"] = {

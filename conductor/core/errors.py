@@ -59,7 +59,9 @@ class PayloadTooLarge(ConductorError):
 
 
 class Rejected(ConductorError):
-    """Admission control: the request is predicted to miss its SLO (HTTP 429)."""
+    """Admission control (HTTP 429): the request is predicted to miss its SLO, or its priority class is
+    shed, or its tenant is over its fair share; `reason` says which, as the body's `code` and the
+    `x-conductor-reject-reason` header."""
 
     status = 429
     type = "rate_limit_error"
@@ -72,7 +74,7 @@ class Rejected(ConductorError):
         self.retryable = retryable
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        return {"Retry-After": str(max(1, round(self.retry_after_s))), "x-conductor-reject-reason": self.reason}
 
 
 class NoHealthyInstance(ConductorError):
@@ -89,7 +91,7 @@ class Overloaded(ConductorError):
     code = "overloaded"
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
+        return {"Retry-After": "1", "x-conductor-reject-reason": "overloaded"}
 
 
 class ShuttingDown(ConductorError):

@@ -82,6 +82,10 @@ class RequestView:
     # True: those staging requests jump the holder's waiting queue (vLLM priority scheduling), so
     # they wait only for the prefill running there
     staging_jumps_queue: bool = False
+    # the gateway's priority class (`priority.classes`) and tenant (`auth.tenants`) of the request,
+    # None where none is configured; its class's SLO is already in `slo`
+    priority: str | None = None
+    tenant: str | None = None
 
 
 @fast_init

@@ -39,6 +39,16 @@ class GatewayMetrics:
         self.rejections = LoopCounter(
             "conductor_rejections", "Requests refused before forwarding, by reason", ["reason"], registry=r
         )
+        # priority classes and tenants as the settings name them (priority.classes, auth.tenants), never a client's string
+        self.priority_requests = LoopCounter(
+            "conductor_priority_requests", "Requests answered, by priority class and HTTP status", ["class", "status"], registry=r
+        )
+        self.tenant_rejections = LoopCounter(
+            "conductor_tenant_rejections",
+            "Tenants' requests refused (429, or 503 at the in-flight limit), by tenant and reason",
+            ["tenant", "reason"],
+            registry=r,
+        )
         self.decisions = LoopCounter(
             "conductor_decisions",
             "Routing decisions, by policy and chosen instances",

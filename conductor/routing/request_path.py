@@ -1,5 +1,6 @@
 """What the request path (conductor/server/endpoint.py) is given by the gateway that wires it, and
-the in-flight limit it admits requests under. The endpoint knows these parts, never the Gateway."""
+the in-flight limit it admits requests under (through `Shares`, conductor/routing/shares.py, which adds
+the priority classes' and tenants' rules). The endpoint knows these parts, never the Gateway."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from conductor.kv.analysis import PromptAnalyzer
 from conductor.ops.metrics import GatewayMetrics
 from conductor.ops.tracing import Tracing
 from conductor.routing.deadlines import Deadlines
+from conductor.routing.priority import Classifier
 from conductor.routing.relay import Relay
 from conductor.routing.router import Router
+from conductor.routing.shares import Shares
 
 
 class InflightLimit:
@@ -42,13 +45,16 @@ class RequestPath:
     """What the request path uses, wired once by the gateway."""
 
     settings: Settings
-    authorize: Callable[[str | None], None]  # the client's Authorization header: 401 unless accepted
+    # the client's Authorization header: 401 unless accepted; else its key's tenant (auth.tenants) or None
+    authorize: Callable[[str | None], str | None]
     known_models: Callable[[], Collection[str]]  # what a request may name (empty: anything)
     analyzer: PromptAnalyzer
     router: Router
     relay: Relay
     deadlines: Deadlines
     inflight: InflightLimit
+    shares: Shares  # admits into `inflight`: priority classes shed first, tenants' fair shares
+    classes: Classifier  # each request's priority class
     load_share: LoadShare  # other replicas' load, refreshed before each decision
     metrics: GatewayMetrics
     tracing: Tracing | None

@@ -99,6 +99,12 @@ class Router:
         self._next_seq = 0  # RequestView.seq of the next decision
         self._default_slo = Slo(ttft_s=settings.slo.ttft_s, tbt_s=settings.slo.tbt_s)
         self._slos = _model_slos(settings)  # model -> its pool's SLO (pools.<model>.slo), where set
+        # priority class -> the SLO fields it sets (priority.classes.<c>.slo), where it sets any
+        self._class_slos = {
+            name: {key: getattr(c.slo, key) for key in c.slo.model_fields_set}
+            for name, c in settings.priority.classes.items()
+            if c.slo is not None and c.slo.model_fields_set
+        }
         self._leg_observer = policy if isinstance(policy, PrefillLegObserver) else None
         self.status = GatewayStatus()  # recent decisions and outcomes, for the status page (conductor/ops/status.py)
         # a policy that learns online (kvcache_aware's predictors) shares what it learns with the
@@ -109,10 +115,14 @@ class Router:
             self._lesson_outbox = self.learner.record_lessons()
 
     # ---- deciding ---------------------------------------------------------------------------
-    def slo_for(self, model: str, ttft_header: str | None, tbt_header: str | None) -> Slo:
-        """The request's SLOs: per-request headers (milliseconds) over the configured ones, those of
-        `model`'s pool (`pools.<model>.slo`) where it sets them, else the gateway-wide `slo`."""
+    def slo_for(self, model: str, ttft_header: str | None, tbt_header: str | None, priority: str | None = None) -> Slo:
+        """The request's SLOs: per-request headers (milliseconds) over its priority class's
+        (`priority.classes.<c>.slo`) where it sets them, over those of `model`'s pool
+        (`pools.<model>.slo`) where it sets them, else the gateway-wide `slo`."""
         slo = self._slos.get(model, self._default_slo) if self._slos else self._default_slo
+        if priority is not None and priority in self._class_slos:
+            fields = self._class_slos[priority]
+            slo = Slo(ttft_s=fields.get("ttft_s", slo.ttft_s), tbt_s=fields.get("tbt_s", slo.tbt_s))
         if not ttft_header and not tbt_header:
             return slo
         ttft, tbt = slo.ttft_s, slo.tbt_s
@@ -133,6 +143,8 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         *,
         seq: int | None = None,
+        priority: str | None = None,
+        tenant: str | None = None,
     ) -> Proposal:
         """What the policy decides for this request now, and nothing more: no sequence number taken
         (`seq` None: the one the next decision will get), nothing remembered by the policy, logged
@@ -156,6 +168,8 @@ class Router:
             pull_sources=offer.sources,
             queued_pull_sources=offer.queued,
             staging_jumps_queue=offer.jumps_queue,
+            priority=priority,
+            tenant=tenant,
         )
         snapshot = self._registry.snapshot(exclude)
         return Proposal(self.policy.decide(view, snapshot), view, snapshot, offer)
@@ -169,29 +183,54 @@ class Router:
         slo: Slo,
         analysis: PromptAnalysis,
         exclude: frozenset[str] = frozenset(),
+        *,
+        priority: str | None = None,
+        tenant: str | None = None,
     ) -> Routed:
-        """Ask the policy; `exclude`: instances this request already failed on (a failover).
+        """Ask the policy; `exclude`: instances this request already failed on (a failover);
+        `priority`, `tenant`: its class and tenant, where configured (in the view and the log).
         Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away."""
         started = time.perf_counter()
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         with self._tracing.child("conductor.decide") if self._tracing else contextlib.nullcontext() as span:
-            proposal = self.propose(request_id, model, max_tokens, stream, slo, analysis, exclude, seq=seq)
+            proposal = self.propose(
+                request_id, model, max_tokens, stream, slo, analysis, exclude, seq=seq, priority=priority, tenant=tenant
+            )
             decision, view = proposal.decision, proposal.view
             self.policy.on_decided(view, proposal.snapshot, decision)
             if span is not None:
                 span.set_attributes(decision_attributes(decision, view.prompt_tokens))
         self._metrics.decision_time.observe(time.perf_counter() - started)
         if decision_log.isEnabledFor(logging.INFO):
-            decision_log.info("%s", json.dumps(decision_log_record(decision, analysis.prompt_tokens, model)))
+            record = decision_log_record(decision, analysis.prompt_tokens, model, priority=priority, tenant=tenant)
+            decision_log.info("%s", json.dumps(record))
         self.status.decided(decision, analysis.prompt_tokens)
-        self._count(decision, model)
+        self._count(decision, model, tenant)
         return Routed(decision, analysis, view, proposal.pulls)
 
-    def _count(self, decision: Decision, model: str) -> None:
+    def decide_again(self, routed: Routed, stream: bool, slo: Slo, exclude: frozenset[str]) -> Routed:
+        """`decide` for a request decided before (`routed`) that failed on the instances `exclude`
+        (a failover): the same model, sizes, analysis, class and tenant."""
+        view = routed.view
+        return self.decide(
+            view.request_id,
+            view.model,
+            view.max_tokens,
+            stream,
+            slo,
+            routed.analysis,
+            exclude,
+            priority=view.priority,
+            tenant=view.tenant,
+        )
+
+    def _count(self, decision: Decision, model: str, tenant: str | None) -> None:
         """The decision's metrics; a rejection raised as the error the client gets."""
         rejection = decision.rejection
         if rejection is not None:
             self._metrics.rejections.labels(rejection.reason).inc()
+            if tenant is not None:
+                self._metrics.tenant_rejections.labels(tenant, rejection.reason).inc()
             if rejection.reason == NO_INSTANCE:  # within the model's pool: say which model
                 raise NoHealthyInstance(f"{rejection.message} serving model `{model}`")
             raise Rejected(

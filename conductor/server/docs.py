@@ -55,17 +55,29 @@ _RETRY_HEADERS = {
         "schema": {"type": "string", "enum": ["true", "false"]},
     },
 }
+_REJECT_HEADERS = {
+    **_RETRY_HEADERS,
+    "x-conductor-reject-reason": {
+        "description": "why: ttft_slo, tbt_slo, capacity, priority_shed or tenant_share (the body's code)",
+        "schema": {"type": "string"},
+    },
+}
 _ERRORS = {
     400: (
         "The body is malformed: not JSON, nested too deeply, a field of the wrong type, an empty "
-        "prompt, a token id outside the vocabulary, or an SLO header that is not a number; or the "
-        "prompt is longer than the model's context (code context_length_exceeded)",
+        "prompt, a token id outside the vocabulary, an SLO header that is not a number, or an "
+        "unknown priority class (code invalid_priority); or the prompt is longer than the model's "
+        "context (code context_length_exceeded)",
         None,
     ),
     401: ("No API key or an unknown one (only when the gateway is configured with keys)", None),
     404: ("The model is not served", None),
     413: ("The body exceeds limits.max_body_bytes", None),
-    429: ("Admission control: the request is predicted to miss its SLO (code: the reason)", _RETRY_HEADERS),
+    429: (
+        "Admission control: the request is predicted to miss its SLO, its priority class is shed or its "
+        "tenant is over its fair share (code and x-conductor-reject-reason: the reason)",
+        _REJECT_HEADERS,
+    ),
     502: ("A worker failed or answered an error of its own", None),
     503: ("No healthy instance, or the gateway holds limits.max_inflight_requests already", _RETRY_HEADERS),
     504: ("A worker did not answer in time", None),
@@ -238,7 +250,7 @@ def docs_page(doc: dict[str, Any]) -> str:
     )
 
 
-Guard = Callable[[Request], None]
+Guard = Callable[[Request], object]  # raises when the request may not see the route; what it returns is ignored
 
 
 def docs_routes(document: Callable[[], dict[str, Any]], guard: Guard | None = None) -> APIRouter:

@@ -111,7 +111,9 @@ _READ_HEADERS = frozenset(
 class _Call:
     """One request on its way through the endpoint."""
 
-    __slots__ = ("arrived", "client", "client_id", "draining", "headers", "model", "request_id", "span", "task")
+    __slots__ = (
+        "arrived", "client", "client_id", "draining", "headers", "model", "priority", "request_id", "span", "task", "tenant"
+    )  # fmt: skip
 
     def __init__(self, headers: dict[str, str], task: asyncio.Task[Any]) -> None:
         self.headers = headers
@@ -125,6 +127,8 @@ class _Call:
         self.span: Any = None  # the request's span, with tracing on
         self.draining: Callable[[], bool] | None = None  # the server's `conductor.draining` extension
         self.model: str | None = None  # the served model, once its name is known to the gateway
+        self.tenant: str | None = None  # its key's tenant (auth.tenants), once authorized
+        self.priority: str | None = None  # its priority class (priority.classes), once read
 
 
 class CompletionsEndpoint:
@@ -132,13 +136,14 @@ class CompletionsEndpoint:
         self.parts = parts
         self.kind = kind
         self.path = path
+        self._read_headers = parts.classes.read_headers(_READ_HEADERS)  # + the class header, where configured
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracing = self.parts.tracing
         # only the headers the gateway reads are decoded (ASGI servers lower-case the names); with
         # tracing on, all of them: the propagator looks for traceparent, tracestate and baggage
         if tracing is None:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in _READ_HEADERS}
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in self._read_headers}
         else:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         task = asyncio.current_task()
@@ -169,9 +174,7 @@ class CompletionsEndpoint:
             # We cancelled ourselves because the client left: that is a normal end.
             call.task.uncancel()
             self.parts.metrics.cancelled.inc()
-            self.parts.metrics.requests.labels(self.path, "499").inc()
-            if call.model is not None:
-                self.parts.metrics.model_requests.labels(call.model, "499").inc()
+            self._count(call, 499)
             log_access(
                 path=self.path,
                 status=499,
@@ -219,9 +222,7 @@ class CompletionsEndpoint:
             if watcher is not None:
                 watcher.cancel()
         elapsed = loop.time() - call.arrived
-        self.parts.metrics.requests.labels(self.path, str(status)).inc()
-        if call.model is not None:  # a name the gateway knows: the counter's labels stay bounded
-            self.parts.metrics.model_requests.labels(call.model, str(status)).inc()
+        self._count(call, status)
         self.parts.metrics.e2e.observe(elapsed)
         log_access(
             path=self.path,
@@ -234,10 +235,20 @@ class CompletionsEndpoint:
         )
         return status
 
+    def _count(self, call: _Call, status: int) -> None:
+        """The answer's status by route, and by model and class where known (never a client's string)."""
+        metrics = self.parts.metrics
+        metrics.requests.labels(self.path, str(status)).inc()
+        if call.model is not None:
+            metrics.model_requests.labels(call.model, str(status)).inc()
+        if call.priority is not None:
+            metrics.priority_requests.labels(call.priority, str(status)).inc()
+
     async def _read(self, call: _Call, receive: Receive) -> dict[str, Any]:
-        """The client's body, authorized, read under the size limit and validated."""
+        """The client's body, authorized (its tenant), read under the size limit and validated; its
+        model and priority class (conductor/routing/priority.py) resolved."""
         parts = self.parts
-        parts.authorize(call.headers.get("authorization"))
+        call.tenant = parts.authorize(call.headers.get("authorization"))
         length = call.headers.get("content-length")
         limit = parts.settings.limits.max_body_bytes
         raw = await read_body(receive, int(length) if length and length.isdigit() else None, limit)
@@ -252,6 +263,7 @@ class CompletionsEndpoint:
             body = parse_request(raw, self.kind, vocab_size=vocab_size_of(parts.analyzer))  # type: ignore[arg-type]
         # an alias becomes the served name here, before the analyzer, the router or a worker reads it
         call.model = resolve_model(body, parts.known_models(), parts.settings.model_aliases)
+        call.priority = parts.classes.classify(call.headers.get(parts.classes.header), body, call.tenant)
         return body
 
     async def _analyse(self, body: dict[str, Any]) -> tuple[PromptAnalysis, int]:
@@ -274,22 +286,25 @@ class CompletionsEndpoint:
         return analysis, max_tokens_of(body, parts.settings.default_max_tokens)
 
     async def _route(self, call: _Call, body: dict[str, Any], send: Send) -> int:
-        """Admit, decide and forward; the HTTP status sent. The in-flight slot is taken before
-        anything else is awaited and held until the last byte."""
+        """Admit, decide and forward; the HTTP status sent. The in-flight slot is taken (as class and
+        tenant allow: conductor/routing/shares.py) before anything else is awaited, held to the last byte."""
         parts = self.parts
-        slo = parts.router.slo_for(body["model"], call.headers.get(SLO_TTFT_HEADER), call.headers.get(SLO_TBT_HEADER))
+        ttft, tbt = call.headers.get(SLO_TTFT_HEADER), call.headers.get(SLO_TBT_HEADER)
+        slo = parts.router.slo_for(body["model"], ttft, tbt, call.priority)
         analysis, max_tokens = await self._analyse(body)
         stream = bool(body.get("stream", False))
-        parts.inflight.enter()
+        parts.shares.enter(call.priority, call.tenant)
         try:
             max_age_s = parts.settings.load_share.sync_max_age_s
             if max_age_s is not None:  # other replicas' load, at most this old
                 await parts.load_share.refresh(max_age_s)
-            routed = parts.router.decide(call.request_id, body["model"], max_tokens, stream, slo, analysis)
+            routed = parts.router.decide(
+                call.request_id, body["model"], max_tokens, stream, slo, analysis, priority=call.priority, tenant=call.tenant
+            )
             out = self._outgoing(routed, body, call, stream)
             return await self._forward(call, routed, out, slo, send)
         finally:
-            parts.inflight.leave()
+            parts.shares.leave(call.tenant)
 
     async def _fail(self, exc: BaseException, send: Send, call: _Call) -> int:
         if isinstance(exc, UpstreamError) and exc.instance is not None and not exc.client_fault:
@@ -364,11 +379,8 @@ class CompletionsEndpoint:
                         exc.message,
                         attempt + 1,
                     )
-                    view = routed.view
                     try:
-                        routed = parts.router.decide(
-                            out.request_id, view.model, view.max_tokens, out.stream, slo, routed.analysis, frozenset(failed)
-                        )
+                        routed = parts.router.decide_again(routed, out.stream, slo, frozenset(failed))
                     except NoHealthyInstance:
                         raise exc from None  # no other instance to try: the failure itself is the answer
             raise AssertionError("unreachable: the last attempt returns or raises")

@@ -5,8 +5,10 @@ The body is an OpenAI completions or chat request, checked as the real endpoint 
 (conductor/server/requests.py: the size limit, JSON, the fields' types, token ids, the model): a
 body with `messages` is a chat request, any other a completions request, unless the query says
 `?kind=chat` or `?kind=completions`. The per-request SLO headers (`x-slo-ttft-ms`,
-`x-slo-tbt-ms`) count as on the real endpoint. The route is on the admin surface, with the admin
-API key: the answer shows the fleet's names, load and cache contents.
+`x-slo-tbt-ms`) count as on the real endpoint, and so does a priority class the request names
+(the `priority.header` or a string `priority` in the body: its SLO; no tenant's default, the key being
+an admin's). The route is on the admin surface, with the admin API key: the answer shows the fleet's
+names, load and cache contents.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def explain_routes(parts: RequestPath, authorize: Callable[[str | None], None]) 
         kind = request_kind(request.query_params.get("kind"), json_object(raw))
         body = parse_request(raw, kind, vocab_size=vocab_size_of(parts.analyzer))
         resolve_model(body, parts.known_models(), parts.settings.model_aliases)
-        slo = parts.router.slo_for(body["model"], request.headers.get(SLO_TTFT_HEADER), request.headers.get(SLO_TBT_HEADER))
+        priority = parts.classes.classify(request.headers.get(parts.classes.header), body, None)
+        ttft, tbt = request.headers.get(SLO_TTFT_HEADER), request.headers.get(SLO_TBT_HEADER)
+        slo = parts.router.slo_for(body["model"], ttft, tbt, priority)
         max_tokens = max_tokens_of(body, parts.settings.default_max_tokens)
         explained = await explain(parts, kind, body, max_tokens, slo)
         return JSONResponse(explained.to_json())

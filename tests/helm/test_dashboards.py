@@ -175,8 +175,8 @@ RATE_UNITS = (
     (re.compile(r"tokens(_by_source)?_total$"), "suffix: tok/s"),
     (
         re.compile(
-            r"^conductor_(requests|model_requests|rejections|decisions|upstream_errors|client_disconnects|failovers"
-            r"|late_prefill_failures)_total$"
+            r"^conductor_(requests|model_requests|priority_requests|rejections|tenant_rejections|decisions|upstream_errors"
+            r"|client_disconnects|failovers|late_prefill_failures)_total$"
         ),
         "reqps",
     ),

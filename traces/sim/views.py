@@ -52,6 +52,8 @@ _REQUEST_FIELDS = (
     "pull_sources",
     "queued_pull_sources",
     "staging_jumps_queue",
+    "priority",
+    "tenant",
 )
 _SNAPSHOT_FIELDS = ("now", "instances")
 _OBSERVATION_FIELDS = (
@@ -100,6 +102,8 @@ _q_new, _q_cached, _q_elapsed = _setters(QueuedPrefill, _QUEUED_FIELDS)
     _r_pull,
     _r_queued,
     _r_jumps,
+    _r_priority,
+    _r_tenant,
 ) = _setters(RequestView, _REQUEST_FIELDS)
 _NO_SOURCES: frozenset[str] = frozenset()
 _s_now, _s_instances = _setters(ClusterSnapshot, _SNAPSHOT_FIELDS)
@@ -193,6 +197,8 @@ def request_view(
     _r_pull(view, None)
     _r_queued(view, queued_pull_sources)
     _r_jumps(view, staging_jumps_queue)
+    _r_priority(view, None)  # the simulator's requests have no priority class nor tenant
+    _r_tenant(view, None)
     return view
 
 
