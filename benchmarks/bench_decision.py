@@ -5,7 +5,11 @@ p50/p99 per policy in microseconds, and each policy's CPU p50 as a ratio to roun
 `kvcache_aware` is p99 <= 1 ms. `--grid` instead prints, for every policy, the thread-CPU p50/p99 of a
 decision as the gateway takes it (`decide` and `on_decided`, where a policy remembers) at 4 to 1,024
 instances (half prefill, half decode) and 1K to 128K-token prompts. `--mixed`: kvcache_aware on 16 and
-256 mixed workers (32K-token prompt), with its mixed placement rules on and off.
+256 mixed workers (32K-token prompt), with its mixed placement rules on and off. `--models [--rounds 3]`: the
+gateway's whole decision path (the pool look-up, the snapshot built by a real InstanceRegistry with the
+instances outside the request's pool excluded, kvcache_aware's `decide` and `on_decided`) at 256 instances
+(128 P + 128 D, and 256 mixed) serving 8 models and 32 LoRA adapters, against the same instances serving
+one model; both sides interleaved decision by decision, per-round p50/p99 shown as median [min-max].
 
 The workload: 8192 prompt tokens with their 512 block keys; the cache index reports prefixes of
 several lengths on 6 prefill instances (device and host tiers) and in the store; every prefill
@@ -21,19 +25,27 @@ import gc
 import random
 import statistics
 import time
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
+from adapters.upstream import Timeouts, UpstreamPool
+from conductor.config.settings import Settings
 from conductor.core.types import (
     ActiveDecode,
     CachedPrefix,
     ClusterSnapshot,
+    Decision,
     InstanceView,
+    Policy,
     QueuedPrefill,
     RequestView,
     Role,
     Slo,
     Tier,
 )
+from conductor.fleet.instances import InstanceRegistry
+from conductor.fleet.model_pools import take_listing
+from conductor.fleet.state import InstanceState
 from policies.registry import load_policy
 
 PROMPT = 8192
@@ -55,19 +67,19 @@ def decode_view(rng: random.Random, d: int) -> InstanceView:
     return InstanceView(f"decode-{d}", Role.DECODE, decodes=decodes, kv_capacity_tokens=4_000_000, kv_usage=None)
 
 
-def request(rng: random.Random, i: int, n_prefill: int, prompt: int) -> RequestView:
+def request(
+    rng: random.Random, i: int, n_prefill: int, prompt: int, model: str = "m", holders_from: Sequence[str] | None = None
+) -> RequestView:
     """A `prompt`-token request whose prefixes of several lengths sit on 6 prefill instances (device
-    and host tiers) and in the store."""
-    holders = rng.sample(range(n_prefill), min(6, n_prefill))
-    cached = {
-        f"prefill-{h}": CachedPrefix(BLOCK * rng.randint(1, prompt // BLOCK), rng.choice((Tier.DEVICE, Tier.HOST)))
-        for h in holders
-    }
+    and host tiers; of `holders_from` when given, else prefill-0 .. n_prefill-1) and in the store."""
+    names = holders_from if holders_from is not None else [f"prefill-{p}" for p in range(n_prefill)]
+    holders = rng.sample(names, min(6, len(names)))  # the same draws as from a range of that length
+    cached = {h: CachedPrefix(BLOCK * rng.randint(1, prompt // BLOCK), rng.choice((Tier.DEVICE, Tier.HOST))) for h in holders}
     keys = tuple(rng.getrandbits(64) for _ in range(prompt // BLOCK))
     return RequestView(
         request_id=f"r{i}",
         seq=i,
-        model="m",
+        model=model,
         prompt_tokens=prompt,
         max_tokens=256,
         block_size=BLOCK,
@@ -201,6 +213,204 @@ def mixed(n: int) -> None:
                 )
 
 
+# ---- --models: the decision path of a fleet serving several models ----------------------------
+
+FLEET_INSTANCES = 256
+FLEET_MODELS = 8  # 32 instances each
+ADAPTERS_PER_MODEL = 4  # 32 adapters in all
+ADAPTER_HOLDERS = 4  # of its model's instances list each adapter (P/D: 2 prefill + 2 decode)
+FLEET_PROMPT = 32768
+
+
+@dataclass(frozen=True)
+class FleetSide:
+    """One side of the comparison: its registry (the same load on both sides to begin with) and the
+    names a request may carry, each with the prefill-capable instances that may hold its prefix."""
+
+    label: str
+    registry: InstanceRegistry
+    names: list[tuple[str, list[str]]]
+
+
+def fleet_settings(layout: str) -> Settings:
+    """FLEET_INSTANCES workers: half prefill and half decode ("pd"), or all mixed."""
+
+    def specs(role: str, n: int, base: int) -> list[dict[str, str]]:
+        return [{"url": f"http://127.0.0.1:{base + i}", "role": role} for i in range(n)]
+
+    if layout == "pd":
+        half = FLEET_INSTANCES // 2
+        return Settings.model_validate({"prefill": specs("prefill", half, 20000), "decode": specs("decode", half, 30000)})
+    return Settings.model_validate({"mixed": specs("mixed", FLEET_INSTANCES, 20000)})
+
+
+def fleet_listings(states: list[InstanceState], models: int) -> dict[str, list[dict[str, object]]]:
+    """Each worker's /v1/models `data`: `models` base models over the workers of each role in blocks
+    (model-0 on the first 1/models of the prefills, of the decodes...), and with several models
+    ADAPTERS_PER_MODEL adapters each, every one listed by ADAPTER_HOLDERS of its model's workers."""
+    out: dict[str, list[dict[str, object]]] = {}
+    by_role: dict[Role, list[InstanceState]] = {}
+    for state in states:
+        by_role.setdefault(state.spec.role, []).append(state)
+    per_role = ADAPTER_HOLDERS // len(by_role)
+    for members in by_role.values():
+        size = len(members) // models
+        for i, state in enumerate(members):
+            model = f"model-{i // size}" if models > 1 else "m"
+            cards: list[dict[str, object]] = [{"id": model, "root": model, "parent": None, "max_model_len": 131072}]
+            slot = (i % size) // per_role  # which of its model's adapters this worker lists
+            if models > 1 and slot < ADAPTERS_PER_MODEL:
+                cards.append({"id": f"{model}-lora-{slot}", "root": f"/adapters/{model}-{slot}", "parent": model})
+            out[state.name] = cards
+    return out
+
+
+def load_registry(registry: InstanceRegistry, rng: random.Random) -> None:
+    """bench_decision's load through the registry's own accounting: 0-8 prefills queued on each
+    prefill or mixed worker, 32-128 streams on each decode or mixed one."""
+    n = 0
+    for name, state in registry.states.items():
+        if state.spec.role is not Role.DECODE:
+            for _ in range(rng.randint(0, 8)):
+                registry.add_prefill(name, f"q{n}", rng.randint(512, 16384), rng.choice((0, 0, rng.randint(0, 8192))))
+                state.started[f"q{n}"] -= rng.uniform(0, 0.3)
+                n += 1
+        if state.spec.role is not Role.PREFILL:
+            for _ in range(rng.randint(32, 128)):
+                registry.add_decode(name, f"d{n}", rng.randint(1024, 32768), rng.randint(1, 1024))
+                registry.mark_decoding(name, f"d{n}")
+                n += 1
+
+
+def fleet_side(layout: str, models: int) -> FleetSide:
+    """The registry (the real InstanceRegistry, InstanceState, take_listing and build_pools; no I/O:
+    the workers' listings are handed in and every probe recorded as answered), loaded."""
+    registry = InstanceRegistry(fleet_settings(layout), UpstreamPool(Timeouts()))
+    listings = fleet_listings(list(registry.states.values()), models)
+    for state in registry.states.values():
+        take_listing(state, listings[state.name])
+        registry.record_probe(state, True)
+    registry.models_changed()
+    load_registry(registry, random.Random(0))
+    states, pools = registry.states.values(), registry.pools
+    names = [
+        (name, [s.name for s in states if s.spec.role is not Role.DECODE and s.name not in pools.excluded(name)])
+        for name in pools.names
+    ]
+    label = f"{models} models, {ADAPTERS_PER_MODEL * models} adapters" if models > 1 else "1 model"
+    return FleetSide(label, registry, names)
+
+
+def fleet_requests(side: FleetSide, rng: random.Random, first: int, n: int) -> list[RequestView]:
+    """Requests spread over the side's names: half name a base model, half an adapter (uniformly
+    among each); a prefix of each cached on prefill-capable workers of its pool."""
+    bases = [x for x in side.names if "-lora-" not in x[0]]
+    adapters = [x for x in side.names if "-lora-" in x[0]] or bases
+    out = []
+    for i in range(first, first + n):
+        name, holders = rng.choice(bases if rng.random() < 0.5 else adapters)
+        out.append(request(rng, i, 0, FLEET_PROMPT, model=name, holders_from=holders))
+    return out
+
+
+def timed_decision(registry: InstanceRegistry, policy: Policy, req: RequestView) -> tuple[float, float, float]:
+    """One decision as Router.propose and decide take it: the members outside the request's pool,
+    the snapshot with them excluded, `decide` and `on_decided`. Wall us of it all, thread-CPU us of
+    the look-up + snapshot, thread-CPU us of decide + on_decided. Then, untimed, `churn`."""
+    t0 = time.perf_counter_ns()
+    c0 = time.thread_time_ns()
+    snapshot = registry.snapshot(registry.pools.excluded(req.model))
+    c1 = time.thread_time_ns()
+    decision = policy.decide(req, snapshot)
+    policy.on_decided(req, snapshot, decision)
+    c2 = time.thread_time_ns()
+    t1 = time.perf_counter_ns()
+    churn(registry, req, decision)
+    return (t1 - t0) / 1e3, (c1 - c0) / 1e3, (c2 - c1) / 1e3
+
+
+def churn(registry: InstanceRegistry, req: RequestView, decision: Decision) -> None:
+    """The registry's accounting moves on between decisions as a gateway's does, its load as large:
+    the request queued where it prefills and listed where it decodes, the oldest prefill queued
+    and the oldest stream there ended."""
+    if decision.prefill is None:
+        return
+    cached = req.cached.get(decision.prefill)
+    new_tokens = req.prompt_tokens - (cached.tokens if cached else 0)
+    registry.add_prefill(decision.prefill, req.request_id, new_tokens, req.prompt_tokens - new_tokens)
+    registry.end_prefill(decision.prefill, next(iter(registry.states[decision.prefill].prefills)))
+    decode = decision.decode or decision.prefill
+    registry.add_decode(decode, req.request_id, req.prompt_tokens, req.max_tokens)
+    registry.end_decode(decode, next(iter(registry.states[decode].decodes)))
+
+
+# what one round measured of one side, us per decision, each list sorted
+FLEET_METRICS = ("path cpu", "path wall", "look-up + snapshot cpu", "decide + on_decided cpu")
+
+
+def fleet_round(sides: list[FleetSide], policies: list[Policy], seed: int, first: int, n: int) -> list[list[list[float]]]:
+    """n decisions per side, interleaved one for one (the side going first alternates with `seed`),
+    so both see the same moments of a shared box: per side, FLEET_METRICS' samples, sorted."""
+    reqs = [fleet_requests(side, random.Random(seed), first, n) for side in sides]
+    order = list(range(len(sides)))[:: -1 if seed % 2 else 1]
+    samples: list[list[list[float]]] = [[[] for _ in FLEET_METRICS] for _ in sides]
+    gc.collect()
+    for i in range(n):
+        for k in order:
+            wall, snap, decide = timed_decision(sides[k].registry, policies[k], reqs[k][i])
+            for series, value in zip(samples[k], (snap + decide, wall, snap, decide), strict=True):
+                series.append(value)
+    return [[sorted(series) for series in side] for side in samples]
+
+
+def spread(values: list[float], spec: str = ".0f") -> str:
+    """The median of per-round figures and their range."""
+    return f"{format(statistics.median(values), spec)} [{format(min(values), spec)}-{format(max(values), spec)}]"
+
+
+def fleet_layout(layout: str, n: int, rounds: int) -> dict[str, float]:
+    """One layout, one model against FLEET_MODELS: prints the table; returns the several-model
+    side's p99s (ms, the median of rounds) by metric."""
+    sides = [fleet_side(layout, 1), fleet_side(layout, FLEET_MODELS)]
+    policies = [load_policy("kvcache_aware") for _ in sides]
+    for k, side in enumerate(sides):  # warm up
+        for req in fleet_requests(side, random.Random(99), 10**7, 200):
+            timed_decision(side.registry, policies[k], req)
+    gc.collect()
+    gc.freeze()  # the registries and policies built so far: the gateway's GcFreezer does as much
+    per_round = [fleet_round(sides, policies, r, r * n, n) for r in range(rounds)]
+    shape = "128 prefill + 128 decode" if layout == "pd" else f"{FLEET_INSTANCES} mixed"
+    print(f"\n{shape}, {FLEET_PROMPT // 1024}K-token prompt: us per decision, median of {rounds} rounds [min-max]")
+    print(f"{'':<30}{sides[0].label:>20}{sides[1].label:>26}{'ratio (per round)':>24}")
+    p99s = {}
+    for m, metric in enumerate(FLEET_METRICS):
+        for q, name in ((0.5, "p50"), (0.99, "p99")):
+            one, many = ([pct(r[k][m], q) for r in per_round] for k in (0, 1))
+            ratio = [b / a for a, b in zip(one, many, strict=True)]
+            print(f"{metric + ' ' + name:<30}{spread(one):>20}{spread(many):>26}{spread(ratio, '.2f') + 'x':>24}")
+        p99s[metric] = statistics.median([pct(r[1][m], 0.99) for r in per_round]) / 1e3
+    gc.unfreeze()
+    return p99s
+
+
+def several_models(n: int, rounds: int) -> None:
+    """--models: the gateway's decision path on a fleet of FLEET_MODELS models, against one model on
+    the same instances and load, for P/D and mixed workers."""
+    print(
+        f"decision path (pool look-up + snapshot + kvcache_aware decide + on_decided) at {FLEET_INSTANCES} instances: "
+        f"1 model against {FLEET_MODELS} models ({FLEET_INSTANCES // FLEET_MODELS} instances each) and "
+        f"{FLEET_MODELS * ADAPTERS_PER_MODEL} adapters ({ADAPTER_HOLDERS} workers list each); "
+        f"{n} decisions per side per round, interleaved"
+    )
+    results = {layout: fleet_layout(layout, n, rounds) for layout in ("pd", "mixed")}
+    goal = f"goal: decision p99 <= 2 ms at {FLEET_INSTANCES} instances with {FLEET_MODELS} models"
+    print()
+    for metric in ("decide + on_decided cpu", "path cpu"):
+        worst = max(r[metric] for r in results.values())
+        figures = ", ".join(f"{layout} {r[metric]:.2f}" for layout, r in results.items())
+        print(f"{goal}, {metric} p99: {figures} ms: {'met' if worst <= 2.0 else 'MISSED'}")
+
+
 def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -211,7 +421,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid", action="store_true", help="decision CPU by instances and prompt length, every policy")
     ap.add_argument("--mixed", action="store_true", help="kvcache_aware on 16 and 256 mixed workers, its mixed rules on and off")
+    ap.add_argument("--models", action="store_true", help="the decision path with 8 models and 32 adapters against one model")
+    ap.add_argument("--rounds", type=int, default=3, help="--models: rounds, each side interleaved (median and range shown)")
     args = ap.parse_args()
+    if args.models:
+        several_models(min(args.n, 1500), args.rounds)
+        return
     if args.mixed:
         mixed(min(args.n, 400))
         return

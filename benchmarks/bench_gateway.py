@@ -2,6 +2,7 @@
 sglang-router in front of the same stand-in workers, with wrk as the load.
 
     python benchmarks/bench_gateway.py [--quick] [--seconds 4] [--repeat 2] [--against REV]
+    python benchmarks/bench_gateway.py --fleet two-models [--repeat 3] [--concurrency 16,64]
 
 Cells: mixed (two workers) and P/D (one prefill, one decode: NIXL for Conductor and vllm-router,
 SGLang's bootstrap fields for sglang-router), non-stream (8 tokens) and 32-token streams, at
@@ -13,6 +14,12 @@ ratios of one run, not the absolute figures. `--against REV` adds Conductor as i
 revision (its tree exported with `git archive`, run with the same Python) to every cell, and prints
 this checkout's CPU per request over that revision's: the regression check the request-path issue
 asks for.
+
+`--fleet two-models` measures instead what serving several models costs: Conductor (`conductor serve
+--mixed A --mixed B`, round_robin and then kvcache_aware, the default) in front of two stand-ins serving
+two different models, wrk's requests alternating between the models, against the same in front of two
+stand-ins serving one model (one pool) under the same wrk load; the two configurations alternate,
+`--repeat` times, and each one's CPU per request (median and range) and their ratio are printed.
 
 The peers live in their own virtual environments (found at these paths, or pass --vllm-router /
 --sglang-router; a missing one is reported and skipped):
@@ -26,11 +33,13 @@ wrk comes from the distribution (`apt-get install wrk`).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +61,26 @@ done = function(summary, latency, requests)
     summary.duration))
 end
 """
+
+
+# --fleet: a `request` function alternating two bodies (both fleets run it: wrk's extra work is alike)
+FLEET_SCRIPT = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local bodies = {'%s', '%s'}
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, nil, bodies[n %% 2 + 1])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %%d %%d %%d %%d %%d\\n", summary.requests,
+    e.status + e.connect + e.read + e.write + e.timeout, latency:percentile(50), latency:percentile(99),
+    summary.duration))
+end
+"""
+# the fleets compared: the models their two stand-ins serve (the first is conductor_serve's --model)
+FLEETS = {"one-pool": ("tiny", "tiny"), "two-models": ("tiny", "tiny-b")}
 
 
 @dataclass(frozen=True)
@@ -284,6 +313,106 @@ def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
     return lines
 
 
+def fleet_scripts(tmp: Path) -> dict[tuple[str, str], Path]:
+    """(fleet, body) -> a wrk script whose requests alternate between the fleet's two models."""
+    out = {}
+    for fleet, models in FLEETS.items():
+        for mode, max_tokens, stream in (("non-stream", 8, "false"), ("stream32", 32, "true")):
+            bodies = [BODY.replace('"tiny"', f'"{m}"') % (max_tokens, stream) for m in models]
+            out[fleet, mode] = tmp / f"{fleet}-{mode}.lua"
+            out[fleet, mode].write_text(FLEET_SCRIPT % tuple(bodies))
+    return out
+
+
+def start_fleets(procs: Processes, policy: str) -> dict[str, Router]:
+    """Per fleet, two stand-ins serving its models and a Conductor in front of them, as a user starts
+    it (`conductor serve --mixed A --mixed B` with the benchmarks' usual flags); checked to list the
+    fleet's models."""
+    routers = {}
+    for fleet, models in FLEETS.items():
+        urls = []
+        for model in models:
+            port = free_port()
+            argv = [sys.executable, str(ROOT / "benchmarks/standin_worker.py"), "--port", str(port), "--model", model]
+            procs.start(argv, quiet=True)
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            wait_http(url + "/health")
+        port = free_port()
+        p = procs.start(conductor_serve(port, policy, "--mixed", urls[0], "--mixed", urls[1]), quiet=True)
+        wait_http(f"http://127.0.0.1:{port}/ready")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as reply:
+            listed = sorted(card["id"] for card in json.load(reply)["data"])
+        if listed != sorted(set(models)):
+            raise RuntimeError(f"{fleet}: the gateway lists {listed}, not {sorted(set(models))}")
+        routers[fleet] = Router(fleet, f"http://127.0.0.1:{port}/v1/completions", _pids(p))
+    return routers
+
+
+def fleet_cell(
+    routers: dict[str, Router], lua: dict[tuple[str, str], Path], mode: str, conc: int, seconds: float, repeat: int
+) -> dict[str, list[Load]]:
+    """Each fleet's runs of one cell, `repeat` rounds, the fleets' order alternating."""
+    runs: dict[str, list[Load]] = {fleet: [] for fleet in routers}
+    for r in range(repeat):
+        for fleet in list(routers)[:: -1 if r % 2 else 1]:
+            router = routers[fleet]
+            wrk(router.url, lua[fleet, mode], conc, 1, None)  # warm its pools
+            runs[fleet].append(wrk(router.url, lua[fleet, mode], conc, seconds, router.pids()))
+    return runs
+
+
+def spread(xs: list[float], spec: str) -> str:
+    """The median of `xs` and their range."""
+    return f"{format(statistics.median(xs), spec)} [{format(min(xs), spec)}-{format(max(xs), spec)}]"
+
+
+def fleet_ratios(runs: dict[str, list[Load]]) -> list[float]:
+    """two-models' CPU per request over one-pool's, round by round (the two runs of a round adjoin)."""
+    cpu = {fleet: [load.cpu_us_per_request or 0.0 for load in loads] for fleet, loads in runs.items()}
+    return [b / a for a, b in zip(cpu["one-pool"], cpu["two-models"], strict=True)]
+
+
+def report_fleet_cell(title: str, runs: dict[str, list[Load]]) -> list[str]:
+    """CPU per request of each fleet (median of rounds, [min-max]), and two-models over one-pool."""
+    cpu = {fleet: [load.cpu_us_per_request or 0.0 for load in loads] for fleet, loads in runs.items()}
+    lines = []
+    for fleet, loads in runs.items():
+        rps = statistics.median(load.rps for load in loads)
+        p99 = statistics.median(load.p99_us for load in loads) / 1e3
+        errors = sum(load.errors for load in loads)
+        lines.append(f"{title:<28} {fleet:<11} {spread(cpu[fleet], '.0f'):>18} {rps:>8.0f} {p99:>8.2f} {errors:>6}")
+    lines.append(f"{title:<28} two-models / one-pool, CPU per request: {spread(fleet_ratios(runs), '.2f')}x (per round)")
+    return lines
+
+
+def fleet_comparison(args: argparse.Namespace) -> list[str]:
+    """--fleet two-models: every cell (policy, body, concurrency) of the two fleets, side by side."""
+    head = f"{'cell':<28} {'fleet':<11} {'cpu us/req [range]':>18} {'req/s':>8} {'p99 ms':>8} {'errors':>6}"
+    lines = [f"CPU per request: median of {args.repeat} runs of {args.seconds:g} s [min-max]", head]
+    print("\n".join(lines), flush=True)
+    ratios: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        lua = fleet_scripts(Path(tmp))
+        for policy in ("round_robin", "kvcache_aware"):
+            with Processes() as procs:
+                routers = start_fleets(procs, policy)
+                for mode in ("non-stream", "stream32"):
+                    for conc in (int(c) for c in args.concurrency.split(",")):
+                        runs = fleet_cell(routers, lua, mode, conc, args.seconds, args.repeat)
+                        ratios += fleet_ratios(runs)
+                        shown = report_fleet_cell(f"{policy} {mode} c{conc}", runs)
+                        lines += shown
+                        print("\n".join(shown), flush=True)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    lines.append(
+        f"every cell's rounds together ({len(ratios)}): two-models / one-pool, CPU per request "
+        f"{statistics.median(ratios):.3f}x, quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}x, "
+        f"geometric mean {statistics.geometric_mean(ratios):.3f}x"
+    )
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router") or "/tmp/vr-venv/bin/vllm-router")
@@ -300,12 +429,18 @@ def main() -> int:
         "--against", metavar="REV", help="also run Conductor as of this git revision (with the first --workers count)"
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip the throughput ceiling")
+    ap.add_argument(
+        "--fleet", choices=("two-models",), help="instead: two models behind Conductor against one pool (CPU per request)"
+    )
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         print("wrk is not installed: apt-get install wrk", file=sys.stderr)
         return 2
     if args.quick:
         args.seconds, args.repeat, args.concurrency = 2.0, 1, "1,64"
+    if args.fleet:
+        print("\n" + "\n".join(fleet_comparison(args)))
+        return 0
     vllm_router = args.vllm_router if args.vllm_router and Path(args.vllm_router).exists() else None
     sglang_ok = (
         Path(args.sglang_router).exists()

@@ -26,10 +26,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--role", default="mixed")
     p.add_argument("--port", type=int, required=True)
-    a = p.parse_args()
-    uvicorn.run(
-        _Lean(role=a.role), host="127.0.0.1", port=a.port, log_level="warning", access_log=False, http="httptools", loop="uvloop"
+    p.add_argument(
+        "--model", help="serve this model only: /v1/models lists it, a request for another is a 404 (default: any, as tiny)"
     )
+    a = p.parse_args()
+    app = _Lean(role=a.role) if a.model is None else _Lean(role=a.role, model=a.model, models=(a.model,))
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning", access_log=False, http="httptools", loop="uvloop")
 
 
 if __name__ == "__main__":
