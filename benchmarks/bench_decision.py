@@ -315,11 +315,12 @@ def fleet_requests(side: FleetSide, rng: random.Random, first: int, n: int) -> l
 
 def timed_decision(registry: InstanceRegistry, policy: Policy, req: RequestView) -> tuple[float, float, float]:
     """One decision as Router.propose and decide take it: the members outside the request's pool,
-    the snapshot with them excluded, `decide` and `on_decided`. Wall us of it all, thread-CPU us of
+    the snapshot without them, `decide` and `on_decided`. Wall us of it all, thread-CPU us of
     the look-up + snapshot, thread-CPU us of decide + on_decided. Then, untimed, `churn`."""
     t0 = time.perf_counter_ns()
     c0 = time.thread_time_ns()
-    snapshot = registry.snapshot(registry.pools.excluded(req.model))
+    outside = registry.pools.excluded(req.model)
+    snapshot = registry.snapshot(outside, outside)
     c1 = time.thread_time_ns()
     decision = policy.decide(req, snapshot)
     policy.on_decided(req, snapshot, decision)

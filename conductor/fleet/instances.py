@@ -295,15 +295,20 @@ class InstanceRegistry:
         return model_list(self.pools.names, self.states.values(), aliases=self.pools.aliases)
 
     # ---- load accounting -----------------------------------------------------------------
-    def snapshot(self, exclude: frozenset[str] = frozenset()) -> ClusterSnapshot:
+    def snapshot(self, exclude: frozenset[str] = frozenset(), outside: frozenset[str] = frozenset()) -> ClusterSnapshot:
         """The cluster as policies see it; `exclude`: instances this request already failed on
-        (shown unhealthy, so a failover decides among the others)."""
+        (shown unhealthy, so a failover decides among the others); `outside`: the instances that do
+        not serve the request's model (conductor/fleet/model_pools.py), left out of the snapshot."""
         now = time.monotonic()
         remote = self.load_share.remote()
         ends = self.load_share.prefill_ends() if remote else {}
         # a draining instance is no candidate at all (not even a "down" one a policy might count)
         members = [(n, s) for n, s in self.states.items() if not s.draining]
         panic = self.panic_roles([s for _, s in members])
+        if outside:
+            # another model's instances are no candidates either; their views (each copying its
+            # queue and streams) were most of a decision at 256 instances (bench_decision.py --models)
+            members = [(n, s) for n, s in members if n not in outside]
         return ClusterSnapshot(
             now=now,
             instances=tuple(s.view(now, remote.get(n), n in exclude, ends.get(n), s.spec.role in panic) for n, s in members),
@@ -312,6 +317,8 @@ class InstanceRegistry:
     def panic_roles(self, members: list[InstanceState]) -> frozenset[Role]:
         """The roles below the panic threshold among `members` (fleet/health.py, `panicking`);
         a role entering or leaving panic is logged once."""
+        if not self._panic and all(state.health.available for state in members):
+            return self._panic  # the usual case, on every snapshot: no role can be below a threshold
         by_role: dict[Role, list[InstanceHealth]] = {}
         for state in members:
             by_role.setdefault(state.spec.role, []).append(state.health)

@@ -11,7 +11,6 @@ Its collaborators (`RequestPath`, conductor/routing/request_path.py) are wired o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -31,7 +30,7 @@ from conductor.core.errors import (
 from conductor.core.types import Slo
 from conductor.kv.analysis import PromptAnalysis, vocab_size_of
 from conductor.ops.logs import log_access
-from conductor.ops.tracing import OPERATIONS, request_attributes
+from conductor.ops.tracing import NO_SPAN, OPERATIONS, request_attributes
 from conductor.routing.attempt import failover_reason, for_client
 from conductor.routing.batch_relay import run_batch_attempt
 from conductor.routing.batching import split_prompts
@@ -273,7 +272,7 @@ class CompletionsEndpoint:
             analysis = PromptAnalysis(prompt_tokens=estimate_input_tokens(body), exact=False)
             default = parts.settings.default_max_tokens
             return analysis, 1 if self.kind == "embeddings" else int(body.get("max_output_tokens") or default)
-        with parts.tracing.child("conductor.analyse") if parts.tracing else contextlib.nullcontext() as span:
+        with parts.tracing.child("conductor.analyse") if parts.tracing else NO_SPAN as span:
             analysis = await parts.analyzer.analyse(self.kind, body)  # type: ignore[arg-type]
             if span is not None:  # tokenize, block keys, index look-up
                 span.set_attributes(
