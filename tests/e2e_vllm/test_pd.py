@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.e2e_vllm.engines import (
@@ -88,9 +89,26 @@ def pd(request: pytest.FixtureRequest, vllm_python: str, tiny_model: Path, e2e_d
             block_size=BLOCK_SIZE,
             kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": "sha256"},
         ) as gw:
+            if protocol == "nixl":
+                warm_nixl_handshake(gw)
             yield PD(protocol, p, d, gw)
     finally:
         stop_all(engines)
+
+
+def warm_nixl_handshake(gw: GatewayUnderTest) -> None:
+    """The two engines' first NIXL transfer makes their side-channel handshake, which vLLM waits 5 s
+    for (hard-coded, nixl/base_worker.py); on a saturated CI box it can miss that, and the decode
+    answers the first request with a 500 (seen in CI: `handshake_setup_failed`, zmq Again). The next
+    transfer handshakes again. So one short request (no full block: nothing indexed) gets up to
+    three tries before the tests; every request of the tests themselves must then succeed."""
+    statuses = []
+    for _ in range(3):
+        r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "warm up", "max_tokens": 1}, timeout=120)
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            return
+    raise AssertionError(f"no NIXL transfer succeeded in three tries: {statuses} (see the decode engine's log)")
 
 
 def assert_no_reprefill(pd: PD, before: dict[str, float], prompt_tokens: int) -> None:
