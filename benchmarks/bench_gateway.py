@@ -51,15 +51,17 @@ from common import ROOT, Processes, conductor_serve, cpu_seconds, export_revisio
 from tests.support.servers import free_port_run
 
 BODY = '{"model":"tiny","prompt":"benchmark prompt","max_tokens":%d,"stream":%s}'
-WRK_SCRIPT = """wrk.method = "POST"
-wrk.body = '%s'
-wrk.headers["Content-Type"] = "application/json"
-done = function(summary, latency, requests)
+# what every wrk run prints at its end: one line bench_gateway parses (requests, errors, p50, p99, duration)
+WRK_DONE = """done = function(summary, latency, requests)
   local e = summary.errors
-  io.write(string.format("RESULT %%d %%d %%d %%d %%d\\n", summary.requests,
+  io.write(string.format("RESULT %d %d %d %d %d\\n", summary.requests,
     e.status + e.connect + e.read + e.write + e.timeout, latency:percentile(50), latency:percentile(99),
     summary.duration))
 end
+"""
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '%s'
+wrk.headers["Content-Type"] = "application/json"
 """
 
 
@@ -71,12 +73,6 @@ local n = 0
 request = function()
   n = n + 1
   return wrk.format(nil, nil, nil, bodies[n %% 2 + 1])
-end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("RESULT %%d %%d %%d %%d %%d\\n", summary.requests,
-    e.status + e.connect + e.read + e.write + e.timeout, latency:percentile(50), latency:percentile(99),
-    summary.duration))
 end
 """
 # the fleets compared: the models their two stand-ins serve (the first is conductor_serve's --model)
@@ -141,7 +137,7 @@ def scripts(tmp: Path) -> dict[str, Path]:
     out = {}
     for mode, body in (("non-stream", BODY % (8, "false")), ("stream32", BODY % (32, "true"))):
         out[mode] = tmp / f"{mode}.lua"
-        out[mode].write_text(WRK_SCRIPT % body)
+        out[mode].write_text(WRK_SCRIPT % body + WRK_DONE)
     return out
 
 
@@ -320,7 +316,7 @@ def fleet_scripts(tmp: Path) -> dict[tuple[str, str], Path]:
         for mode, max_tokens, stream in (("non-stream", 8, "false"), ("stream32", 32, "true")):
             bodies = [BODY.replace('"tiny"', f'"{m}"') % (max_tokens, stream) for m in models]
             out[fleet, mode] = tmp / f"{fleet}-{mode}.lua"
-            out[fleet, mode].write_text(FLEET_SCRIPT % tuple(bodies))
+            out[fleet, mode].write_text(FLEET_SCRIPT % tuple(bodies) + WRK_DONE)
     return out
 
 
