@@ -48,6 +48,8 @@ class ModelPools:
     # model -> the smallest context length the members serving it report; and the smallest of all
     contexts: Mapping[str, int] = field(default_factory=dict)
     smallest_context: int | None = None
+    # adapter -> its card as the first member (in membership order) lists it: what its KV keys hash
+    adapters: Mapping[str, AdapterCard] = field(default_factory=dict)
 
     def excluded(self, model: str) -> frozenset[str]:
         """The members a request for `model` (a served name, not an alias) must not go to."""
@@ -69,8 +71,11 @@ def build_pools(
     ordered: dict[str, None] = dict.fromkeys(configured)
     for state in members:
         ordered.update(dict.fromkeys(state.models))
+    adapters: dict[str, AdapterCard] = {}
     for state in members:
         ordered.update(dict.fromkeys(state.adapters))
+        for name, card in state.adapters.items():
+            adapters.setdefault(name, card)
     listing = [state for state in members if state.models_known]
     everyone = frozenset(state.name for state in listing)
     outside = {model: frozenset(s.name for s in listing if not s.serves(model)) for model in ordered}
@@ -96,6 +101,7 @@ def build_pools(
         unclaimed=everyone,
         contexts=contexts,
         smallest_context=min(contexts.values(), default=None),
+        adapters=adapters,
     )
 
 

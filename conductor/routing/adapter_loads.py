@@ -78,7 +78,6 @@ class AdapterLoads:
         self._loaded: dict[str, OrderedDict[str, None]] = {}  # instance -> what the gateway loaded, LRU first
         self._users: dict[tuple[str, str], int] = {}  # (instance, adapter) -> requests holding it
         self._held: dict[str, list[tuple[str, str]]] = {}  # request id -> what it holds
-        self._cards: tuple[object, dict[str, AdapterCard]] = (None, {})  # (the pools it was read from, cards)
         r = metrics or CollectorRegistry()
         self.loads = Counter("conductor_lora_loads", "LoRA adapters loaded by the gateway", ["instance", "result"], registry=r)
         self.unloads = Counter(
@@ -88,17 +87,9 @@ class AdapterLoads:
     # ---- which adapter a model names -------------------------------------------------------------
     def adapter_for(self, model: str) -> AdapterCard | None:
         """The adapter `model` names: one an instance lists (the first found), else the settings'
-        (None: a base model). Per request: the instances' lists are gathered once per change of
-        the model pools, which every change of a listing brings."""
-        pools = self.registry.pools
-        seen, cards = self._cards
-        if seen is not pools:
-            cards = {}
-            for state in self.registry.states.values():
-                for name, card in state.adapters.items():
-                    cards.setdefault(name, card)
-            self._cards = (pools, cards)
-        found = cards.get(model)
+        (None: a base model). Per request: the listed adapters are gathered with the model pools,
+        once per change of a listing (conductor/fleet/model_pools.py)."""
+        found = self.registry.pools.adapters.get(model)
         if found is not None:
             return found
         spec = self.specs.get(model)
