@@ -10,6 +10,10 @@ traffic looks different, and it is where a KV-aware scheduler should earn its ke
 * **tool-call bursts**: some steps fan out into 2-4 parallel calls (sub-agents or parallel tools)
   that share the session's whole prompt and differ only in a short suffix, arriving together.
 
+Each line also carries its `session_id` (not a Mooncake field; readers that do not know it skip it):
+the simulator passes it to the policy as the request's session and the live replay sends it as the
+session header, unless told not to (`--no-session-tags`), to measure what session affinity buys.
+
 Block ids follow the release's rule: one id per 512-token block, equal ids for equal block content.
 A block's content is named by the segments it covers (a system prompt is one segment shared by its
 application's sessions; everything else belongs to one session), so a block that is still partial
@@ -169,6 +173,7 @@ def mooncake_lines(records: list[AgentRecord]) -> Iterator[str]:
                     "input_length": r.input_length,
                     "output_length": r.output_length,
                     "hash_ids": list(r.hash_ids),
+                    "session_id": r.session,  # an extra field: Mooncake's readers take what they know
                 }
             )
             + "\n"

@@ -51,6 +51,9 @@ class TraceRequest:
     hash_ids: tuple[int, ...]  # ids of 512-token prompt blocks (Mooncake); block keys for recorded traces
     line: int  # 1-based line number in the file
     block_tokens: int = MOONCAKE_BLOCK_TOKENS  # tokens per entry of hash_ids
+    # the session (conversation, agent run) the request belongs to, where the trace says (a Mooncake
+    # line's optional `session_id`, which traces/agent_trace.py writes); None: not known
+    session: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,8 @@ def parse_line(obj: object, line: int) -> RecordedRequest:
     inp = _int_field(obj, "input_length", 1)
     out = _int_field(obj, "output_length", 0)
     if "timestamp" in obj:  # Mooncake
-        req = TraceRequest(_number_field(obj, "timestamp") / 1000.0, inp, out, _ids_field(obj, "hash_ids"), line)
+        session = _int_field(obj, "session_id", 0) if obj.get("session_id") is not None else None
+        req = TraceRequest(_number_field(obj, "timestamp") / 1000.0, inp, out, _ids_field(obj, "hash_ids"), line, session=session)
         return RecordedRequest(req, RecordedOutcome(status="unknown"))
     if "arrival_s" in obj:  # recorded by the gateway
         block = _int_field(obj, "block_size", 1) if "block_size" in obj else MOONCAKE_BLOCK_TOKENS

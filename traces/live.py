@@ -42,6 +42,7 @@ from traces.live_client import (
     prediction_errors,
     sample_value,
     scrape_metrics,
+    session_headers,
     stream_completion,
 )
 from traces.live_results import LiveOutcome, LiveResult, print_live, summarize
@@ -245,7 +246,8 @@ async def _run_schedule(
                 "ignore_eos": True,
                 "temperature": 0.0,
             }
-            http = await stream_completion(session, body)
+            tagged = None if isinstance(source, SynthRequest) else session_headers(source.session)
+            http = await stream_completion(session, body, headers=tagged)
         counts["done"] += 1
         counts[http.status if http.status in counts else "error"] += 1
         report()

@@ -120,11 +120,22 @@ async def _read_stream(resp: aiohttp.ClientResponse, read: _StreamRead) -> HttpO
     return read.failed("truncated_stream", "stream ended without [DONE] or without content")
 
 
-async def stream_completion(session: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/completions") -> HttpOutcome:
-    """POST a streamed completion and measure it; never raises for HTTP or transport failures."""
+SESSION_HEADER = "x-session-id"  # the gateway's default `sessions.header` (conductor/config/sessions.py)
+
+
+def session_headers(trace_session: int | None) -> dict[str, str] | None:
+    """The session header for a trace request's session (TraceRequest.session), None without one."""
+    return None if trace_session is None else {SESSION_HEADER: f"trace-session-{trace_session}"}
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, body: dict[str, Any], path: str = "/v1/completions", headers: dict[str, str] | None = None
+) -> HttpOutcome:
+    """POST a streamed completion and measure it (with `headers` besides the session's own, e.g. the
+    request's session header); never raises for HTTP or transport failures."""
     read = _StreamRead(sent=time.perf_counter())
     try:
-        async with session.post(path, json=body) as resp:
+        async with session.post(path, json=body, headers=headers) as resp:
             if resp.status != 200:
                 return await _refused(resp, read.sent)
             return await _read_stream(resp, read)

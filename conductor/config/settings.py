@@ -50,6 +50,7 @@ from conductor.config.kv import KVAwarenessSettings
 from conductor.config.legacy import move_flat_keys, old_env_values, split_env, warn_moved
 from conductor.config.pools import PoolSettings, SloSettings, fold_pools
 from conductor.config.priority import PrioritySettings, check_tenant_classes
+from conductor.config.sessions import SessionSettings
 from conductor.core.errors import ConfigError
 from conductor.core.types import Role
 
@@ -135,6 +136,8 @@ class Settings(_Model):
     slo: SloSettings = SloSettings()
     # request classes (their SLOs, which are shed first) and the default one: conductor/config/priority.py
     priority: PrioritySettings = PrioritySettings()
+    # where a request names its session (header, prompt_cache_key, user): conductor/config/sessions.py
+    sessions: SessionSettings = SessionSettings()
     default_max_tokens: int = 256  # assumed output length when a request sets none
 
     block_size: int = 16  # tokens per KV block: must equal the workers' --block-size

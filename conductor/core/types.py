@@ -86,6 +86,10 @@ class RequestView:
     # None where none is configured; its class's SLO is already in `slo`
     priority: str | None = None
     tenant: str | None = None
+    # the request's session (conversation, agent run) as a bounded hash of its session header,
+    # `prompt_cache_key` or `user` (conductor/routing/sessions.py), never the client's string;
+    # None when it names none. A policy may keep a session's turns on one instance (kvcache_aware)
+    session: int | None = None
 
 
 @fast_init

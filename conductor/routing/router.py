@@ -13,7 +13,6 @@ analyzer; what the policy's predictors learn then goes to the sibling processes 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -25,7 +24,6 @@ from adapters.lesson_share import LessonShare, NoLessonShare
 from conductor.config.pools import pool_slos
 from conductor.config.settings import Settings
 from conductor.core.capabilities import OnlineLearner, online_learner
-from conductor.core.decision_log import decision_log_record
 from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected
 from conductor.core.types import (
     ClusterSnapshot,
@@ -39,6 +37,7 @@ from conductor.core.types import (
 )
 from conductor.fleet.instances import InstanceRegistry
 from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer
+from conductor.ops.logs import log_decision
 from conductor.ops.metrics import GatewayMetrics
 from conductor.ops.status import GatewayStatus
 from conductor.ops.tracing import NO_SPAN, Tracing, decision_attributes
@@ -146,6 +145,7 @@ class Router:
         seq: int | None = None,
         priority: str | None = None,
         tenant: str | None = None,
+        session: int | None = None,
     ) -> Proposal:
         """What the policy decides for this request now, and nothing more: no sequence number taken
         (`seq` None: the one the next decision will get), nothing remembered by the policy, logged
@@ -171,6 +171,7 @@ class Router:
             staging_jumps_queue=offer.jumps_queue,
             priority=priority,
             tenant=tenant,
+            session=session,
         )
         snapshot = self._registry.snapshot(exclude, outside)
         return Proposal(self.policy.decide(view, snapshot), view, snapshot, offer)
@@ -187,31 +188,41 @@ class Router:
         *,
         priority: str | None = None,
         tenant: str | None = None,
+        session: int | None = None,
     ) -> Routed:
         """Ask the policy; `exclude`: instances this request already failed on (a failover);
-        `priority`, `tenant`: its class and tenant, where configured (in the view and the log).
+        `priority`, `tenant`: its class and tenant, where configured (in the view and the log);
+        `session`: its session's hashed key (conductor/routing/sessions.py), in the view.
         Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away."""
         started = time.perf_counter()
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         with self._tracing.child("conductor.decide") if self._tracing else NO_SPAN as span:
             proposal = self.propose(
-                request_id, model, max_tokens, stream, slo, analysis, exclude, seq=seq, priority=priority, tenant=tenant
+                request_id,
+                model,
+                max_tokens,
+                stream,
+                slo,
+                analysis,
+                exclude,
+                seq=seq,
+                priority=priority,
+                tenant=tenant,
+                session=session,
             )
             decision, view = proposal.decision, proposal.view
             self.policy.on_decided(view, proposal.snapshot, decision)
             if span is not None:
                 span.set_attributes(decision_attributes(decision, view.prompt_tokens))
         self._metrics.decision_time.observe(time.perf_counter() - started)
-        if decision_log.isEnabledFor(logging.INFO):
-            record = decision_log_record(decision, analysis.prompt_tokens, model, priority=priority, tenant=tenant)
-            decision_log.info("%s", json.dumps(record))
+        log_decision(decision_log, decision, analysis.prompt_tokens, model, priority=priority, tenant=tenant)
         self.status.decided(decision, analysis.prompt_tokens)
         self._count(decision, model, tenant)
         return Routed(decision, analysis, view, proposal.pulls)
 
     def decide_again(self, routed: Routed, stream: bool, slo: Slo, exclude: frozenset[str]) -> Routed:
         """`decide` for a request decided before (`routed`) that failed on the instances `exclude`
-        (a failover): the same model, sizes, analysis, class and tenant."""
+        (a failover): the same model, sizes, analysis, class, tenant and session."""
         view = routed.view
         return self.decide(
             view.request_id,
@@ -223,6 +234,7 @@ class Router:
             exclude,
             priority=view.priority,
             tenant=view.tenant,
+            session=view.session,
         )
 
     def _count(self, decision: Decision, model: str, tenant: str | None) -> None:

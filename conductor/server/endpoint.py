@@ -36,6 +36,7 @@ from conductor.routing.batch_relay import run_batch_attempt
 from conductor.routing.batching import split_prompts
 from conductor.routing.request_path import RequestPath
 from conductor.routing.router import SLO_TBT_HEADER, SLO_TTFT_HEADER, Routed
+from conductor.routing.sessions import SessionKeys
 from conductor.routing.streams import ClientState
 from conductor.server.errors import render, sse_error
 from conductor.server.requests import (
@@ -111,7 +112,8 @@ class _Call:
     """One request on its way through the endpoint."""
 
     __slots__ = (
-        "arrived", "client", "client_id", "draining", "headers", "model", "priority", "request_id", "span", "task", "tenant"
+        "arrived", "client", "client_id", "draining", "headers", "model", "priority", "request_id", "session", "span", "task",
+        "tenant",
     )  # fmt: skip
 
     def __init__(self, headers: dict[str, str], task: asyncio.Task[Any]) -> None:
@@ -128,6 +130,7 @@ class _Call:
         self.model: str | None = None  # the served model, once its name is known to the gateway
         self.tenant: str | None = None  # its key's tenant (auth.tenants), once authorized
         self.priority: str | None = None  # its priority class (priority.classes), once read
+        self.session: int | None = None  # its session's hashed key (conductor/routing/sessions.py), once read
 
 
 class CompletionsEndpoint:
@@ -135,7 +138,8 @@ class CompletionsEndpoint:
         self.parts = parts
         self.kind = kind
         self.path = path
-        self._read_headers = parts.classes.read_headers(_READ_HEADERS)  # + the class header, where configured
+        self._sessions = SessionKeys(parts.settings.sessions)  # + the class and session headers, where configured:
+        self._read_headers = self._sessions.read_headers(parts.classes.read_headers(_READ_HEADERS))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracing = self.parts.tracing
@@ -263,6 +267,7 @@ class CompletionsEndpoint:
         # an alias becomes the served name here, before the analyzer, the router or a worker reads it
         call.model = resolve_model(body, parts.known_models(), parts.settings.model_aliases)
         call.priority = parts.classes.classify(call.headers.get(parts.classes.header), body, call.tenant)
+        call.session = self._sessions.session_of(call.headers.get(self._sessions.header), body, call.tenant)
         return body
 
     async def _analyse(self, body: dict[str, Any]) -> tuple[PromptAnalysis, int]:
@@ -298,8 +303,8 @@ class CompletionsEndpoint:
             if max_age_s is not None:  # other replicas' load, at most this old
                 await parts.load_share.refresh(max_age_s)
             routed = parts.router.decide(
-                call.request_id, body["model"], max_tokens, stream, slo, analysis, priority=call.priority, tenant=call.tenant
-            )
+                call.request_id, body["model"], max_tokens, stream, slo, analysis, priority=call.priority, tenant=call.tenant,
+                session=call.session)  # fmt: skip
             out = self._outgoing(routed, body, call, stream)
             return await self._forward(call, routed, out, slo, send)
         finally:

@@ -43,10 +43,22 @@ from policies.kvcache_aware.options import (
     MixedOptions,
     PlacementOptions,
     PrefixOptions,
+    SessionOptions,
     pull_links,
 )
-from policies.kvcache_aware.placement import TbtBound, place_disaggregated
-from policies.kvcache_aware.stages import admission, candidates, estimates, explain, local_fallback, probed
+from policies.kvcache_aware.placement import Placement, TbtBound, place_disaggregated
+from policies.kvcache_aware.pool_estimates import PoolPrefillEstimates
+from policies.kvcache_aware.sessions import MOVED, Marks, SessionTable, mark_session, prefer_session
+from policies.kvcache_aware.stages import (
+    Pools,
+    Verdict,
+    admission,
+    candidates,
+    estimates,
+    explain,
+    local_fallback,
+    probed,
+)
 from policies.local_prefill import LocalPrefill, local_prefill_s
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
@@ -61,6 +73,7 @@ __all__ = [
     "MixedOptions",
     "PlacementOptions",
     "PrefixOptions",
+    "SessionOptions",
     "decode_candidate",
     "prefill_candidate",
     "pull_links",
@@ -98,6 +111,8 @@ class KvCacheAwarePolicy(BasePolicy):
         local = options.local
         self.local = LocalPrefill(local.tokens, max_duty=local.duty, gain=local.gain) if local.tokens else None
         self._rejected_in_a_row = 0  # SLO rejections since the last admitted request (`probe_after`)
+        sessions = options.sessions
+        self.sessions = SessionTable(sessions.max_sessions) if sessions.affinity else None
 
     @property
     def listed_candidates(self) -> int | None:
@@ -132,10 +147,38 @@ class KvCacheAwarePolicy(BasePolicy):
         else:
             tbt = TbtBound.of(pred, options.mixed.tbt_quantile)  # mixed workers judge TBT at their own quantile
             placed = place_mixed(pred, request, weighed, options, tbt)
-        verdict = admission(pred, request, cluster, pools, weighed, placed, options.admission, tbt)
+        placed, verdict, mark = self._admit(request, cluster, pools, weighed, placed, tbt)
         local = local_fallback(self.local, pred, request, cluster, pools, placed, verdict)
         rejection = probed(verdict.rejection, options.admission.probe_after, self._rejected_in_a_row)
-        return explain(request, self.name, pools, weighed, placed, verdict, rejection, local)
+        decision = explain(request, self.name, pools, weighed, placed, verdict, rejection, local)
+        return decision if mark is None else mark_session(decision, mark)
+
+    def _admit(
+        self,
+        request: RequestView,
+        cluster: ClusterSnapshot,
+        pools: Pools,
+        weighed: PoolPrefillEstimates,
+        placed: Placement,
+        tbt: TbtBound,
+    ) -> tuple[Placement, Verdict, Marks | None]:
+        """Stage 4, admission, of the placement, or of the session's own instances where they are
+        within the slacks (sessions.py); a session whose instances would miss an SLO that the
+        placement meets moves. The mark for the decision's candidates (None: no session known)."""
+        pred, options = self.predictors, self.options
+        last = None
+        if self.sessions is not None and request.session is not None and pools.disaggregated and not pools.pinned:
+            last = self.sessions.last(request.session)
+        if last is None:
+            return placed, admission(pred, request, cluster, pools, weighed, placed, options.admission, tbt), None
+        listed = options.placement.listed_candidates
+        steered, mark = prefer_session(pred, request, last, pools.decodes, weighed, placed, options.sessions, listed)
+        verdict = admission(pred, request, cluster, pools, weighed, steered, options.admission, tbt)
+        if verdict.rejection is not None and steered is not placed:
+            plain = admission(pred, request, cluster, pools, weighed, placed, options.admission, tbt)
+            if plain.rejection is None:
+                return placed, plain, (MOVED, MOVED)
+        return steered, verdict, mark
 
     # ---- remembering ----------------------------------------------------------------------
 
@@ -143,16 +186,18 @@ class KvCacheAwarePolicy(BasePolicy):
         """The one place this policy's memory changes after a decision.
 
         State, and why: `_rejected_in_a_row` (SLO rejections since the last admitted request, for
-        the `probe_after` probe), `inflight` (the prefixes dispatched and not yet indexed), the
-        local prefills' duty, and the learner's pending predictions (learning.py: what was
-        predicted for each admitted request, bounded by `max_pending`, until `observe` compares it
-        with what happened).
+        the `probe_after` probe), `sessions` (each session's last instances, sessions.py),
+        `inflight` (the prefixes dispatched and not yet indexed), the local prefills' duty, and the
+        learner's pending predictions (learning.py: what was predicted for each admitted request,
+        bounded by `max_pending`, until `observe` compares it with what happened).
         """
         if decision.rejection is not None:
             if decision.rejection.reason != NO_INSTANCE:
                 self._rejected_in_a_row += 1
             return
         self._rejected_in_a_row = 0
+        if self.sessions is not None:
+            self.sessions.remember(request, decision)
         if self.local is not None and decision.prefilled_on_decode:
             assert decision.prefill is not None
             # a local prefill (policies/local_prefill.py): its duty is remembered; its legs are

@@ -235,6 +235,18 @@ class LearningOptions(_Checked):
 
 
 @dataclass(frozen=True, slots=True)
+class SessionOptions(_Checked):
+    """Keeping a session's turns on the instances that served it (policies/kvcache_aware/sessions.py)."""
+
+    affinity: bool = field(default=True, metadata=_option("session_affinity", Flag()))
+    # the session's prefill instance may be predicted this share of the TTFT SLO slower than the best
+    slack: float = field(default=0.25, metadata=_option("session_slack", Real(0.0, 1.0)))
+    # the session's decode instance may have this share more TBT now than the least loaded one
+    decode_slack: float = field(default=0.1, metadata=_option("session_decode_slack", Real(0.0)))
+    max_sessions: int = field(default=65536, metadata=_option("max_sessions", Whole(1)))
+
+
+@dataclass(frozen=True, slots=True)
 class KvCacheAwareOptions:
     """Every option of the policy, by group; `from_mapping` reads the flat keys, `flat` writes them."""
 
@@ -244,6 +256,7 @@ class KvCacheAwareOptions:
     mixed: MixedOptions = field(default_factory=MixedOptions)
     local: LocalPrefillOptions = field(default_factory=LocalPrefillOptions)
     learning: LearningOptions = field(default_factory=LearningOptions)
+    sessions: SessionOptions = field(default_factory=SessionOptions)
 
     GROUPS: ClassVar[Mapping[str, type[_Checked]]] = {
         "prefixes": PrefixOptions,
@@ -252,6 +265,7 @@ class KvCacheAwareOptions:
         "mixed": MixedOptions,
         "local": LocalPrefillOptions,
         "learning": LearningOptions,
+        "sessions": SessionOptions,
     }
 
     @classmethod

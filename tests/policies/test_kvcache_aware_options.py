@@ -52,6 +52,10 @@ OTHER_VALUES: dict[str, object] = {
     "refit_queue_fraction": 0.0,
     "max_pending": 10,
     "track_errors": False,
+    "session_affinity": False,
+    "session_slack": 0.5,
+    "session_decode_slack": 0.0,
+    "max_sessions": 10,
 }
 
 
@@ -99,6 +103,9 @@ def test_an_unknown_key_is_a_config_error_naming_it() -> None:
         ("allow_pull", "rdma"),
         ("allow_pull", 1),
         ("predictor_params", 3),
+        ("session_slack", 1.5),
+        ("max_sessions", 0),
+        ("session_affinity", "on"),
     ],
 )
 def test_a_wrongly_typed_value_is_a_config_error_naming_the_key(key: str, bad: object) -> None:

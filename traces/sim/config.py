@@ -46,6 +46,9 @@ class SimConfig:
     # add_decode before the prefill finishes); False lists only streams already decoding.
     routed_in_decode_view: bool = True
     observe: bool = True  # feed simulated outcomes back to policy.observe()
+    # hand the trace's sessions (TraceRequest.session) to the policy as RequestView.session, as the
+    # gateway does a request's session header; False: every request session-less
+    sessions: bool = True
     # reject at the decode stage when joining would break the TBT SLO (the baseline's second check
     # in arXiv 7.1; admitted streams then meet TBT in every admission mode, and prefill is wasted)
     decode_guard: bool = False

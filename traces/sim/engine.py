@@ -126,6 +126,7 @@ class Simulator:
             self.cfg.slo,
             self._staged_sources,
             self._staging_jumps,
+            req.session if self.cfg.sessions else None,
         )
 
     # -- arrivals and decisions -------------------------------------------------------------

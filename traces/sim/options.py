@@ -104,6 +104,11 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace")
     g.add_argument("--no-observe", action="store_true", help="do not feed outcomes back to the policy")
+    g.add_argument(
+        "--no-session-tags",
+        action="store_true",
+        help="hide the trace's sessions (session_id) from the policy, as requests without a session header",
+    )
 
 
 def _add_slo_args(g: argparse._ArgumentGroup) -> None:
@@ -186,6 +191,7 @@ def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) ->
         noise=args.noise,
         seed=args.seed,
         observe=not args.no_observe,
+        sessions=not args.no_session_tags,
         pull=args.pull,
         decode_kv=args.decode_kv,
         kv_handoff=args.kv_handoff,

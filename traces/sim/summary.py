@@ -107,8 +107,23 @@ def run_result(sim: FinishedRun, jobs: list[Job], wall_s: float) -> RunResult:
             "prefill_s_per_served": sum(p.busy_s for p in sim.prefills) / max(1, len(sim.done)),
             "served_prompt_mean": _mean(j.req.input_length for j in sim.done),
             "prefill_busy": _mean(util[p.id] for p in sim.prefills),
+            **_session_counts(sim.policy),
         },
     )
+
+
+def _session_counts(policy: object) -> dict[str, float]:
+    """Admitted decisions of requests with a session, by what session affinity did (kvcache_aware's
+    SessionTable: policies/kvcache_aware/sessions.py); nothing for a policy without one."""
+    table = getattr(policy, "sessions", None)
+    counts = getattr(table, "counts", None)
+    if not isinstance(counts, dict):
+        return {}
+    names = {1.0: "kept", 0.0: "agreed", -1.0: "moved"}
+    out = {"session_first": float(counts.get(("", None), 0))}
+    for role in ("prefill", "decode"):
+        out.update({f"session_{role}_{name}": float(counts.get((role, mark), 0)) for mark, name in names.items()})
+    return out
 
 
 def _mean(values: Iterable[float]) -> float:

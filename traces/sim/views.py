@@ -10,7 +10,7 @@ the dataclass-built ones, field for field: tested in tests/traces/test_sim_views
 each slot through its descriptor.
 
 The request view, the snapshot and the observation of each request are built the same way (one
-of each per request; RequestView has twelve fields and Observation fourteen).
+of each per request; RequestView has seventeen fields and Observation fourteen).
 
 They check, once at import, that the classes still have exactly the fields written here, so a
 field added to conductor/core/types.py fails loudly instead of being left unset.
@@ -54,6 +54,7 @@ _REQUEST_FIELDS = (
     "staging_jumps_queue",
     "priority",
     "tenant",
+    "session",
 )
 _SNAPSHOT_FIELDS = ("now", "instances")
 _OBSERVATION_FIELDS = (
@@ -104,6 +105,7 @@ _q_new, _q_cached, _q_elapsed = _setters(QueuedPrefill, _QUEUED_FIELDS)
     _r_jumps,
     _r_priority,
     _r_tenant,
+    _r_session,
 ) = _setters(RequestView, _REQUEST_FIELDS)
 _NO_SOURCES: frozenset[str] = frozenset()
 _s_now, _s_instances = _setters(ClusterSnapshot, _SNAPSHOT_FIELDS)
@@ -179,9 +181,11 @@ def request_view(
     slo: Slo,
     queued_pull_sources: frozenset[str] = _NO_SOURCES,
     staging_jumps_queue: bool = False,
+    session: int | None = None,
 ) -> RequestView:
     """RequestView(...) of a streamed request whose every cached instance is a pull source
-    (stream=True, pull_sources=None), those in `queued_pull_sources` read after a staging request."""
+    (stream=True, pull_sources=None), those in `queued_pull_sources` read after a staging request,
+    of the trace's `session` (None: none)."""
     view: RequestView = _new(RequestView)
     _r_id(view, request_id)
     _r_seq(view, seq)
@@ -199,6 +203,7 @@ def request_view(
     _r_jumps(view, staging_jumps_queue)
     _r_priority(view, None)  # the simulator's requests have no priority class nor tenant
     _r_tenant(view, None)
+    _r_session(view, session)
     return view
 
 
