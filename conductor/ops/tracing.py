@@ -17,12 +17,16 @@ the first token sent, on a streamed answer). Its status is ERROR on a 429 (the g
 away) or a 5xx; a leg's is ERROR when the attempt it served failed.
 
 opentelemetry is an optional extra (`pip install '.[otel]'` from a checkout), imported only when
-tracing is on; with it off the request path pays one `is None` test per stage.
+tracing is on; with it off the request path pays one `is None` test per stage, and the client's own
+trace context (`traceparent`, `tracestate`) is passed to the workers unchanged, as a proxy that does
+not take part in a trace must (W3C Trace Context), once checked against the header's grammar
+(`forwarded_trace_context`): a malformed one is dropped, never forwarded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -38,6 +42,43 @@ Attrs = Mapping[str, str | int | float | bool | None]
 # made per request and step cost ~1 us each on the hot path, profiled)
 NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 OPERATIONS = {"completions": "text_completion", "chat": "chat", "embeddings": "embeddings", "responses": "chat"}
+
+# W3C Trace Context (level 1, and the future-version rule of section 3.2.4): version, trace id,
+# parent id, flags, lower-case hex; a later version may append fields after a dash
+_TRACEPARENT_RE = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[\x21-\x7e]{0,200})?")
+# one tracestate list member: a simple or multi-tenant key, then a value of printable ASCII without
+# "," and "=" whose last character is not a space (section 3.3.1)
+_TRACESTATE_MEMBER_RE = re.compile(
+    r"(?:[a-z][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+TRACESTATE_MAX_MEMBERS = 32
+TRACESTATE_MAX_CHARS = 512  # what the spec asks a proxy to pass on at least; more is dropped, not cut
+
+
+def forwarded_trace_context(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's `traceparent` and `tracestate` (`headers` keyed by lower-case name) to send on to
+    the workers, when the gateway does not trace itself: only a well-formed `traceparent` (version
+    not ff, ids not all zero; version 00 with nothing after the flags), and its `tracestate` only
+    when every list member is well-formed, at most 32 of them and 512 characters. Anything else
+    is left out: a worker never receives a header the client made up."""
+    parent = headers.get("traceparent")
+    if parent is None:
+        return {}
+    match = _TRACEPARENT_RE.fullmatch(parent)
+    if match is None:
+        return {}
+    version, trace_id, parent_id, _, rest = match.groups()
+    if version == "ff" or (version == "00" and rest) or trace_id == "0" * 32 or parent_id == "0" * 16:
+        return {}
+    out = {"traceparent": parent}
+    state = headers.get("tracestate")
+    if state is not None and len(state) <= TRACESTATE_MAX_CHARS:
+        members = [m.strip(" \t") for m in state.split(",")]
+        members = [m for m in members if m]  # empty members are allowed, and dropped
+        if 0 < len(members) <= TRACESTATE_MAX_MEMBERS and all(_TRACESTATE_MEMBER_RE.fullmatch(m) for m in members):
+            out["tracestate"] = ",".join(members)
+    return out
 
 
 class Tracing:

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import logging
 import os
-import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal
 
@@ -30,7 +29,7 @@ from conductor.core.errors import (
 from conductor.core.types import Slo
 from conductor.kv.analysis import PromptAnalysis, vocab_size_of
 from conductor.ops.logs import log_access
-from conductor.ops.tracing import NO_SPAN, OPERATIONS, request_attributes
+from conductor.ops.tracing import NO_SPAN, OPERATIONS, forwarded_trace_context, request_attributes
 from conductor.routing.attempt import failover_reason, for_client
 from conductor.routing.batch_relay import run_batch_attempt
 from conductor.routing.batching import split_prompts
@@ -41,6 +40,7 @@ from conductor.routing.streams import ClientState
 from conductor.server.errors import render, sse_error
 from conductor.server.requests import (
     PASS_THROUGH_KINDS,
+    client_request_id,
     estimate_input_tokens,
     max_tokens_of,
     parse_pass_through,
@@ -62,14 +62,6 @@ _KV_STEERING_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port",
 # completions and chat are analysed, keyed and split; embeddings and responses are forwarded as
 # they are to mixed workers (vLLM serves both there), sized but not keyed
 EndpointKind = Literal["completions", "chat", "embeddings", "responses"]
-_CLIENT_ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
-
-
-def client_request_id(value: str | None) -> str | None:
-    """The client's X-Request-ID when it is a plain token (echoed back, logged); else None."""
-    if value is None or not _CLIENT_ID_RE.fullmatch(value):
-        return None
-    return value
 
 
 def _client_left(task: asyncio.Task[Any], state: ClientState) -> None:
@@ -102,10 +94,14 @@ def _cut_by_shutdown(call: _Call) -> bool:
     return True
 
 
-# request headers the gateway reads (without tracing): everything else is passed over undecoded
+# request headers the gateway reads (without tracing: the trace context only to pass it on);
+# everything else is passed over undecoded
 _READ_HEADERS = frozenset(
-    name.encode() for name in ("authorization", "content-length", "x-request-id", SLO_TTFT_HEADER, SLO_TBT_HEADER)
-)
+    name.encode()
+    for name in (
+        "authorization", "content-length", "x-request-id", SLO_TTFT_HEADER, SLO_TBT_HEADER, "traceparent", "tracestate",
+    )
+)  # fmt: skip
 
 
 class _Call:
@@ -342,6 +338,8 @@ class CompletionsEndpoint:
         headers = {"Content-Type": "application/json", "X-Request-ID": call.request_id}
         if parts.tracing is not None:
             parts.tracing.inject(headers)  # the workers' spans join this request's trace
+        elif "traceparent" in call.headers:  # not tracing: the client's own trace goes on, checked
+            headers.update(forwarded_trace_context(call.headers))
         if parts.upstream_key:
             headers["Authorization"] = f"Bearer {parts.upstream_key}"
         return Outgoing(

@@ -10,6 +10,7 @@ vLLM accepts many sampling fields of its own, and they are passed through untouc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping
 from typing import Annotated, Any, Literal
 
@@ -37,6 +38,7 @@ MAX_GENERATION_TOKENS = 1 << 24  # max_tokens above this is a typo, and would ov
 MAX_CHOICES = 128  # OpenAI's own limit on n
 
 _decode = msgspec.json.Decoder().decode
+_CLIENT_ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 # ---- the schema ------------------------------------------------------------------------------
 
@@ -373,3 +375,10 @@ def estimate_input_tokens(body: Mapping[str, Any]) -> int:
         else:
             total += max(1, len(msgspec.json.encode(item)) // 4)
     return max(1, total)
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-ID when it is a plain token (echoed back, logged); else None."""
+    if value is None or not _CLIENT_ID_RE.fullmatch(value):
+        return None
+    return value
