@@ -39,6 +39,7 @@ import httptools
 
 from adapters.http1_exchange import ServerExchange, error_response, http_scope, simple_response
 from adapters.http1_server_limits import ServerLimits, linger
+from adapters.lazy_timer import LazyTimer
 from adapters.throttled_log import ThrottledLog
 
 if TYPE_CHECKING:
@@ -97,7 +98,10 @@ class HttpServerConnection(asyncio.Protocol):
         self.draining = False  # uvicorn called shutdown(): the server stops once the grace is out
         self._drained: asyncio.Future[None] | None = None
         self.read_paused = False
-        self._timer: asyncio.TimerHandle | None = None
+        # the connection's silence (idle keep-alive, a head trickling in, a stalled body): one
+        # handle re-used across requests (adapters/lazy_timer.py); the linger's close timer apart
+        self._idle = LazyTimer(self.loop, self._timed_out)
+        self._linger_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_since = 0.0  # when the head of the request whose body is read came in
         self._final: bytes | None = None  # a refusal, sent once the requests before it are answered
@@ -133,7 +137,9 @@ class HttpServerConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
-        self._cancel_timer()
+        self._idle.stop()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         self._cancel_body_timer()
         for exchange in (self.exchange, *self.queued):
             if exchange is not None:
@@ -161,7 +167,7 @@ class HttpServerConnection(asyncio.Protocol):
             self._refuse(*(self._refusal or (400, "Invalid HTTP request received.")))
             return
         if self._parsing is not None:  # more body to come
-            if self._timer is None:
+            if not self._idle.armed:
                 self._arm_timer()
             if self._body_timer is None:
                 when = self._body_since + self.limits.body_timeout_s
@@ -346,17 +352,18 @@ class HttpServerConnection(asyncio.Protocol):
         moment (a close with unread bytes would reset the connection, and the reset can destroy
         the answer in the client's buffers before it is read)."""
         self._done_reading = True
-        self._cancel_timer()
+        self._idle.stop()
         if self.transport is not None:
             self.read_paused = False
-            self._timer = linger(self.transport, self.loop)
+            self._linger_timer = linger(self.transport, self.loop)
 
     def _arm_timer(self) -> None:
-        self._cancel_timer()
-        self._timer = self.loop.call_later(self.idle_s, self._timed_out)
+        self._idle.arm(self.loop.time() + self.idle_s)
+
+    def _cancel_timer(self) -> None:
+        self._idle.disarm()
 
     def _timed_out(self) -> None:
-        self._timer = None
         if self.transport is None or self.transport.is_closing():
             return
         if self.read_paused:  # the silence is ours (a pipelined request waits, or a full body buffer)
@@ -369,11 +376,6 @@ class HttpServerConnection(asyncio.Protocol):
                 self._refuse(408, f"Request head not complete within {self.idle_s:g}s.")
             else:
                 self.close()  # idle keep-alive connection
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def _body_timed_out(self) -> None:
         self._body_timer = None

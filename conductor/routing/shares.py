@@ -15,6 +15,17 @@ whatever the sheddable load. And since the count is of all classes, an urgent lo
 sheds every new sheddable request: under overload they go first. Several sheddable classes, a less
 urgent one with a share no larger (conductor/config/priority.py), are shed least urgent first.
 
+Shedding by tenant (`shed_for_tenant`): with tenants, the count above is of every tenant's requests,
+so a tenant flooding the gateway would push it past `cap` and shed the sheddable requests of a tenant
+that keeps within its share (measured: benchmarks/bench_tenants.py's `flood`, tenant A's attainment
+fell 40 points). So a tenant's sheddable request that the gateway-wide rule refuses is still admitted
+while the tenant has fewer than `floor(share x g)` requests in flight, g its fair-share guarantee
+(below): the same rule, applied to the tenant's own guarantee instead of the whole limit. A tenant
+alone has g = limit, the gateway-wide rule. What it keeps: a tenant's sheddable requests admitted past
+`cap` leave it at most `floor(share x g)` in flight, so within its guarantee `g - floor(share x g)`
+slots stay for its urgent classes, which its guarantee makes reachable (the fair-share argument below);
+the sheddable requests of all tenants together hold at most `cap + sum floor(share x g)` <= 2 cap.
+
 Fair share (`over_share`): tenants (`auth.tenants`, by API key) with weights w. The contenders are the
 tenants with requests in flight or refused for want of a free slot (the 503 of a full limit) within the
 last `WAITING_S`: a tenant whose requests find the limit full is waiting, and must be seen although it
@@ -59,6 +70,31 @@ def shed(share: float, inflight: int, limit: int) -> bool:
     return inflight >= math.floor(share * limit)
 
 
+def shed_for_tenant(
+    share: float,
+    tenant: str,
+    counts: Mapping[str, int],
+    weights: Mapping[str, float],
+    waiting: Collection[str],
+    inflight: int,
+    limit: int,
+) -> bool:
+    """Whether `tenant`'s request of a sheddable class with `share` is refused (module docstring):
+    when the gateway-wide rule sheds it and the tenant already holds share x its guarantee."""
+    if not shed(share, inflight, limit):
+        return False
+    others = _contenders(tenant, counts, weights, waiting)
+    if not others:
+        return True  # alone: its guarantee is the whole limit, the gateway-wide rule
+    total = weights[tenant] + sum(weights[t] for t in others)
+    return counts.get(tenant, 0) >= math.floor(share * _guaranteed(limit, weights[tenant], total))
+
+
+def _contenders(tenant: str, counts: Mapping[str, int], weights: Mapping[str, float], waiting: Collection[str]) -> list[str]:
+    """The other tenants with requests in flight or refused by the full limit lately."""
+    return [t for t in weights if t != tenant and (counts.get(t, 0) > 0 or t in waiting)]
+
+
 def over_share(
     tenant: str,
     counts: Mapping[str, int],
@@ -70,7 +106,7 @@ def over_share(
     """Whether `tenant`'s next request is refused for its fair share (module docstring): `counts`,
     tenant -> its requests in flight; `weights`, every tenant's; `waiting`, the tenants refused by the
     full limit lately; `inflight` requests in flight in all (tenants' or not) under `limit`."""
-    others = [t for t in weights if t != tenant and (counts.get(t, 0) > 0 or t in waiting)]
+    others = _contenders(tenant, counts, weights, waiting)
     if not others:
         return False  # alone: all of it
     total = weights[tenant] + sum(weights[t] for t in others)
@@ -114,16 +150,10 @@ class Shares:
 
     def enter(self, priority: str | None, tenant: str | None) -> None:
         limit = self._limit
+        tenanted = tenant is not None and bool(self._weights)
         if priority is not None and priority in self._class_shares:
-            share = self._class_shares[priority]
-            if shed(share, limit.count, limit.limit):
-                self._refuse(
-                    PRIORITY_SHED,
-                    f"priority class {priority!r} is shed: the gateway has {limit.count} requests in flight, at or "
-                    f"over {share:g} of its limit of {limit.limit} that this class may be admitted under",
-                    tenant,
-                )
-        if tenant is None or not self._weights:
+            self._shed(priority, self._class_shares[priority], tenant if tenanted else None)
+        if tenant is None or not tenanted:
             limit.enter()
             return
         counts = self.tenants
@@ -141,6 +171,22 @@ class Shares:
             self._metrics.tenant_rejections.labels(tenant, OVERLOADED).inc()
             raise
         counts[tenant] += 1
+
+    def _shed(self, priority: str, share: float, tenant: str | None) -> None:
+        """Refuse a request of the sheddable class `priority` that its share leaves no room for."""
+        limit = self._limit
+        if tenant is None:
+            refused = shed(share, limit.count, limit.limit)
+        else:
+            refused = shed_for_tenant(share, tenant, self.tenants, self._weights, self._waiting(), limit.count, limit.limit)
+        if refused:
+            held = f"; tenant {tenant!r} holds {self.tenants[tenant]}, its part of that" if tenant is not None else ""
+            self._refuse(
+                PRIORITY_SHED,
+                f"priority class {priority!r} is shed: the gateway has {limit.count} requests in flight, at or "
+                f"over {share:g} of its limit of {limit.limit} that this class may be admitted under{held}",
+                tenant,
+            )
 
     def leave(self, tenant: str | None) -> None:
         self._limit.leave()
