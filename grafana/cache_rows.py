@@ -302,9 +302,43 @@ def _match_panels() -> tuple[Panel, ...]:
     )
 
 
+def _canary_panels() -> tuple[Panel, ...]:
+    """The KV canary's verdicts (conductor/kv/canary.py): which engines' events are trusted."""
+    return (
+        Panel(
+            "KV canary: instances kept out of KV-aware placement",
+            (
+                Target(f"max ({sel('conductor_kv_canary_unverified')})", "unverified"),
+                Target(f"max by (instance) ({sel('conductor_kv_canary_excluded')})", "{{instance}} excluded"),
+            ),
+            "short",
+            width=8,
+            description="Instances whose KV events have not checked out (canary pending or failed: block size, "
+            "hash seed or algorithm, tokenizer, no events). Their cached prefixes are ignored until they do; "
+            "GET /ready (kv_canary) and the gateway's log name the setting to fix.",
+        ),
+        Panel(
+            "KV canary verdicts",
+            (Target(f"sum by (instance, result) ({rate('conductor_kv_canary_total')})", "{{instance}} {{result}}"),),
+            "ops",
+            width=8,
+            description="Canary runs by verdict: at an instance's join and after an engine restart "
+            "(its event sequence went back, or a gap could not be replayed).",
+        ),
+        Panel(
+            "KV canary time to verdict p90",
+            (Target(quantile(0.9, "conductor_kv_canary_seconds"), "p90"),),
+            "s",
+            width=8,
+            description="From an instance's join or restart to its canary's verdict; "
+            "kv.canary_timeout_s bounds a run whose events never come.",
+        ),
+    )
+
+
 def kv_events_row() -> Row:
     """The gateway's view of each prefill/mixed engine's KV event feed and of how well its index matches."""
-    return Row("KV cache events (gateway view)", (*_feed_panels(), *_match_panels()))
+    return Row("KV cache events (gateway view)", (*_feed_panels(), *_canary_panels(), *_match_panels()))
 
 
 def worker_row() -> Row:

@@ -119,6 +119,13 @@ class KVAwarenessSettings(_Model):
     # gateway started after its workers knows what they cached (as far back as vLLM's buffer_steps)
     replay_on_start: bool = True
     events_silence_s: float = 30.0  # no events this long and a failed /health: drop the instance
+    # the KV canary (conductor/kv/canary.py): a short prompt sent to each prefill/mixed instance with
+    # a KV events endpoint when it joins or its engine restarts, whose events must key its blocks as
+    # the gateway does before its cache counts in placement. canary_timeout_s: how long one run waits
+    # for the canary's events in all (start-up waits at most twice this), split over canary_attempts sends
+    canary: bool = True
+    canary_timeout_s: Annotated[float, Field(gt=0)] = 5.0
+    canary_attempts: Annotated[int, Field(gt=0, le=10)] = 3
     mooncake: MooncakeStoreSettings | None = None
     agreement_window: Annotated[int, Field(gt=0)] = 200  # requests in the hash agreement window
     agreement_min_samples: Annotated[int, Field(gt=0)] = 20

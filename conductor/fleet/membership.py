@@ -79,6 +79,10 @@ class Membership:
         # DNS-found instances the API drained or removed, by name: kept out while DNS lists them
         self.overruled: set[str] = set()
         registry.listeners.append(self)
+        canary = getattr(analyzer, "canary", None)
+        key = settings.auth.upstream_key()
+        if canary is not None and key:  # the KV canary's requests go to the workers like any other
+            canary.headers = {"Authorization": f"Bearer {key}"}
         d = settings.discovery
         self.discovery: DnsDiscovery | None = None
         self.live = False  # the gateway's parts have started: a new instance is started by us

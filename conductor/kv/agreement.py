@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from conductor.config.kv import KVAwarenessSettings
 from conductor.kv.diagnosis import (
     EvidenceSource,
     FeedEvidence,
@@ -277,3 +278,16 @@ class HashAgreement:
                 100 * figure,
                 explain(causes),
             )
+
+
+def build_agreement(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> HashAgreement:
+    """The agreement windows and alarms the kv settings describe."""
+    setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
+    return HashAgreement(
+        registry or CollectorRegistry(),
+        window=s.agreement_window,
+        min_samples=s.agreement_min_samples,
+        alarm_below=s.agreement_alarm_below,
+        coverage_alarm_below=s.agreement_coverage_alarm_below,
+        setup=setup,
+    )

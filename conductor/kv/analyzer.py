@@ -26,7 +26,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from adapters.auto_tokenizer import AutoTokenizer
-from adapters.index.base import KVIndex, MemoryUse, PrefixMatch
+from adapters.index.base import KVIndex, PrefixMatch
 from adapters.index.feed import IndexFeeder, mapped_within
 from adapters.index.guarded import GuardedIndex
 from adapters.index.memory import MemoryIndex
@@ -35,18 +35,25 @@ from adapters.kv_events import EventSubscriber
 from adapters.mooncake_store import MooncakeStoreProbe, StoreProbe
 from adapters.tokenizers import PromptTokenizer
 from conductor.config.kv import KVAwarenessSettings, KVEventsEndpoint, warn_about_setup
-from conductor.core.block_keys import BlockKeyScheme, VllmKeys, XxhashKeys, make_scheme
+from conductor.core.block_keys import BlockKeyScheme, make_scheme
 from conductor.core.errors import BadRequest, ConductorError, ConfigError
 from conductor.core.event_bounds import DEFAULT_EVENT_BOUNDS, EventBounds
 from conductor.core.models import AdapterCard
 from conductor.core.prefix_memo import PrefixMemo
-from conductor.core.types import Decision, Observation, Role
-from conductor.kv.agreement import FeedEvidence, HashAgreement, HashSetup
+from conductor.core.types import CachedPrefix, Decision, Observation, Role
+from conductor.kv.agreement import FeedEvidence, HashAgreement, build_agreement
 from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
+from conductor.kv.canary import KVCanary, build_canary
 from conductor.kv.encoding import PromptEncoder, chars_per_token, make_tokenizer
 from conductor.kv.event_metrics import KVEventsCollector
-from conductor.kv.feeds import start_subscribers, subscribers_for, watch_silent_instances
-from conductor.kv.index_factory import make_index
+from conductor.kv.feeds import (
+    feed_progress,
+    first_address,
+    start_subscribers,
+    subscribers_for,
+    watch_silent_instances,
+)
+from conductor.kv.index_factory import index_memory, make_index, prefix_memo
 from conductor.kv.prompt_bounds import PromptBound, check_prompt_size, check_token_count
 
 __all__ = ["HashAgreement", "KVAwareAnalyzer", "KVAwarenessSettings", "KVEventsEndpoint", "build_analyzer"]
@@ -83,9 +90,12 @@ class KVAwareAnalyzer:
         prompt_bound: PromptBound | None = None,
         max_chars_per_token: int | None = None,
         adapter_for: Callable[[str], AdapterCard | None] | None = None,
+        canary: KVCanary | None = None,
     ) -> None:
         """adapter_for: the LoRA adapter a request's `model` names (None: a base model), whose
-        blocks are keyed with it as vLLM hashes them (conductor/core/adapter_keys.py)."""
+        blocks are keyed with it as vLLM hashes them (conductor/core/adapter_keys.py). canary: checks
+        each instance's events before its cache counts (conductor/kv/canary.py; it sits between the
+        subscribers and `feeder`)."""
         self.tokenizer = tokenizer
         self.adapter_for = adapter_for
         self.scheme = scheme
@@ -97,6 +107,9 @@ class KVAwareAnalyzer:
         self.chars_per_token = max_chars_per_token or chars_per_token(tokenizer)
         self.index = index
         self.feeder = feeder
+        self.canary = canary
+        if canary is not None:
+            canary.feed_of = lambda name: feed_progress(self.subscribers, name)
         self.agreement = agreement
         self.subscribers = tuple(subscribers)
         self.store = store
@@ -126,7 +139,7 @@ class KVAwareAnalyzer:
                 name,
                 url,
                 events,
-                self.feeder,
+                self.canary or self.feeder,
                 self._ctx,
                 replay_timeout_s=self._replay_timeout_s,
                 catch_up=self._replay_on_start,
@@ -136,6 +149,8 @@ class KVAwareAnalyzer:
                 await start_subscribers(subs)
         self.subscribers = (*self.subscribers, *subs)
         self._sync_collector(name, role, added=True)
+        if self._started and self.canary is not None and role != Role.DECODE:
+            self.canary.schedule(name, url, first_address(subs, name))
         if self._started and self.subscribers and self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
 
@@ -147,6 +162,8 @@ class KVAwareAnalyzer:
         self.subscribers = tuple(sub for sub in self.subscribers if sub.source.instance != name)
         for sub in leaving:
             await sub.close()
+        if self.canary is not None:
+            self.canary.forget(name)
         self._gone.discard(name)
         self._sync_collector(name, info[1] if info else Role.DECODE, added=False)
         await self.feeder.on_resync(name, "instance removed")
@@ -167,8 +184,13 @@ class KVAwareAnalyzer:
             await self.store.start()
         if self.subscribers:
             self._watchdog = asyncio.create_task(self._watch(), name="kv-events-watchdog")
+        if self.canary is not None:  # the first requests find the instances verified (or not)
+            cached_here = [(n, u, first_address(self.subscribers, n)) for n, r, u in self.instances.values() if r != Role.DECODE]
+            await self.canary.first_runs(cached_here)
 
     async def close(self) -> None:
+        if self.canary is not None:
+            await self.canary.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
@@ -219,11 +241,15 @@ class KVAwareAnalyzer:
             prompt_tokens=len(ids),
             exact=True,
             block_keys=tuple(keys),
-            cached=match.cached(self.scheme.block_size, len(ids)),
+            cached=self._visible(match.cached(self.scheme.block_size, len(ids))),
             store_cached_tokens=store_tokens,
             forward_token_ids=forward,
             token_ids=kept,
         )
+
+    def _visible(self, cached: Mapping[str, CachedPrefix]) -> Mapping[str, CachedPrefix]:
+        """What placement may count on: not the caches of instances whose canary has not passed."""
+        return cached if self.canary is None else self.canary.visible(cached)
 
     async def on_dispatch(self, analysis: PromptAnalysis, decision: Decision) -> None:
         if decision.rejected or decision.prefill is None or not analysis.block_keys:
@@ -288,30 +314,6 @@ class KVAwareAnalyzer:
         )
 
 
-def _index_memory(index: KVIndex) -> Callable[[], MemoryUse | None]:
-    memory: Callable[[], MemoryUse | None] | None = getattr(index, "memory", None)
-    return memory if memory is not None else lambda: None
-
-
-def _prefix_memo(s: KVAwarenessSettings, scheme: BlockKeyScheme) -> PrefixMemo | None:
-    wanted = s.prefix_memo == "on" or (s.prefix_memo == "auto" and s.key_mode == "vllm")
-    if not wanted or not isinstance(scheme, XxhashKeys | VllmKeys):  # both can resume their chains
-        return None
-    return PrefixMemo(scheme, max_entries=s.prefix_memo_entries)
-
-
-def _agreement(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> HashAgreement:
-    setup = HashSetup(s.key_mode, s.vllm_hash_algo, s.vllm_hash_seed, s.tokenizer, s.block_size)
-    return HashAgreement(
-        registry or CollectorRegistry(),
-        window=s.agreement_window,
-        min_samples=s.agreement_min_samples,
-        alarm_below=s.agreement_alarm_below,
-        coverage_alarm_below=s.agreement_coverage_alarm_below,
-        setup=setup,
-    )
-
-
 def build_analyzer(
     options: Mapping[str, Any] | KVAwarenessSettings,
     instances: Sequence[InstanceInfo],
@@ -336,13 +338,14 @@ def build_analyzer(
         adapter_of=instance_adapter or (None if adapter_for is None else lambda _, name: adapter_for(name)),
     )
     if registry is not None:
-        register_kv_memory(registry, _index_memory(index), feeder.map_memory)
+        register_kv_memory(registry, index_memory(index), feeder.map_memory)
     urls = {iid: url for iid, _, url in instances}
     unknown = set(s.kv_events) - set(urls)
     if unknown:
         raise ConfigError(f"kv.kv_events names unknown instances: {sorted(unknown)}")
     # with an indexer, it ingests the events: this gateway subscribes to none
     ctx = zmq.asyncio.Context() if s.kv_events and s.index != "indexer" else None
+    canary = build_canary(s, scheme, feeder, tokenizer := make_tokenizer(s, instances), registry)
     subscribers: list[EventSubscriber] = []
     if ctx is not None:
         for iid, ep in s.kv_events.items():
@@ -350,16 +353,16 @@ def build_analyzer(
                 iid,
                 urls[iid],
                 ep,
-                feeder,
+                canary or feeder,
                 ctx,
                 replay_timeout_s=s.replay_timeout_s,
                 catch_up=s.replay_on_start,
                 bounds=s.event_bounds(),
             )
     store = MooncakeStoreProbe(s.mooncake) if s.mooncake is not None else None
-    agreement = _agreement(s, registry)
+    agreement = build_agreement(s, registry)
     analyzer = KVAwareAnalyzer(
-        tokenizer=make_tokenizer(s, instances),
+        tokenizer=tokenizer,
         scheme=scheme,
         index=index,
         feeder=feeder,
@@ -373,11 +376,12 @@ def build_analyzer(
         replay_timeout_s=s.replay_timeout_s,
         replay_on_start=s.replay_on_start,
         event_bounds=s.event_bounds(),
-        prefix_memo=_prefix_memo(s, scheme),
+        prefix_memo=prefix_memo(s, scheme),
         keep_token_ids=s.keep_token_ids,
         prompt_bound=prompt_bound,
         max_chars_per_token=s.max_chars_per_token,
         adapter_for=adapter_for,
+        canary=canary,
     )
     if isinstance(analyzer.tokenizer, AutoTokenizer) and not s.tokenizer_url:  # workers that join later count too
         live = analyzer.instances

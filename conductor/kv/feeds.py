@@ -17,11 +17,11 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from adapters.index.feed import IndexFeeder
 from adapters.kv_events import EventSource, EventSubscriber, offset_endpoint
 from conductor.config.kv import KVEventsEndpoint
 from conductor.core.errors import ConfigError
 from conductor.core.event_bounds import EventBounds
+from conductor.kv.canary import EventSink
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +30,15 @@ def subscribers_for(
     instance: str,
     url: str,
     events: KVEventsEndpoint,
-    feeder: IndexFeeder,
+    feeder: EventSink,
     context: zmq.asyncio.Context,
     *,
     replay_timeout_s: float,
     catch_up: bool,
     bounds: EventBounds,
 ) -> list[EventSubscriber]:
-    """One subscriber per data-parallel rank of `instance` (rank r publishes on port + r)."""
+    """One subscriber per data-parallel rank of `instance` (rank r publishes on port + r). `feeder`:
+    the index feeder, or the KV canary in front of it (conductor/kv/canary.py)."""
     return [
         EventSubscriber(
             EventSource.for_instance(
@@ -57,6 +58,21 @@ def subscribers_for(
         )
         for rank in range(events.data_parallel_size)
     ]
+
+
+def first_address(subscribers: Sequence[EventSubscriber], instance: str) -> str | None:
+    """Where the gateway hears `instance`'s events (its first rank's), None when nowhere."""
+    return next((sub.address for sub in subscribers if sub.source.instance == instance), None)
+
+
+def feed_progress(subscribers: Sequence[EventSubscriber], instance: str) -> tuple[int, int | None, bool]:
+    """(batches applied, last seq, replay endpoint known) of `instance`'s first rank: a last seq
+    past the batches applied means batches went out before the gateway listened."""
+    for sub in subscribers:
+        if sub.source.instance == instance and sub.source.rank == 0:
+            stats = sub.stats
+            return stats.batches, stats.last_seq, sub.source.replay_endpoint is not None
+    return 0, None, False
 
 
 async def start_subscribers(subscribers: Sequence[EventSubscriber]) -> None:

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
 from adapters.breaker import CircuitBreaker, register_breaker
-from adapters.index.base import IndexLimits, KVIndex
+from adapters.index.base import IndexLimits, KVIndex, MemoryUse
 from adapters.index.guarded import GuardedIndex
 from adapters.index.memory import MemoryIndex, blocks_within
 from adapters.index.metrics import register_guard
 from conductor.config.kv import KVAwarenessSettings
+from conductor.core.block_keys import BlockKeyScheme, VllmKeys, XxhashKeys
+from conductor.core.prefix_memo import PrefixMemo
 
 log = logging.getLogger(__name__)  # the breaker's lines, where they always were
 
@@ -78,3 +81,17 @@ def make_index(s: KVAwarenessSettings, registry: CollectorRegistry | None) -> KV
         register_breaker(breaker, registry, "conductor_kv_index_redis")
         register_guard(registry, index)
     return index
+
+
+def index_memory(index: KVIndex) -> Callable[[], MemoryUse | None]:
+    """What the index reports of its memory use, for the metrics (nothing when it does not)."""
+    memory: Callable[[], MemoryUse | None] | None = getattr(index, "memory", None)
+    return memory if memory is not None else lambda: None
+
+
+def prefix_memo(s: KVAwarenessSettings, scheme: BlockKeyScheme) -> PrefixMemo | None:
+    """The memo of shared prefixes' keys the settings ask for (kv.prefix_memo)."""
+    wanted = s.prefix_memo == "on" or (s.prefix_memo == "auto" and s.key_mode == "vllm")
+    if not wanted or not isinstance(scheme, XxhashKeys | VllmKeys):  # both can resume their chains
+        return None
+    return PrefixMemo(scheme, max_entries=s.prefix_memo_entries)

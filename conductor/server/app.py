@@ -30,6 +30,7 @@ from conductor.core.capabilities import ReportsPredictionErrors
 from conductor.core.errors import ConfigError
 from conductor.fleet.membership import admin_routes
 from conductor.gateway import Gateway
+from conductor.kv.canary import canary_detail
 from conductor.server import errors as http_errors
 from conductor.server.docs import OPENAI_ROUTES, PASS_THROUGH_ROUTES, Guard, docs_routes, install_openapi, openapi_document
 from conductor.server.endpoint import CompletionsEndpoint
@@ -98,7 +99,11 @@ def _health_routes(gateway: Gateway) -> APIRouter:
     @router.get("/ready", responses={503: {"description": "not enough healthy instances"}})
     async def ready() -> JSONResponse:
         ok, counts = gateway.ready()
-        return JSONResponse({"ready": ok, "healthy": counts}, status_code=200 if ok else 503)
+        body: dict[str, Any] = {"ready": ok, "healthy": counts}
+        canary = canary_detail(gateway.analyzer)  # instances kept out of KV-aware placement, and why
+        if canary is not None:
+            body["kv_canary"] = canary
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     return router
 
