@@ -304,12 +304,18 @@ def bench_ratios(pull: str = "both") -> None:
 # Capacity at SLO with and without session tags (issue 37): the agent workload of traces/agent_trace.py,
 # one trace per seed, on 8P+8D --paper with an interactive TTFT SLO (5 s; TBT 100 ms): the highest
 # replay speed-up at which SESSION_GOAL of the requests meet both SLOs (rejected ones count as missed),
-# found by bisection, as a request rate
+# found by bisection, as a request rate; with the policy's KV index exact, lagging and off
 SESSION_SEEDS = (1, 2, 3, 4)
 SESSION_SLO = ("--slo-ttft", "5", "--slo-tbt", "0.1")
 SESSION_GOAL = 0.9
-SESSION_RANGE = (2.0, 12.0)  # speed-ups bracketing the capacity of every seed
-SESSION_STEPS = 7  # bisection steps: the capacity to (12 - 2) / 2**7 = 0.08x
+SESSION_RANGE = (1.0, 12.0)  # speed-ups bracketing the capacity of every seed and index
+SESSION_STEPS = 7  # bisection steps: the capacity to (12 - 1) / 2**7 = 0.09x
+SESSION_INDEXES: dict[str, tuple[str, ...]] = {
+    "exact index": (),
+    "index 10 s late": ("--index-delay", "10"),
+    "no index": ("--no-index",),
+}
+SessionKey = tuple[str, int, bool]  # (index, seed, tags)
 
 
 def _agent_trace(seed: int, folder: Path) -> tuple[str, float]:
@@ -320,62 +326,70 @@ def _agent_trace(seed: int, folder: Path) -> tuple[str, float]:
     return str(path), len(records) / max(1e-3, records[-1].timestamp_ms / 1000)
 
 
-def _session_runs(traces: dict[int, str], speedups: dict[tuple[int, bool], float]) -> dict[tuple[int, bool], RunResult]:
+def _session_runs(traces: dict[int, str], speedups: dict[SessionKey, float]) -> dict[SessionKey, RunResult]:
     jobs, keys = [], []
-    for (seed, tags), speedup in speedups.items():
-        argv = ["--paper", "--speedup", f"{speedup:g}", "--seed", str(seed), *SESSION_SLO]
+    for (index, seed, tags), speedup in speedups.items():
+        argv = ["--paper", "--speedup", f"{speedup:g}", "--seed", str(seed), *SESSION_SLO, *SESSION_INDEXES[index]]
         config = config_from_args(_args(*argv, *([] if tags else ["--no-session-tags"])), 8, 8)
         jobs.append(SimJob(PolicySpec("kvcache_aware"), config, traces[seed]))
-        keys.append((seed, tags))
+        keys.append((index, seed, tags))
     return dict(zip(keys, run_jobs(jobs), strict=True))
+
+
+def _session_capacity(traces: dict[int, str]) -> tuple[dict[SessionKey, float], dict[SessionKey, RunResult]]:
+    """Each (index, seed, tags)'s capacity speed-up by bisection, and its run at that speed-up."""
+    low = {(index, seed, tags): SESSION_RANGE[0] for index in SESSION_INDEXES for seed in SESSION_SEEDS for tags in (False, True)}
+    high = dict.fromkeys(low, SESSION_RANGE[1])
+    last: dict[SessionKey, RunResult] = {}
+    for _ in range(SESSION_STEPS):
+        mid = {key: (low[key] + high[key]) / 2 for key in low}
+        for key, r in _session_runs(traces, mid).items():
+            if r.slo_attainment >= SESSION_GOAL:
+                low[key], last[key] = mid[key], r
+            else:
+                high[key] = mid[key]
+    return low, last
 
 
 def bench_sessions() -> None:
     print("== capacity at SLO with and without session tags: the agent workload (traces/agent_trace.py), one trace")
     print(f"   per seed {SESSION_SEEDS}; kvcache_aware (session_affinity on; without tags it has nothing to follow),")
     print(f"   8P+8D --paper, {' '.join(SESSION_SLO)}; capacity: the highest rate at which {SESSION_GOAL:.0%} of the")
-    print(f"   requests meet both SLOs (bisection over the replay speed-up, {SESSION_STEPS} steps)")
+    print(f"   requests meet both SLOs (bisection over the replay speed-up, {SESSION_STEPS} steps); the policy's KV")
+    flags = "; ".join(f"{k}: {' '.join(v) or 'default'}" for k, v in SESSION_INDEXES.items())
+    print(f"   index exact, lagging or off ({flags})")
     with tempfile.TemporaryDirectory() as tmp:
         made = {seed: _agent_trace(seed, Path(tmp)) for seed in SESSION_SEEDS}
-        traces = {seed: path for seed, (path, _) in made.items()}
-        low = {(seed, tags): SESSION_RANGE[0] for seed in SESSION_SEEDS for tags in (False, True)}
-        high = dict.fromkeys(low, SESSION_RANGE[1])
-        last: dict[tuple[int, bool], RunResult] = {}
-        for _ in range(SESSION_STEPS):
-            mid = {key: (low[key] + high[key]) / 2 for key in low}
-            for key, r in _session_runs(traces, mid).items():
-                if r.slo_attainment >= SESSION_GOAL:
-                    low[key], last[key] = mid[key], r
-                else:
-                    high[key] = mid[key]
+        low, last = _session_capacity({seed: path for seed, (path, _) in made.items()})
+    counts = ("first", "unhinted", "prefill_decided", "prefill_agreed", "prefill_moved")
     print(
-        f"{'seed':>4}  {'tags':>4}  {'capacity req/s':>14}  {'speed-up':>8}  {'at it: met':>10}  {'TTFT mean':>9}  {'hit':>5}  "
-        f"{'prefill kept/agreed/moved':>26}  {'decode kept/agreed/moved':>25}"
+        f"{'index':>15}  {'seed':>4}  {'tags':>5}  {'capacity req/s':>14}  {'speed-up':>8}  {'at it: met':>10}  "
+        f"{'TTFT mean':>9}  {'hit':>5}  {'first/unhinted/hint decided/agreed/moved':>40}"
     )
-    capacity: dict[bool, list[float]] = {False: [], True: []}
-    for (seed, tags), speedup in sorted(low.items()):
-        rate = speedup * made[seed][1]
-        capacity[tags].append(rate)
-        found = last.get((seed, tags))
-        if found is None:
-            print(f"{seed:>4}  {tags!s:>4}  below {SESSION_RANGE[0]:g}x")
-            continue
-        r = found
-        ex = r.extra
-        p = "/".join(f"{ex.get(f'session_prefill_{k}', 0):.0f}" for k in ("kept", "agreed", "moved"))
-        d = "/".join(f"{ex.get(f'session_decode_{k}', 0):.0f}" for k in ("kept", "agreed", "moved"))
-        print(
-            f"{seed:>4}  {tags!s:>4}  {rate:14.2f}  {speedup:7.2f}x  {r.slo_attainment:10.1%}  {r.ttft.mean:8.2f}s  "
-            f"{_hit(r):5.1%}  {p:>26}  {d:>25}"
-        )
-    for tags in (False, True):
-        rates = sorted(capacity[tags])
-        print(
-            f"tags {'on ' if tags else 'off'}: median {statistics.median(rates):.2f} req/s, "
-            f"spread {rates[0]:.2f} .. {rates[-1]:.2f}"
-        )
-    ratios = [t / max(1e-9, f) for f, t in zip(capacity[False], capacity[True], strict=True)]
-    print(f"with / without tags, per seed: {', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f})")
+    for index in SESSION_INDEXES:
+        capacity: dict[bool, list[float]] = {False: [], True: []}
+        for seed in SESSION_SEEDS:
+            for tags in (False, True):
+                rate = low[index, seed, tags] * made[seed][1]
+                capacity[tags].append(rate)
+                r = last.get((index, seed, tags))
+                if r is None:
+                    print(f"{index:>15}  {seed:>4}  {tags!s:>5}  below {SESSION_RANGE[0]:g}x")
+                    continue
+                c = "/".join(f"{r.extra.get(f'session_{k}', 0):.0f}" for k in counts)
+                print(
+                    f"{index:>15}  {seed:>4}  {tags!s:>5}  {rate:14.2f}  {low[index, seed, tags]:7.2f}x  "
+                    f"{r.slo_attainment:10.1%}  {r.ttft.mean:8.2f}s  {_hit(r):5.1%}  {c:>40}"
+                )
+        for tags in (False, True):
+            rates = sorted(capacity[tags])
+            print(
+                f"{index}, tags {'on ' if tags else 'off'}: median {statistics.median(rates):.2f} req/s, "
+                f"spread {rates[0]:.2f} .. {rates[-1]:.2f}"
+            )
+        ratios = [t / max(1e-9, f) for f, t in zip(capacity[False], capacity[True], strict=True)]
+        per_seed = ", ".join(f"{x:.3f}" for x in ratios)
+        print(f"{index}, with / without tags per seed: {per_seed} (median {statistics.median(ratios):.3f})")
 
 
 SECTIONS: dict[str, Callable[[], None]] = {

@@ -6,7 +6,9 @@ A decision runs six stages (`KvCacheAwarePolicy._decide`):
 1. candidates: the prefill-capable pool (prefill instances, or mixed workers), the decode pool, and
    the remote prefixes the request may pull over the links `allow_pull` allows (stages.py).
 2. estimates: each prefill-capable instance's predicted TTFT: the pull where the predicted transfer
-   beats recomputing, its queue, its prefill of the rest, the KV handoff (pool_estimates.py).
+   beats recomputing, its queue, its prefill of the rest, the KV handoff (pool_estimates.py). A
+   prefix the index is blind to is credited to the instance that served the request's session
+   last (a hint, sessions.py).
 3. placement: the decode with the lowest TBT by its load now; the prefill that computes least among
    those whose bounded TTFT at the client fits `ttft_slack` of the SLO, else the lowest TTFT
    (placement.py). Mixed workers: the fewest stream-seconds stalled within `mixed_ttft_slack`
@@ -31,7 +33,7 @@ from conductor.core.errors import ConfigError
 from conductor.core.types import ClusterSnapshot, Decision, Observation, PrefillLeg, RequestView
 from policies.base import NO_INSTANCE, BasePolicy
 from policies.estimate import decode_candidate, prefill_candidate
-from policies.kvcache_aware.inflight import InflightPrefixes
+from policies.kvcache_aware.inflight import InflightPrefixes, with_inflight
 from policies.kvcache_aware.learning import OutcomeLearner
 from policies.kvcache_aware.mixed import place_mixed
 from policies.kvcache_aware.options import (
@@ -48,7 +50,16 @@ from policies.kvcache_aware.options import (
 )
 from policies.kvcache_aware.placement import Placement, TbtBound, place_disaggregated
 from policies.kvcache_aware.pool_estimates import PoolPrefillEstimates
-from policies.kvcache_aware.sessions import MOVED, Marks, SessionTable, mark_session, prefer_session
+from policies.kvcache_aware.sessions import (
+    MOVED,
+    LastTurn,
+    SessionTable,
+    hint_mark,
+    hinted,
+    mark_session,
+    prefer_decode,
+    readback_decode,
+)
 from policies.kvcache_aware.stages import (
     Pools,
     Verdict,
@@ -133,25 +144,41 @@ class KvCacheAwarePolicy(BasePolicy):
 
     def _decide(self, request: RequestView, cluster: ClusterSnapshot, only_p: str | None, only_d: str | None) -> Decision:
         """The six stages of the module docstring; `only_p` / `only_d` narrow the pools to one
-        placement (`judge`)."""
+        placement (`judge`). A session's hint (sessions.py) enters the estimates."""
         pred, options = self.predictors, self.options
         pools = candidates(request, cluster, self.pull_links, only_p, only_d, self.name)
         if isinstance(pools, Decision):
             return pools  # no healthy instance in a pool the request needs
-        weighed = estimates(pred, request, pools, self.inflight)
+        seen = with_inflight(self.inflight, request)  # what the index and the in-flight table report
+        last = None if self.sessions is None or request.session is None or pools.pinned else self.sessions.last(request.session)
+        hint = None if last is None else hinted(seen, last, pools.prefills)
+        weighed = estimates(pred, seen if hint is None else hint, pools, None)
+        placed, tbt = self._place(request, pools, weighed)
+        hint_marked = None
+        if hint is not None and last is not None:
+            plain = None  # the placement without the hint, needed only where the hint's instance won
+            if pools.prefills[placed.best].id == last.prefill:
+                plain = self._place(request, pools, estimates(pred, seen, pools, None))[0].best
+            hint_marked = hint_mark(placed.best, pools.prefills, last, plain)
+        placed, verdict, decode_marked = self._admit(request, cluster, pools, weighed, placed, tbt, last)
+        local = local_fallback(self.local, pred, request, cluster, pools, placed, verdict)
+        rejection = probed(verdict.rejection, options.admission.probe_after, self._rejected_in_a_row)
+        decision = explain(request, self.name, pools, weighed, placed, verdict, rejection, local)
+        if hint_marked is None and decode_marked is None:
+            return decision
+        return mark_session(decision, (hint_marked, decode_marked))
+
+    def _place(self, request: RequestView, pools: Pools, weighed: PoolPrefillEstimates) -> tuple[Placement, TbtBound]:
+        """Stage 3, placement, and the TBT bound admission will judge it by."""
+        pred, options = self.predictors, self.options
         if pools.disaggregated:
             tbt = TbtBound.of(pred, options.admission.tbt_quantile)
             placed = place_disaggregated(
                 pred, request, pools.decodes, weighed, options.placement, options.admission.ttft_quantile
             )
-        else:
-            tbt = TbtBound.of(pred, options.mixed.tbt_quantile)  # mixed workers judge TBT at their own quantile
-            placed = place_mixed(pred, request, weighed, options, tbt)
-        placed, verdict, mark = self._admit(request, cluster, pools, weighed, placed, tbt)
-        local = local_fallback(self.local, pred, request, cluster, pools, placed, verdict)
-        rejection = probed(verdict.rejection, options.admission.probe_after, self._rejected_in_a_row)
-        decision = explain(request, self.name, pools, weighed, placed, verdict, rejection, local)
-        return decision if mark is None else mark_session(decision, mark)
+            return placed, tbt
+        tbt = TbtBound.of(pred, options.mixed.tbt_quantile)  # mixed workers judge TBT at their own quantile
+        return place_mixed(pred, request, weighed, options, tbt), tbt
 
     def _admit(
         self,
@@ -161,23 +188,21 @@ class KvCacheAwarePolicy(BasePolicy):
         weighed: PoolPrefillEstimates,
         placed: Placement,
         tbt: TbtBound,
-    ) -> tuple[Placement, Verdict, Marks | None]:
-        """Stage 4, admission, of the placement, or of the session's own instances where they are
-        within the slacks (sessions.py); a session whose instances would miss an SLO that the
-        placement meets moves. The mark for the decision's candidates (None: no session known)."""
+        last: LastTurn | None,
+    ) -> tuple[Placement, Verdict, float | None]:
+        """Stage 4, admission, of the placement, or of it on the session's decode where a readback
+        is offered from that decode (sessions.py); a session whose decode would miss an SLO that
+        the placement meets moves. The decode's mark (None: the rule did not apply)."""
         pred, options = self.predictors, self.options
-        last = None
-        if self.sessions is not None and request.session is not None and pools.disaggregated and not pools.pinned:
-            last = self.sessions.last(request.session)
-        if last is None:
+        decode_id = None if last is None or not pools.disaggregated else readback_decode(request, last)
+        if decode_id is None:
             return placed, admission(pred, request, cluster, pools, weighed, placed, options.admission, tbt), None
-        listed = options.placement.listed_candidates
-        steered, mark = prefer_session(pred, request, last, pools.decodes, weighed, placed, options.sessions, listed)
+        steered, mark = prefer_decode(pred, request, decode_id, pools.decodes, placed, options.sessions.decode_slack)
         verdict = admission(pred, request, cluster, pools, weighed, steered, options.admission, tbt)
         if verdict.rejection is not None and steered is not placed:
             plain = admission(pred, request, cluster, pools, weighed, placed, options.admission, tbt)
             if plain.rejection is None:
-                return placed, plain, (MOVED, MOVED)
+                return placed, plain, MOVED
         return steered, verdict, mark
 
     # ---- remembering ----------------------------------------------------------------------
@@ -186,7 +211,7 @@ class KvCacheAwarePolicy(BasePolicy):
         """The one place this policy's memory changes after a decision.
 
         State, and why: `_rejected_in_a_row` (SLO rejections since the last admitted request, for
-        the `probe_after` probe), `sessions` (each session's last instances, sessions.py),
+        the `probe_after` probe), `sessions` (each session's last turn: its instances and prompt, sessions.py),
         `inflight` (the prefixes dispatched and not yet indexed), the local prefills' duty, and the
         learner's pending predictions (learning.py: what was predicted for each admitted request,
         bounded by `max_pending`, until `observe` compares it with what happened).

@@ -236,12 +236,12 @@ class LearningOptions(_Checked):
 
 @dataclass(frozen=True, slots=True)
 class SessionOptions(_Checked):
-    """Keeping a session's turns on the instances that served it (policies/kvcache_aware/sessions.py)."""
+    """Where the KV index is blind, a session's prefix assumed on the instance that served it (sessions.py)."""
 
     affinity: bool = field(default=True, metadata=_option("session_affinity", Flag()))
-    # the session's prefill instance may be predicted this share of the TTFT SLO slower than the best
-    slack: float = field(default=0.25, metadata=_option("session_slack", Real(0.0, 1.0)))
-    # the session's decode instance may have this share more TBT now than the least loaded one
+    # the session's decode, where a readback of the last turn is offered from it, may have this share
+    # more TBT now than the least loaded one (the prefill has no slack: the session's prefix is a hint
+    # the cost model weighs, sessions.py)
     decode_slack: float = field(default=0.1, metadata=_option("session_decode_slack", Real(0.0)))
     max_sessions: int = field(default=65536, metadata=_option("max_sessions", Whole(1)))
 

@@ -53,7 +53,6 @@ OTHER_VALUES: dict[str, object] = {
     "max_pending": 10,
     "track_errors": False,
     "session_affinity": False,
-    "session_slack": 0.5,
     "session_decode_slack": 0.0,
     "max_sessions": 10,
 }
@@ -103,7 +102,7 @@ def test_an_unknown_key_is_a_config_error_naming_it() -> None:
         ("allow_pull", "rdma"),
         ("allow_pull", 1),
         ("predictor_params", 3),
-        ("session_slack", 1.5),
+        ("session_decode_slack", -0.1),
         ("max_sessions", 0),
         ("session_affinity", "on"),
     ],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill
 from traces.formats import TraceRequest
@@ -52,6 +53,18 @@ class BlockLRU:
             pop = blocks.popitem
             for _ in range(excess):
                 pop(False)
+
+
+def index_caches(
+    prefills: list[PrefillInstance], delay_s: float | None, capacity_tokens: int, block_tokens: int
+) -> list[tuple[PrefillInstance, BlockLRU]]:
+    """(prefill, the cache the policy's KV index reports for it) (SimConfig.index_delay_s): its own
+    cache when exact; a copy the engine feeds the same blocks `delay_s` late; none with no index."""
+    if delay_s is None:
+        return []
+    if not delay_s:
+        return [(p, p.cache) for p in prefills]
+    return [(p, BlockLRU(capacity_tokens, block_tokens)) for p in prefills]
 
 
 class Job:
@@ -166,6 +179,17 @@ class PrefillInstance:
         self.view: InstanceView | None = None  # the last view built for policies, reused while fresh
         self.view_at = -1.0
         self.view_version = -1
+
+    def staged_at(self, staging: str | None, now: float, prefix: int, prefill_s: Callable[[int, int], float]) -> float:
+        """When a staging request for a `prefix`-token pull has pinned it here (SimConfig.staging):
+        after the prefill running here ("priority") or the whole queue ("fcfs"), plus its own one
+        token. Its compute is not added to the queue (one token: a small share of a step)."""
+        if staging is None:
+            return now
+        at = self.running_until if self.running else now
+        if staging == "fcfs":
+            at += sum(prefill_s(j.est_new, j.est_cached) for j in list(self.queue)[1 if self.running else 0 :])
+        return at + prefill_s(1, prefix)
 
 
 KV_WATERMARK = 0.01  # vLLM's default: a sequence is admitted only while this share of KV blocks stays free

@@ -49,6 +49,12 @@ class SimConfig:
     # hand the trace's sessions (TraceRequest.session) to the policy as RequestView.session, as the
     # gateway does a request's session header; False: every request session-less
     sessions: bool = True
+    # what the policy's KV index sees of the prefill caches: each finished prefill's blocks this many
+    # seconds after it (0: at once, an exact index; a live one lags by its KV events), evictions as
+    # late; None: KV awareness off (the gateway's `kv.enabled: false`): no block keys, so no index of
+    # the caches or the store and nothing for the policy's in-flight table. Only the policy's view:
+    # the instances reuse what they hold either way.
+    index_delay_s: float | None = 0.0
     # reject at the decode stage when joining would break the TBT SLO (the baseline's second check
     # in arXiv 7.1; admitted streams then meet TBT in every admission mode, and prefill is wasted)
     decode_guard: bool = False
@@ -73,6 +79,8 @@ class SimConfig:
             raise ValueError(f"kv_handoff must be one of {', '.join(KV_HANDOFF_MODES)}, not {self.kv_handoff!r}")
         if self.kv_layers < 1:
             raise ValueError("kv_layers must be >= 1")
+        if self.index_delay_s is not None and not self.index_delay_s >= 0:
+            raise ValueError(f"index_delay_s must be >= 0 or None, not {self.index_delay_s!r}")
         if self.decode_kv not in DECODE_KV_MODES:
             raise ValueError(f"decode_kv must be one of {', '.join(DECODE_KV_MODES)}, not {self.decode_kv!r}")
 

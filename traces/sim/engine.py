@@ -1,8 +1,9 @@
 """The discrete-event loop: arrivals, policy decisions, prefill, KV transfer, decode, observation.
 
 The policy under test sees what a live gateway would see and nothing more: a RequestView whose
-`cached` comes from the cache index (here exact: the simulator's index knows every block each
-prefill instance and the store hold, as a gateway fed by KV events would) and a ClusterSnapshot of
+`cached` comes from the cache index (exact by default: the simulator's index knows every block each
+prefill instance and the store hold, as a gateway fed by KV events would; `index_delay_s` makes it
+learn them late, or not at all) and a ClusterSnapshot of
 prefill queues and decode streams it dispatched. Outcomes go back through `policy.observe`, so the
 policy's own predictors fit online and their error shows in the result.
 
@@ -41,14 +42,14 @@ from collections.abc import Sequence
 from conductor.core.types import CachedPrefix, Decision, Policy, PrefillLeg, PrefillLegObserver, RequestView
 from policies.estimate import STORE_SOURCE
 from traces.formats import TraceRequest
-from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance
+from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance, index_caches
 from traces.sim.config import SimConfig
 from traces.sim.instance_views import cluster_view
 from traces.sim.results import RunResult
 from traces.sim.summary import run_result
 from traces.sim.views import job_observation, refused_observation, request_view
 
-_PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK = range(4)
+_PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK, _INDEXED = range(5)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
 
 
@@ -71,6 +72,9 @@ class Simulator:
         self.p_index = {p.id: n for n, p in enumerate(self.prefills)}
         self.d_index = {d.id: n for n, d in enumerate(self.decodes)}
         self.store = BlockLRU(config.store_capacity_tokens, 512)
+        # the caches the policy's KV index reports (SimConfig.index_delay_s, cluster.index_caches)
+        self._index_delay = config.index_delay_s
+        self._indexes = index_caches(self.prefills, self._index_delay, config.prefill_cache_tokens, 512)
         self.events: list[tuple[float, int, int, int, object]] = []
         self._ev_seq = 0  # events pushed so far: their tie-breaking order in the heap, and a run's size
         self.now = 0.0
@@ -102,8 +106,8 @@ class Simulator:
         hash_ids, block_tokens, prompt = req.hash_ids, req.block_tokens, req.input_length
         prefixes = self._prefixes
         cached = {}
-        for p in self.prefills:
-            n = p.cache.match(hash_ids)
+        for p, index in self._indexes:
+            n = index.match(hash_ids)
             if n:
                 tokens = n * block_tokens
                 if tokens > prompt:  # min(tokens, prompt): _tokens, inline (8 or more per arrival)
@@ -112,7 +116,8 @@ class Simulator:
                 if prefix is None:
                     prefix = prefixes[tokens] = CachedPrefix(tokens)
                 cached[p.id] = prefix
-        store = self._tokens(self.store.match(hash_ids), req) if self.store.capacity_blocks else 0
+        aware = self._index_delay is not None  # else KV awareness is off: no block keys either
+        store = self._tokens(self.store.match(hash_ids), req) if aware and self.store.capacity_blocks else 0
         return request_view(  # RequestView(..., stream=True), built as its slots take it (traces/sim/views.py)
             f"r{job.seq}",
             job.seq,
@@ -120,7 +125,7 @@ class Simulator:
             prompt,
             job.output_tokens,
             block_tokens,
-            hash_ids,
+            hash_ids if aware else (),
             cached,
             store,
             self.cfg.slo,
@@ -209,21 +214,9 @@ class Simulator:
             job.ready_at = p.link_free = start + self.truth.transfer_s(prefix - local_tokens)
         else:  # the holder's outbound link too: pulls of one hot prefix queue behind each other
             holder = self.prefills[self.p_index[src]]
-            start = max(self.now, p.link_free, holder.out_free, self._staged_at(holder, prefix))
+            staged = holder.staged_at(self.cfg.staging, self.now, prefix, self.truth.prefill_s)
+            start = max(self.now, p.link_free, holder.out_free, staged)
             job.ready_at = p.link_free = holder.out_free = start + self.truth.transfer_s(prefix - local_tokens)
-
-    def _staged_at(self, holder: PrefillInstance, prefix: int) -> float:
-        """When a staging request for a `prefix`-token pull has pinned it on `holder` (cfg.staging):
-        after the prefill running there ("priority") or its whole queue ("fcfs"), plus its own one
-        token. Its compute is not added to the holder's queue (one token: a small share of a step)."""
-        staging = self.cfg.staging
-        if staging is None:
-            return self.now
-        at = holder.running_until if holder.running else self.now
-        if staging == "fcfs":
-            prefill_s = self.truth.prefill_s
-            at += sum(prefill_s(j.est_new, j.est_cached) for j in list(holder.queue)[1 if holder.running else 0 :])
-        return at + self.truth.prefill_s(1, prefix)
 
     # -- prefill ----------------------------------------------------------------------------
     def _try_start(self, p_idx: int) -> None:
@@ -263,6 +256,8 @@ class Simulator:
                 PrefillLeg(f"r{job.seq}", p.id, job.req.input_length, job.reused, self.now - job.dispatch)
             )
         p.cache.touch(job.req.hash_ids)
+        if self._index_delay:  # the index hears of these blocks later (its KV events)
+            self._push(self.now + self._index_delay, _INDEXED, p_idx, job.req.hash_ids)
         self.store.touch(job.req.hash_ids)
         d = self.decodes[job.decode]
         n = job.req.input_length
@@ -374,6 +369,7 @@ class Simulator:
         for p in self.prefills:
             p.cache = BlockLRU(self.cfg.prefill_cache_tokens, block_tokens)
         self.store = BlockLRU(self.cfg.store_capacity_tokens, block_tokens)
+        self._indexes = index_caches(self.prefills, self._index_delay, self.cfg.prefill_cache_tokens, block_tokens)
 
     def _dispatch_event(self) -> None:
         t, _, kind, target, payload = heapq.heappop(self.events)
@@ -385,6 +381,9 @@ class Simulator:
         elif kind == _DECODE_ARRIVE:
             assert isinstance(payload, Job)
             self._decode_arrive(target, payload)
+        elif kind == _INDEXED:
+            assert isinstance(payload, tuple)
+            self._indexes[target][1].touch(payload)
         else:
             assert isinstance(payload, int)
             self._decode_tick(target, payload)

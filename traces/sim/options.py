@@ -104,10 +104,26 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace")
     g.add_argument("--no-observe", action="store_true", help="do not feed outcomes back to the policy")
+    _add_view_args(g)
+
+
+def _add_view_args(g: argparse._ArgumentGroup) -> None:
+    """What the policy sees of the trace's sessions and of the caches (the gateway's session header, its KV index)."""
     g.add_argument(
         "--no-session-tags",
         action="store_true",
         help="hide the trace's sessions (session_id) from the policy, as requests without a session header",
+    )
+    index = g.add_mutually_exclusive_group()
+    index.add_argument(
+        "--index-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the policy's KV index learns a finished prefill's blocks S seconds late (a live index's KV-event lag)",
+    )
+    index.add_argument(
+        "--no-index", action="store_true", help="KV awareness off (kv.enabled: false): no block keys, no cached prefix"
     )
 
 
@@ -192,6 +208,7 @@ def config_from_args(args: argparse.Namespace, n_prefill: int, n_decode: int) ->
         seed=args.seed,
         observe=not args.no_observe,
         sessions=not args.no_session_tags,
+        index_delay_s=None if args.no_index else args.index_delay,
         pull=args.pull,
         decode_kv=args.decode_kv,
         kv_handoff=args.kv_handoff,

@@ -113,17 +113,14 @@ def run_result(sim: FinishedRun, jobs: list[Job], wall_s: float) -> RunResult:
 
 
 def _session_counts(policy: object) -> dict[str, float]:
-    """Admitted decisions of requests with a session, by what session affinity did (kvcache_aware's
-    SessionTable: policies/kvcache_aware/sessions.py); nothing for a policy without one."""
+    """Admitted decisions of requests with a session, by what the session did to them
+    (kvcache_aware's SessionTable.counts: policies/kvcache_aware/sessions.py); nothing for a policy
+    without one."""
     table = getattr(policy, "sessions", None)
     counts = getattr(table, "counts", None)
     if not isinstance(counts, dict):
         return {}
-    names = {1.0: "kept", 0.0: "agreed", -1.0: "moved"}
-    out = {"session_first": float(counts.get(("", None), 0))}
-    for role in ("prefill", "decode"):
-        out.update({f"session_{role}_{name}": float(counts.get((role, mark), 0)) for mark, name in names.items()})
-    return out
+    return {f"session_{name}": float(n) for name, n in counts.items()}
 
 
 def _mean(values: Iterable[float]) -> float:
