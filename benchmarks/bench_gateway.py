@@ -122,9 +122,11 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def wrk(url: str, script: Path, conc: int, seconds: float, pids: list[int] | None) -> Load:
-    # wrk takes whole seconds
-    cmd = ["wrk", "-t", "1", "-c", str(conc), "-d", f"{max(1, round(seconds))}s", "--timeout", "30s", "-s", str(script), url]
+def wrk(url: str, script: Path, conc: int, seconds: float, pids: list[int] | None, threads: int = 1) -> Load:
+    # wrk takes whole seconds; one thread leaves the other core to the router for the CPU cells,
+    # the ceiling runs wrk's default two (one thread capped vllm-router near 8,000 req/s)
+    cmd = ["wrk", "-t", str(threads), "-c", str(conc), "-d", f"{max(1, round(seconds))}s", "--timeout", "30s"]
+    cmd += ["-s", str(script), url]
     before = sum(tree_cpu(p) for p in pids) if pids else None
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     cpu = sum(tree_cpu(p) for p in pids) - before if pids and before is not None else None
@@ -209,8 +211,6 @@ def start_routers(
                 str(free_port()),
                 "--policy",
                 peer_policy,
-                "--log-level",
-                "warning",
                 *inst,
             ],
             quiet=True,
@@ -235,8 +235,6 @@ def start_routers(
                 str(free_port()),
                 "--policy",
                 peer_policy,
-                "--log-level",
-                "warn",
                 *inst,
             ],
             quiet=True,
@@ -425,6 +423,7 @@ def main() -> int:
         "--against", metavar="REV", help="also run Conductor as of this git revision (with the first --workers count)"
     )
     ap.add_argument("--no-ceiling", action="store_true", help="skip the throughput ceiling")
+    ap.add_argument("--ceiling-only", action="store_true", help="only the throughput ceiling")
     ap.add_argument(
         "--fleet", choices=("two-models",), help="instead: two models behind Conductor against one pool (CPU per request)"
     )
@@ -459,7 +458,7 @@ def main() -> int:
             tree.mkdir()
             against = (args.against[:10], export_revision(args.against, tree))
         w = start_workers(procs)
-        for mode in args.modes.split(","):
+        for mode in [] if args.ceiling_only else args.modes.split(","):
             pd = mode == "pd"
             with Processes() as rprocs:
                 routers = start_routers(rprocs, w, pd, "round_robin", vllm_router, sglang_router, workers, against)
@@ -489,16 +488,22 @@ def ceiling(
     sglang_router: str | None,
     workers: tuple[int, ...],
 ) -> list[str]:
-    """Requests per second at concurrency 256 (non-stream, mixed), each router alone on the box."""
-    lines = ["", "throughput ceiling, mixed non-stream, concurrency 256 (req/s, median of runs):"]
+    """Requests per second at concurrency 256 (non-stream, mixed), each router alone on the box (the
+    others not started), loaded as a plain `wrk -c 256` run loads it (two threads)."""
+    lines = ["", "throughput ceiling, mixed non-stream, concurrency 256, wrk -t 2 (req/s, median of runs):"]
     results: dict[str, float] = {}
-    for policy in ("round_robin", "kvcache_aware"):
+    alone: list[tuple[str, str | None, str | None, tuple[int, ...]]] = [
+        (policy, None, None, (n,)) for policy in ("round_robin", "kvcache_aware") for n in workers
+    ]
+    alone += [("round_robin", vllm_router, None, ()), ("round_robin", None, sglang_router, ())]
+    for policy, vllm, sglang, counts in alone:
+        if not (counts or vllm or sglang):
+            continue
         with Processes() as procs:
-            peers = (vllm_router, sglang_router) if policy == "round_robin" else (None, None)
-            for router in start_routers(procs, w, False, policy, *peers, workers):
+            for router in start_routers(procs, w, False, policy, vllm, sglang, counts):
                 name = router.name if not router.name.startswith("conductor") else f"{router.name} {policy}"
-                wrk(router.url, script, 256, 1, None)
-                runs = sorted(wrk(router.url, script, 256, args.seconds, None).rps for _ in range(args.repeat))
+                wrk(router.url, script, 256, 1, None, threads=2)
+                runs = sorted(wrk(router.url, script, 256, args.seconds, None, threads=2).rps for _ in range(args.repeat))
                 results[name] = statistics.median(runs)
     ref = results.get("vllm-router")
     for name, rps in results.items():

@@ -44,9 +44,9 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
 
 
 def conductor_serve(port: int, policy: str, *args: str) -> list[str]:
-    """`conductor serve` on `port` as the benchmarks run it (quiet log, the stand-ins' model), then `args`."""
-    serve = [sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy]
-    return [*serve, "--model", "tiny", "--log-level", "warning", *args]
+    """`conductor serve` on `port` as a user starts it (every setting at its default: the INFO log with
+    its decision lines, the models read from the workers), with `policy`, then `args`."""
+    return [sys.executable, "-m", "conductor", "serve", "--port", str(port), "--policy", policy, *args]
 
 
 def export_revision(rev: str, into: Path) -> Path:
