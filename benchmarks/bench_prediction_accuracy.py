@@ -1,27 +1,35 @@
-"""Issue 5, end to end: the KVCache-aware policy's TTFT predictions are accurate and its p90 bound is
-honest, measured by the gateway itself on wall-clock times against emulated workers with noise.
+"""Issues 5 and 39: the KVCache-aware policy's TTFT and TBT predictions, measured by the gateway itself
+on wall-clock times against emulated workers whose timing the predictors do not start from.
 
-    python benchmarks/bench_prediction_accuracy.py
+    python benchmarks/bench_prediction_accuracy.py                     # P/D and mixed, mismatched + effects
+    python benchmarks/bench_prediction_accuracy.py --scenario pd --matched --no-effects   # the old, by-construction setup
 
 Wall-clock figures need an idle machine (on a loaded one the workers' steps stretch and the
 predictions chase them), so this is a benchmark; tests/conductor/routing/test_prediction_accuracy.py checks
 what holds on any machine. Exits 1 when a target is missed.
 
-2 prefill + 2 decode emulators (nixl P/D, 8% lognormal noise, time scale 0.5: the bundled profile
-the predictors start from is twice too slow, so the online refit must learn the cluster) behind an
-in-process gateway. Open-loop Poisson arrivals at ~65% of prefill capacity with prompts of 1K-6K
-tokens, so prefill queues form and drain. After a warm-up of 150 requests the gateway's error
-windows are restarted; 300 more requests are measured and the gateway's own exported figures
+The workers (8% lognormal noise, time scale 0.5) run `conductor/data/profiles/qwen3-8b-a100-roofline.yaml`
+(another GPU's timing: prefill per token x4.8, attention x51, fixed cost x0.33 of the bundled H800
+fit, decode and transfer coefficients changed apart) with the timing effects the predictors' formula
+lacks (adapters/emulator/effects.py): chunked prefill with a 2,048-token budget, decodes 50% slower
+in a step shared with a prefill chunk, steps up to 2x slower as KV usage goes from 25% to 100% of a
+32K-token cache. The gateway starts from the bundled H800 profile and learns online.
+Scenarios: `pd` (2 prefill + 2 decode, nixl) and `mixed` (2 mixed workers: prefills and decodes share
+an engine). Open-loop Poisson arrivals at about 65% of prefill capacity, prompts of 1K-6K tokens
+(unique: nothing cached), 16-64 output tokens. After a warm-up the gateway's error windows are
+restarted; the next requests are measured and the gateway's own exported figures
 (`conductor_prediction_mape` / `_p90_coverage` / `_samples` on /metrics) are read back.
 
 Targets: TTFT MAPE <= 10%; p90 coverage 0.90 with a tolerance of +-0.05: over ~300 requests the
 binomial standard deviation of an exact 0.9 coverage is 0.017, and the bound itself is a quantile
 estimated from a 256-request window, which adds about as much again; 0.05 is about two of the
-combined deviations -- a 0.7 (too tight) or 1.0 (too loose) bound fails.
+combined deviations -- a 0.7 (too tight) or 1.0 (too loose) bound fails. TBT MAPE and coverage
+(`tbt_at_decision`: the TBT predicted at the decision against the stream's mean) are reported.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -30,6 +38,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -45,27 +54,39 @@ from tests.support.servers import serve
 TIME_SCALE = 0.5
 NOISE = 0.08
 PROMPT = (1024, 6144)
-RATE = 22.0  # req/s: 2 prefills at ~0.06 s (scaled) for the mean 3.6K prompt is ~34 req/s
+OUTPUT = (16, 64)
+MISMATCHED = Path(__file__).resolve().parents[1] / "conductor/data/profiles/qwen3-8b-a100-roofline.yaml"
+# (adapters/emulator/effects.py) chunked prefill, mixed-batch interference, KV pressure on a small cache
+EFFECTS = {
+    "max_num_batched_tokens": 2048,
+    "mixed_batch_overhead": 0.5,
+    "kv_capacity_tokens": 32768,
+    "kv_pressure_threshold": 0.25,
+    "kv_pressure_slowdown": 1.0,
+}
+# req/s at ~65% of prefill capacity: 2 prefills of the mean 3.6K prompt at time scale 0.5 take
+# ~0.06 s each on the bundled profile, ~0.2 s on the A100 one; a mixed engine also runs the decodes
+RATES = {("pd", False): 22.0, ("pd", True): 6.5, ("mixed", False): 14.0, ("mixed", True): 4.5}
 WARMUP, MEASURED = 150, 300
 _METRIC = re.compile(r'^conductor_prediction_(mape|p90_coverage|samples)\{component="([^"]+)",instance="([^"]+)"\} (\S+)$')
 
 
 async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> int:
     prompt = [rng.randrange(1, 250) for _ in range(rng.randint(*PROMPT))]  # unique: nothing cached
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": rng.randint(*OUTPUT), "stream": True, "ignore_eos": True}
     async with session.post(url, json=body) as r:
         async for _ in r.content.iter_any():
             pass
         return r.status
 
 
-async def _drive(url: str, n: int, seed: int) -> list[int]:
+async def _drive(url: str, n: int, seed: int, rate: float) -> list[int]:
     rng = random.Random(seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=500)) as session:
         tasks = []
         for _ in range(n):
             tasks.append(asyncio.create_task(_one(session, url, rng)))
-            await asyncio.sleep(rng.expovariate(RATE))
+            await asyncio.sleep(rng.expovariate(rate))
         return list(await asyncio.gather(*tasks))
 
 
@@ -86,53 +107,70 @@ def _pooled(stats: dict[tuple[str, str], dict[str, float]], component: str) -> t
     return n, mape, cover
 
 
-def main() -> int:
-    t0 = time.monotonic()
+def _settings(urls: dict[str, list[str]]) -> object:
+    overrides: dict[str, object] = {role: [{"url": u} for u in us] for role, us in urls.items()}
+    overrides.update({"policy": "kvcache_aware", "logs": {"level": "warning"}})
+    return load_settings(environ={}, overrides=overrides)
+
+
+def run(scenario: str, mismatched: bool, effects: bool, rate: float | None) -> dict[str, tuple[int, float, float]]:
+    """One scenario end to end; pooled (samples, MAPE, p90 coverage) per exported component."""
+    opts: dict[str, Any] = {"noise": NOISE, "time_scale": TIME_SCALE, "log_level": "warning"}
+    if mismatched:
+        opts["profile"] = str(MISMATCHED)
+    if effects:
+        opts.update(EFFECTS)
+    rate = rate or RATES[(scenario, mismatched)]
     with ExitStack() as stack:
 
         def emu(role: str, seed: int) -> str:
-            return stack.enter_context(
-                start_emulator(role, model="tiny", noise=NOISE, seed=seed, time_scale=TIME_SCALE, log_level="warning")
-            ).url
+            return stack.enter_context(start_emulator(role, model="tiny", seed=seed, **opts)).url
 
-        prefills = [emu("prefill", 1), emu("prefill", 2)]
-        decodes = [emu("decode", 3), emu("decode", 4)]
-        settings = load_settings(
-            environ={},
-            overrides={
-                "prefill": [{"url": u} for u in prefills],
-                "decode": [{"url": u} for u in decodes],
-                "policy": "kvcache_aware",
-                "logs": {"level": "warning"},
-            },
-        )
-        gateway = Gateway(settings)
+        if scenario == "pd":
+            urls = {"prefill": [emu("prefill", 1), emu("prefill", 2)], "decode": [emu("decode", 3), emu("decode", 4)]}
+        else:
+            urls = {"mixed": [emu("mixed", 1), emu("mixed", 2)]}
+        gateway = Gateway(_settings(urls))  # type: ignore[arg-type]
         url = stack.enter_context(serve(create_app(gateway))).url
-        statuses = asyncio.run(_drive(url + "/v1/completions", WARMUP, seed=11))
+        statuses = asyncio.run(_drive(url + "/v1/completions", WARMUP, 11, rate))
         gateway.policy.predictors.reset_errors()  # type: ignore[attr-defined]
-        statuses += asyncio.run(_drive(url + "/v1/completions", MEASURED, seed=12))
+        statuses += asyncio.run(_drive(url + "/v1/completions", MEASURED, 12, rate))
         stats = _exported(httpx.get(url + "/metrics").text)
-    if statuses.count(200) != WARMUP + MEASURED:
-        print(f"only {statuses.count(200)} of {WARMUP + MEASURED} requests succeeded")
-        return 1
-
+    ok = statuses.count(200)
     print(
-        f"prediction accuracy after warm-up ({time.monotonic() - t0:.0f} s wall, load average "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):"
+        f"{scenario}, workers on {'the A100 profile' if mismatched else 'the bundled profile'}, effects "
+        f"{'on' if effects else 'off'}, {rate:g} req/s: {ok} of {len(statuses)} ok (load average {os.getloadavg()[0]:.1f})"
     )
     for (component, instance), v in sorted(stats.items()):
         print(
-            f"  {component:18s} {instance:10s} n={int(v['samples']):4d}  MAPE {v['mape']:6.1%}  "
-            f"p90 coverage {v['p90_coverage']:.3f}"
+            f"  {component:18s} {instance:24s} n={int(v['samples']):4d}  "
+            f"MAPE {v['mape']:6.1%}  p90 coverage {v['p90_coverage']:.3f}"
         )
-    n, mape, cover = _pooled(stats, "ttft")
-    print(f"  ttft pooled: n={n} MAPE {mape:.1%} coverage {cover:.3f}")
-    for component in ("queue_and_prefill", "tbt_at_decision"):
-        cn, cm, cc = _pooled(stats, component)
-        print(f"  {component} pooled: n={cn} MAPE {cm:.1%} coverage {cc:.3f}")
-    ok = n >= 0.95 * MEASURED and mape <= 0.10 and 0.85 <= cover <= 0.95
-    print(f"targets (n >= {0.95 * MEASURED:.0f}, TTFT MAPE <= 10%, p90 coverage 0.85..0.95): {'met' if ok else 'MISSED'}")
-    return 0 if ok else 1
+    pooled = {c: _pooled(stats, c) for c in sorted({c for c, _ in stats})}
+    for c, (n, mape, cover) in pooled.items():
+        print(f"  {c} pooled: n={n} MAPE {mape:.1%} coverage {cover:.3f}")
+    return pooled
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", choices=("pd", "mixed", "all"), default="all")
+    ap.add_argument("--matched", action="store_true", help="workers on the bundled profile (the by-construction setup)")
+    ap.add_argument("--no-effects", action="store_true", help="workers without the timing effects")
+    ap.add_argument("--rate", type=float, default=None, help="arrivals per second (default: ~65%% of capacity)")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    missed = []
+    for scenario in ("pd", "mixed") if args.scenario == "all" else (args.scenario,):
+        pooled = run(scenario, not args.matched, not args.no_effects, args.rate)
+        n, mape, cover = pooled.get("ttft", (0, 1.0, 0.0))
+        if not (n >= 0.95 * MEASURED and mape <= 0.10 and 0.85 <= cover <= 0.95):
+            missed.append(scenario)
+    print(
+        f"targets (n >= {0.95 * MEASURED:.0f}, TTFT MAPE <= 10%, p90 coverage 0.85..0.95): "
+        f"{'MISSED on ' + ', '.join(missed) if missed else 'met'} ({time.monotonic() - t0:.0f} s wall)"
+    )
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import aiohttp
 from adapters.emulator.asgi import Receive, Scope, Send, send_bytes, send_json
 from adapters.emulator.bootstrap import TransferDone, TransferRegistry, wait_for_prefill
 from adapters.emulator.config import EmulatorConfig
+from adapters.emulator.effects import TimingEffects
 from adapters.emulator.engine import Engine, RemoteWait
 from adapters.emulator.kv_content import RemoteKv
 from adapters.emulator.kv_events import publisher_for
@@ -85,6 +86,12 @@ class EmulatorApp(ApiRoutes):
             noise=config.noise,
             seed=config.seed,
             scheduling_policy=config.scheduling_policy,
+            effects=TimingEffects(
+                config.max_num_batched_tokens,
+                config.mixed_batch_overhead,
+                config.kv_pressure_threshold,
+                config.kv_pressure_slowdown,
+            ),
         )
         self.registry = TransferRegistry()
         self.nixl = NixlAnswer(config.engine_id, config.advertised_host, config.side_channel_port, config.block_size)

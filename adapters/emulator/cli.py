@@ -14,6 +14,7 @@ import uvicorn
 from adapters.emulator.app import EmulatorApp
 from adapters.emulator.bootstrap import BootstrapApp
 from adapters.emulator.config import EmulatorConfig, _engine_id
+from adapters.emulator.effects import TimingEffects
 from adapters.emulator.lora import parse_lora_modules
 from adapters.emulator.protocols import PdProtocol, Role
 from adapters.emulator.readback import SideChannelApp
@@ -21,6 +22,29 @@ from conductor.core.cli_help import DefaultsHelpFormatter
 from conductor.core.vllm_hash import HASH_ALGOS
 
 log = logging.getLogger("adapters.emulator")
+
+
+def _add_effect_flags(p: argparse.ArgumentParser) -> None:
+    """Timing effects the predictors' formula lacks (adapters/emulator/effects.py); all off by default."""
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="chunked prefill: a step's token budget, a longer prompt is prefilled in chunks between decode steps (default: off)",
+    )
+    p.add_argument(
+        "--mixed-batch-overhead",
+        type=float,
+        default=0.0,
+        help="decodes sharing a step with a prefill chunk cost (1 + this) times their decode-only cost (default 0: off)",
+    )
+    p.add_argument("--kv-pressure-threshold", type=float, default=0.9, help="KV usage above which steps slow down (preemption)")
+    p.add_argument(
+        "--kv-pressure-slowdown",
+        type=float,
+        default=0.0,
+        help="extra fraction of a step's time at a full KV cache, growing linearly from the threshold (default 0: off)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-id", default=None, help="KV connector engine id (default: derived from host and port)")
     p.add_argument("--max-model-len", type=int, default=131_072, help="longest prompt plus output accepted")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running batch limit (default: the profile's)")
+    _add_effect_flags(p)
     p.add_argument("--default-max-tokens", type=int, default=16, help="output length when a request sets none")
     p.add_argument("--embedding-size", type=int, default=256, help="components of a /v1/embeddings vector")
     p.add_argument("--side-channel-port", type=int, default=5600, help="NIXL side channel port reported")
@@ -128,6 +153,10 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         default_max_tokens=args.default_max_tokens,
         embedding_size=args.embedding_size,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        mixed_batch_overhead=args.mixed_batch_overhead,
+        kv_pressure_threshold=args.kv_pressure_threshold,
+        kv_pressure_slowdown=args.kv_pressure_slowdown,
         side_channel_port=args.side_channel_port,
         remote_wait_s=args.remote_wait_s,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -196,7 +225,13 @@ async def serve(config: EmulatorConfig, log_level: str = "warning") -> None:
 
 
 def emulate_main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # the effects' bounds, checked before anything starts
+        a = args
+        TimingEffects(a.max_num_batched_tokens, a.mixed_batch_overhead, a.kv_pressure_threshold, a.kv_pressure_slowdown)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
     try:

@@ -40,6 +40,11 @@ class EmulatorConfig:
     default_max_tokens: int = 16  # when the request names none (vLLM: 16 for completions)
     embedding_size: int = 256  # components of a /v1/embeddings vector (the emulated hidden size)
     max_num_seqs: int | None = None  # overrides the profile's running batch limit
+    # timing effects the predictors' formula lacks (effects.py); the defaults turn them off
+    max_num_batched_tokens: int | None = None  # chunked prefill's token budget a step; None: no chunking
+    mixed_batch_overhead: float = 0.0  # decodes in a step with a prefill chunk cost (1 + this) x
+    kv_pressure_threshold: float = 0.9  # KV usage where steps start to slow down
+    kv_pressure_slowdown: float = 0.0  # extra fraction of a step's time at a full KV cache
     request_log_size: int = 256  # bodies and headers kept for GET /emulator/requests
     cancelled_log_size: int = 1024  # request ids kept for GET /emulator/cancelled
     max_body_bytes: int = 64 << 20

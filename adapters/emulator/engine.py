@@ -1,12 +1,12 @@
 """The emulated engine: an FCFS prefill queue and a continuously batched decode loop.
 
 One engine step at a time, as vLLM's scheduler runs them: a step takes at most one waiting request
-into prefill (the whole prompt, FCFS; the running batch limit is `max_num_seqs`) and advances every
-running sequence by one token. The step lasts what the profile says:
-  prefill only:      T_prefill(new, cached)
-  decode only:       TBT(batch, resident KV tokens)
-  both:              T_prefill + (TBT - decode_base)  (the decodes ride along in the prefill's batch)
-New sequences join the batch at step boundaries, so queueing delay is real and shows up in TTFT.
+into prefill (FCFS; the running batch limit is `max_num_seqs`) and advances every running sequence
+by one token. The step lasts what the profile says -- T_prefill(new, cached) for a prefill,
+TBT(batch, resident KV) for decodes, T_prefill + (TBT - decode_base) for both (the decodes ride in
+the prefill's batch) -- unless effects.py's options (chunked prefill, mixed-batch interference, KV
+pressure) say otherwise. New sequences join the batch at step boundaries, so queueing delay is real
+and shows up in TTFT.
 
 A decode leg whose KV comes from a remote prefill (P/D) waits outside the step loop (vLLM's
 WAITING_FOR_REMOTE_KVS): first for the prefill to be done (`remote_wait`), then for the transfer of
@@ -39,10 +39,11 @@ import random
 from collections import deque
 from collections.abc import Awaitable, Callable
 
+from adapters.emulator.effects import TimingEffects
 from adapters.emulator.kv_content import PulledKv, RemoteKv, content_seed, received_taint
 from adapters.emulator.kv_events import KvEventPublisher, all_blocks_cleared, events_for
 from adapters.emulator.lora import LoraAdapter
-from adapters.emulator.metrics import EngineMetrics, RequestTimes
+from adapters.emulator.metrics import EngineMetrics
 from adapters.emulator.prefix_cache import CacheChanges, PrefixCache
 from adapters.emulator.profile import Profile
 from adapters.emulator.sequence import Sequence
@@ -54,6 +55,7 @@ RemoteWait = Callable[[], Awaitable[RemoteKv | None]]
 # Awaited by a prefill leg that may read KV back from a decode, given its local hit in tokens; None:
 # nothing pulled (below the threshold, covered, or a load failure), compute it all here.
 KvPull = Callable[[Sequence, int], Awaitable[PulledKv | None]]
+NO_EFFECTS = TimingEffects()
 _SPIN_S = 0.0015  # the last stretch of a step is spun on loop.time(): asyncio.sleep overshoots by ~1 ms
 
 
@@ -72,8 +74,10 @@ class Engine:
         noise: float = 0.0,
         seed: int | None = None,
         scheduling_policy: str = "fcfs",
+        effects: TimingEffects = NO_EFFECTS,
     ) -> None:
         self.profile = profile
+        self.effects = effects  # timing the predictors' formula lacks (effects.py); off by default
         # vLLM's --scheduling-policy: "fcfs", or "priority" (the waiting request of the lowest
         # (priority, arrival) goes first: a request can jump the queue, never the running step)
         self.by_priority = scheduling_policy == "priority"
@@ -86,6 +90,7 @@ class Engine:
         self._rng = random.Random(seed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._prefilling: Sequence | None = None  # a prompt whose chunked prefill is in progress
         self._remote: dict[Sequence, asyncio.Task[None]] = {}  # legs waiting for remote KV
         self._pinned: set[Sequence] = set()  # finished, blocks kept (pin_on_finish)
         self.on_pinned: Callable[[Sequence], None] | None = None  # told of each sequence pinned
@@ -185,6 +190,8 @@ class Engine:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+        if seq is self._prefilling:
+            self._prefilling = None
         self._release(seq)
         self.metrics.success_abort.inc()
         seq.tokens.put_nowait(None)
@@ -193,7 +200,7 @@ class Engine:
     def reset_cache(self) -> None:
         """Drop every cached block and announce AllBlocksCleared (vLLM's /reset_prefix_cache)."""
         self.cache.clear()
-        for seq in [*self.running, *self.waiting, *self._remote, *self._pinned]:
+        for seq in [*self.running, *self.waiting, *self._remote, *self._pinned, *filter(None, [self._prefilling])]:
             seq.held_blocks = 0
         self._pending = CacheChanges()
         if self.publisher is not None:
@@ -317,16 +324,7 @@ class Engine:
             else:
                 self._release(seq)
             seq.tokens.put_nowait(None)
-            scheduled = seq.scheduled_at if seq.scheduled_at is not None else seq.arrival
-            self.metrics.finished(
-                RequestTimes(
-                    queue_s=scheduled - seq.arrival,
-                    prefill_s=seq.first_token_at - scheduled,
-                    decode_s=now - seq.first_token_at,
-                    e2e_s=now - seq.arrival,
-                    ttft_s=seq.first_token_at - seq.arrival,
-                )
-            )
+            self.metrics.finished(seq.times(now))
 
     def _next_waiting(self) -> Sequence:
         if not self.by_priority:
@@ -335,41 +333,48 @@ class Engine:
         self.waiting.remove(best)
         return best
 
+    def _start_prefill(self, start: float) -> Sequence:
+        """Take the next waiting request into prefill: pin its hit, cache the rest of its blocks."""
+        prefill = self._next_waiting()
+        prefill.scheduled_at = start
+        if prefill.preloaded:  # its hit and pulled blocks are held: cache the rest
+            held, changes = self.cache.insert(prefill.digests, prefill.prompt, prefill.held_blocks, prefill.lora)
+            prefill.held_blocks += held
+            self._pending.extend(changes)
+        else:
+            hit = self.cache.hit_blocks(prefill.digests, prefill.prompt_tokens)
+            prefill.cached_tokens = hit * self.cache.block_size
+            self._admit(prefill, hit)
+        self.metrics.prompt(prefill.prompt_tokens, prefill.cached_tokens, prefill.external_tokens)
+        return prefill
+
+    def _step_s(self, prefill: Sequence | None, batch: list[Sequence]) -> tuple[float, int]:
+        """The step's modelled duration (scaled) and the prefill chunk it computes (effects.py)."""
+        kv = sum(s.prompt_tokens + s.generated for s in batch)
+        chunk_at: tuple[int, int] | None = None
+        if prefill is not None:
+            have = prefill.cached_tokens + prefill.external_tokens + prefill.computed
+            chunk_at = (self.effects.chunk(prefill.prompt_tokens - have, len(batch)), have)
+        usage = (kv + (sum(chunk_at) if chunk_at else 0)) / (self.cache.capacity_blocks * self.cache.block_size)
+        duration = self.effects.step_s(self.profile, chunk_at, len(batch), kv, usage)
+        return self.scaled(duration), 0 if chunk_at is None else chunk_at[0]
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
-        profile = self.profile
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and self._prefilling is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             start = loop.time()
-            prefill: Sequence | None = None
-            if self.waiting and len(self.running) < profile.max_num_seqs:
-                prefill = self._next_waiting()
-                prefill.scheduled_at = start
-                if prefill.preloaded:  # its hit and pulled blocks are held: cache the rest
-                    held, changes = self.cache.insert(prefill.digests, prefill.prompt, prefill.held_blocks, prefill.lora)
-                    prefill.held_blocks += held
-                    self._pending.extend(changes)
-                else:
-                    hit = self.cache.hit_blocks(prefill.digests, prefill.prompt_tokens)
-                    prefill.cached_tokens = hit * self.cache.block_size
-                    self._admit(prefill, hit)
-                self.metrics.prompt(prefill.prompt_tokens, prefill.cached_tokens, prefill.external_tokens)
+            prefill = self._prefilling  # a chunked prefill goes on first, as vLLM's running requests
+            if prefill is None and self.waiting and len(self.running) < self.profile.max_num_seqs:
+                prefill = self._prefilling = self._start_prefill(start)
             batch = list(self.running)
-            duration = 0.0
-            if prefill is not None:
-                have = prefill.cached_tokens + prefill.external_tokens
-                duration += profile.prefill_s(prefill.prompt_tokens - have, have)
-            if batch:
-                kv = sum(s.prompt_tokens + s.generated for s in batch)
-                step = profile.decode_step_s(len(batch), kv)
-                duration += step - profile.decode_base_s if prefill is not None else step
             self._update_gauges()
-            step_s = self.scaled(duration)
+            step_s, chunk = self._step_s(prefill, batch)
             if prefill is not None:
-                prefill.modelled_prefill_s = step_s
+                prefill.modelled_prefill_s = (prefill.modelled_prefill_s or 0.0) + step_s
                 prefill.prefill_step = self.steps
             for waiting in self.waiting:
                 waiting.modelled_queue_s += step_s
@@ -383,8 +388,13 @@ class Engine:
                 if not seq.aborted and not seq.finished:
                     self._emit(seq, now)
             self.running = [s for s in self.running if not s.finished and not s.aborted]
-            if prefill is not None and not prefill.aborted:
-                self._emit(prefill, now)
-                if not prefill.finished:
-                    self.running.append(prefill)
+            if prefill is not None:
+                prefill.computed += chunk
+                have = prefill.cached_tokens + prefill.external_tokens + prefill.computed
+                if prefill.aborted or have >= prefill.prompt_tokens:
+                    self._prefilling = None
+                if not prefill.aborted and have >= prefill.prompt_tokens:
+                    self._emit(prefill, now)
+                    if not prefill.finished:
+                        self.running.append(prefill)
             self._update_gauges()

@@ -73,6 +73,12 @@ def load_profile(path: str | Path | None = None) -> Profile:
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown profile keys: {sorted(unknown)}")
+    for key, value in values.items():  # YAML 1.1 reads 2.0e10 (no exponent sign) as a string
+        if key not in ("name", "max_num_seqs") and not isinstance(value, int | float):
+            try:
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"profile key {key}: {value!r} is not a number") from None
     base: dict[str, Any] = {}
     if csv_path is not None:
         base = dataclasses.asdict(fit_csv(csv_path))

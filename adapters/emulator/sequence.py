@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from adapters.emulator.kv_content import Taint
 from adapters.emulator.lora import LoraAdapter
+from adapters.emulator.metrics import RequestTimes
 from adapters.emulator.openai_format import sample_seed
 
 
@@ -32,6 +33,7 @@ class Sequence:
     pin_on_finish: bool = False  # keep the blocks after finishing, until `Engine.unpin`
     held_blocks: int = 0  # leading digests this sequence pins in the cache
     generated: int = 0
+    computed: int = 0  # prompt tokens prefilled here so far (a chunked prefill advances it step by step)
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -39,9 +41,9 @@ class Sequence:
     finished: bool = False
     arrival_index: int = 0  # submission order in this engine (FCFS is checked against it)
     priority: int = 0  # the request's `priority`: lower first, under the priority scheduling policy
-    prefill_step: int | None = None  # the engine step that computed the prompt
+    prefill_step: int | None = None  # the engine step that computed the prompt (its last chunk)
     modelled_queue_s: float = 0.0  # modelled time between arrival and its prefill step
-    modelled_prefill_s: float | None = None  # modelled duration of that step
+    modelled_prefill_s: float | None = None  # modelled duration of that step (of all its chunks' steps)
     modelled_transfer_s: float | None = None  # remote-KV decode legs: modelled KV transfer
 
     @property
@@ -52,3 +54,15 @@ class Sequence:
     def text_seed(self) -> int:
         """What its generated words come from: its KV's content, and which sample it is."""
         return sample_seed(self.kv_seed, self.sample)
+
+    def times(self, now: float) -> RequestTimes:
+        """Its wall-clock phases, finished at `now` (its first token is out)."""
+        scheduled = self.scheduled_at if self.scheduled_at is not None else self.arrival
+        first = self.first_token_at if self.first_token_at is not None else now
+        return RequestTimes(
+            queue_s=scheduled - self.arrival,
+            prefill_s=first - scheduled,
+            decode_s=now - first,
+            e2e_s=now - self.arrival,
+            ttft_s=first - self.arrival,
+        )

@@ -187,6 +187,10 @@ class OutcomeLearner:
         # the decision-time TBT's errors and ratios feed only the exported error figures
         errors = pred.tracks_errors
         leg = obs.queue_and_prefill_s
+        if leg is None and p.decode is None and obs.ttft_s is not None:
+            # a mixed worker reports no prefill leg: its first token ends the prefill (queue, the
+            # prompt's chunks and the step that samples it), so its TTFT teaches the prefill model
+            leg = obs.ttft_s
         if leg is not None and leg > 0 and obs.prefill == p.prefill:
             if not p.leg_learned:
                 self._learn_leg(p, leg, obs.cached_tokens, obs.prompt_tokens)

@@ -288,3 +288,22 @@ def test_a_staged_pull_counts_the_holders_wait(params: PredictorParams) -> None:
     p1 = next(c for c in jumps.candidates if c.instance_id == "p1")
     assert p1.detail["transfer_s"] == pytest.approx(pred.transfer_s(6144, "instance") + head)
     assert p1.detail["transfer_s"] > next(c for c in direct.candidates if c.instance_id == "p1").detail["transfer_s"]
+
+
+def test_a_mixed_workers_first_token_teaches_the_prefill_model(params: PredictorParams) -> None:
+    """A mixed worker reports no prefill leg: its streamed TTFT (queue, prefill, the sampling step)
+    is the leg, so the prefill model learns there too instead of keeping its starting profile."""
+    pol = KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig(refit_every=8, min_samples=8)))
+    truth = Predictors(params.scaled(prefill=1.6), OnlineConfig(enabled=False))
+    rng = random.Random(5)
+    for i in range(64):
+        n = rng.randint(1000, 8000)
+        cluster = snapshot(InstanceView("m0", Role.MIXED))
+        req = replace(request(prompt=n, rid=f"m{i}"), stream=True)
+        d = routed(pol, req, cluster)
+        assert d.prefill == "m0"
+        ttft = truth.prefill_s(n, 0)
+        pol.observe(Observation(req.request_id, d.prefill, d.decode, n, 0, 0, None, ttft))
+    assert pol.predictors.refits >= 4
+    for n in (1000, 4000, 8000):
+        assert pol.predictors.prefill_s(n, 0) == pytest.approx(truth.prefill_s(n, 0), rel=0.05)
