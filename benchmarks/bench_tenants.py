@@ -19,11 +19,10 @@ loose SLOs; 30% urgent) from two tenants of equal weight, A and B.
    (each tenant's key; the class in `x-priority`), vllm-router round_robin and cache_aware (no classes
    and no tenants: what happens to the urgent class there is the comparison).
 
-Conductor's knobs, as measured best here (docs/benchmarks.md): `limits.max_inflight_requests` 48 (about
-the fleet's concurrency at capacity, so the tenants' fair share binds), `priority.sheddable_share` 1.0
-(no count-based shedding) and the batch class's Conductor SLO at half the urgent one (`--batch-admit`:
-admission then takes batch only onto capacity the urgent class does not need; the client still scores
-batch by its own loose SLO).
+Conductor runs with the defaults a user gets: only `priority.classes` (each class's own SLO) and
+`auth.tenants`, as docs/deploy.md shows. The knobs tuned by hand before class-aware admission are
+flags, off by default: `--max-inflight` (limits.max_inflight_requests), `--sheddable-share`
+(priority.sheddable_share), `--batch-admit F` (batch's Conductor SLO at F x the urgent one).
 
 Per class and tenant: the share admitted (not a 429), SLO attainment among the admitted and over
 everything sent (a 429 is a miss). Medians over `--repeat` runs, with min..max; router order
@@ -78,7 +77,16 @@ def conductor_settings(
     urgent, batch = classes[URGENT], classes[SHEDDABLE]
     if args.batch_admit > 0:  # admit batch by a fraction of the urgent SLO: onto idle capacity only
         batch = ClassShape(urgent.ttft_s * args.batch_admit, urgent.tbt_s * args.batch_admit, batch.prompt, batch.output)
-    return {
+    priority: dict[str, Any] = {
+        "classes": {
+            URGENT: {"slo": {"ttft_s": urgent.ttft_s, "tbt_s": urgent.tbt_s}, "rank": 0},
+            SHEDDABLE: {"slo": {"ttft_s": batch.ttft_s, "tbt_s": batch.tbt_s}, "rank": 1, "sheddable": True},
+        },
+        "default": URGENT,
+    }
+    if args.sheddable_share is not None:
+        priority["sheddable_share"] = args.sheddable_share
+    out = {
         "host": "127.0.0.1",
         "port": port,
         "logs": {"level": "warning"},
@@ -90,17 +98,12 @@ def conductor_settings(
         "block_size": 16,
         "slo": {"ttft_s": urgent.ttft_s, "tbt_s": urgent.tbt_s},
         "kv": {"enabled": True, "tokenizer": "builtin"},
-        "priority": {
-            "classes": {
-                URGENT: {"slo": {"ttft_s": urgent.ttft_s, "tbt_s": urgent.tbt_s}, "rank": 0},
-                SHEDDABLE: {"slo": {"ttft_s": batch.ttft_s, "tbt_s": batch.tbt_s}, "rank": 1, "sheddable": True},
-            },
-            "default": URGENT,
-            "sheddable_share": args.sheddable_share,
-        },
+        "priority": priority,
         "auth": {"tenants": {t: {"api_keys": [k], "weight": 1} for t, k in KEYS.items()}, "public_metrics": True},
-        "limits": {"max_inflight_requests": args.max_inflight},
     }
+    if args.max_inflight is not None:
+        out["limits"] = {"max_inflight_requests": args.max_inflight}
+    return out
 
 
 def start(group: ChildGroup, spec: RouterSpec, args: argparse.Namespace, log_dir: Path) -> str:
@@ -250,14 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-inflight",
         type=int,
-        default=48,
-        help="Conductor's limits.max_inflight_requests (~ the fleet's concurrency at capacity)",
+        default=None,
+        help="Conductor's limits.max_inflight_requests (default: the gateway's own, 4096)",
     )
-    ap.add_argument("--sheddable-share", type=float, default=1.0, help="Conductor's priority.sheddable_share")
+    ap.add_argument("--sheddable-share", type=float, default=None, help="Conductor's priority.sheddable_share (default: its own)")
     ap.add_argument(
         "--batch-admit",
         type=float,
-        default=0.5,
+        default=0.0,
         help="Conductor judges batch requests by this fraction of the urgent SLOs (0: by batch's own); the "
         "client always scores batch by its own",
     )

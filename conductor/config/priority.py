@@ -7,6 +7,7 @@
       default: interactive      # the class of a request that names none
       header: x-priority        # where a request names its class (else a string `priority` in its body)
       sheddable_share: 0.5      # sheddable classes are admitted only while in flight < 0.5 x limits.max_inflight_requests
+      guard_margin: 0.5         # a less urgent class is admitted only within 0.5 x the most urgent class's SLO
 
 A request's class (conductor/routing/priority.py): the header, else its body's `priority` when that is
 a string (an integer `priority` is vLLM's own and is passed on untouched), else its tenant's
@@ -20,7 +21,10 @@ while the gateway's requests in flight are at `share` (default `sheddable_share`
 others). Start-up errors: a `default` or a tenant's class that is not a class; `default` without
 classes or classes without a `default`; a sheddable class ranked as urgent as, or more than, a class
 that is not sheddable; a less urgent sheddable class with a larger share than a more urgent one (it
-would be shed last). With no classes (the default) nothing of this applies: every request is as today.
+would be shed last). `guard_margin`: the policy's admission (kvcache_aware) judges a request of a class less urgent than the
+most urgent by `min(its SLO, guard_margin x the most urgent class's SLO)`, so it takes only capacity
+the urgent class does not need (policies/classes.py); its SLO as the client and the metrics see it is
+its own. With no classes (the default) nothing of this applies: every request is as today.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class PrioritySettings(_Model):
     default: Name | None = None
     header: str = Field(default="x-priority", min_length=1)
     sheddable_share: float = Field(default=0.5, gt=0, le=1)
+    # a class less urgent than the most urgent is admitted only within this share of the most urgent
+    # class's SLO (policies/classes.py: it must leave that class room)
+    guard_margin: float = Field(default=0.5, gt=0, le=1)
 
     @field_validator("header")
     @classmethod

@@ -6,7 +6,7 @@ shared between processes, no prefills on decode instances, no prediction error m
 `runtime_checkable`, so an isinstance check looks for the members' names only; the types here
 are what the gateway relies on once the check passed.
 
-Core imports nothing of the project, so the predictors' own types appear here as the small
+Core imports nothing of the project outside core, so the predictors' own types appear here as the small
 protocols the gateway uses of them (`OnlineLearner`, `PredictionError`).
 """
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import MutableSequence, Sequence
 from typing import Protocol, runtime_checkable
+
+from conductor.core.classes import ClassRules
 
 # one sample a model learned, in the form sibling processes exchange (predictors/lessons.py)
 Lesson = tuple[str | int | float, ...]
@@ -92,3 +94,11 @@ def online_learner(policy: object) -> OnlineLearner | None:
         return None
     learner = policy.predictors
     return learner if isinstance(learner, OnlineLearner) else None
+
+
+@runtime_checkable
+class ClassAware(Protocol):
+    """A policy whose admission knows the gateway's priority classes and tenants (kvcache_aware),
+    told them once at start-up (conductor/routing/router.py)."""
+
+    def configure_classes(self, rules: ClassRules) -> None: ...

@@ -23,7 +23,8 @@ from typing import Any
 from adapters.lesson_share import LessonShare, NoLessonShare
 from conductor.config.pools import pool_slos
 from conductor.config.settings import Settings
-from conductor.core.capabilities import OnlineLearner, online_learner
+from conductor.core.capabilities import ClassAware, OnlineLearner, online_learner
+from conductor.core.classes import ClassRules
 from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected
 from conductor.core.types import (
     ClusterSnapshot,
@@ -103,6 +104,8 @@ class Router:
             for name, c in settings.priority.classes.items()
             if c.slo is not None and c.slo.model_fields_set
         }
+        if isinstance(policy, ClassAware) and (settings.priority.enabled or settings.auth.tenants):
+            policy.configure_classes(self._class_rules())  # its admission knows classes and tenants
         self._leg_observer = policy if isinstance(policy, PrefillLegObserver) else None
         # looked up once: a labels() call per request and label was ~1 us each (profiled)
         self._cached_tokens = (metrics.cached_tokens.labels("cached"), metrics.cached_tokens.labels("computed"))
@@ -131,6 +134,19 @@ class Router:
         if tbt_header:
             tbt = _slo_ms(SLO_TBT_HEADER, tbt_header)
         return Slo(ttft_s=ttft, tbt_s=tbt)
+
+    def _class_rules(self) -> ClassRules:
+        """What the policy's admission is told of the classes and tenants (policies/classes.py): the
+        most urgent class's SLO as `slo_for` gives it for a model without a pool SLO of its own."""
+        priority = self._settings.priority
+        names = priority.names()
+        return ClassRules(
+            ranks={name: c.rank for name, c in priority.classes.items()},
+            sheddable=frozenset(priority.shares()),
+            urgent_slo=self.slo_for("", None, None, names[0]) if names else self._default_slo,
+            guard_margin=priority.guard_margin,
+            weights={name: t.weight for name, t in self._settings.auth.tenants.items()},
+        )
 
     def propose(
         self,

@@ -15,6 +15,8 @@ A decision runs six stages (`KvCacheAwarePolicy._decide`):
    (mixed.py).
 4. admission: the TTFT at the client and the TBT on arrival, as calibrated upper bounds, against
    the SLOs; a predicted miss is a rejection, nothing is forwarded (stages.py, policies.admission).
+   A class less urgent than the most urgent is judged by the guarded SLO (policies/classes.py); a
+   tenant above its share of the work while another is refused for room is refused (fairness.py).
 5. fallback: a prefill on the decode itself where that wins (policies/local_prefill.py), and a
    probe let through after `probe_after` rejections in a row (stages.py).
 6. explain: the Decision, listing the best `listed_candidates` of each pool and the chosen ones.
@@ -32,7 +34,9 @@ from __future__ import annotations
 from conductor.core.errors import ConfigError
 from conductor.core.types import ClusterSnapshot, Decision, Observation, PrefillLeg, RequestView
 from policies.base import NO_INSTANCE, BasePolicy
+from policies.classes import NO_RULES, ClassRules, guarded
 from policies.estimate import decode_candidate, prefill_candidate
+from policies.kvcache_aware.fairness import TENANT_SHARE, TenantService
 from policies.kvcache_aware.inflight import InflightPrefixes, with_inflight
 from policies.kvcache_aware.learning import OutcomeLearner
 from policies.kvcache_aware.mixed import place_mixed
@@ -50,6 +54,7 @@ from policies.kvcache_aware.options import (
 )
 from policies.kvcache_aware.placement import Placement, TbtBound, place_disaggregated
 from policies.kvcache_aware.pool_estimates import PoolPrefillEstimates
+from policies.kvcache_aware.prefill_duty import PrefillDuty
 from policies.kvcache_aware.sessions import (
     MOVED,
     LastTurn,
@@ -124,6 +129,17 @@ class KvCacheAwarePolicy(BasePolicy):
         self._rejected_in_a_row = 0  # SLO rejections since the last admitted request (`probe_after`)
         sessions = options.sessions
         self.sessions = SessionTable(sessions.max_sessions) if sessions.affinity else None
+        self.classes = NO_RULES  # priority classes and tenants (configure_classes); none until told
+        self.tenants: TenantService | None = None  # tenants' recent work admitted (fairness.py)
+        self.duty: PrefillDuty | None = None  # mixed workers' recent prefill duty (prefill_duty.py)
+
+    def configure_classes(self, rules: ClassRules) -> None:
+        """The gateway's priority classes and tenants (conductor/routing/router.py, at start-up): a
+        less urgent class is judged by the guarded SLO (policies/classes.py), and with two tenants or
+        more each is held to its share of the work while another is refused for room (fairness.py)."""
+        self.classes = rules
+        self.tenants = TenantService(rules) if len(rules.weights) > 1 else None
+        self.duty = PrefillDuty() if rules.ranks else None
 
     @property
     def listed_candidates(self) -> int | None:
@@ -144,8 +160,10 @@ class KvCacheAwarePolicy(BasePolicy):
 
     def _decide(self, request: RequestView, cluster: ClusterSnapshot, only_p: str | None, only_d: str | None) -> Decision:
         """The six stages of the module docstring; `only_p` / `only_d` narrow the pools to one
-        placement (`judge`). A session's hint (sessions.py) enters the estimates."""
+        placement (`judge`). A session's hint (sessions.py) enters the estimates. A less urgent
+        class is judged by its guarded SLO; a tenant above its share is refused (fairness.py)."""
         pred, options = self.predictors, self.options
+        request = guarded(request, self.classes)
         pools = candidates(request, cluster, self.pull_links, only_p, only_d, self.name)
         if isinstance(pools, Decision):
             return pools  # no healthy instance in a pool the request needs
@@ -153,23 +171,26 @@ class KvCacheAwarePolicy(BasePolicy):
         last = None if self.sessions is None or request.session is None or pools.pinned else self.sessions.last(request.session)
         hint = None if last is None else hinted(seen, last, pools.prefills)
         weighed = estimates(pred, seen if hint is None else hint, pools, None)
-        placed, tbt = self._place(request, pools, weighed)
+        placed, tbt = self._place(request, pools, weighed, cluster.now)
         hint_marked = None
         if hint is not None and last is not None:
             plain = None  # the placement without the hint, needed only where the hint's instance won
             if pools.prefills[placed.best].id == last.prefill:
-                plain = self._place(request, pools, estimates(pred, seen, pools, None))[0].best
+                plain = self._place(request, pools, estimates(pred, seen, pools, None), cluster.now)[0].best
             hint_marked = hint_mark(placed.best, pools.prefills, last, plain)
         placed, verdict, decode_marked = self._admit(request, cluster, pools, weighed, placed, tbt, last)
         local = local_fallback(self.local, pred, request, cluster, pools, placed, verdict)
         rejection = probed(verdict.rejection, options.admission.probe_after, self._rejected_in_a_row)
+        if rejection is None and local is None and self.tenants is not None and not pools.pinned:
+            rejection = self.tenants.refuse(request, cluster.now)
         decision = explain(request, self.name, pools, weighed, placed, verdict, rejection, local)
         if hint_marked is None and decode_marked is None:
             return decision
         return mark_session(decision, (hint_marked, decode_marked))
 
-    def _place(self, request: RequestView, pools: Pools, weighed: PoolPrefillEstimates) -> tuple[Placement, TbtBound]:
-        """Stage 3, placement, and the TBT bound admission will judge it by."""
+    def _place(self, request: RequestView, pools: Pools, weighed: PoolPrefillEstimates, now: float) -> tuple[Placement, TbtBound]:
+        """Stage 3, placement, and the TBT bound admission will judge it by; a less urgent class on
+        mixed workers under the prefills queued ahead (backlog) and the workers' duty (prefill_duty.py)."""
         pred, options = self.predictors, self.options
         if pools.disaggregated:
             tbt = TbtBound.of(pred, options.admission.tbt_quantile)
@@ -178,7 +199,10 @@ class KvCacheAwarePolicy(BasePolicy):
             )
             return placed, tbt
         tbt = TbtBound.of(pred, options.mixed.tbt_quantile)  # mixed workers judge TBT at their own quantile
-        return place_mixed(pred, request, weighed, options, tbt), tbt
+        less_urgent = self.classes.less_urgent(request.priority)
+        duty = self.duty
+        stretch = None if duty is None or not less_urgent else lambda worker, prefill_s: duty.stretch(worker, prefill_s, now)
+        return place_mixed(pred, request, weighed, options, tbt, less_urgent, stretch), tbt
 
     def _admit(
         self,
@@ -212,12 +236,18 @@ class KvCacheAwarePolicy(BasePolicy):
 
         State, and why: `_rejected_in_a_row` (SLO rejections since the last admitted request, for
         the `probe_after` probe), `sessions` (each session's last turn: its instances and prompt, sessions.py),
-        `inflight` (the prefixes dispatched and not yet indexed), the local prefills' duty, and the
+        `inflight` (the prefixes dispatched and not yet indexed), `tenants` (each tenant's recent work
+        admitted and SLO rejections, fairness.py), `duty` (prefill seconds admitted per worker,
+        prefill_duty.py), the local prefills' duty, and the
         learner's pending predictions (learning.py: what was predicted for each admitted request,
         bounded by `max_pending`, until `observe` compares it with what happened).
         """
+        if self.tenants is not None:
+            self.tenants.record(request, decision, cluster.now)
+        if self.duty is not None:
+            self.duty.record(decision, cluster.now)
         if decision.rejection is not None:
-            if decision.rejection.reason != NO_INSTANCE:
+            if decision.rejection.reason not in (NO_INSTANCE, TENANT_SHARE):  # a probe tests predictions only
                 self._rejected_in_a_row += 1
             return
         self._rejected_in_a_row = 0

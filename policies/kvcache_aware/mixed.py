@@ -25,6 +25,8 @@ from policies.kvcache_aware.placement import Placement, TbtBound
 from policies.kvcache_aware.pool_estimates import PoolPrefillEstimates
 from predictors.online import Predictors
 
+Stretch = Callable[[str, float], float]  # (worker id, its prefill seconds) -> the factor its TBT is stretched by
+
 
 def idle(worker: InstanceView) -> bool:
     """A mixed worker where nothing decodes and no prefill waits. Its TBT is not judged: a stream
@@ -85,16 +87,39 @@ class MixedWorkers:
     """A mixed pool, each worker weighed as the request's decode too: lazily, and once each (its
     estimate walks the worker's streams, and the rules ask about as few workers as they can)."""
 
-    __slots__ = ("_decodes", "pred", "predicted", "request", "tbt_ratio", "tbt_slo", "ttfts", "workers", "works")
+    __slots__ = (
+        "_decodes",
+        "pred",
+        "predicted",
+        "request",
+        "stalls",
+        "stretch",
+        "tbt_ratio",
+        "tbt_slo",
+        "ttfts",
+        "workers",
+        "works",
+    )
 
     def __init__(
-        self, pred: Predictors, request: RequestView, weighed: PoolPrefillEstimates, predicted: bool, tbt_ratio: float
+        self,
+        pred: Predictors,
+        request: RequestView,
+        weighed: PoolPrefillEstimates,
+        predicted: bool,
+        tbt_ratio: float,
+        backlog: bool = False,
+        stretch: Stretch | None = None,
     ) -> None:
         self.pred = pred
         self.request = request
         self.workers = weighed.prefills
         self.ttfts = weighed.ttfts
         self.works = weighed.works()  # each worker's own prefill compute: what its streams would wait for
+        # `backlog` (a less urgent class, policies/classes.py): its streams wait for the prefills queued
+        # ahead of it too, all of it before its first token, which the TTFT bounds
+        self.stalls = self.ttfts if backlog else self.works
+        self.stretch = stretch  # (worker id, its prefill seconds) -> its TBT's stretch by prefill duty
         self.predicted = predicted  # judged at arrival (the TTFT from now), else by the load now
         self.tbt_ratio = tbt_ratio
         self.tbt_slo = request.slo.tbt_s
@@ -113,13 +138,17 @@ class MixedWorkers:
         """Worker `i`'s TBT as admission will judge it, under the same calibrated bound (placing by
         the point prediction chose workers whose bound admission then rejected, beside one that
         fit); 0 on an idle worker, whose TBT is not judged (`idle`)."""
-        return 0.0 if idle(self.workers[i]) else self.decode(i).tbt_s * self.tbt_ratio
+        worker = self.workers[i]
+        if idle(worker):
+            return 0.0
+        bound = self.decode(i).tbt_s * self.tbt_ratio
+        return bound if self.stretch is None else bound * self.stretch(worker.id, self.works[i])
 
     def absorbs(self, i: int) -> bool:
         """The streams on worker `i` absorb the request's prefill and keep their TBT SLO."""
         slo = self.tbt_slo
         assert slo is not None  # asked only of requests with a TBT SLO
-        return stall_fits(self.workers[i], self.works[i], slo - self.tbt_bound(i))
+        return stall_fits(self.workers[i], self.stalls[i], slo - self.tbt_bound(i))
 
     def absorbed_bound(self, i: int) -> float:
         """`tbt_bound` where the streams absorb the prefill, else inf: such a worker fits no SLO."""
@@ -127,15 +156,24 @@ class MixedWorkers:
 
 
 def place_mixed(
-    pred: Predictors, request: RequestView, weighed: PoolPrefillEstimates, options: KvCacheAwareOptions, tbt: TbtBound
+    pred: Predictors,
+    request: RequestView,
+    weighed: PoolPrefillEstimates,
+    options: KvCacheAwareOptions,
+    tbt: TbtBound,
+    backlog: bool = False,
+    stretch: Stretch | None = None,
 ) -> Placement:
-    """The worker by the rules above; the workers listed are the same as prefill and as decode."""
+    """The worker by the rules above; the workers listed are the same as prefill and as decode.
+    `backlog`: the streams must absorb the prefills queued ahead of this one too (a less urgent
+    class: it may not take the urgent streams' spare time, only what is left of it); `stretch`, its
+    TBT bound stretched by each worker's prefill duty (prefill_duty.py; the same class)."""
     mode = options.admission.mode
-    workers = MixedWorkers(pred, request, weighed, mode is AdmissionMode.PREDICTED, tbt.ratio)
+    workers = MixedWorkers(pred, request, weighed, mode is AdmissionMode.PREDICTED, tbt.ratio, backlog, stretch)
     stalled = [stalled_stream_s(w, len(p.decodes)) for w, p in zip(workers.works, weighed.prefills, strict=True)]
     protect = options.mixed.protect_streams and request.slo.tbt_s is not None and mode is not AdmissionMode.NONE
     best, calm = _choose(workers, options, stalled, protect)
-    unabsorbed = workers.works[best] if protect and not calm and not workers.absorbs(best) else None
+    unabsorbed = workers.stalls[best] if protect and not calm and not workers.absorbs(best) else None
     listed = listed_indices(workers.ttfts, options.placement.listed_candidates, best)
     return Placement(
         best=best,
@@ -144,6 +182,7 @@ def place_mixed(
         decodes_listed=[workers.decode(i) for i in listed],
         stalled=stalled,
         unabsorbed_s=unabsorbed,
+        tbt_stretch=1.0 if stretch is None else stretch(weighed.prefills[best].id, workers.works[best]),
     )
 
 

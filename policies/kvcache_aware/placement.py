@@ -34,6 +34,7 @@ class Placement:
     decode_tbts: list[float] | None = None  # P/D: every decode's TBT now (local prefills weigh them)
     stalled: list[float] | None = None  # mixed: stream-seconds each worker's streams would stall
     unabsorbed_s: float | None = None  # mixed: the prefill the chosen worker's streams cannot absorb
+    tbt_stretch: float = 1.0  # mixed, a less urgent class: the chosen worker's TBT stretch by prefill duty
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,6 +125,8 @@ def admission(
     ttft = leg + pred.first_token_s(best.handoff_s, tbt_s) if pools.disaggregated else best.ttft_s
     ttft_bound = ttft if options.ttft_quantile is None else pred.bound("ttft", ttft, options.ttft_quantile)
     tbt_bound = None if tbt.quantile is None else judged.tbt_s * tbt.ratio
+    if placed.tbt_stretch != 1.0:  # a less urgent class on a mixed worker: its prefill duty (prefill_duty.py)
+        tbt_bound = (judged.tbt_s if tbt_bound is None else tbt_bound) * placed.tbt_stretch
     if not pools.disaggregated and idle(best.instance):
         judged = None  # an idle mixed worker: its TBT is not judged (mixed.idle says why)
     rejection = admit(pred, request, options.mode, best, judged, ttft_s=ttft, ttft_bound_s=ttft_bound, tbt_bound_s=tbt_bound)

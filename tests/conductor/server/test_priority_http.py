@@ -114,23 +114,25 @@ def test_an_unknown_class_is_a_400_naming_the_classes() -> None:
 
 
 def test_a_classs_slo_is_what_admission_holds_its_requests_to() -> None:
+    # (a less urgent class is judged by the tighter of its SLO and half the urgent one, policies/classes.py:
+    # here its own is the tighter)
     classes = {
-        "interactive": {"slo": {"ttft_s": 0.0001}},  # no prefill of 1,000 tokens meets it
-        "batch": {"slo": {"ttft_s": 60.0}, "rank": 1, "sheddable": True},
+        "interactive": {"slo": {"ttft_s": 60.0}},
+        "batch": {"slo": {"ttft_s": 0.0001}, "rank": 1, "sheddable": True},  # no prefill of 1,000 tokens meets it
     }
     priority = {"classes": classes, "default": "interactive"}
     kv = {"enabled": False, "tokenizer": "builtin"}
     with _mixed(load_policy("kvcache_aware"), priority=priority, slo={"ttft_s": 60.0}, kv=kv) as c:
         long = {"prompt": "x" * 4000, "max_tokens": 4}
-        rejected = _post(c.url, **long)
+        rejected = _post(c.url, None, {"x-priority": "batch"}, **long)
         assert rejected.status_code == 429, rejected.text
         assert rejected.json()["error"]["code"] == "ttft_slo" and rejected.headers["x-conductor-reject-reason"] == "ttft_slo"
-        assert _post(c.url, None, {"x-priority": "batch"}, **long).status_code == 200
+        assert _post(c.url, **long).status_code == 200
         # the per-request header still overrides the class's SLO
-        assert _post(c.url, None, {"x-slo-ttft-ms": "60000"}, **long).status_code == 200
+        assert _post(c.url, None, {"x-priority": "batch", "x-slo-ttft-ms": "60000"}, **long).status_code == 200
         assert len(c.mixed[0].requests) == 2
-        assert scrape(c.url, "conductor_priority_requests_total", **{"class": "interactive", "status": "429"}) == 1
-        assert scrape(c.url, "conductor_priority_requests_total", **{"class": "batch", "status": "200"}) == 1
+        assert scrape(c.url, "conductor_priority_requests_total", **{"class": "batch", "status": "429"}) == 1
+        assert scrape(c.url, "conductor_priority_requests_total", **{"class": "interactive", "status": "200"}) == 1
 
 
 class _Held:

@@ -1,0 +1,244 @@
+"""Class- and tenant-aware admission in kvcache_aware (issue 37): a less urgent class judged by the
+guarded SLO (policies/classes.py), each tenant held to its share of the work admitted while another
+is refused for room (policies/kvcache_aware/fairness.py), and the gateway telling the policy both."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from conductor.config.settings import load_settings
+from conductor.core.types import (
+    ActiveDecode,
+    ClusterSnapshot,
+    InstanceView,
+    QueuedPrefill,
+    Rejection,
+    RequestView,
+    Role,
+    Slo,
+)
+from conductor.gateway import Gateway
+from policies.classes import ClassRules, guard_slo, guarded
+from policies.kvcache_aware import KvCacheAwarePolicy
+from policies.kvcache_aware.fairness import CONTEND_S, TENANT_SHARE, TenantService, over_share, work
+from policies.kvcache_aware.prefill_duty import WINDOW_S, PrefillDuty
+from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
+from tests.policies.cluster_builders import request, routed
+
+URGENT_SLO = Slo(ttft_s=3.0, tbt_s=0.24)  # the bench's, seconds (time scale 6)
+BATCH_SLO = Slo(ttft_s=60.0, tbt_s=0.9)
+RULES = ClassRules(
+    ranks={"interactive": 0, "batch": 1},
+    sheddable=frozenset({"batch"}),
+    urgent_slo=URGENT_SLO,
+    guard_margin=0.5,
+    weights={"A": 1.0, "B": 1.0},
+)
+
+
+def predictors() -> Predictors:
+    return Predictors(fit_profiles([bundled_profile()]), OnlineConfig(enabled=False))
+
+
+def policy(rules: ClassRules | None = RULES) -> KvCacheAwarePolicy:
+    p = KvCacheAwarePolicy(predictors=predictors(), admission="predicted")
+    if rules is not None:
+        p.configure_classes(rules)
+    return p
+
+
+def of(cls: str, tenant: str | None = "A", prompt: int = 1024, rid: str = "r1", slo: Slo | None = None) -> RequestView:
+    own = slo or (URGENT_SLO if cls == "interactive" else BATCH_SLO)
+    return replace(request(prompt, slo=own, rid=rid), priority=cls, tenant=tenant)
+
+
+def busy(n: int, at: float = 100.0) -> ClusterSnapshot:
+    """Two mixed workers with `n` streams each (no worker idle: TBT is judged)."""
+    streams = tuple(ActiveDecode(4000, 100) for _ in range(n))
+    return ClusterSnapshot(at, (InstanceView("m0", Role.MIXED, decodes=streams), InstanceView("m1", Role.MIXED, decodes=streams)))
+
+
+def scaled(n: int, high: float) -> Slo:
+    """The urgent SLO scaled so that one more stream beside `n` per worker decodes at `high` x its TBT
+    (the bundled profile is a fast GPU's: its TBTs are milliseconds)."""
+    tbt = predictors().tbt_s(n + 1, 1024 + 128 + n * 4000)
+    return Slo(ttft_s=URGENT_SLO.ttft_s, tbt_s=tbt / high)
+
+
+# ---- the guarded SLO --------------------------------------------------------------------------------
+
+
+def test_guard_slo_takes_the_tighter_field() -> None:
+    assert guard_slo(BATCH_SLO, URGENT_SLO, 0.5) == Slo(ttft_s=1.5, tbt_s=0.12)
+    assert guard_slo(Slo(ttft_s=1.0), URGENT_SLO, 0.5) == Slo(ttft_s=1.0, tbt_s=0.12)  # tighter own; none -> the guard
+    assert guard_slo(BATCH_SLO, Slo(), 0.5) == BATCH_SLO  # an urgent class without SLOs guards nothing
+    assert guarded(of("interactive"), RULES).slo == URGENT_SLO  # the most urgent class: its own
+    assert guarded(of("batch"), RULES).slo == Slo(ttft_s=1.5, tbt_s=0.12)
+    assert guarded(of("batch"), ClassRules()).slo == BATCH_SLO  # no classes told: unchanged
+
+
+def test_a_batch_request_that_would_slow_urgent_streams_is_rejected_and_an_urgent_one_admitted() -> None:
+    urgent = scaled(40, 0.8)  # one more stream: within the urgent TBT, past half of it
+    rules = replace(RULES, urgent_slo=urgent)
+    batch_slo = Slo(ttft_s=60.0, tbt_s=4 * urgent.tbt_s)  # type: ignore[operator]
+    cluster = busy(40)
+    batch = routed(policy(rules), of("batch", slo=batch_slo), cluster)
+    assert batch.rejected and batch.rejection is not None and batch.rejection.reason == "tbt_slo"
+    assert not routed(policy(rules), of("interactive", slo=urgent), cluster).rejected
+    assert not routed(policy(None), of("batch", slo=batch_slo), cluster).rejected  # class-blind: its own TBT admits it
+
+
+def test_a_batch_request_is_admitted_where_the_urgent_class_keeps_room() -> None:
+    urgent = scaled(40, 0.4)  # one more stream: within half the urgent TBT
+    batch_slo = Slo(ttft_s=60.0, tbt_s=4 * urgent.tbt_s)  # type: ignore[operator]
+    assert not routed(policy(replace(RULES, urgent_slo=urgent)), of("batch", slo=batch_slo), busy(40)).rejected
+
+
+# ---- tenants' share of the work ---------------------------------------------------------------------
+
+
+def test_over_share_and_work() -> None:
+    assert work(of("batch", prompt=1000)) == 1000 + 2 * 128
+    assert not over_share(50.0, 100.0, 1.0, 2.0) and not over_share(54.0, 100.0, 1.0, 2.0)  # within the slack
+    assert over_share(56.0, 100.0, 1.0, 2.0)
+    assert not over_share(60.0, 100.0, 2.0, 3.0)  # twice the weight: two thirds
+
+
+def _flooded(p: KvCacheAwarePolicy, at: float = 100.0) -> None:
+    """B had four times A's work admitted; then A was refused for room (an SLO rejection)."""
+    idle = ClusterSnapshot(at - 1.0, (InstanceView("m0", Role.MIXED),))
+    for i in range(4):
+        assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
+    assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
+    missed = routed(p, of("interactive", "A", prompt=200_000, rid="a1"), busy(1, at))
+    assert missed.rejection is not None and missed.rejection.reason == "ttft_slo"
+
+
+def test_a_tenant_over_its_share_is_refused_while_another_is_refused_for_room() -> None:
+    p = policy()
+    _flooded(p)
+    cluster = busy(1)
+    d = routed(p, of("batch", "B", prompt=100, rid="b9"), cluster)
+    assert d.rejection is not None and d.rejection.reason == TENANT_SHARE and "'A'" in d.rejection.message
+    assert not routed(p, of("batch", "A", prompt=100, rid="a9"), cluster).rejected  # A is within its share
+    # B's urgent request is judged by B's urgent work alone (none): B's batch is what goes first
+    assert not routed(p, of("interactive", "B", prompt=100, rid="b10"), cluster).rejected
+    # once A's rejection is older than CONTEND_S, nobody contends: B is admitted again
+    assert not routed(p, of("batch", "B", prompt=100, rid="b11"), busy(1, 100.0 + CONTEND_S + 0.1)).rejected
+
+
+def test_a_flooding_tenants_urgent_work_is_not_hidden_by_its_batch() -> None:
+    p = policy()
+    idle = ClusterSnapshot(99.0, (InstanceView("m0", Role.MIXED),))
+    for i, (cls, tenant) in enumerate([("batch", "B")] * 6 + [("interactive", "B")] * 2 + [("batch", "A")]):
+        assert not routed(p, of(cls, tenant, rid=f"x{i}"), idle).rejected
+    missed = routed(p, of("interactive", "A", prompt=200_000, rid="a1"), busy(1))
+    assert missed.rejection is not None and missed.rejection.reason == "ttft_slo"
+    # B's urgent work is twice A's whole: over its share once B's batch is set aside (with it counted,
+    # 2 of 2 + 6 + 1 was under half, and B's urgent flood went through)
+    d = routed(p, of("interactive", "B", rid="b9"), busy(1))
+    assert d.rejection is not None and d.rejection.reason == TENANT_SHARE
+
+
+def test_without_tenants_told_a_flood_is_not_refused_for_share() -> None:
+    p = policy(ClassRules(ranks=RULES.ranks, sheddable=RULES.sheddable, urgent_slo=URGENT_SLO))
+    assert p.tenants is None
+    _flooded(p)
+    assert not routed(p, of("batch", "B", prompt=100, rid="b9"), busy(1)).rejected
+
+
+def test_a_share_rejection_is_not_a_contention_and_decays() -> None:
+    t = TenantService(RULES)
+    share_refusal = routed(policy(), of("batch", "B"), busy(1))  # any admitted decision to copy
+    assert not share_refusal.rejected
+    t.record(of("batch", "B"), share_refusal, 100.0)
+    refused = replace(share_refusal, rejection=replace(_rejection(), reason=TENANT_SHARE))
+    t.record(of("batch", "A"), refused, 100.0)  # A refused for its share: not "no room"
+    assert t.refuse(of("batch", "B"), 100.0) is None
+    t.record(of("batch", "A"), replace(share_refusal, rejection=_rejection()), 100.0)
+    assert t.refuse(of("batch", "B"), 100.0) is not None
+    # A's work admitted later counts in full, B's old work decayed by then: B is within its share
+    t.record(of("batch", "A"), share_refusal, 130.0)
+    t.record(of("batch", "A", rid="x"), replace(share_refusal, rejection=_rejection()), 130.0)
+    assert t.refuse(of("batch", "B"), 130.0) is None
+
+
+def _rejection() -> Rejection:
+    d = routed(policy(), of("interactive", "A", prompt=200_000), busy(1))
+    assert d.rejection is not None
+    return d.rejection
+
+
+# ---- the gateway tells the policy -------------------------------------------------------------------
+
+
+def test_the_gateway_tells_kvcache_aware_its_classes_and_tenants() -> None:
+    classes = {
+        "interactive": {"slo": {"ttft_s": 3.0, "tbt_s": 0.24}, "rank": 0},
+        "batch": {"slo": {"ttft_s": 60.0, "tbt_s": 0.9}, "rank": 1, "sheddable": True},
+    }
+    tenants = {"A": {"api_keys": ["sk-a"]}, "B": {"api_keys": ["sk-b"], "weight": 2}}
+    s = load_settings(
+        environ={},
+        overrides={
+            "mixed": ["http://m:1"],
+            "slo": {"ttft_s": 9.0, "tbt_s": 0.5},
+            "priority": {"classes": classes, "default": "interactive", "guard_margin": 0.4},
+            "auth": {"tenants": tenants},
+        },
+    )
+    p = Gateway(s).policy
+    assert isinstance(p, KvCacheAwarePolicy)
+    rules = p.classes
+    assert rules.urgent_slo == URGENT_SLO and rules.guard_margin == 0.4
+    assert rules.sheddable == {"batch"} and dict(rules.weights) == {"A": 1.0, "B": 2.0}
+    assert p.tenants is not None
+    plain = Gateway(load_settings(environ={}, overrides={"mixed": ["http://m:1"]})).policy
+    assert isinstance(plain, KvCacheAwarePolicy) and plain.classes == ClassRules() and plain.tenants is None
+
+
+# ---- mixed workers' prefill duty --------------------------------------------------------------------
+
+
+def test_prefill_duty_stretches_and_forgets() -> None:
+    duty = PrefillDuty()
+    assert duty.stretch("m0", 2.0, 100.0) == pytest.approx(1 / (1 - 2.0 / WINDOW_S))
+    admitted = routed(policy(), of("interactive"), busy(1))
+    assert admitted.prefill is not None and not admitted.rejected
+    seconds = next(c.detail["prefill_s"] for c in admitted.candidates if c.instance_id == admitted.prefill)
+    for _ in range(3):
+        duty.record(admitted, 100.0)
+    assert duty.stretch(admitted.prefill, 0.0, 100.0) == pytest.approx(1 / (1 - 3 * seconds / WINDOW_S))
+    assert duty.stretch("other", 0.0, 100.0) == 1.0
+    assert duty.stretch(admitted.prefill, 0.0, 100.0 + WINDOW_S + 1) == 1.0  # out of the window, before pruning
+    duty.record(admitted, 100.0 + WINDOW_S + 1)  # pruned: only the new one
+    assert duty.stretch(admitted.prefill, 0.0, 100.0 + WINDOW_S + 1) == pytest.approx(1 / (1 - seconds / WINDOW_S))
+
+
+def test_a_batch_request_is_rejected_where_urgent_prefills_keep_the_workers_busy() -> None:
+    urgent = scaled(40, 0.4)  # by its TBT alone, a batch request fits (the test above)
+    rules = replace(RULES, urgent_slo=urgent)
+    batch_slo = Slo(ttft_s=60.0, tbt_s=4 * urgent.tbt_s)  # type: ignore[operator]
+    p, cluster = policy(rules), ClusterSnapshot(100.0, busy(40).instances[:1])  # one worker: they all go there
+    roomy = Slo(ttft_s=1e6, tbt_s=1.0)
+    assert not policy(rules).decide(of("batch", slo=batch_slo), cluster).rejected
+    for i in range(6):  # urgent requests with long prompts admitted: their prefills fill the window
+        assert not routed(p, of("interactive", prompt=32_000, rid=f"u{i}", slo=roomy), cluster).rejected
+    d = routed(p, of("batch", slo=batch_slo), cluster)
+    assert d.rejection is not None and d.rejection.reason == "tbt_slo"
+    assert not routed(p, of("interactive", slo=urgent), cluster).rejected  # the urgent class is what the room is for
+
+
+def test_a_batch_prefill_counts_the_prefills_queued_ahead_of_it_against_the_streams() -> None:
+    # 10 streams near their end, a long prefill queued: a small batch prompt alone would be absorbed,
+    # but the streams sit through the queue ahead of it too
+    streams = tuple(ActiveDecode(4000, 4) for _ in range(10))
+    worker = InstanceView("m0", Role.MIXED, decodes=streams, prefill_queue=(QueuedPrefill(30_000, 0, 0.0),))
+    cluster = ClusterSnapshot(100.0, (worker,))
+    urgent = Slo(ttft_s=1e3, tbt_s=20 * predictors().tbt_s(11, 1024 + 128 + 10 * 4000))
+    batch = of("batch", slo=urgent)
+    d = policy(replace(RULES, urgent_slo=urgent)).decide(batch, cluster)
+    assert d.rejection is not None and d.rejection.reason == "tbt_slo" and "pause" in d.rejection.message
+    assert not policy(None).decide(batch, cluster).rejected
