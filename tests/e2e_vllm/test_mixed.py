@@ -322,10 +322,13 @@ def test_an_engine_restart_empties_its_index_entries(mixed: Mixed) -> None:
     fresh_keys = set(gw.keys_of(engine.post("/tokenize", {"model": MODEL_NAME, "prompt": fresh})["tokens"]))
     events = mixed.events["mixed-1"]
     assert wait_for(lambda: events.snapshot().restarts > 0, 10.0)
-    assert wait_for(lambda: gw.confirmed_keys("mixed-1") == fresh_keys, 10.0), (
+    # the new life's blocks, and none of the old: the gateway's KV canary re-runs on the restart
+    # (conductor/kv/canary.py), so the blocks of its own prompts are held beside the fresh ones
+    old = set(keys)
+    assert wait_for(lambda: fresh_keys <= gw.confirmed_keys("mixed-1") and not gw.confirmed_keys("mixed-1") & old, 10.0), (
         "the index kept blocks of the engine's previous life"
     )
-    assert wait_for(lambda: events.snapshot().held == fresh_keys, 10.0)
+    assert wait_for(lambda: fresh_keys <= events.snapshot().held and not events.snapshot().held & old, 10.0)
     assert gw.index_match(keys) == {}
     # back in rotation before the next test: the gateway's health probe has seen it again
     assert wait_for(
