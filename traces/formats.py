@@ -4,6 +4,9 @@ Two JSON-lines formats are read, detected line by line so a file may even mix th
 
 * Mooncake (FAST'25 release): ``{"timestamp": ms, "input_length": n, "output_length": n,
   "hash_ids": [...]}`` where each hash id names one 512-token prompt block (equal ids, equal block).
+  Optional: ``"session_id"`` (traces/agent_trace.py writes it), ``"priority"`` (the request's
+  priority class, as a client names it in ``x-priority``) and ``"tenant"`` (who sent it): strings the
+  simulator hands the policy as RequestView.priority / .tenant (traces/prompt_trace.py writes them).
 * Recorded (written by :class:`TraceRecorder` at the gateway): ``{"arrival_s": s, "input_length": n,
   "output_length": n, "block_size": 16, "block_keys": [...], "status": "ok", "ttft_s": s,
   "tbt_s": s, "rejected_reason": null}``. Never prompt text: only sizes, block keys and the outcome.
@@ -54,6 +57,10 @@ class TraceRequest:
     # the session (conversation, agent run) the request belongs to, where the trace says (a Mooncake
     # line's optional `session_id`, which traces/agent_trace.py writes); None: not known
     session: int | None = None
+    # its priority class and tenant (issue 37), where the trace says; None: the simulator's default
+    # class, no tenant (as a request without `x-priority` from a key without a tenant)
+    priority: str | None = None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +137,13 @@ def _optional_number(obj: Mapping[str, Any], key: str) -> float | None:
     return None if obj.get(key) is None else _number_field(obj, key)
 
 
+def _optional_str(obj: Mapping[str, Any], key: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise TraceLineError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
 def _ids_field(obj: Mapping[str, Any], key: str) -> tuple[int, ...]:
     value = obj.get(key, [])
     if not isinstance(value, list):
@@ -148,7 +162,16 @@ def parse_line(obj: object, line: int) -> RecordedRequest:
     out = _int_field(obj, "output_length", 0)
     if "timestamp" in obj:  # Mooncake
         session = _int_field(obj, "session_id", 0) if obj.get("session_id") is not None else None
-        req = TraceRequest(_number_field(obj, "timestamp") / 1000.0, inp, out, _ids_field(obj, "hash_ids"), line, session=session)
+        req = TraceRequest(
+            _number_field(obj, "timestamp") / 1000.0,
+            inp,
+            out,
+            _ids_field(obj, "hash_ids"),
+            line,
+            session=session,
+            priority=_optional_str(obj, "priority"),
+            tenant=_optional_str(obj, "tenant"),
+        )
         return RecordedRequest(req, RecordedOutcome(status="unknown"))
     if "arrival_s" in obj:  # recorded by the gateway
         block = _int_field(obj, "block_size", 1) if "block_size" in obj else MOONCAKE_BLOCK_TOKENS

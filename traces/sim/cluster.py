@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill
+from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Slo
 from traces.formats import TraceRequest
 from traces.sim.truth import DecodeTruth
 
@@ -55,10 +56,20 @@ class BlockLRU:
                 pop(False)
 
 
+class Cached(Protocol):
+    """An instance with a prefix cache: a prefill, or a mixed worker (a DecodeInstance with one)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def cache(self) -> BlockLRU: ...
+
+
 def index_caches(
-    prefills: list[PrefillInstance], delay_s: float | None, capacity_tokens: int, block_tokens: int
-) -> list[tuple[PrefillInstance, BlockLRU]]:
-    """(prefill, the cache the policy's KV index reports for it) (SimConfig.index_delay_s): its own
+    prefills: Sequence[Cached], delay_s: float | None, capacity_tokens: int, block_tokens: int
+) -> list[tuple[Cached, BlockLRU]]:
+    """(instance, the cache the policy's KV index reports for it) (SimConfig.index_delay_s): its own
     cache when exact; a copy the engine feeds the same blocks `delay_s` late; none with no index."""
     if delay_s is None:
         return []
@@ -73,6 +84,7 @@ class Job:
     __slots__ = (
         "arrival",
         "batch_at_join",
+        "cls",
         "decode",
         "decode_view",
         "dispatch",
@@ -101,11 +113,14 @@ class Job:
         "pulled_store",
         "queued_view",
         "ready_at",
+        "refused",
         "req",
         "resident_at_join",
         "reused",
         "seq",
+        "slo",
         "start_step",
+        "tenant",
         "view_gen",
     )
 
@@ -146,6 +161,12 @@ class Job:
         self.preemptions = 0
         self.batch_at_join = 0
         self.resident_at_join = 0
+        # with SimConfig.classes (traces/sim/classes.py): its class, its tenant as the gateway knows
+        # it, and its class's SLO; None: no classes (judged by SimConfig.slo)
+        self.cls: str | None = None
+        self.tenant: str | None = None
+        self.slo: Slo | None = None
+        self.refused = ""  # why it was refused (a rejection reason), "" while it is not
 
 
 class PrefillInstance:
@@ -215,6 +236,7 @@ class DecodeInstance:
         "active",
         "assigned",
         "busy_s",
+        "cache",
         "heap",
         "id",
         "link_free",
@@ -235,8 +257,10 @@ class DecodeInstance:
         "waiting",
     )
 
-    def __init__(self, instance_id: str, truth: DecodeTruth, preempt: bool = False) -> None:
+    def __init__(self, instance_id: str, truth: DecodeTruth, preempt: bool = False, cache_tokens: int = 0) -> None:
         self.id = instance_id
+        # a mixed worker's prefix cache (SimConfig.mixed); empty and never filled for a decode instance
+        self.cache = BlockLRU(cache_tokens, 512)
         self.truth = truth
         self.preempt = preempt
         self.preemptions = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from conductor.core.types import Slo
+from traces.sim.classes import SimClasses
 from traces.sim.truth import TruthModel, fit_truth
 
 # Which KV transfer mechanisms the cluster has for prefix pulls (the P -> D handoff always exists):
@@ -65,9 +66,21 @@ class SimConfig:
     decode_kv: str = "preempt"  # DECODE_KV_MODES
     kv_handoff: str = "whole"  # KV_HANDOFF_MODES
     kv_layers: int = DEFAULT_KV_LAYERS  # layers the KV is streamed by (kv_handoff "layerwise"): Qwen3-8B 36, LLaMA3-70B 80
+    # mixed (non-disaggregated) workers instead of P/D: `n_decode` of them, `n_prefill` 0. Each is a
+    # decode instance that prefills every request it is given itself (policies/local_prefill.py's
+    # path: FCFS, its batch stalls while a prefill runs, as the emulator's and vLLM's steps carry the
+    # decodes along a prefill) with a prefix cache of `prefill_cache_tokens`; the policy sees
+    # Role.MIXED instances and decides `prefill` = the worker, `decode` None
+    mixed: bool = False
+    # priority classes, tenants and the in-flight limit, as the gateway runs them (traces/sim/classes.py);
+    # None: every request of one class with `slo`, no tenants, no limit
+    classes: SimClasses | None = None
 
     def __post_init__(self) -> None:
-        if self.n_prefill < 1 or self.n_decode < 1:
+        if self.mixed:
+            if self.n_prefill != 0 or self.n_decode < 1:
+                raise ValueError("a mixed cluster has n_prefill 0 and at least one worker (n_decode)")
+        elif self.n_prefill < 1 or self.n_decode < 1:
             raise ValueError("a P/D cluster needs at least one prefill and one decode instance")
         if self.speedup <= 0:
             raise ValueError("speedup must be > 0")
@@ -106,4 +119,4 @@ class SimConfig:
         return tuple(f"prefill-{i}" for i in range(self.n_prefill))
 
     def decode_ids(self) -> tuple[str, ...]:
-        return tuple(f"decode-{i}" for i in range(self.n_decode))
+        return tuple(f"{'mixed' if self.mixed else 'decode'}-{i}" for i in range(self.n_decode))

@@ -28,6 +28,11 @@ Modelling choices (documented, deliberate):
 * Decode KV space: `decode_kv` ("preempt", vLLM's recompute preemption, or "reserve"); see
   traces/sim/cluster.py, DecodeInstance.
 * Every finished prefill writes its blocks to the store (when configured) and its local cache.
+* Mixed workers (`SimConfig.mixed`): decode instances that prefill every request themselves (the
+  local-prefill path), reusing their own prefix cache; the policy's index reports those caches.
+* Priority classes and tenants (`SimConfig.classes`): a request is classified and enters the
+  gateway's in-flight shares before the policy decides, and leaves them when it ends
+  (traces/sim/classes.py); its class's SLO is the one the policy and the results judge it by.
 """
 
 from __future__ import annotations
@@ -39,15 +44,17 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+from conductor.core.capabilities import ClassAware
 from conductor.core.types import CachedPrefix, Decision, Policy, PrefillLeg, PrefillLegObserver, RequestView
-from policies.estimate import STORE_SOURCE
 from traces.formats import TraceRequest
+from traces.sim.classes import admit
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance, index_caches
 from traces.sim.config import SimConfig
-from traces.sim.instance_views import cluster_view
+from traces.sim.instance_views import cluster_view, request_view_of
+from traces.sim.pulls import plan_pull
 from traces.sim.results import RunResult
 from traces.sim.summary import run_result
-from traces.sim.views import job_observation, refused_observation, request_view
+from traces.sim.views import job_observation, refused_observation
 
 _PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK, _INDEXED = range(5)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
@@ -64,21 +71,27 @@ class Simulator:
         self.truth = config.truth
         self.rng = random.Random(config.seed)
         self.prefills = [PrefillInstance(i, config.prefill_cache_tokens, 512) for i in config.prefill_ids()]
+        self.gate = config.classes.admission(lambda: self.now) if config.classes is not None else None
+        if config.classes is not None and isinstance(policy, ClassAware):  # as the gateway tells it at start-up
+            policy.configure_classes(config.classes.rules)
         # staged peer pulls (SimConfig.staging): every prefill is a source the policy must wait on
         self._staged_sources = frozenset(p.id for p in self.prefills) if config.staging else frozenset()
         self._staging_jumps = config.staging == "priority"
         preempt = config.decode_kv == "preempt"
-        self.decodes = [DecodeInstance(i, config.truth.decode, preempt) for i in config.decode_ids()]
+        local_cache = config.prefill_cache_tokens if config.mixed else 0
+        self.decodes = [DecodeInstance(i, config.truth.decode, preempt, local_cache) for i in config.decode_ids()]
         self.p_index = {p.id: n for n, p in enumerate(self.prefills)}
         self.d_index = {d.id: n for n, d in enumerate(self.decodes)}
         self.store = BlockLRU(config.store_capacity_tokens, 512)
         # the caches the policy's KV index reports (SimConfig.index_delay_s, cluster.index_caches)
         self._index_delay = config.index_delay_s
-        self._indexes = index_caches(self.prefills, self._index_delay, config.prefill_cache_tokens, 512)
+        self._cached = self.decodes if config.mixed else self.prefills  # the instances with prefix caches
+        self._indexes = index_caches(self._cached, self._index_delay, config.prefill_cache_tokens, 512)
         self.events: list[tuple[float, int, int, int, object]] = []
         self._ev_seq = 0  # events pushed so far: their tie-breaking order in the heap, and a run's size
         self.now = 0.0
         self.rejections: Counter[str] = Counter()
+        self.jobs: list[Job] = []  # every job of the run, refused ones included
         self.wasted_prefill = 0  # prefills done for requests then rejected at the decode stage
         self.refused_pulls = 0  # pulls a decision asked for over a mechanism this cluster lacks
         self.done: list[Job] = []
@@ -102,65 +115,57 @@ class Simulator:
         return min(blocks * req.block_tokens, req.input_length)
 
     def _request_view(self, job: Job) -> RequestView:
-        req = job.req
-        hash_ids, block_tokens, prompt = req.hash_ids, req.block_tokens, req.input_length
-        prefixes = self._prefixes
-        cached = {}
-        for p, index in self._indexes:
-            n = index.match(hash_ids)
-            if n:
-                tokens = n * block_tokens
-                if tokens > prompt:  # min(tokens, prompt): _tokens, inline (8 or more per arrival)
-                    tokens = prompt
-                prefix = prefixes.get(tokens)
-                if prefix is None:
-                    prefix = prefixes[tokens] = CachedPrefix(tokens)
-                cached[p.id] = prefix
         aware = self._index_delay is not None  # else KV awareness is off: no block keys either
-        store = self._tokens(self.store.match(hash_ids), req) if aware and self.store.capacity_blocks else 0
-        return request_view(  # RequestView(..., stream=True), built as its slots take it (traces/sim/views.py)
-            f"r{job.seq}",
-            job.seq,
-            self.cfg.model,
-            prompt,
-            job.output_tokens,
-            block_tokens,
-            hash_ids if aware else (),
-            cached,
-            store,
-            self.cfg.slo,
-            self._staged_sources,
-            self._staging_jumps,
-            req.session if self.cfg.sessions else None,
-        )
+        store = self.store if aware and self.store.capacity_blocks else None
+        return request_view_of(job, self._indexes, self._prefixes, store, self.cfg, self._staged_sources, self._staging_jumps)
 
     # -- arrivals and decisions -------------------------------------------------------------
+    def _enter(self, job: Job) -> bool:
+        """Classes and tenants (SimConfig.classes): False when the gateway's shares refuse the job."""
+        classes = self.cfg.classes
+        reason = admit(self.gate, classes, job, self.cfg.slo) if self.gate is not None and classes is not None else None
+        if reason is not None:
+            self.rejections[reason] += 1
+            job.refused = reason
+        return reason is None
+
+    def _refuse(self, job: Job, reason: str) -> None:
+        """A job refused after it entered the gateway's shares (it leaves them: its 429 is sent)."""
+        self.rejections[reason] += 1
+        job.refused = reason
+        if self.gate is not None:
+            self.gate.leave(job.tenant)
+
     def _arrive(self, job: Job) -> None:
+        if not self._enter(job):
+            return
         view = self._request_view(job)
         snapshot = cluster_view(self.prefills, self.decodes, self.now, self.cfg)
         decision = self.policy.decide(view, snapshot)
         self.policy.on_decided(view, snapshot, decision)
         if decision.rejection is not None:
-            self.rejections[decision.rejection.reason] += 1
+            self._refuse(job, decision.rejection.reason)
             return
         p_idx = self.p_index.get(decision.prefill or "")
-        d_idx = self.d_index.get(decision.decode or "")
-        if d_idx is not None and decision.prefilled_on_decode:
-            self._arrive_local(job, decision, d_idx)
+        # a mixed worker is named as the prefill (Decision: decode None); a local prefill names the decode twice
+        d_idx = self.d_index.get((decision.prefill if self.cfg.mixed else decision.decode) or "")
+        if d_idx is not None and (self.cfg.mixed or decision.prefilled_on_decode):
+            self._arrive_local(job, decision, d_idx, view)
             return
         if p_idx is None or d_idx is None:
-            self.rejections["invalid_decision"] += 1
+            self._refuse(job, "invalid_decision")
             return
         p, d = self.prefills[p_idx], self.decodes[d_idx]
         if len(p.queue) >= self.cfg.max_prefill_queue or len(d.assigned) >= MAX_QUEUE:
-            self.rejections["queue_full"] += 1
+            self._refuse(job, "queue_full")
             return
         job.prefill, job.decode, job.dispatch = p_idx, d_idx, self.now
         job.pred_ttft, job.pred_tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
         local = view.cached.get(p.id)
         local_tokens = local.tokens if local else 0
         job.predicted_cached = local_tokens
-        self._plan_pull(job, decision, p, local_tokens)
+        if plan_pull(job, decision, p, local_tokens, self.prefills, self.p_index, self.store, self.cfg, self.now):
+            self.refused_pulls += 1  # over a mechanism this cluster's transfer setup lacks
         job.est_cached = min(max(local_tokens, job.pull_prefix), job.req.input_length - 1)
         job.est_new = job.req.input_length - job.est_cached
         p.queue.append(job)
@@ -170,13 +175,18 @@ class Simulator:
         if len(p.queue) == 1:
             self._try_start(p_idx)
 
-    def _arrive_local(self, job: Job, decision: Decision, d_idx: int) -> None:
-        """A prefill on the decode instance itself (policies/local_prefill.py): it waits there for
-        KV space like any stream, and when it joins, the batch stalls while its prefill runs."""
+    def _arrive_local(self, job: Job, decision: Decision, d_idx: int, view: RequestView) -> None:
+        """A prefill on the decode instance itself (policies/local_prefill.py, or a mixed worker):
+        it waits there for KV space like any stream, and when it joins, the batch stalls while its
+        prefill runs."""
         d = self.decodes[d_idx]
         if len(d.assigned) >= MAX_QUEUE:
-            self.rejections["queue_full"] += 1
+            self._refuse(job, "queue_full")
             return
+        if self.cfg.mixed:  # what the index said it holds: the prefill queue's entry, as the gateway lists it
+            local = view.cached.get(d.id)
+            job.predicted_cached = job.est_cached = min(local.tokens if local else 0, job.req.input_length - 1)
+            job.est_new = job.req.input_length - job.est_cached
         job.decode, job.dispatch, job.local = d_idx, self.now, 1
         job.pred_ttft, job.pred_tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
         d.assigned[job.seq] = job
@@ -184,39 +194,6 @@ class Simulator:
         d.advance(self.now)
         d.waiting.append(job)
         self._admit_and_retime(d_idx)
-
-    def _plan_pull(self, job: Job, decision: Decision, p: PrefillInstance, local_tokens: int) -> None:
-        """`Decision.pull_tokens` is what the prefill pulls on top of the prefix it holds itself
-        (conductor.core.types: "tokens of that prefix it pulls instead of recomputing"), so the
-        prefix it works from is its local one plus those, as far as the source holds them."""
-        src = decision.pull_from
-        if not src or decision.pull_tokens <= 0:
-            return
-        req = job.req
-        if src == STORE_SOURCE:
-            if not self.cfg.pull_from_store:
-                self.refused_pulls += 1  # no store in this cluster's transfer setup
-                return
-            avail = self._tokens(self.store.match(req.hash_ids), req)
-        elif src in self.p_index and src != p.id:
-            if not self.cfg.pull_from_peer:
-                self.refused_pulls += 1
-                return
-            avail = self._tokens(self.prefills[self.p_index[src]].cache.match(req.hash_ids), req)
-        else:
-            return
-        prefix = min(local_tokens + decision.pull_tokens, avail)
-        if prefix <= local_tokens:
-            return
-        job.pull_src, job.pull_prefix = src, prefix
-        if src == STORE_SOURCE:
-            start = max(self.now, p.link_free)
-            job.ready_at = p.link_free = start + self.truth.transfer_s(prefix - local_tokens)
-        else:  # the holder's outbound link too: pulls of one hot prefix queue behind each other
-            holder = self.prefills[self.p_index[src]]
-            staged = holder.staged_at(self.cfg.staging, self.now, prefix, self.truth.prefill_s)
-            start = max(self.now, p.link_free, holder.out_free, staged)
-            job.ready_at = p.link_free = holder.out_free = start + self.truth.transfer_s(prefix - local_tokens)
 
     # -- prefill ----------------------------------------------------------------------------
     def _try_start(self, p_idx: int) -> None:
@@ -282,7 +259,7 @@ class Simulator:
         # prefill wasted. Judged on the real batch, not on any policy's prediction.
         if self.cfg.decode_guard and slo is not None and d.active:  # noqa: SIM102 - the comment above is for the inner test
             if self.truth.decode.tbt_s(len(d.active) + len(d.waiting) + 1, d.resident_kv() + job.req.input_length) > slo:
-                self.rejections["decode_overload"] += 1
+                self._refuse(job, "decode_overload")  # admitted, then refused: its prefill ran
                 del d.assigned[job.seq]
                 d.version += 1  # the view changed
                 self._admit_and_retime(d_idx)
@@ -307,7 +284,13 @@ class Simulator:
             d.join(job, self.now)
             if job.local == 1:  # its prefill runs here, behind any stall in progress: the batch waits
                 job.local, job.prefill_start = 2, max(self.now, d.t_last)
-                d.stall(self.now, self.truth.prefill_s(job.req.input_length, 0) * self._noise())
+                reused = self._reuse_local(d_idx, job)
+                prefill_s = self.truth.prefill_s(job.req.input_length - reused, reused) * self._noise()
+                if self.cfg.mixed:  # the decodes ride in a mixed worker's prefill step (the emulator's, vLLM's):
+                    # it lasts T_prefill + (step - base) and yields their next token, as a stall of
+                    # T_prefill - base followed by a step does
+                    prefill_s = max(0.0, prefill_s - self.truth.decode.base_s)
+                d.stall(self.now, prefill_s)
                 job.prefill_done = d.t_last
             job.batch_at_join, job.resident_at_join = len(d.active), d.resident_kv() + job.req.input_length
             joined.append(job)
@@ -318,6 +301,18 @@ class Simulator:
         d.tick += 1  # whatever tick was pending is void: this one replaces it
         if nxt is not None:
             self._push(nxt, _DECODE_TICK, d_idx, d.tick)
+
+    def _reuse_local(self, d_idx: int, job: Job) -> int:
+        """The prefix a local prefill reuses from its worker's cache (a mixed worker's; a decode
+        instance has none), whose blocks it then holds (the index hears of them as of a prefill's)."""
+        if not self.cfg.mixed:
+            return 0
+        d, req = self.decodes[d_idx], job.req
+        job.reused = job.local_tokens = min(self._tokens(d.cache.match(req.hash_ids), req), req.input_length - 1)
+        d.cache.touch(req.hash_ids)
+        if self._index_delay:
+            self._push(self.now + self._index_delay, _INDEXED, d_idx, req.hash_ids)
+        return job.reused
 
     def _decode_tick(self, d_idx: int, tick: int) -> None:
         d = self.decodes[d_idx]
@@ -332,10 +327,13 @@ class Simulator:
 
     def _finish(self, job: Job) -> None:
         self.done.append(job)
+        if self.gate is not None:
+            self.gate.leave(job.tenant)
         if not self.cfg.observe:
             return
         prefill = self.decodes[job.decode] if job.local else self.prefills[job.prefill]
-        self.policy.observe(job_observation(job, prefill.id, self.decodes[job.decode].id))
+        decode = None if self.cfg.mixed else self.decodes[job.decode].id
+        self.policy.observe(job_observation(job, prefill.id, decode))
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RunResult:
@@ -344,7 +342,7 @@ class Simulator:
         if order and order[0].block_tokens != 512:  # recorded traces: capacities stay in tokens
             self._resize_caches(order[0].block_tokens)
         t0 = order[0].arrival_s if order else 0.0
-        jobs = [Job(i, r, (r.arrival_s - t0) / self.cfg.speedup) for i, r in enumerate(order)]
+        self.jobs = jobs = [Job(i, r, (r.arrival_s - t0) / self.cfg.speedup) for i, r in enumerate(order)]
         events = self.events
         # Everything alive now (the trace, its jobs, the policy's models, every module) outlives the
         # run: frozen out of the collector, a full collection does not walk it (one took 60 ms of a
@@ -366,10 +364,10 @@ class Simulator:
         return run_result(self, jobs, time.perf_counter() - wall0)
 
     def _resize_caches(self, block_tokens: int) -> None:
-        for p in self.prefills:
+        for p in self._cached:
             p.cache = BlockLRU(self.cfg.prefill_cache_tokens, block_tokens)
         self.store = BlockLRU(self.cfg.store_capacity_tokens, block_tokens)
-        self._indexes = index_caches(self.prefills, self._index_delay, self.cfg.prefill_cache_tokens, block_tokens)
+        self._indexes = index_caches(self._cached, self._index_delay, self.cfg.prefill_cache_tokens, block_tokens)
 
     def _dispatch_event(self) -> None:
         t, _, kind, target, payload = heapq.heappop(self.events)

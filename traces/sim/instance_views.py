@@ -11,15 +11,62 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conductor.core.types import ActiveDecode, ClusterSnapshot, InstanceView, QueuedPrefill, Role
-from traces.sim.cluster import DecodeInstance, PrefillInstance
+from conductor.core.types import ActiveDecode, CachedPrefix, ClusterSnapshot, InstanceView, QueuedPrefill, RequestView, Role
+from traces.sim.cluster import BlockLRU, Cached, DecodeInstance, Job, PrefillInstance
 from traces.sim.config import SimConfig
-from traces.sim.views import active_decode, cluster_snapshot, instance_view, queued_prefill
+from traces.sim.views import active_decode, cluster_snapshot, instance_view, queued_prefill, request_view
+
+
+def request_view_of(
+    job: Job,
+    indexes: Sequence[tuple[Cached, BlockLRU]],
+    prefixes: dict[int, CachedPrefix],
+    store: BlockLRU | None,
+    cfg: SimConfig,
+    staged_sources: frozenset[str],
+    staging_jumps: bool,
+) -> RequestView:
+    """The job's RequestView: what the KV `indexes` report each instance holds of it (one shared
+    CachedPrefix per size, kept in `prefixes`) and the `store` (None: not indexed), its class's SLO,
+    class and tenant (SimConfig.classes), its session (SimConfig.sessions)."""
+    req = job.req
+    hash_ids, block_tokens, prompt = req.hash_ids, req.block_tokens, req.input_length
+    cached = {}
+    for p, index in indexes:
+        n = index.match(hash_ids)
+        if n:
+            tokens = n * block_tokens
+            if tokens > prompt:  # min(tokens, prompt), inline (8 or more per arrival)
+                tokens = prompt
+            prefix = prefixes.get(tokens)
+            if prefix is None:
+                prefix = prefixes[tokens] = CachedPrefix(tokens)
+            cached[p.id] = prefix
+    aware = cfg.index_delay_s is not None  # else KV awareness is off: no block keys either
+    stored = min(store.match(hash_ids) * block_tokens, prompt) if store is not None else 0
+    return request_view(  # RequestView(..., stream=True), built as its slots take it (traces/sim/views.py)
+        f"r{job.seq}",
+        job.seq,
+        cfg.model,
+        prompt,
+        job.output_tokens,
+        block_tokens,
+        hash_ids if aware else (),
+        cached,
+        stored,
+        job.slo or cfg.slo,
+        staged_sources,
+        staging_jumps,
+        req.session if cfg.sessions else None,
+        job.cls,
+        job.tenant,
+    )
 
 
 def decode_view(d: DecodeInstance, now: float, cfg: SimConfig) -> InstanceView:
-    """The decode instance's view now: its cached one while fresh (same version, inside the
-    refresh interval), else rebuilt, each stream's entry rebuilt only as it generates."""
+    """The decode instance's view now (a mixed worker's with SimConfig.mixed: its local prefills as
+    its prefill queue): its cached one while fresh (same version, inside the refresh interval), else
+    rebuilt, each stream's entry rebuilt only as it generates."""
     if d.view_version != d.version or now - d.view_at > cfg.snapshot_refresh_s or not d.view:
         d.advance(now)
         streams, local = [], []
@@ -33,17 +80,17 @@ def decode_view(d: DecodeInstance, now: float, cfg: SimConfig) -> InstanceView:
                     entry = j.decode_view = active_decode(j.req.input_length + gen, max(0, j.output_tokens - gen))
                 streams.append(entry)
                 if j.local == 2 and j.prefill_done > now:  # its local prefill: still stalling the batch
-                    local.append(queued_prefill(j.req.input_length, 0, max(0.0, now - j.prefill_start)))
+                    local.append(queued_prefill(j.est_new, j.est_cached, max(0.0, now - j.prefill_start)))
             elif cfg.routed_in_decode_view:  # routed here: in prefill, transfer or waiting for KV space
                 if j.pending_view is None:  # the same until it decodes: built once
                     j.pending_view = ActiveDecode(j.req.input_length, j.output_tokens, decoding=False)
                 streams.append(j.pending_view)
             if j.local == 1:  # waiting for KV space, its prefill not started
-                local.append(QueuedPrefill(j.req.input_length, 0, 0.0))
+                local.append(QueuedPrefill(j.est_new, j.est_cached, 0.0))
         d.view = (
             instance_view(  # InstanceView(...), built as fast as its slots take it (traces/sim/views.py)
                 d.id,
-                Role.DECODE,
+                Role.MIXED if cfg.mixed else Role.DECODE,
                 tuple(local),
                 tuple(streams),
                 d.truth.kv_capacity_tokens,

@@ -88,6 +88,9 @@ class RunResult:
     tbt_prediction: PredictionError = PredictionError(0, 0.0, 0.0, 0.0)
     wall_s: float = 0.0  # how long the replay itself took
     extra: Mapping[str, float] = field(default_factory=dict)  # mode-specific figures
+    # per priority class and tenant (traces/sim/groups.py): "class:<c>", "tenant:<t>", "tenant:<t>/<c>",
+    # "all" -> sent, admitted, met, admitted_share, met_admitted, met_sent, missed:<why>; empty without classes
+    groups: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,7 +112,7 @@ def summary_rows(r: RunResult) -> list[tuple[str, str]]:
     """(label, value) pairs of the summary table for one result."""
     rej = ", ".join(f"{k}={v}" for k, v in sorted(r.rejections.items())) or "-"
     return [
-        ("cluster", f"{r.n_prefill}P{r.n_decode}D"),
+        ("cluster", f"{r.n_prefill}P{r.n_decode}D" if r.n_prefill else f"{r.n_decode} mixed"),
         ("requests", str(r.requests)),
         ("completed", str(r.completed)),
         ("rejected", f"{r.rejected} ({rej})"),
@@ -126,7 +129,22 @@ def summary_rows(r: RunResult) -> list[tuple[str, str]]:
         ("TTFT pred. error (n, mean abs, rel)", _prediction(r.ttft_prediction)),
         ("TBT pred. error (n, mean abs, rel)", _prediction(r.tbt_prediction)),
         ("wall time", f"{r.wall_s:.2f}s"),
+        *_group_rows(r.groups),
     ]
+
+
+def _group_rows(groups: Mapping[str, Mapping[str, float]]) -> list[tuple[str, str]]:
+    """Per class, then per tenant: admitted share, SLO attainment among the admitted and over all sent."""
+    rows = []
+    for name in sorted(g for g in groups if g.startswith(("class:", "tenant:")) and "/" not in g):
+        g = groups[name]
+        rows.append(
+            (
+                f"{name} admitted, met/admitted, met/sent",
+                f"{g['admitted_share']:.1%}, {g['met_admitted']:.1%}, {g['met_sent']:.1%} (of {int(g['sent'])})",
+            )
+        )
+    return rows
 
 
 def _prediction(e: PredictionError) -> str:

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from traces.sim.cluster import DecodeInstance, Job, PrefillInstance
 from traces.sim.config import SimConfig
+from traces.sim.groups import group_scores, miss_reason
 from traces.sim.results import Dist, PredictionError, RunResult
 
 
@@ -44,8 +45,9 @@ class FinishedRun(Protocol):
 
 
 def run_result(sim: FinishedRun, jobs: list[Job], wall_s: float) -> RunResult:
-    """What the run produced: latencies of the finished jobs, SLO attainment and goodput over the
-    trace's span, hit rates, utilisation, prediction errors and the engine's counters."""
+    """What the run produced: latencies of the finished jobs, SLO attainment (each job by its
+    class's SLO, with SimConfig.classes) and goodput over the trace's span, hit rates, utilisation,
+    prediction errors, the engine's counters and, with classes, the figures per class and tenant."""
     slo = sim.cfg.slo
     ttfts, tbts, met = [], [], 0
     pred_ttft, pred_tbt = [], []
@@ -56,7 +58,7 @@ def run_result(sim: FinishedRun, jobs: list[Job], wall_s: float) -> RunResult:
         ttfts.append(ttft)
         if out > 1:
             tbts.append(tbt)
-        if (slo.ttft_s is None or ttft <= slo.ttft_s) and (slo.tbt_s is None or tbt <= slo.tbt_s):
+        if miss_reason(j, True, j.slo or slo) is None:
             met += 1
         if j.pred_ttft is not None:
             pred_ttft.append((j.pred_ttft, ttft))
@@ -93,6 +95,7 @@ def run_result(sim: FinishedRun, jobs: list[Job], wall_s: float) -> RunResult:
         ttft_prediction=PredictionError.of(pred_ttft),
         tbt_prediction=PredictionError.of(pred_tbt),
         wall_s=wall_s,
+        groups=group_scores(jobs, sim.done, slo) if sim.cfg.classes is not None else {},
         extra={
             "events": float(sim.events_pushed),
             "mean_decode_batch": _mean(j.batch_at_join for j in sim.done),

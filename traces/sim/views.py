@@ -182,10 +182,12 @@ def request_view(
     queued_pull_sources: frozenset[str] = _NO_SOURCES,
     staging_jumps_queue: bool = False,
     session: int | None = None,
+    priority: str | None = None,
+    tenant: str | None = None,
 ) -> RequestView:
     """RequestView(...) of a streamed request whose every cached instance is a pull source
     (stream=True, pull_sources=None), those in `queued_pull_sources` read after a staging request,
-    of the trace's `session` (None: none)."""
+    of the trace's `session` (None: none), of class `priority` sent by `tenant` (None: none)."""
     view: RequestView = _new(RequestView)
     _r_id(view, request_id)
     _r_seq(view, seq)
@@ -201,8 +203,8 @@ def request_view(
     _r_pull(view, None)
     _r_queued(view, queued_pull_sources)
     _r_jumps(view, staging_jumps_queue)
-    _r_priority(view, None)  # the simulator's requests have no priority class nor tenant
-    _r_tenant(view, None)
+    _r_priority(view, priority)
+    _r_tenant(view, tenant)
     _r_session(view, session)
     return view
 
@@ -249,8 +251,9 @@ def observation(
     return obs
 
 
-def job_observation(job: Job, prefill: str, decode: str) -> Observation:
-    """What a finished job teaches the policy, as the gateway's Observation of a live request."""
+def job_observation(job: Job, prefill: str, decode: str | None) -> Observation:
+    """What a finished job teaches the policy, as the gateway's Observation of a live request; on a
+    mixed worker (`decode` None) without a prefill leg, as the gateway has none to time there."""
     out = job.output_tokens
     mean_tbt = (job.finish - job.first_token) / (out - 1) if out > 1 else 0.0
     return observation(
@@ -260,7 +263,7 @@ def job_observation(job: Job, prefill: str, decode: str) -> Observation:
         prompt_tokens=job.req.input_length,
         cached_tokens=job.reused,
         predicted_cached_tokens=job.predicted_cached,
-        queue_and_prefill_s=job.prefill_done - job.dispatch,
+        queue_and_prefill_s=job.prefill_done - job.dispatch if decode is not None else None,
         ttft_s=job.first_token - job.arrival,
         token_intervals_s=(mean_tbt,) * (out - 1),
         output_tokens=out,
