@@ -223,7 +223,7 @@ class EmulatorApp(ApiRoutes):
                 default_max_tokens=self.config.default_max_tokens,
                 adapters=self.loras,
             )
-            priority = priority_of(body)
+            priority = priority_of(body, self.engine.by_priority)
         except ApiError as err:
             await send_bytes(send, err.status, error_body(err), headers=accepted.extra)
             return

@@ -205,11 +205,17 @@ def parse_request(
     return ParsedRequest(chat, prompts, max_tokens, stream, include_usage, model, _choices(body), logprobs)
 
 
-def priority_of(body: Mapping[str, Any]) -> int:
-    """vLLM's `priority` (lower first under the priority scheduling policy): an integer."""
+def priority_of(body: Mapping[str, Any], by_priority: bool) -> int:
+    """vLLM's `priority` (lower first under the priority scheduling policy): an integer, and 0
+    unless the engine schedules by priority (`by_priority`). vLLM's API documents a non-zero one as
+    an error there and its V0 engine refused it with this message (a 400); vLLM 0.32's V1 engine
+    ignores it instead. The emulator keeps to the documented rule so that a test sees a gateway
+    that sends a priority where it must not."""
     priority = body.get("priority", 0)
     if type(priority) is not int:
-        raise ApiError(400, "priority must be an integer")
+        raise ApiError(400, "priority must be an integer", param="priority")
+    if priority != 0 and not by_priority:
+        raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.", param="priority")
     return priority
 
 

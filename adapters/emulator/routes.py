@@ -145,7 +145,7 @@ class ApiRoutes:
                 max_model_len=config.max_model_len,
                 hidden_size=config.embedding_size,
             )
-            priority = priority_of(accepted.body)
+            priority = priority_of(accepted.body, self.engine.by_priority)
         except ApiError as err:
             await send_bytes(send, err.status, error_body(err), headers=accepted.extra)
             return
@@ -175,7 +175,7 @@ class ApiRoutes:
                 max_model_len=config.max_model_len,
                 default_max_tokens=config.default_max_tokens,
             )
-            priority = priority_of(accepted.body)
+            priority = priority_of(accepted.body, self.engine.by_priority)
         except ApiError as err:
             await send_bytes(send, err.status, error_body(err), headers=accepted.extra)
             return

@@ -14,6 +14,7 @@ import msgspec
 
 from adapters.upstream import Upstream, UpstreamReply, UpstreamStream
 from conductor.core.errors import UpstreamError
+from conductor.core.fast_init import fast_init
 
 CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _encode = msgspec.json.Encoder().encode
@@ -49,8 +50,12 @@ class Target:
     upstream: Upstream
     host: str  # host part of its URL
     bootstrap_port: int | None = None  # Mooncake / SGLang bootstrap server on that host
+    # it runs vLLM's --scheduling-policy priority (its settings' `scheduling_policy`): only then does
+    # a leg to it carry the request's engine priority (`leg_body`)
+    priority_scheduling: bool = False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     """The client's request as the gateway will forward it."""
@@ -68,6 +73,9 @@ class Outgoing:
     # `headers`, asked as that leg is sent: the gateway's trace context of the leg (its span starts
     # then, conductor/ops/tracing.py); None: every leg sends `headers`
     leg_headers: Callable[[str], Mapping[str, str]] | None = None
+    # vLLM's `priority` for the request's legs on instances that schedule by priority (its class's,
+    # conductor/routing/priority.py); None: none. `body` itself never holds a `priority`
+    engine_priority: int | None = None
 
     def headers_for(self, leg: str) -> Mapping[str, str]:
         """The headers the `leg` ("prefill" or "decode") sends, asked once as it is sent."""
@@ -179,6 +187,14 @@ def prefill_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any])
     return out
 
 
+def leg_body(target: Target, out: Outgoing, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`body` as one leg sends it to `target`: with the request's engine priority where `target`
+    schedules by priority, never elsewhere (vLLM's API calls a non-zero one there an error)."""
+    if out.engine_priority is None or not target.priority_scheduling:
+        return body
+    return {**body, "priority": out.engine_priority}
+
+
 def leg_failed(target: Target, leg: str, status: int, body: bytes) -> UpstreamError:
     """A leg answered an error status: the error keeps the worker's own status and body (a 4xx is
     the client's fault and is passed on as such)."""
@@ -203,7 +219,7 @@ def check_leg(reply: UpstreamReply, target: Target, leg: str) -> Any:
 
 async def open_leg(target: Target, out: Outgoing, body: Mapping[str, Any]) -> Exchange:
     """Send the leg that answers the client: streamed or not, as the client asked."""
-    data = encode_json(body)
+    data = encode_json(leg_body(target, out, body))
     headers = out.headers_for("decode")
     if out.stream:
         stream = await target.upstream.open_stream(out.path, data, headers)

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.pd.base import Exchange, Outgoing, Target, cached_tokens_of, check_leg, encode_json, open_leg
+from adapters.pd.base import Exchange, Outgoing, Target, cached_tokens_of, check_leg, encode_json, leg_body, open_leg
 
 
 async def concurrent_exchange(
@@ -27,7 +27,7 @@ async def concurrent_exchange(
     async def run_prefill() -> None:
         try:
             reply = await prefill.upstream.post(
-                out.path, encode_json(prefill_payload), prefill_headers or out.headers_for("prefill")
+                out.path, encode_json(leg_body(prefill, out, prefill_payload)), prefill_headers or out.headers_for("prefill")
             )
             answer = check_leg(reply, prefill, "prefill")
         except Exception as exc:

@@ -29,6 +29,7 @@ from adapters.pd.base import (
     check_leg,
     decode_json,
     encode_json,
+    leg_body,
     open_leg,
     prefill_body,
 )
@@ -52,7 +53,8 @@ class NixlProtocol(NoBootstrap):
         if decode is None:
             raise ValueError("nixl needs a decode instance")
         params = PREFILL_PARAMS if out.pull is None else {**PREFILL_PARAMS, **out.pull}
-        reply = await prefill.upstream.post(out.path, encode_json(prefill_body(out.body, params)), out.headers_for("prefill"))
+        sent = leg_body(prefill, out, prefill_body(out.body, params))
+        reply = await prefill.upstream.post(out.path, encode_json(sent), out.headers_for("prefill"))
         answer = check_leg(reply, prefill, "prefill")
         decode_body = dict(out.body)
         handed = answer.get("kv_transfer_params") if isinstance(answer, dict) else None

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -32,6 +32,9 @@ class InstanceSpec(_Model):
     # the base models the worker serves, when the settings say so: then these, before and whatever
     # its /v1/models lists (its LoRA adapters are still learned there); None: learned from /v1/models
     models: tuple[str, ...] | None = None
+    # the worker's vLLM --scheduling-policy: only a "priority" one gets the requests' engine priority
+    # (priority.classes.<c>.engine_priority, conductor/config/priority.py)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @field_validator("models")
     @classmethod

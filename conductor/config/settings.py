@@ -74,6 +74,7 @@ class DnsSource(_Model):
     kv_events_port: int | None = Field(default=None, gt=0, lt=65536)
     kv_events_replay_port: int | None = Field(default=None, gt=0, lt=65536)
     bootstrap_port: int | None = Field(default=None, gt=0, lt=65536)  # Mooncake / SGLang prefills
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # the workers' vLLM --scheduling-policy
 
 
 class DiscoverySettings(_Model):

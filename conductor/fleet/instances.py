@@ -68,7 +68,7 @@ class InstanceRegistry:
         for spec in settings.instances():
             assert spec.name is not None
             upstream = pool.add(spec.name, spec.url)
-            target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
+            target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port, spec.scheduling_policy == "priority")
             self.states[spec.name] = InstanceState(spec=spec, target=target, health=InstanceHealth(spec.name))
         self.listeners: list[MembershipListener] = []
         # removed while requests still ran there: name -> (its state, when to stop waiting for them)
@@ -121,7 +121,7 @@ class InstanceRegistry:
         )
         await upstream.start()
         self._own_upstreams[spec.name] = upstream
-        target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port)
+        target = Target(spec.name, upstream, host_of(spec.url), spec.bootstrap_port, spec.scheduling_policy == "priority")
         state = InstanceState(spec=spec, target=target, health=InstanceHealth(spec.name), origin=origin)
         self.states[spec.name] = state
         self.models_changed()
@@ -303,22 +303,26 @@ class InstanceRegistry:
         remote = self.load_share.remote()
         ends = self.load_share.prefill_ends() if remote else {}
         # a draining instance is no candidate at all (not even a "down" one a policy might count)
-        members = [(n, s) for n, s in self.states.items() if not s.draining]
-        panic = self.panic_roles([s for _, s in members])
+        members = [s for s in self.states.values() if not s.draining]
+        panic = self.panic_roles(members)
         if outside:
             # another model's instances are no candidates either; their views (each copying its
             # queue and streams) were most of a decision at 256 instances (bench_decision.py --models)
-            members = [(n, s) for n, s in members if n not in outside]
-        return ClusterSnapshot(
-            now=now,
-            instances=tuple(s.view(now, remote.get(n), n in exclude, ends.get(n), s.spec.role in panic) for n, s in members),
-        )
+            members = [s for s in members if s.name not in outside]
+        if not remote and not exclude and not panic:  # the usual case: each view from its own state alone
+            return ClusterSnapshot(now=now, instances=tuple([s.view(now) for s in members]))
+        views = [s.view(now, remote.get(s.name), s.name in exclude, ends.get(s.name), s.spec.role in panic) for s in members]
+        return ClusterSnapshot(now=now, instances=tuple(views))
 
     def panic_roles(self, members: list[InstanceState]) -> frozenset[Role]:
         """The roles below the panic threshold among `members` (fleet/health.py, `panicking`);
         a role entering or leaving panic is logged once."""
-        if not self._panic and all(state.health.available for state in members):
-            return self._panic  # the usual case, on every snapshot: no role can be below a threshold
+        if not self._panic:
+            for state in members:
+                if not state.health.available:
+                    break
+            else:
+                return self._panic  # the usual case, on every snapshot: no role can be below a threshold
         by_role: dict[Role, list[InstanceHealth]] = {}
         for state in members:
             by_role.setdefault(state.spec.role, []).append(state.health)

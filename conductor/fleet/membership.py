@@ -117,6 +117,8 @@ class Membership:
         listed_here = {n for n in self.overruled if n.startswith(f"{role.value}-")}
         self.overruled -= listed_here - names  # DNS let go of them: the API's word is spent
         urls = {s.spec.url for s in registry.states.values()}
+        source = self.settings.discovery.sources().get(role)
+        policy = source.scheduling_policy if source is not None else "fcfs"
         for d in found:
             state = registry.states.get(d.name)
             if d.name in self.overruled:
@@ -134,6 +136,7 @@ class Membership:
                 bootstrap_port=d.bootstrap_port,
                 kv_events_endpoint=d.kv_events_endpoint,
                 kv_events_replay_endpoint=d.kv_events_replay_endpoint,
+                scheduling_policy=policy,
             )
             await registry.add(spec, origin="dns")
         for state in list(registry.states.values()):
@@ -183,7 +186,8 @@ class Membership:
     async def add_from_api(self, body: Any) -> InstanceState:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object with url and role")
-        allowed = {"url", "role", "name", "kv_events_endpoint", "kv_events_replay_endpoint", "bootstrap_port", "models"}
+        allowed = {"url", "role", "name", "kv_events_endpoint", "kv_events_replay_endpoint", "bootstrap_port", "models",
+                   "scheduling_policy"}  # fmt: skip
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise BadRequest(f"unknown fields: {unknown}; allowed: {sorted(allowed)}", param=unknown[0])

@@ -28,7 +28,7 @@ from conductor.core.errors import (
 )
 from conductor.core.types import Slo
 from conductor.kv.analysis import PromptAnalysis, vocab_size_of
-from conductor.ops.logs import log_access
+from conductor.ops.logs import access_log_on, log_access
 from conductor.ops.tracing import NO_SPAN, OPERATIONS, forwarded_trace_context, request_attributes
 from conductor.routing.attempt import failover_reason, for_client
 from conductor.routing.batch_relay import run_batch_attempt
@@ -58,9 +58,11 @@ Send = Callable[[Message], Awaitable[None]]
 
 # fields of a client's body that tell a worker where to connect for KV (vLLM's connectors, SGLang's
 # bootstrap): set by the gateway's P/D protocol, never taken from a client unless trusted
-_KV_STEERING_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+_KV_STEERING_FIELDS = frozenset(("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"))
 # completions and chat are analysed, keyed and split; embeddings and responses are forwarded as
 # they are to mixed workers (vLLM serves both there), sized but not keyed
+# a status's label text, made once rather than per request and metric
+_STATUS_TEXT = {status: str(status) for status in range(100, 600)}
 EndpointKind = Literal["completions", "chat", "embeddings", "responses"]
 
 
@@ -152,7 +154,12 @@ class CompletionsEndpoint:
         on_disconnect = extensions.get("conductor.on_disconnect") if extensions else None
         call.draining = extensions.get("conductor.draining") if extensions else None
         if tracing is None:
-            await self._call(call, receive, send, on_disconnect)
+            try:
+                await self._serve(call, receive, send, on_disconnect)
+            except asyncio.CancelledError:
+                if not call.client.disconnected:
+                    raise
+                self._left(call)
             return
         server = scope.get("server")  # (host, port); (path, None) on a unix socket
         address = (str(server[0]), int(server[1])) if server and server[1] is not None else None
@@ -170,10 +177,14 @@ class CompletionsEndpoint:
         except asyncio.CancelledError:
             if not call.client.disconnected:
                 raise
-            # We cancelled ourselves because the client left: that is a normal end.
-            call.task.uncancel()
-            self.parts.metrics.cancelled.inc()
-            self._count(call, 499)
+            return self._left(call)
+
+    def _left(self, call: _Call) -> int:
+        """We cancelled ourselves because the client left: that is a normal end (499)."""
+        call.task.uncancel()
+        self.parts.metrics.cancelled.inc()
+        self._count(call, 499)
+        if access_log_on():
             log_access(
                 path=self.path,
                 status=499,
@@ -182,7 +193,7 @@ class CompletionsEndpoint:
                 prefill=call.client.prefill,
                 decode=call.client.decode,
             )
-            return 499
+        return 499
 
     async def _serve(
         self, call: _Call, receive: Receive, send: Send, on_disconnect: Callable[[Callable[[], None]], None] | None
@@ -223,25 +234,27 @@ class CompletionsEndpoint:
         elapsed = loop.time() - call.arrived
         self._count(call, status)
         self.parts.metrics.e2e.observe(elapsed)
-        log_access(
-            path=self.path,
-            status=status,
-            duration_ms=round(elapsed * 1000, 2),
-            request_id=call.request_id,
-            client_request_id=call.client_id,
-            prefill=call.client.prefill,
-            decode=call.client.decode,
-        )
+        if access_log_on():
+            log_access(
+                path=self.path,
+                status=status,
+                duration_ms=round(elapsed * 1000, 2),
+                request_id=call.request_id,
+                client_request_id=call.client_id,
+                prefill=call.client.prefill,
+                decode=call.client.decode,
+            )
         return status
 
     def _count(self, call: _Call, status: int) -> None:
         """The answer's status by route, and by model and class where known (never a client's string)."""
         metrics = self.parts.metrics
-        metrics.requests.labels(self.path, str(status)).inc()
+        text = _STATUS_TEXT.get(status) or str(status)
+        metrics.requests.labels(self.path, text).inc()
         if call.model is not None:
-            metrics.model_requests.labels(call.model, str(status)).inc()
+            metrics.model_requests.labels(call.model, text).inc()
         if call.priority is not None:
-            metrics.priority_requests.labels(call.priority, str(status)).inc()
+            metrics.priority_requests.labels(call.priority, text).inc()
 
     async def _read(self, call: _Call, receive: Receive) -> dict[str, Any]:
         """The client's body, authorized (its tenant), read under the size limit and validated; its
@@ -333,8 +346,9 @@ class CompletionsEndpoint:
         ids = routed.analysis.forward_token_ids
         if ids is not None and self.kind == "completions" and isinstance(body.get("prompt"), str):
             body = {**body, "prompt": list(ids)}  # tokenized once here; the worker need not again
-        if not parts.settings.pd.trust_client_kv_transfer_params and any(f in body for f in _KV_STEERING_FIELDS):
+        if not _KV_STEERING_FIELDS.isdisjoint(body) and not parts.settings.pd.trust_client_kv_transfer_params:
             body = {k: v for k, v in body.items() if k not in _KV_STEERING_FIELDS}
+        body, engine_priority = parts.classes.engine_priority(call.priority, body)  # the client's `priority` out
         headers = {"Content-Type": "application/json", "X-Request-ID": call.request_id}
         if parts.tracing is not None:
             parts.tracing.inject(headers)  # the workers' spans join this request's trace
@@ -349,6 +363,7 @@ class CompletionsEndpoint:
             request_id=call.request_id,
             stream=stream,
             client_request_id=call.client_id,
+            engine_priority=engine_priority,
         )
 
     async def _forward(self, call: _Call, routed: Routed, out: Outgoing, slo: Slo, send: Send) -> int:

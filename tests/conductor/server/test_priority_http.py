@@ -80,7 +80,7 @@ def test_a_requests_class_comes_from_the_header_the_body_the_keys_tenant_or_the_
         cases = [
             ("sk-plain", {"x-priority": "batch"}, {}, "batch", None),
             ("sk-plain", {}, {"priority": "batch"}, "batch", None),
-            ("sk-plain", {}, {"priority": 5}, "interactive", None),  # vLLM's integer: left alone, the default class
+            ("sk-plain", {}, {"priority": 5}, "interactive", None),  # vLLM's integer: no class, the default one
             ("sk-b", {}, {}, "batch", "team-b"),  # the tenant's default class
             ("sk-b", {"x-priority": "interactive"}, {}, "interactive", "team-b"),  # the header first
             ("sk-b", {}, {"priority": "interactive"}, "interactive", "team-b"),  # then the body
@@ -95,9 +95,10 @@ def test_a_requests_class_comes_from_the_header_the_body_the_keys_tenant_or_the_
     # each class's SLO, over the gateway-wide one (none here) field by field
     assert (policy.seen[0].slo.ttft_s, policy.seen[0].slo.tbt_s) == (30.0, None)
     assert (policy.seen[2].slo.ttft_s, policy.seen[2].slo.tbt_s) == (1.0, 0.05)
-    # a string `priority` is the gateway's and is not forwarded; an integer is vLLM's and is
+    # a string `priority` is the gateway's and is not forwarded; nor is a client's integer (vLLM's):
+    # the gateway alone sets it, for workers that schedule by priority (test_engine_priority.py)
     bodies = c.mixed[0].bodies()
-    assert "priority" not in bodies[1] and bodies[2]["priority"] == 5
+    assert "priority" not in bodies[1] and "priority" not in bodies[2]
     logged = [(line.get("priority"), line.get("tenant")) for line in _decisions(caplog)]
     assert logged == got
 
@@ -232,10 +233,11 @@ def test_without_priority_and_tenants_requests_are_as_before(caplog: pytest.LogC
     caplog.set_level(logging.INFO, logger="conductor.decisions")
     policy = _Recording()
     with _mixed(policy, auth={"api_keys": ["sk-plain"], "public_metrics": True}) as c:
-        # the class header means nothing; a string `priority` goes to the worker (vLLM would refuse it)
+        # the class header means nothing; a client's `priority`, string or vLLM's integer, is not
+        # passed on (priority.trust_client_engine_priority would pass the integer: test_engine_priority.py)
         assert _post(c.url, "sk-plain", {"x-priority": "nonsense"}, priority="batch").status_code == 200
         assert _post(c.url, "sk-plain", priority=3).status_code == 200
-        assert [b["priority"] for b in c.mixed[0].bodies()] == ["batch", 3]
+        assert [b.get("priority") for b in c.mixed[0].bodies()] == [None, None]
         assert [(v.priority, v.tenant) for v in policy.seen] == [(None, None), (None, None)]
         assert all("priority" not in line and "tenant" not in line for line in _decisions(caplog))
         assert "conductor_priority_requests_total{" not in httpx.get(c.url + "/metrics", timeout=30).text
