@@ -183,9 +183,10 @@ class Response:
         parts: list[bytes] = []
         size = 0
         try:
-            declared = self.header("content-length")
-            if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
-                raise ResponseTooLarge(f"upstream response body of {declared} bytes, over {limit}")
+            if not conn.complete:  # a body still arriving: a declared length over the limit is refused now
+                declared = self.header("content-length")
+                if declared.isdigit() and int(declared) > limit:
+                    raise ResponseTooLarge(f"upstream response body of {declared} bytes, over {limit}")
             while (chunk := await conn.next_chunk()) is not None:
                 size += len(chunk)
                 if size > limit:

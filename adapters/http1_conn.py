@@ -113,10 +113,12 @@ class Connection(asyncio.Protocol):
         self.body: collections.deque[Any] = collections.deque()
         self._buffered = 0  # bytes in `body`
         # the head's size, two ways (each a lower bound, so neither trips early): bytes fed while the
-        # head stayed incomplete (an unfinished line sits inside httptools), and whole header lines
+        # head stayed incomplete (an unfinished line sits inside httptools), and, when the head ended
+        # within a read that could take it past the limit, its header lines summed (`_check_head`)
         self._head_fed = 0
-        self._header_bytes = 0
-        self._header_lines = 0
+        self._feeding = 0  # the size of the read being fed while the head is incomplete
+        # header lines still allowed: the limit, less one for each interim answer (100, 103...)
+        self._lines_left = self.limits.headers
         self._waiter: asyncio.Future[None] | None = None
         self.complete = False
         self.failed = False
@@ -173,6 +175,8 @@ class Connection(asyncio.Protocol):
         self.received = True
         self._last_rx = self.loop.time()
         heading = not self.headers_done.done()
+        if heading:
+            self._feeding = len(data)
         try:
             self.parser.feed_data(data)
             if heading and not self.headers_done.done():
@@ -232,21 +236,27 @@ class Connection(asyncio.Protocol):
 
     # ---- httptools callbacks --------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_lines += 1
-        self._header_bytes += len(name) + len(value) + 4
-        if self._header_lines > self.limits.headers:
+        headers = self.headers
+        headers.append((name.lower(), value))
+        if len(headers) > self._lines_left:  # bytes are checked once, at the head's end
             raise ResponseTooLarge(f"upstream response head over {self.limits.headers} header lines")
-        if self._header_bytes > self.limits.head_bytes:
-            raise ResponseTooLarge(f"upstream response head over {self.limits.head_bytes} bytes")
-        self.headers.append((name.lower(), value))
+
+    def _check_head(self) -> None:
+        """The head's bytes against the limit, once it is complete. Reads that left it incomplete
+        were counted as they came (`data_received`); the header lines are summed only when the
+        head ended in a read that could take it past the limit (never, for a usual answer)."""
+        limit = self.limits.head_bytes
+        if self._head_fed + self._feeding > limit and sum(len(n) + len(v) + 4 for n, v in self.headers) > limit:
+            raise ResponseTooLarge(f"upstream response head over {limit} bytes")
 
     def on_headers_complete(self) -> None:
+        self._check_head()
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             # 100 Continue, 103 Early Hints...: interim answers; llhttp goes on to the final one.
             self._informational = True
-            self._header_lines += 1  # each counts as a line: a flood of them is bounded too
-            if self._header_lines > self.limits.headers:
+            self._lines_left -= 1  # each counts as a line: a flood of them is bounded too
+            if len(self.headers) > self._lines_left:
                 raise ResponseTooLarge(f"upstream response head over {self.limits.headers} lines (interim answers)")
             return
         self.status = status
@@ -266,12 +276,14 @@ class Connection(asyncio.Protocol):
         if self.complete:
             self.must_close = True  # a body after a HEAD answer: the server is out of step
             return
-        if body:
-            self.body.append(body)
-            self._buffered += len(body)
-            self._wake()
-            crowded = len(self.body) > _HIGH_WATER or self._buffered > _HIGH_WATER_BYTES
-            if crowded and not self.paused and self.transport is not None:
+        if body:  # called per chunk of every stream: kept to the fewest steps
+            queue = self.body
+            queue.append(body)
+            buffered = self._buffered = self._buffered + len(body)
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            if (buffered > _HIGH_WATER_BYTES or len(queue) > _HIGH_WATER) and not self.paused and self.transport is not None:
                 self.paused = True
                 self.transport.pause_reading()
 
@@ -369,23 +381,30 @@ class Connection(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        item = self.body.popleft()
-        if coalesce and isinstance(item, bytes) and self.body and isinstance(self.body[0], bytes):
-            parts = [item]
-            while self.body and isinstance(self.body[0], bytes):  # stop before the end or a failure
-                parts.append(self.body.popleft())
-            item = b"".join(parts)
-        if isinstance(item, bytes):
+        queue = self.body
+        item = queue.popleft()
+        if type(item) is bytes:
+            if coalesce and queue and type(queue[0]) is bytes:
+                parts = [item]
+                while queue and type(queue[0]) is bytes:  # stop before the end or a failure
+                    parts.append(queue.popleft())
+                item = b"".join(parts)
             self._buffered -= len(item)
-        roomy = len(self.body) < _HIGH_WATER // 2 and self._buffered < _HIGH_WATER_BYTES // 2
-        if self.paused and roomy and self.transport is not None and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
+            if self.paused:
+                self._resume_when_roomy()
+            return item
+        if self.paused:
+            self._resume_when_roomy()
         if item is _EOF:
             return None
-        if isinstance(item, Exception):
-            raise item
-        return item
+        raise item  # a failure: the only other thing queued
+
+    def _resume_when_roomy(self) -> None:
+        """Reading paused at the high-water mark goes on once half of it has drained."""
+        roomy = len(self.body) < _HIGH_WATER // 2 and self._buffered < _HIGH_WATER_BYTES // 2
+        if roomy and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
 
     def resume(self) -> None:
         """Back to reading before going idle, so an idle connection still notices the server leave."""

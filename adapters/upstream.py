@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from adapters.http1 import DEFAULT_LIMITS, HTTPClientError, Pool, PoolTimeout, ReadTimeout, Response, ResponseLimits
 from conductor.core.errors import ConfigError, UpstreamError, UpstreamTimeout
+from conductor.core.fast_init import fast_init
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class UpstreamPoolExhausted(UpstreamError):
         return {"Retry-After": "1"}
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class UpstreamReply:
     """A finished, non-streamed upstream answer."""

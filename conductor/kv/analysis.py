@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Protocol
 import msgspec
 
 from conductor.core.errors import BadRequest
+from conductor.core.fast_init import fast_init
 from conductor.core.types import CachedPrefix, Decision, Observation
 from conductor.kv.prompt_bounds import PromptBound, check_prompt_size
 
@@ -27,6 +28,7 @@ CHARS_PER_TOKEN = 4  # a common rule of thumb for English text with BPE vocabula
 MAX_TOKEN_ID = 2**31
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PromptAnalysis:
     """What the gateway learned about one prompt; never holds the prompt's text."""

@@ -44,8 +44,10 @@ class PromptBound:
 
     def limit(self, model: str | None) -> int:
         reported = self.context_length(model) if self.context_length is not None else None
-        bounds = [n for n in (self.max_prompt_tokens, reported) if n is not None]
-        return min(bounds) if bounds else DEFAULT_MAX_PROMPT_TOKENS
+        setting = self.max_prompt_tokens
+        if reported is None:
+            return DEFAULT_MAX_PROMPT_TOKENS if setting is None else setting
+        return reported if setting is None else min(setting, reported)
 
 
 def _param(kind: str) -> str:
@@ -97,6 +99,9 @@ def check_prompt_size(kind: str, body: Mapping[str, Any], limit: int, chars_per_
     """400 when a prompt is longer than `limit` tokens by its size alone (see the module docstring);
     `chars_per_token` None: characters are not judged. Returns the request's size (characters and
     token ids), by which the analysis decides whether to run off the event loop."""
+    prompt = body.get("prompt") if kind != "chat" else None
+    if type(prompt) is str and (chars_per_token is None or len(prompt) <= limit * chars_per_token):
+        return len(prompt)  # the usual case: one text prompt within its bound
     total = 0
     for size, exact in _prompt_sizes(kind, body):
         total += size

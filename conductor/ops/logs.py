@@ -107,6 +107,11 @@ def configure_logging(level: str, log_format: str, access_log: bool) -> None:
         flush_before_sigterm()
 
 
+def access_log_on() -> bool:
+    """Whether access-log lines are written: asked before a line's fields are gathered."""
+    return ACCESS_LOG.isEnabledFor(logging.INFO)
+
+
 def log_access(**fields: Any) -> None:
     """One access-log line (only when the access log is on: the check costs one comparison)."""
     if ACCESS_LOG.isEnabledFor(logging.INFO):

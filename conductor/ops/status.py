@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.core.decision_log import decision_log_record
+from conductor.core.fast_init import fast_init
 from conductor.core.types import Decision, Observation, Slo
 
 DECISIONS_KEPT = 50  # the ring's size: what a page shows without scrolling for ever
@@ -30,6 +31,7 @@ BUCKET_S = 10.0  # the window's resolution
 WINDOW_S = 300.0  # the window: the last five minutes
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class _Kept:
     at: float  # time.time() of the decision: the page shows wall time
@@ -84,11 +86,16 @@ class WindowedCounts:
         self.bucket_s = bucket_s
         self._buckets: deque[_Bucket] = deque(maxlen=int(window_s // bucket_s))
         self._clock = clock
+        self._open_from = self._open_until = 0.0  # the newest bucket's time span (none yet)
 
     def _current(self) -> _Bucket:
-        start = self._clock() // self.bucket_s * self.bucket_s
+        now = self._clock()
+        if self._open_from <= now < self._open_until:  # the usual case: still the newest bucket's time
+            return self._buckets[-1]
+        start = now // self.bucket_s * self.bucket_s
         if not self._buckets or self._buckets[-1].start != start:
             self._buckets.append(_Bucket(start))  # the oldest falls out of the deque
+        self._open_from, self._open_until = start, start + self.bucket_s
         return self._buckets[-1]
 
     def decided(self, decision: Decision) -> None:

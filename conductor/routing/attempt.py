@@ -12,11 +12,14 @@ endpoint logs the whole message beside it.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from adapters.pd.base import Exchange, Outgoing, PDProtocol, Target, open_leg
 from adapters.upstream import UpstreamPoolExhausted
 from conductor.core.errors import UpstreamError, UpstreamTimeout
+from conductor.core.fast_init import fast_init
 from conductor.core.types import Observation
 from conductor.fleet.instances import InstanceRegistry
 from conductor.ops.metrics import GatewayMetrics
@@ -26,6 +29,7 @@ from conductor.routing.router import Routed
 from conductor.routing.streams import StreamStats
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     """Where an attempt went and what it pulls; its load is in the registry until `end`."""
@@ -39,12 +43,13 @@ class Dispatch:
     # mixed worker, with no kv_transfer_params (a vLLM kv_both engine then computes the prompt)
     local: bool = False
 
-    async def open(self, protocol: PDProtocol, out: Outgoing) -> Exchange:
+    def open(self, protocol: PDProtocol, out: Outgoing) -> Coroutine[Any, Any, Exchange]:
         """Start the exchange on its instances: the protocol's legs, or one plain leg when the
-        decode prefills it itself or the instance is a mixed worker (a mixed pool beside P/D ones)."""
+        decode prefills it itself or the instance is a mixed worker (a mixed pool beside P/D ones).
+        The leg's own coroutine, not one wrapped around it: the caller awaits it directly."""
         if self.local or self.decode is None:
-            return await open_leg(self.prefill, out, out.body)
-        return await protocol.exchange(out, self.prefill, self.decode)
+            return open_leg(self.prefill, out, out.body)
+        return protocol.exchange(out, self.prefill, self.decode)
 
     def end(self, registry: InstanceRegistry) -> None:
         """Its load leaves the registry (whatever happened)."""

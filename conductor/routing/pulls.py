@@ -24,6 +24,7 @@ from adapters.pd.base import Outgoing, PDProtocol, PrefixStager
 from conductor.config.derived import peer_pull_possible
 from conductor.config.settings import Settings
 from conductor.core.errors import ConfigError, UpstreamError
+from conductor.core.fast_init import fast_init
 from conductor.core.types import Decision, RequestView
 from conductor.fleet.instances import InstanceRegistry
 from conductor.kv.analysis import PromptAnalysis
@@ -34,6 +35,7 @@ from conductor.routing.readback import Offer, ReadbackTable, parse_decode_params
 log = logging.getLogger(__name__)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PullOffer:
     """The pulls offered to the policy for one decision (RequestView.pull_sources and friends)."""
@@ -47,6 +49,7 @@ class PullOffer:
 NO_PULL_OFFER = PullOffer()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PullPlan:
     """What a dispatched decision pulls: nothing, a readback taken now, or a prefix to stage first."""

@@ -181,7 +181,9 @@ class Relay:
         """A non-streamed answer, as the worker wrote it (the decode's readback params taken off)."""
         reply = exchange.reply
         assert reply is not None
-        body = await self.client_usage(a, exchange, reply.body) if reply.status == 200 else reply.body
+        body = reply.body
+        if reply.status == 200 and a.dispatch.decode is not None:  # P/D: the prefill's cached tokens
+            body = await self.client_usage(a, exchange, body)
         await send_whole(send, client, a.out, reply.status, reply.content_type, body)
         a.stats.first_token = asyncio.get_running_loop().time()
         if reply.status == 200:

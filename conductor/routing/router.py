@@ -26,6 +26,7 @@ from conductor.config.settings import Settings
 from conductor.core.capabilities import ClassAware, OnlineLearner, online_learner
 from conductor.core.classes import ClassRules
 from conductor.core.errors import BadRequest, NoHealthyInstance, Rejected
+from conductor.core.fast_init import fast_init
 from conductor.core.types import (
     ClusterSnapshot,
     Decision,
@@ -41,7 +42,7 @@ from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer
 from conductor.ops.logs import log_decision
 from conductor.ops.metrics import GatewayMetrics
 from conductor.ops.status import GatewayStatus
-from conductor.ops.tracing import NO_SPAN, Tracing, decision_attributes
+from conductor.ops.tracing import Tracing, decision_attributes
 from conductor.routing.pulls import PullOffer, PullPlanner
 from policies.base import NO_INSTANCE
 
@@ -52,6 +53,7 @@ SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TBT_HEADER = "x-slo-tbt-ms"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Routed:
     """A request that passed admission: where it goes and what was predicted."""
@@ -62,6 +64,7 @@ class Routed:
     pulls: PullOffer  # the pulls offered to the policy (one is carried out if the decision pulls)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Proposal:
     """The policy's decision for a request and what it was decided on, not yet acted upon."""
@@ -212,23 +215,16 @@ class Router:
         Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away."""
         started = time.perf_counter()
         seq, self._next_seq = self._next_seq, self._next_seq + 1
-        with self._tracing.child("conductor.decide") if self._tracing else NO_SPAN as span:
-            proposal = self.propose(
-                request_id,
-                model,
-                max_tokens,
-                stream,
-                slo,
-                analysis,
-                exclude,
-                seq=seq,
-                priority=priority,
-                tenant=tenant,
-                session=session,
-            )
+        args = (request_id, model, max_tokens, stream, slo, analysis, exclude)
+        if self._tracing is None:
+            proposal = self.propose(*args, seq=seq, priority=priority, tenant=tenant, session=session)
             decision, view = proposal.decision, proposal.view
             self.policy.on_decided(view, proposal.snapshot, decision)
-            if span is not None:
+        else:
+            with self._tracing.child("conductor.decide") as span:
+                proposal = self.propose(*args, seq=seq, priority=priority, tenant=tenant, session=session)
+                decision, view = proposal.decision, proposal.view
+                self.policy.on_decided(view, proposal.snapshot, decision)
                 span.set_attributes(decision_attributes(decision, view.prompt_tokens))
         self._metrics.decision_time.observe(time.perf_counter() - started)
         log_decision(decision_log, decision, analysis.prompt_tokens, model, priority=priority, tenant=tenant)

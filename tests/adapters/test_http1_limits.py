@@ -52,8 +52,10 @@ async def refused_and_dropped(pool: Pool, server: Server) -> ResponseTooLarge:
         b"HTTP/1.1 200 OK\r\n" + b"X-Filler: 1\r\n" * 100_000 + b"Content-Length: 5\r\n\r\nhello",
         b"HTTP/1.1 200 OK\r\nX-Big: " + b"b" * 10_000_000 + b"\r\nContent-Length: 5\r\n\r\nhello",
         b"HTTP/1.1 100 Continue\r\n\r\n" * 5000 + OK,  # a flood of interim heads counts too
+        # over the byte limit, yet small enough to arrive in one read with the head's end
+        b"HTTP/1.1 200 OK\r\nX-Wide: " + b"w" * 9000 + b"\r\nX-Wider: " + b"w" * 9000 + b"\r\n" + OK.split(b"\r\n", 1)[1],
     ],
-    ids=["100k-header-lines", "10MB-header-line", "interim-flood"],
+    ids=["100k-header-lines", "10MB-header-line", "interim-flood", "one-read-over-bytes"],
 )
 async def test_an_oversize_response_head_fails_the_exchange(serve: Serve, pools: list[Pool], head: bytes) -> None:
     server = await serve(lambda peer: first_then_ok(peer, head))
