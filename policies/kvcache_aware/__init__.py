@@ -16,7 +16,8 @@ A decision runs six stages (`KvCacheAwarePolicy._decide`):
 4. admission: the TTFT at the client and the TBT on arrival, as calibrated upper bounds, against
    the SLOs; a predicted miss is a rejection, nothing is forwarded (stages.py, policies.admission).
    A class less urgent than the most urgent is judged by the guarded SLO (policies/classes.py); a
-   tenant above its share of the work while another is refused for room is refused (fairness.py).
+   flooding tenant above its share of the work is refused while another tenant sends and the fleet is
+   short of room (fairness.py).
 5. fallback: a prefill on the decode itself where that wins (policies/local_prefill.py), and a
    probe let through after `probe_after` rejections in a row (stages.py).
 6. explain: the Decision, listing the best `listed_candidates` of each pool and the chosen ones.
@@ -182,7 +183,7 @@ class KvCacheAwarePolicy(BasePolicy):
         local = local_fallback(self.local, pred, request, cluster, pools, placed, verdict)
         rejection = probed(verdict.rejection, options.admission.probe_after, self._rejected_in_a_row)
         if rejection is None and local is None and self.tenants is not None and not pools.pinned:
-            rejection = self.tenants.refuse(request, cluster.now)
+            rejection = self.tenants.refuse(request, cluster.now, verdict.ttft_s)
         decision = explain(request, self.name, pools, weighed, placed, verdict, rejection, local)
         if hint_marked is None and decode_marked is None:
             return decision

@@ -9,21 +9,32 @@ concurrency, which its default (4096) is not, and counts a short request as much
 So, as VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24) does, each tenant's
 service is counted in predicted work: `prompt_tokens + 2 x max_tokens` of every request admitted
 (VTC's default weights, an output token costing a decode step), decayed with a half-life of
-`HALF_LIFE_S` so it measures the recent rate, not the day's total. A tenant is *contending* while an
-SLO rejection (ttft_slo / tbt_slo) of one of its requests is at most `CONTEND_S` old: the fleet had
-no room for it. A request of tenant T is refused (429 `tenant_share`) when another tenant contends and
-T's service exceeds its weighted share of the service of T and the contenders, by more than `SLACK`
-(so two tenants at the same rate do not refuse each other on noise). Work-conserving: with no other
-tenant contending nobody is refused for share. Since decay scales every tenant's service by the same
-factor, comparing them needs no decay at decision time; the state changes only in `record`.
+`HALF_LIFE_S` so it measures the recent rate, not the day's total; its demand likewise, of every
+request it sent, admitted or not.
 
-A tenant's urgent request is never refused for its own sheddable work: a request of a class that is
-not sheddable is judged as if the tenant had sent nothing sheddable (its non-sheddable service, against
-its share of that plus the contenders' service); its batch goes first, through the guarded SLO of
-policies/classes.py. Counting its batch in the total instead let a flooding tenant's urgent requests
-through while its batch raised the total (measured: B's urgent work was 3.5x A's whole). The tenants are the configured ones
-(`ClassRules.weights`, from `auth.tenants`): a request's tenant that is not one is not counted, so
-the table is bounded by the configuration.
+A request of tenant T is refused (429 `tenant_share`) when all of these hold:
+- the fleet is short of room: a request (any tenant's) was refused for a predicted SLO miss
+  (ttft_slo / tbt_slo) at most `CONTEND_S` ago, or this request's own predicted TTFT is past `NEAR` of
+  its SLO (the fleet filling up before anyone is refused yet);
+- another tenant is active (sent a request within `ACTIVE_S`): the contenders;
+- T floods: its demand per weight is more than `FLOOD` x the contenders' demand per weight;
+- T's service exceeds its weighted share of the service of T and the contenders.
+Why it acts before the other tenant is refused: it used to wait for one of A's requests to be refused
+for room, and by then B's streams, admitted while there was room, held it for their whole life; A's
+batch, which needs a worker with little recent prefill duty (prefill_duty.py), was refused behind
+them (19.8 points lost, 3 runs of 9.5-22.3; docs/benchmarks.md). Why the flood test: tenants sending
+at about the same rate never refuse each other on the noise of their service, so tenants within their
+share lose nothing to this rule (the `share` and `3x` scenarios). Work-conserving: a tenant alone, or
+with no request refused or near its SLO, is never refused for share. What it costs: a flooding tenant
+beside one that sends little is held to about that one's service while the fleet is short of room.
+
+A tenant's whole service is weighed, whatever the request's class: judging the flooder's urgent
+requests by its urgent work alone admitted them up to 1.22x the other tenant's entire work, and their
+prefills kept the workers' duty above what the other tenant's batch fits under (decision log of
+`flood`: A's batch refused tbt_slo while B's urgent streams were admitted). Within a tenant the lowest
+class still goes first: its batch is judged by the guarded SLO (policies/classes.py). The tenants are
+the configured ones (`ClassRules.weights`, from `auth.tenants`): a request's tenant that is not one is
+not counted, so the tables are bounded by the configuration.
 """
 
 from __future__ import annotations
@@ -36,8 +47,12 @@ from policies.classes import ClassRules
 
 TENANT_SHARE = "tenant_share"
 HALF_LIFE_S = 10.0  # the service counted is that of about the last half-minute
-CONTEND_S = 5.0  # an SLO rejection this recent makes its tenant a contender
-SLACK = 0.1  # above its share by more than this, a tenant is refused
+CONTEND_S = 5.0  # an SLO rejection this recent says the fleet is short of room
+ACTIVE_S = 5.0  # a tenant that sent a request this recently is a contender
+NEAR = 0.5  # a predicted TTFT past this share of its SLO: the fleet is filling up
+# demand per weight past this multiple of the contenders': a flooding tenant (10x is one; 1.5 took the
+# even 3x trace of tests/traces/test_sim_classes.py for a flood, its batch sizes' noise)
+FLOOD = 3.0
 OUTPUT_WEIGHT = 2.0  # an output token's work against a prompt token's (VTC's default)
 RETRY_AFTER_S = 1.0
 
@@ -49,63 +64,76 @@ def work(request: RequestView) -> float:
 
 def over_share(own: float, total: float, weight: float, weights_total: float) -> bool:
     """Whether a tenant with `own` of the contenders' `total` service is above its weighted share."""
-    return own > (1.0 + SLACK) * total * weight / weights_total
+    return own > total * weight / weights_total
+
+
+def flooding(own: float, weight: float, theirs: float, their_weights: float) -> bool:
+    """Whether a tenant's demand `own` per weight is past `FLOOD` x the contenders' `theirs` per weight."""
+    return own / weight > FLOOD * theirs / their_weights
 
 
 class TenantService:
-    """Each configured tenant's decayed service and last SLO rejection."""
+    """Each configured tenant's decayed service and demand, its last request, the last SLO rejection."""
 
-    __slots__ = ("_at", "_kept", "_rejected_at", "_served", "rules")
+    __slots__ = ("_at", "_full_at", "_seen_at", "_sent", "_served", "rules")
 
     def __init__(self, rules: ClassRules) -> None:
         self.rules = rules
         self._served = dict.fromkeys(rules.weights, 0.0)  # tenant -> decayed work admitted
-        self._kept = dict.fromkeys(rules.weights, 0.0)  # the same, of its classes that are not sheddable
-        self._rejected_at = dict.fromkeys(rules.weights, -math.inf)  # tenant -> its last SLO rejection
-        self._at = 0.0  # when the services were last decayed
+        self._sent = dict.fromkeys(rules.weights, 0.0)  # tenant -> decayed work sent, admitted or not
+        self._seen_at = dict.fromkeys(rules.weights, -math.inf)  # tenant -> its last request decided
+        self._full_at = -math.inf  # the last SLO rejection, of any tenant's request
+        self._at = 0.0  # when the tables were last decayed
 
-    def refuse(self, request: RequestView, now: float) -> Rejection | None:
-        """The 429 for `request` when its tenant is above its share while another contends, else None."""
+    def refuse(self, request: RequestView, now: float, ttft_s: float | None = None) -> Rejection | None:
+        """The 429 for `request` (predicted TTFT `ttft_s`) when its tenant floods above its share
+        while the fleet is short of room and another tenant is active, else None."""
         tenant, weights = request.tenant, self.rules.weights
         if tenant is None or tenant not in weights:
             return None
-        others = [t for t in weights if t != tenant and now - self._rejected_at[t] <= CONTEND_S]
+        slo = request.slo.ttft_s
+        near = ttft_s is not None and slo is not None and ttft_s > NEAR * slo
+        if not near and now - self._full_at > CONTEND_S:
+            return None
+        others = [t for t in weights if t != tenant and now - self._seen_at[t] <= ACTIVE_S]
         if not others:
             return None
-        sheddable = self.rules.is_sheddable(request.priority)
-        own = self._served[tenant] if sheddable else self._kept[tenant]
+        their_weights = sum(weights[t] for t in others)
+        if not flooding(self._sent[tenant], weights[tenant], sum(self._sent[t] for t in others), their_weights):
+            return None
+        own = self._served[tenant]
         total = own + sum(self._served[t] for t in others)
-        weights_total = weights[tenant] + sum(weights[t] for t in others)
-        if not over_share(own, total, weights[tenant], weights_total):
+        if not over_share(own, total, weights[tenant], weights[tenant] + their_weights):
             return None
         part = own / total if total > 0 else 0.0
         return Rejection(
             reason=TENANT_SHARE,
             message=(
-                f"tenant {tenant!r} has {part:.0%} of the recent work admitted ({'all' if sheddable else 'urgent'} "
-                f"classes), over its share {weights[tenant] / weights_total:.0%} while tenant(s) "
-                f"{', '.join(repr(t) for t in others)} are refused for want of room"
+                f"tenant {tenant!r} sends over {FLOOD:g}x its share and has {part:.0%} of the recent work "
+                f"admitted, over its share {weights[tenant] / (weights[tenant] + their_weights):.0%}, while "
+                f"tenant(s) {', '.join(repr(t) for t in others)} also send and the fleet is "
+                f"{'filling up' if near else 'refusing requests for want of room'}"
             ),
             retry_after_s=RETRY_AFTER_S,
         )
 
     def record(self, request: RequestView, decision: Decision, now: float) -> None:
-        """The one place this table changes: an admitted request's work, or an SLO rejection's time."""
+        """The one place these tables change: every request's work sent, an admitted one's work
+        served, an SLO rejection's time."""
+        rejection = decision.rejection
+        if rejection is not None and rejection.reason in (TTFT_SLO, TBT_SLO):
+            self._full_at = now  # whoever sent it: the fleet is short of room
         tenant = request.tenant
         if tenant is None or tenant not in self._served:
             return
-        rejection = decision.rejection
-        if rejection is not None:
-            if rejection.reason in (TTFT_SLO, TBT_SLO):
-                self._rejected_at[tenant] = now
-            return
         if now > self._at:
             factor = 0.5 ** ((now - self._at) / HALF_LIFE_S)
-            for table in (self._served, self._kept):
+            for table in (self._served, self._sent):
                 for t in table:
                     table[t] *= factor
             self._at = now
+        self._seen_at[tenant] = now
         w = work(request)
-        self._served[tenant] += w
-        if not self.rules.is_sheddable(request.priority):
-            self._kept[tenant] += w
+        self._sent[tenant] += w
+        if rejection is None:
+            self._served[tenant] += w

@@ -1,6 +1,7 @@
 """Class- and tenant-aware admission in kvcache_aware (issue 37): a less urgent class judged by the
-guarded SLO (policies/classes.py), each tenant held to its share of the work admitted while another
-is refused for room (policies/kvcache_aware/fairness.py), and the gateway telling the policy both."""
+guarded SLO (policies/classes.py), a flooding tenant held to its share of the work admitted while
+another tenant sends and the fleet is short of room (policies/kvcache_aware/fairness.py), and the
+gateway telling the policy both."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from conductor.config.settings import load_settings
 from conductor.core.types import (
     ActiveDecode,
     ClusterSnapshot,
+    Decision,
     InstanceView,
     QueuedPrefill,
     Rejection,
@@ -22,7 +24,16 @@ from conductor.core.types import (
 from conductor.gateway import Gateway
 from policies.classes import ClassRules, guard_slo, guarded
 from policies.kvcache_aware import KvCacheAwarePolicy
-from policies.kvcache_aware.fairness import CONTEND_S, TENANT_SHARE, TenantService, over_share, work
+from policies.kvcache_aware.fairness import (
+    ACTIVE_S,
+    CONTEND_S,
+    NEAR,
+    TENANT_SHARE,
+    TenantService,
+    flooding,
+    over_share,
+    work,
+)
 from policies.kvcache_aware.prefill_duty import WINDOW_S, PrefillDuty
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
 from tests.policies.cluster_builders import request, routed
@@ -99,76 +110,112 @@ def test_a_batch_request_is_admitted_where_the_urgent_class_keeps_room() -> None
 # ---- tenants' share of the work ---------------------------------------------------------------------
 
 
-def test_over_share_and_work() -> None:
+def test_over_share_flooding_and_work() -> None:
     assert work(of("batch", prompt=1000)) == 1000 + 2 * 128
-    assert not over_share(50.0, 100.0, 1.0, 2.0) and not over_share(54.0, 100.0, 1.0, 2.0)  # within the slack
-    assert over_share(56.0, 100.0, 1.0, 2.0)
+    assert not over_share(50.0, 100.0, 1.0, 2.0) and over_share(51.0, 100.0, 1.0, 2.0)
     assert not over_share(60.0, 100.0, 2.0, 3.0)  # twice the weight: two thirds
+    assert not flooding(290.0, 1.0, 100.0, 1.0) and flooding(310.0, 1.0, 100.0, 1.0)  # FLOOD = 3
+    assert not flooding(500.0, 2.0, 100.0, 1.0)  # per weight: 250 against 100
 
 
-def _flooded(p: KvCacheAwarePolicy, at: float = 100.0) -> None:
-    """B had four times A's work admitted; then A was refused for room (an SLO rejection)."""
-    idle = ClusterSnapshot(at - 1.0, (InstanceView("m0", Role.MIXED),))
-    for i in range(4):
-        assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
-    assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
-    missed = routed(p, of("interactive", "A", prompt=200_000, rid="a1"), busy(1, at))
-    assert missed.rejection is not None and missed.rejection.reason == "ttft_slo"
+def _admitted() -> Decision:
+    d = routed(policy(), of("batch", "A", prompt=100), busy(1))
+    assert not d.rejected
+    return d
 
 
-def test_a_tenant_over_its_share_is_refused_while_another_is_refused_for_room() -> None:
-    p = policy()
-    _flooded(p)
-    cluster = busy(1)
-    d = routed(p, of("batch", "B", prompt=100, rid="b9"), cluster)
-    assert d.rejection is not None and d.rejection.reason == TENANT_SHARE and "'A'" in d.rejection.message
-    assert not routed(p, of("batch", "A", prompt=100, rid="a9"), cluster).rejected  # A is within its share
-    # B's urgent request is judged by B's urgent work alone (none): B's batch is what goes first
-    assert not routed(p, of("interactive", "B", prompt=100, rid="b10"), cluster).rejected
-    # once A's rejection is older than CONTEND_S, nobody contends: B is admitted again
-    assert not routed(p, of("batch", "B", prompt=100, rid="b11"), busy(1, 100.0 + CONTEND_S + 0.1)).rejected
+def _missed() -> Decision:
+    """An SLO rejection: a prompt no worker prefills within the TTFT SLO."""
+    d = routed(policy(), of("interactive", "A", prompt=200_000), busy(1))
+    assert d.rejection is not None and d.rejection.reason == "ttft_slo"
+    return d
 
 
-def test_a_flooding_tenants_urgent_work_is_not_hidden_by_its_batch() -> None:
+def _flood(t: TenantService, at: float = 100.0, b_requests: int = 10, a_requests: int = 2) -> None:
+    """B sends `b_requests` and A `a_requests` (all admitted) just before `at`."""
+    ok = _admitted()
+    for i in range(b_requests):
+        t.record(of("batch", "B", rid=f"b{i}"), ok, at - 1.0)
+    for i in range(a_requests):
+        t.record(of("batch", "A", rid=f"a{i}"), ok, at - 1.0)
+
+
+def test_a_flooding_tenant_is_refused_before_another_tenant_is() -> None:
+    t = TenantService(RULES)
+    _flood(t)
+    assert t.refuse(of("batch", "B"), 100.0) is None  # the fleet has room: nothing refused, nothing near
+    t.record(of("batch", "B", rid="late"), _missed(), 100.0)  # B's own request refused for room
+    d = t.refuse(of("batch", "B"), 100.0)
+    assert d is not None and d.reason == TENANT_SHARE and "'A'" in d.message and d.retry_after_s > 0
+    assert t.refuse(of("batch", "A"), 100.0) is None  # A sends within its share
+    # B's urgent requests too: its whole service is weighed, not its urgent work alone
+    assert t.refuse(of("interactive", "B"), 100.0) is not None
+    # once the fleet refused nobody for CONTEND_S (and the request is not near its SLO), B is admitted
+    assert t.refuse(of("batch", "B"), 100.0 + CONTEND_S + 0.1, ttft_s=0.1) is None
+
+
+def test_a_flooding_tenant_is_refused_when_its_request_is_near_its_slo() -> None:
+    t = TenantService(RULES)
+    _flood(t)
+    judged = guarded(of("batch", "B"), RULES)  # as the policy asks: by the SLO admission judges it by
+    slo = judged.slo.ttft_s
+    assert slo is not None
+    assert t.refuse(judged, 100.0, ttft_s=0.9 * NEAR * slo) is None
+    assert t.refuse(judged, 100.0, ttft_s=1.1 * NEAR * slo) is not None
+
+
+def test_tenants_within_share_or_alone_are_never_refused_for_share() -> None:
+    missed = _missed()
+    alone = TenantService(RULES)
+    _flood(alone, a_requests=0)
+    alone.record(of("batch", "B", rid="late"), missed, 100.0)
+    assert alone.refuse(of("batch", "B"), 100.0) is None  # A sent nothing: B may use everything
+    # A sent its last request ACTIVE_S ago: not a contender any more
+    assert alone.refuse(of("batch", "B"), 100.0 + ACTIVE_S) is None
+    even = TenantService(RULES)  # the same demand, B admitted more: noise, not a flood
+    _flood(even, b_requests=3, a_requests=1)
+    even.record(of("batch", "A", rid="a-late"), missed, 100.0)
+    even.record(of("batch", "A", rid="a-late2"), missed, 100.0)
+    assert even.refuse(of("batch", "B"), 100.0) is None
+
+
+def test_a_share_rejection_is_not_a_shortage_of_room_and_the_work_decays() -> None:
+    t = TenantService(RULES)
+    _flood(t)
+    share = replace(_admitted(), rejection=Rejection(reason=TENANT_SHARE, message="over its share"))
+    t.record(of("batch", "B", rid="b-share"), share, 100.0)
+    assert t.refuse(of("batch", "B"), 100.0) is None
+    t.record(of("batch", "B", rid="late"), _missed(), 100.0)
+    assert t.refuse(of("batch", "B"), 100.0) is not None
+    # 30 s on, A's new work counts in full, B's old work decayed to an eighth: within its share
+    for i in range(2):
+        t.record(of("batch", "A", rid=f"a-new{i}"), _admitted(), 130.0)
+    t.record(of("batch", "B", rid="late2"), _missed(), 130.0)
+    assert t.refuse(of("batch", "B"), 130.0) is None
+
+
+def test_the_policy_refuses_a_flooding_tenant_and_admits_the_other() -> None:
     p = policy()
     idle = ClusterSnapshot(99.0, (InstanceView("m0", Role.MIXED),))
-    for i, (cls, tenant) in enumerate([("batch", "B")] * 6 + [("interactive", "B")] * 2 + [("batch", "A")]):
-        assert not routed(p, of(cls, tenant, rid=f"x{i}"), idle).rejected
-    missed = routed(p, of("interactive", "A", prompt=200_000, rid="a1"), busy(1))
+    for i in range(6):
+        assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
+    assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
+    missed = routed(p, of("interactive", "B", prompt=200_000, rid="b-big"), busy(1))
     assert missed.rejection is not None and missed.rejection.reason == "ttft_slo"
-    # B's urgent work is twice A's whole: over its share once B's batch is set aside (with it counted,
-    # 2 of 2 + 6 + 1 was under half, and B's urgent flood went through)
-    d = routed(p, of("interactive", "B", rid="b9"), busy(1))
+    d = routed(p, of("batch", "B", prompt=100, rid="b9"), busy(1))
     assert d.rejection is not None and d.rejection.reason == TENANT_SHARE
+    assert not routed(p, of("batch", "A", prompt=100, rid="a9"), busy(1)).rejected
 
 
 def test_without_tenants_told_a_flood_is_not_refused_for_share() -> None:
     p = policy(ClassRules(ranks=RULES.ranks, sheddable=RULES.sheddable, urgent_slo=URGENT_SLO))
     assert p.tenants is None
-    _flooded(p)
+    idle = ClusterSnapshot(99.0, (InstanceView("m0", Role.MIXED),))
+    for i in range(6):
+        assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
+    assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
+    assert routed(p, of("interactive", "B", prompt=200_000, rid="b-big"), busy(1)).rejected
     assert not routed(p, of("batch", "B", prompt=100, rid="b9"), busy(1)).rejected
-
-
-def test_a_share_rejection_is_not_a_contention_and_decays() -> None:
-    t = TenantService(RULES)
-    share_refusal = routed(policy(), of("batch", "B"), busy(1))  # any admitted decision to copy
-    assert not share_refusal.rejected
-    t.record(of("batch", "B"), share_refusal, 100.0)
-    refused = replace(share_refusal, rejection=replace(_rejection(), reason=TENANT_SHARE))
-    t.record(of("batch", "A"), refused, 100.0)  # A refused for its share: not "no room"
-    assert t.refuse(of("batch", "B"), 100.0) is None
-    t.record(of("batch", "A"), replace(share_refusal, rejection=_rejection()), 100.0)
-    assert t.refuse(of("batch", "B"), 100.0) is not None
-    # A's work admitted later counts in full, B's old work decayed by then: B is within its share
-    t.record(of("batch", "A"), share_refusal, 130.0)
-    t.record(of("batch", "A", rid="x"), replace(share_refusal, rejection=_rejection()), 130.0)
-    assert t.refuse(of("batch", "B"), 130.0) is None
-
-
-def _rejection() -> Rejection:
-    d = routed(policy(), of("interactive", "A", prompt=200_000), busy(1))
-    assert d.rejection is not None
-    return d.rejection
 
 
 # ---- the gateway tells the policy -------------------------------------------------------------------
