@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import select
 import socket
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httptools
+
+from adapters.lazy_timer import LazyTimer
 
 
 class HTTPClientError(Exception):
@@ -128,8 +131,8 @@ class Connection(asyncio.Protocol):
         self.paused = False
         self._bodiless = bodiless  # a HEAD request: the answer ends with its headers
         self._informational = False
-        self._last_rx = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._last_rx = 0.0  # when the current exchange last heard from the server (loop time)
+        self._timer = LazyTimer(self.loop, self._read_timed_out, self._read_deadline)
 
     @property
     def reusable(self) -> bool:
@@ -302,32 +305,26 @@ class Connection(asyncio.Protocol):
 
     # ---- timers and failure -----------------------------------------------------------------
     def _arm_timer(self) -> None:
-        # An exchange begins: its silence is timed from now. A timer still armed from an earlier
-        # exchange on this connection serves (it fires no later than this one's deadline, then
-        # pushes itself back to it): a connection kept busy by back-to-back requests arms one timer
-        # per timeout, not a timer and a cancel per request (about 2 us each, profiled).
-        self._last_rx = self.loop.time()
-        if self.read_timeout_s > 0 and self._timer is None:
-            self._timer = self.loop.call_at(self._last_rx + self.read_timeout_s, self._on_timer)
+        # An exchange begins: its silence is timed from now (adapters/lazy_timer.py). A handle still
+        # armed from an earlier exchange on this connection serves: a connection kept busy by
+        # back-to-back requests arms one timer per timeout, not a timer and a cancel per request,
+        # and data_received only notes the time, far cheaper than moving a timer per chunk.
+        self._last_rx = now = self.loop.time()
+        if self.read_timeout_s > 0:
+            self._timer.arm(now + self.read_timeout_s)
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.stop()
 
-    def _on_timer(self) -> None:
-        # One timer per exchange, pushed back lazily: data_received only notes the time, which is
-        # far cheaper than re-arming a timer for every chunk of a stream.
-        self._timer = None
+    def _read_deadline(self) -> float:
+        """The read deadline in force when the timer fires: none once the answer is over."""
         if self.complete or self.failed or not self.busy:
-            return
-        now = self.loop.time()
-        if self.paused:
-            self._last_rx = now  # we stopped reading, not the server: its silence does not count
-        deadline = self._last_rx + self.read_timeout_s
-        if now < deadline:
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-            return
+            return math.inf
+        if self.paused:  # we stopped reading, not the server: its silence does not count
+            self._last_rx = self.loop.time()
+        return self._last_rx + self.read_timeout_s
+
+    def _read_timed_out(self) -> None:
         self._fail(ReadTimeout(f"no data from upstream for {self.read_timeout_s:g} s"))
         self.close()
 

@@ -7,6 +7,11 @@ handle and a cancelled entry per request, about 2 us of the gateway's CPU per re
 handle fires early it re-arms itself for the deadline now in force; a stopped deadline lets it
 lapse. The handle always fires no later than the deadline, because a deadline is only ever moved
 by `arm` to a later time than any handle armed before (callers arm with now + a fixed timeout).
+
+A deadline that moves far more often than it is armed (an upstream read timeout, pushed back by
+every chunk of a stream) is better not told at all: with `deadline` given, the timer asks it, when
+its handle fires, for the deadline now in force (`math.inf`: nothing to time, the handle lapses), and
+the owner only notes its last activity in an attribute of its own (adapters/http1_conn.py).
 """
 
 from __future__ import annotations
@@ -19,11 +24,19 @@ from collections.abc import Callable
 class LazyTimer:
     """Calls `on_expiry` once the deadline set by `arm` passes without a `disarm`."""
 
-    __slots__ = ("_handle", "_loop", "_on_expiry", "due")
+    __slots__ = ("_deadline", "_handle", "_loop", "_on_expiry", "due")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_expiry: Callable[[], None],
+        deadline: Callable[[], float] | None = None,
+    ) -> None:
+        """deadline: asked when the handle fires for the deadline in force, instead of the one
+        `arm` last set (never earlier than that one's handle: the owner's activity only moves it on)."""
         self._loop = loop
         self._on_expiry = on_expiry
+        self._deadline = deadline
         self._handle: asyncio.TimerHandle | None = None
         self.due = math.inf  # the deadline in force, on the loop's clock (inf: none)
 
@@ -53,6 +66,10 @@ class LazyTimer:
         due = self.due
         if due == math.inf:
             return
+        if self._deadline is not None:
+            due = self.due = self._deadline()
+            if due == math.inf:
+                return
         if self._loop.time() < due:  # moved later since this handle was armed
             self._handle = self._loop.call_at(due, self._fire)
             return

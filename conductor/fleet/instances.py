@@ -358,9 +358,9 @@ class InstanceRegistry:
 
     def end_prefill(self, name: str, request_id: str) -> None:
         state = self._state(name)
-        if state is None:
-            return
-        was_head = next(iter(state.prefills), None) == request_id
+        if state is None or request_id not in state.prefills:
+            return  # (ended already: a stream's prefill ends at its first token, then again at its end)
+        was_head = next(iter(state.prefills)) == request_id
         if state.prefills.pop(request_id, None) is not None:
             del state.started[request_id]
             state.last_prefill_end = time.monotonic()

@@ -60,6 +60,11 @@ class PullPlan:
     stage: tuple[str, int] | None = None  # a peer pull: (holder, prefix tokens) to stage first
 
     @property
+    def pulls(self) -> bool:
+        """Whether the outgoing request changes for it (`PullPlanner.prepare` has work to do)."""
+        return self.params is not None or self.stage is not None
+
+    @property
     def source_kind(self) -> str:
         """The metric its outcome is counted on."""
         return "peer_pull" if self.stage is not None else "readback"

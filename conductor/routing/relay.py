@@ -143,10 +143,11 @@ class Relay:
 
     async def _serve(self, a: Attempt, send: Send, client: ClientState) -> int:
         d = a.dispatch
-        a.out, a.predicted_cached = await self.pulls.prepare(d.pull, a.out, a.routed.analysis)
-        joined = self.registry.states[d.decode_name]  # the others already decoding there (this replica's)
-        others = [s for rid, s in joined.decodes.items() if rid != d.request_id]
-        a.decode_batch, a.decode_resident = len(others), sum(s.context_tokens for s in others)
+        if d.pull.pulls:  # else the request goes as it is, holding what dispatch predicted
+            a.out, a.predicted_cached = await self.pulls.prepare(d.pull, a.out, a.routed.analysis)
+        # where it decodes: the batch it joins is read there at its first token (only a stream's
+        # token gaps teach the TBT fit, policies/kvcache_aware/learning.py)
+        joined = self.registry.states[d.decode_name]
         exchange = await self._open(a)
         a.exchanges.append(exchange)
         if exchange.prefill_s is not None:  # sequential prefill (nixl) is over

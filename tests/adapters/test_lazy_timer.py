@@ -92,3 +92,27 @@ def test_stop_cancels_the_handle(clock: _Clock) -> None:
     clock.advance_to(20.0)
     assert fired == [] and not timer.armed
     assert all(h.cancelled() for h in clock.loop._scheduled)  # type: ignore[attr-defined]
+
+
+def test_a_deadline_hook_is_asked_when_the_handle_fires(clock: _Clock) -> None:
+    """The owner notes its activity itself; the timer asks for the deadline only when it fires:
+    pushed back while there was activity, expired after silence, lapsed when nothing is timed."""
+    fired: list[float] = []
+    state = {"last": 0.0, "timing": True}
+    asked: list[float] = []
+
+    def deadline() -> float:
+        asked.append(clock.now)
+        return state["last"] + 10.0 if state["timing"] else float("inf")
+
+    timer = LazyTimer(clock.loop, lambda: fired.append(clock.now), deadline)
+    timer.arm(10.0)
+    state["last"] = 7.0  # activity at 7: not told to the timer
+    clock.advance_to(10.0)
+    assert asked == [10.0] and fired == [] and timer.due == 17.0
+    clock.advance_to(17.0)
+    assert asked == [10.0, 17.0] and fired == [17.0] and not timer.armed
+    timer.arm(30.0)
+    state["timing"] = False  # the exchange ended: nothing to time
+    clock.advance_to(30.0)
+    assert fired == [17.0] and not timer.armed and clock.armed == 3
