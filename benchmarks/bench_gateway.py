@@ -10,10 +10,12 @@ concurrency 1, 16 and 64; each router's CPU per request (from /proc, the process
 and its added p50/p99 over the workers hit directly; then the throughput ceiling (non-stream, mixed,
 concurrency 256) with round_robin and kvcache_aware. Every cell runs every router back to back, in
 alternating order, `--repeat` times (the median is kept): this box is shared and noisy, so read the
-ratios of one run, not the absolute figures. `--against REV` adds Conductor as it was at a git
-revision (its tree exported with `git archive`, run with the same Python) to every cell, and prints
-this checkout's CPU per request over that revision's: the regression check the request-path issue
-asks for.
+ratios of one run, not the absolute figures. `--against REV` adds, after the cells, the regression
+check the request-path issue asks for: this checkout's CPU per request over Conductor's as it was at a
+git revision (its tree exported with `git archive`, run with the same Python), measured as
+benchmarks/paired_cpu.py measures it: both gateways (one process each, round_robin) loaded at the same
+time, `--against-repeat` pairs per mode and body. Run one after the other, the two would differ by the
+10-25% the box's background load moves a run; loaded together, both see the same load.
 
 `--fleet two-models` measures instead what serving several models costs: Conductor (`conductor serve
 --mixed A --mixed B`, round_robin and then kvcache_aware, the default) in front of two stand-ins serving
@@ -75,6 +77,8 @@ request = function()
   return wrk.format(nil, nil, nil, bodies[n %% 2 + 1])
 end
 """
+# each gateway's wrk concurrency in --against's pairs (paired_cpu.py's default)
+PAIRED_CONCURRENCY = 32
 # the fleets compared: the models their two stand-ins serve (the first is conductor_serve's --model)
 FLEETS = {"one-pool": ("tiny", "tiny"), "two-models": ("tiny", "tiny-b")}
 
@@ -162,25 +166,8 @@ def start_routers(
     vllm_router: str | None,
     sglang_router: str | None,
     workers: tuple[int, ...],
-    against: tuple[str, Path] | None = None,
 ) -> list[Router]:
     routers = []
-    if against is not None:  # the same command line, the package imported from the exported tree,
-        rev, tree = against  # with the first of `workers` processes (compare like with like)
-        port, n = free_port(), workers[0]
-        admin = free_port_run(n)
-        inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
-        extra = ["--workers", str(n), "--admin-port", str(admin)] if n > 1 else []
-        p = procs.start(
-            conductor_serve(port, policy, *inst, *extra),
-            quiet=True,
-            pythonpath=tree,
-        )
-        for url in [f"http://127.0.0.1:{admin + i}" for i in range(n)] if n > 1 else [f"http://127.0.0.1:{port}"]:
-            wait_http(url + "/ready")
-        routers.append(
-            Router(f"conductor@{rev}" + (f"-w{n}" if n > 1 else ""), f"http://127.0.0.1:{port}/v1/completions", _pids(p))
-        )
     for n in workers:
         port, admin = free_port(), free_port_run(n)
         inst = ["--prefill", w["prefill"], "--decode", w["decode"]] if pd else ["--mixed", w["mixed-a"], "--mixed", w["mixed-b"]]
@@ -281,7 +268,6 @@ def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
     base = cell["direct"]
     lines = []
     peers = [n for n in cell if n not in ("direct",) and not n.startswith("conductor")]
-    old = next((n for n in cell if n.startswith("conductor@")), None)
     for name, load in cell.items():
         added50 = (load.p50_us - base.p50_us) / 1e3 if name != "direct" else None
         added99 = (load.p99_us - base.p99_us) / 1e3 if name != "direct" else None
@@ -292,11 +278,8 @@ def report_cell(title: str, cell: dict[str, Load]) -> list[str]:
         )
     best_cpu = min((cell[p].cpu_us_per_request or 1e18 for p in peers), default=None)
     best_p99 = min((cell[p].p99_us for p in peers), default=None)
-    for name in (n for n in cell if n.startswith("conductor") and n != old):
+    for name in (n for n in cell if n.startswith("conductor")):
         c = cell[name]
-        o = cell[old].cpu_us_per_request if old else None
-        if o and c.cpu_us_per_request:
-            lines.append(f"{'':<24} {name} / {old}: CPU per request {c.cpu_us_per_request / o:.2f}x")
         if best_cpu and best_p99 and c.cpu_us_per_request:
             # p99 compared as measured, through the same workers: the direct baseline's own tail (the
             # stand-ins' pauses) is too noisy to subtract
@@ -419,9 +402,8 @@ def main() -> int:
     ap.add_argument("--modes", default="mixed,pd")
     ap.add_argument("--workers", default="1,2", help="Conductor process counts to measure")
     ap.add_argument("--quick", action="store_true", help="2 s runs, once, concurrency 1 and 64")
-    ap.add_argument(
-        "--against", metavar="REV", help="also run Conductor as of this git revision (with the first --workers count)"
-    )
+    ap.add_argument("--against", metavar="REV", help="also: this checkout's CPU per request over this git revision's, paired")
+    ap.add_argument("--against-repeat", type=int, default=4, help="pairs per mode and body for --against (--quick: 1)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the throughput ceiling")
     ap.add_argument("--ceiling-only", action="store_true", help="only the throughput ceiling")
     ap.add_argument(
@@ -432,7 +414,7 @@ def main() -> int:
         print("wrk is not installed: apt-get install wrk", file=sys.stderr)
         return 2
     if args.quick:
-        args.seconds, args.repeat, args.concurrency = 2.0, 1, "1,64"
+        args.seconds, args.repeat, args.concurrency, args.against_repeat = 2.0, 1, "1,64", 1
     if args.fleet:
         print("\n" + "\n".join(fleet_comparison(args)))
         return 0
@@ -461,7 +443,7 @@ def main() -> int:
         for mode in [] if args.ceiling_only else args.modes.split(","):
             pd = mode == "pd"
             with Processes() as rprocs:
-                routers = start_routers(rprocs, w, pd, "round_robin", vllm_router, sglang_router, workers, against)
+                routers = start_routers(rprocs, w, pd, "round_robin", vllm_router, sglang_router, workers)
                 direct = (
                     [w["prefill"] + "/v1/completions", w["decode"] + "/v1/completions"]
                     if pd
@@ -474,10 +456,37 @@ def main() -> int:
                         shown = report_cell(title, cell)
                         lines += shown
                         print("\n".join(shown), flush=True)
+        if against is not None and not args.ceiling_only:
+            lines += paired_regression(w, lua, against, args)
         if not args.no_ceiling:
             lines += ceiling(w, lua["non-stream"], args, vllm_router, sglang_router, workers)
     print("\n" + "\n".join(lines))
     return 0
+
+
+def paired_regression(w: dict[str, str], lua: dict[str, Path], against: tuple[str, Path], args: argparse.Namespace) -> list[str]:
+    """--against: B/A CPU per request, B this checkout and A the revision, each pair of gateways
+    started, warmed and loaded together by benchmarks/paired_cpu.py's `one_pair`."""
+    from paired_cpu import one_pair  # here, not at the top: paired_cpu imports this module
+
+    rev, tree = against
+    pair = argparse.Namespace(policy="round_robin", concurrency=PAIRED_CONCURRENCY, seconds=args.seconds)
+    lines = [
+        "",
+        f"regression check, paired (benchmarks/paired_cpu.py): CPU per request of this checkout over {rev}'s, both "
+        f"loaded at once, round_robin, concurrency {PAIRED_CONCURRENCY} each, {args.seconds:g} s runs, median [min-max]:",
+    ]
+    print("\n".join(lines), flush=True)
+    for mode in args.modes.split(","):
+        for body in ("non-stream", "stream32"):
+            ratios = []
+            for _ in range(args.against_repeat):
+                a, b = one_pair(w, (tree, ROOT), ([], []), mode == "pd", lua[body], pair)
+                ratios.append(b / a)
+            line = f"  {mode:<6} {body:<11} conductor / conductor@{rev}: {spread(ratios, '.3f')}x ({len(ratios)} pairs)"
+            print(line, flush=True)
+            lines.append(line)
+    return lines
 
 
 def ceiling(

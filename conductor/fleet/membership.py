@@ -40,6 +40,7 @@ from conductor.core.types import Role
 from conductor.fleet.instances import InstanceRegistry, InstanceState, Origin
 from conductor.kv.analysis import PromptAnalyzer
 from conductor.kv.analyzer import KVAwareAnalyzer, KVEventsEndpoint
+from conductor.kv.canary import canary_of
 from conductor.ops.loop_metrics import LoopMetric
 from conductor.ops.metrics import GatewayMetrics
 
@@ -79,7 +80,7 @@ class Membership:
         # DNS-found instances the API drained or removed, by name: kept out while DNS lists them
         self.overruled: set[str] = set()
         registry.listeners.append(self)
-        canary = getattr(analyzer, "canary", None)
+        canary = canary_of(analyzer)
         key = settings.auth.upstream_key()
         if canary is not None and key:  # the KV canary's requests go to the workers like any other
             canary.headers = {"Authorization": f"Bearer {key}"}

@@ -23,7 +23,7 @@ events that chain onto blocks the gateway never saw stored (late start).
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -291,3 +291,16 @@ def build_agreement(s: KVAwarenessSettings, registry: CollectorRegistry | None) 
         coverage_alarm_below=s.agreement_coverage_alarm_below,
         setup=setup,
     )
+
+
+@runtime_checkable
+class KeepsAgreement(Protocol):
+    """An analyzer with a KV index whose predictions it checks against the workers' (KVAwareAnalyzer)."""
+
+    @property
+    def agreement(self) -> HashAgreement: ...
+
+
+def agreement_of(analyzer: object) -> HashAgreement | None:
+    """The hash agreement the analyzer keeps; None without a KV index (nothing to agree on)."""
+    return analyzer.agreement if isinstance(analyzer, KeepsAgreement) else None

@@ -9,9 +9,9 @@ estimating analyzer below is what runs with no tokenizer and no index configured
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, cast, runtime_checkable
 
 import msgspec
 
@@ -57,19 +57,61 @@ class PromptAnalyzer(Protocol):
     def on_result(self, analysis: PromptAnalysis, decision: Decision, observation: Observation) -> None: ...
 
 
+@runtime_checkable
+class BoundsPrompts(Protocol):
+    """An analyzer that refuses prompts longer than its bound (both of this package's do): the
+    gateway hands it the bound that reads the workers' context length (conductor/gateway.py)."""
+
+    prompt_bound: PromptBound
+
+
+@runtime_checkable
+class SizedVocabulary(Protocol):
+    """A tokenizer that may know its vocabulary size (adapters/tokenizers.py: the byte tokenizer and
+    local Hugging Face ones do, a worker's /tokenize does not: None)."""
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+
+@runtime_checkable
+class KnowsVocabulary(Protocol):
+    """An analyzer whose tokenizer may know its vocabulary: token ids at or above it are refused
+    (400) before anything else reads the request (conductor/server/endpoint.py)."""
+
+    def vocab_size(self) -> int | None:
+        """The size now, None when unknown. Read per request, not once: with kv.tokenizer auto the
+        tokenizer is chosen on first use (adapters/auto_tokenizer.py), so it may become known later."""
+        ...
+
+
 def bind_prompt_bound(analyzer: PromptAnalyzer, bound: PromptBound) -> None:
-    """Give an analyzer that bounds prompts (both of this package's do) the gateway's bound: the
-    context length its workers report, read per request. Another analyzer is left as it is."""
-    if isinstance(getattr(analyzer, "prompt_bound", None), PromptBound):
-        analyzer.prompt_bound = bound  # type: ignore[attr-defined]
+    """Give an analyzer that bounds prompts the gateway's bound: the context length its workers
+    report, read per request. Another analyzer is left as it is."""
+    if isinstance(analyzer, BoundsPrompts):
+        analyzer.prompt_bound = bound
+
+
+def _no_vocabulary() -> int | None:
+    return None
+
+
+@functools.cache
+def _knows_vocabulary(cls: type) -> bool:
+    # once per analyzer class: an isinstance check against a runtime Protocol costs microseconds
+    return issubclass(cls, KnowsVocabulary)
+
+
+def vocabulary_of(analyzer: PromptAnalyzer) -> Callable[[], int | None]:
+    """What tells the vocabulary size of the analyzer's tokenizer (None: unknown, or an analyzer
+    with no tokenizer): resolve it once where the analyzer is wired, call it per request."""
+    return cast(KnowsVocabulary, analyzer).vocab_size if _knows_vocabulary(type(analyzer)) else _no_vocabulary
 
 
 def vocab_size_of(analyzer: PromptAnalyzer) -> int | None:
-    """The vocabulary size of the analyzer's tokenizer, when it has one that knows it (the built-in
-    byte tokenizer and local Hugging Face tokenizers do; a worker's /tokenize and the estimating
-    analyzer do not)."""
-    size = getattr(getattr(analyzer, "tokenizer", None), "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None
+    """The vocabulary size of the analyzer's tokenizer now (`vocabulary_of` without keeping it)."""
+    # the class check narrows as isinstance would (mypy cannot see it through the cache)
+    return analyzer.vocab_size() if _knows_vocabulary(type(analyzer)) else None  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,18 +1,16 @@
 """The real PromptAnalyzer: tokenize, key the blocks, ask the index where they live.
 
-Wiring, per request: the prompt's length bound (`conductor.kv.prompt_bounds`: its size, then its
-token count) -> tokenizer -> block keys (`conductor.core.block_keys`; both off the event loop for a
-long prompt, `conductor.kv.encoding`) -> `KVIndex.match` (and a Mooncake Store probe) ->
-PromptAnalysis. The KV event feeds: `conductor.kv.feeds`. After the decision the prompt's keys are inserted for the
-chosen prefill instance as unconfirmed entries; vLLM's KV events confirm (or remove) them. When a
-request finishes, the cached tokens the worker reports are compared with what the index predicted,
-both ways and per instance (`conductor.kv.agreement.HashAgreement`): predicted hits the workers
-never see (the gateway's keys are not the workers') and hits the workers see that the index did not
-predict (events missing, wrong seed, a gateway started late) each raise a loud warning that names the
-likely cause. Per-instance KV event metrics: `conductor.kv.event_metrics`.
+Wiring, per request: the prompt's length bound (`conductor.kv.prompt_bounds`: its size, then its token count) ->
+tokenizer -> block keys (`conductor.core.block_keys`; both off the event loop for a long prompt,
+`conductor.kv.encoding`) -> `KVIndex.match` (and a Mooncake Store probe) -> PromptAnalysis. The KV event feeds:
+`conductor.kv.feeds`. After the decision the prompt's keys are inserted for the chosen prefill instance as unconfirmed
+entries; vLLM's KV events confirm (or remove) them. When a request finishes, the cached tokens the worker reports are
+compared with what the index predicted, both ways and per instance (`conductor.kv.agreement.HashAgreement`): predicted
+hits the workers never see (the gateway's keys are not the workers') and hits the workers see that the index did not
+predict (events missing, wrong seed, a gateway started late) each raise a loud warning that names the likely cause.
+Per-instance KV event metrics: `conductor.kv.event_metrics`.
 
-Build it with `build_analyzer(options, instances, registry)`; options are `KVAwarenessSettings`
-(`conductor.config.kv`, re-exported here).
+Build it with `build_analyzer(options, instances, registry)`; options: `KVAwarenessSettings` (conductor.config.kv).
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from conductor.core.models import AdapterCard
 from conductor.core.prefix_memo import PrefixMemo
 from conductor.core.types import CachedPrefix, Decision, Observation, Role
 from conductor.kv.agreement import FeedEvidence, HashAgreement, build_agreement
-from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, estimate_prompt_tokens
+from conductor.kv.analysis import PromptAnalysis, PromptAnalyzer, RequestKind, SizedVocabulary, estimate_prompt_tokens
 from conductor.kv.canary import KVCanary, build_canary
 from conductor.kv.encoding import PromptEncoder, chars_per_token, make_tokenizer
 from conductor.kv.event_metrics import KVEventsCollector
@@ -97,6 +95,8 @@ class KVAwareAnalyzer:
         each instance's events before its cache counts (conductor/kv/canary.py; it sits between the
         subscribers and `feeder`)."""
         self.tokenizer = tokenizer
+        # checked once; its size is read per request (kv.tokenizer auto chooses on first use)
+        self._vocabulary = tokenizer if isinstance(tokenizer, SizedVocabulary) else None
         self.adapter_for = adapter_for
         self.scheme = scheme
         self.prefix_memo = prefix_memo  # the scheme's keys, each shared prefix hashed once
@@ -127,6 +127,10 @@ class KVAwareAnalyzer:
         self._event_bounds = event_bounds  # what a publisher may send (KVAwarenessSettings.event_bounds)
         self.collector: KVEventsCollector | None = None  # its lists follow membership changes
         self._started = False
+
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary size now, None while unknown (analysis.KnowsVocabulary)."""
+        return (self._vocabulary.vocab_size or None) if self._vocabulary is not None else None
 
     async def add_instance(self, name: str, role: Role, url: str, events: KVEventsEndpoint | None) -> None:
         """An instance joined: known to the watchdog, and its KV events subscribed when it has an endpoint."""

@@ -16,8 +16,7 @@ count in conductor_kv_canary_total{instance,result}, and its state in /ready's `
 An instance with no KV events endpoint is reported (no_events) but not excluded: its entries are the
 gateway's own dispatches, keyed as the gateway keys them.
 
-A restart's first event drops the instance's entries at once (the subscriber's resync, before the
-canary is even sent).
+A restart's first event drops the instance's entries at once (the subscriber's resync, before the canary is even sent).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -57,10 +56,6 @@ MAX_INSTANCES = 4096  # states kept; instances come from the settings, DNS or th
 RETRY_MAX_S = 30.0  # an unreachable instance is tried again after timeout_s, doubling up to this
 # words of the text canary: enough of them for several blocks with any real tokenizer
 _WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "bakers", "count")
-
-
-def _starts(tokens: Sequence[int], ev: BlockStored) -> bool:
-    return starts_prompt(ev, tokens)
 
 
 class EventSink(Protocol):
@@ -249,7 +244,7 @@ class KVCanary:
         for _ in range(self.attempts):
             tokens = canary_tokens(self.setup.block_size)
             send = complete(client, url, model, tokens)
-            ev = await self._expect(name, functools.partial(_starts, tokens), send, wait_s)
+            ev = await self._expect(name, functools.partial(starts_prompt, tokens=tokens), send, wait_s)
             if ev is not None:
                 return judge(ev, tokens, self.scheme, self.setup)
         return no_events(endpoint, self.attempts, self.timeout_s)
@@ -265,7 +260,7 @@ class KVCanary:
         # a worker that counted another prompt length has other token ids: no event to wait for
         ev = await self._expect(
             name,
-            functools.partial(_starts, ids),
+            functools.partial(starts_prompt, tokens=ids),
             complete(client, url, model, text, usage),
             self.timeout_s / self.attempts,
             give_up=lambda: usage.get("prompt_tokens", len(ids)) != len(ids),
@@ -386,7 +381,20 @@ def build_canary(
     )
 
 
+@runtime_checkable
+class RunsCanaries(Protocol):
+    """An analyzer that checks instances' KV events before trusting them (KVAwareAnalyzer; None: turned off)."""
+
+    @property
+    def canary(self) -> KVCanary | None: ...
+
+
+def canary_of(analyzer: object) -> KVCanary | None:
+    """The analyzer's canary, None for one that runs none."""
+    return analyzer.canary if isinstance(analyzer, RunsCanaries) else None
+
+
 def canary_detail(analyzer: object) -> dict[str, Any] | None:
     """The canary report of an analyzer that runs canaries (None for one that does not)."""
-    canary = getattr(analyzer, "canary", None)
-    return canary.report() if isinstance(canary, KVCanary) and canary.enabled else None
+    canary = canary_of(analyzer)
+    return canary.report() if canary is not None and canary.enabled else None

@@ -25,18 +25,12 @@ from conductor.core.types import Role
 from conductor.fleet.instances import InstanceRegistry
 from conductor.fleet.membership import Membership, describe
 from conductor.fleet.state import InstanceState
-from conductor.kv.agreement import HashAgreement
+from conductor.kv.agreement import HashAgreement, agreement_of
 from conductor.routing.request_path import RequestPath
 from conductor.server.status_page import STATUS_PAGE_POLICY, status_page
 
 STATUS_PATH = "/admin/status"
 PAGE_PATH = "/status"
-
-
-def _agreement_of(parts: RequestPath) -> HashAgreement | None:
-    """The KV hash agreement the analyzer keeps; None without the KV index (nothing to agree on)."""
-    found = getattr(parts.analyzer, "agreement", None)
-    return found if isinstance(found, HashAgreement) else None
 
 
 def _instance(state: InstanceState, ready: bool, panic: frozenset[Role], agreement: HashAgreement | None) -> dict[str, Any]:
@@ -58,7 +52,7 @@ def status_document(parts: RequestPath, membership: Membership) -> dict[str, Any
     registry: InstanceRegistry = membership.registry
     members = [s for s in registry.states.values() if not s.draining]
     panic = registry.panic_roles(members)  # as the next decision's snapshot will see it
-    agreement = _agreement_of(parts)
+    agreement = agreement_of(parts.analyzer)
     instances = [
         _instance(s, membership.protocol.ready(s.target) or s.spec.role is not Role.PREFILL, panic, agreement)
         for s in registry.states.values()
