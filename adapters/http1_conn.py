@@ -244,16 +244,12 @@ class Connection(asyncio.Protocol):
         if len(headers) > self._lines_left:  # bytes are checked once, at the head's end
             raise ResponseTooLarge(f"upstream response head over {self.limits.headers} header lines")
 
-    def _check_head(self) -> None:
-        """The head's bytes against the limit, once it is complete. Reads that left it incomplete
-        were counted as they came (`data_received`); the header lines are summed only when the
-        head ended in a read that could take it past the limit (never, for a usual answer)."""
+    def on_headers_complete(self) -> None:
+        # the head's bytes: reads that left it incomplete were counted as they came (data_received);
+        # its lines are summed only when it ended in a read that could take it past the limit
         limit = self.limits.head_bytes
         if self._head_fed + self._feeding > limit and sum(len(n) + len(v) + 4 for n, v in self.headers) > limit:
             raise ResponseTooLarge(f"upstream response head over {limit} bytes")
-
-    def on_headers_complete(self) -> None:
-        self._check_head()
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             # 100 Continue, 103 Early Hints...: interim answers; llhttp goes on to the final one.
@@ -387,21 +383,13 @@ class Connection(asyncio.Protocol):
                     parts.append(queue.popleft())
                 item = b"".join(parts)
             self._buffered -= len(item)
-            if self.paused:
-                self._resume_when_roomy()
+        if self.paused and len(queue) < _HIGH_WATER // 2 and self._buffered < _HIGH_WATER_BYTES // 2:
+            self.resume()  # paused at the high-water mark: on again once half of it has drained
+        if type(item) is bytes:
             return item
-        if self.paused:
-            self._resume_when_roomy()
         if item is _EOF:
             return None
         raise item  # a failure: the only other thing queued
-
-    def _resume_when_roomy(self) -> None:
-        """Reading paused at the high-water mark goes on once half of it has drained."""
-        roomy = len(self.body) < _HIGH_WATER // 2 and self._buffered < _HIGH_WATER_BYTES // 2
-        if roomy and self.transport is not None and not self.closed:
-            self.paused = False
-            self.transport.resume_reading()
 
     def resume(self) -> None:
         """Back to reading before going idle, so an idle connection still notices the server leave."""

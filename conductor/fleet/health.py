@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from conductor.core.types import Role
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,24 @@ def panicking(role_members: list[InstanceHealth], rules: HealthRules) -> bool:
         return False
     available = sum(1 for h in role_members if h.available)
     return available < rules.panic_threshold * len(role_members)
+
+
+def log_panic_change(
+    before: frozenset[Role], after: frozenset[Role], by_role: Mapping[Role, list[InstanceHealth]], rules: HealthRules
+) -> None:
+    """A role entering or leaving panic, logged once as it happens."""
+    for role in after - before:
+        healths = by_role[role]
+        log.warning(
+            "PANIC: %d of %d %s instances available, below health.panic_threshold %.0f%%: routing over "
+            "every one that has answered a probe until more recover",
+            sum(1 for h in healths if h.available),
+            len(healths),
+            role.value,
+            100 * rules.panic_threshold,
+        )
+    for role in before - after:
+        log.warning("panic over: %s instances back above health.panic_threshold", role.value)
 
 
 def refused_probe(exc: BaseException) -> bool:

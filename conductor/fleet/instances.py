@@ -25,7 +25,7 @@ from adapters.upstream import Upstream, UpstreamPool
 from conductor.config.settings import InstanceSpec, Settings
 from conductor.core.errors import ConductorError, NotFound, UpstreamError
 from conductor.core.types import ActiveDecode, ClusterSnapshot, QueuedPrefill, Role
-from conductor.fleet.health import HealthRules, InstanceHealth, may_eject, panicking, refused_probe
+from conductor.fleet.health import HealthRules, InstanceHealth, log_panic_change, may_eject, panicking, refused_probe
 from conductor.fleet.model_cards import model_list
 from conductor.fleet.model_pools import ModelPools, build_pools, take_listing
 from conductor.fleet.state import InstanceState, Origin, RemoteEntry
@@ -328,18 +328,7 @@ class InstanceRegistry:
             by_role.setdefault(state.spec.role, []).append(state.health)
         panic = frozenset(role for role, healths in by_role.items() if panicking(healths, self.rules))
         if panic != self._panic:
-            for role in panic - self._panic:
-                healths = by_role[role]
-                log.warning(
-                    "PANIC: %d of %d %s instances available, below health.panic_threshold %.0f%%: routing over "
-                    "every one that has answered a probe until more recover",
-                    sum(1 for h in healths if h.available),
-                    len(healths),
-                    role.value,
-                    100 * self.rules.panic_threshold,
-                )
-            for role in self._panic - panic:
-                log.warning("panic over: %s instances back above health.panic_threshold", role.value)
+            log_panic_change(self._panic, panic, by_role, self.rules)
             self._panic = panic
         return panic
 

@@ -27,17 +27,17 @@ from conductor.core.errors import (
     UpstreamTimeout,
 )
 from conductor.core.types import Slo
-from conductor.kv.analysis import PromptAnalysis, vocab_size_of
+from conductor.kv.analysis import PromptAnalysis, vocabulary_of
 from conductor.ops.logs import access_log_on, log_access
 from conductor.ops.tracing import NO_SPAN, OPERATIONS, forwarded_trace_context, request_attributes
-from conductor.routing.attempt import failover_reason, for_client
+from conductor.routing.attempt import failover_reason
 from conductor.routing.batch_relay import run_batch_attempt
 from conductor.routing.batching import split_prompts
 from conductor.routing.request_path import RequestPath
 from conductor.routing.router import SLO_TBT_HEADER, SLO_TTFT_HEADER, Routed
 from conductor.routing.sessions import SessionKeys
 from conductor.routing.streams import ClientState
-from conductor.server.errors import render, sse_error
+from conductor.server.errors import send_failure
 from conductor.server.requests import (
     PASS_THROUGH_KINDS,
     client_request_id,
@@ -134,6 +134,7 @@ class _Call:
 class CompletionsEndpoint:
     def __init__(self, parts: RequestPath, kind: EndpointKind, path: str) -> None:
         self.parts = parts
+        self._vocab_size = vocabulary_of(parts.analyzer)  # resolved once, read per request
         self.kind = kind
         self.path = path
         self._sessions = SessionKeys(parts.settings.sessions)  # + the class and session headers, where configured:
@@ -213,7 +214,7 @@ class CompletionsEndpoint:
                 watcher = asyncio.create_task(_watch_disconnect(receive, call.task, call.client))
             status = await self._route(call, body, send)
         except ConductorError as exc:
-            status = await self._fail(exc, send, call)
+            status = await send_failure(exc, send, call.client, call.request_id, call.client_id)
         except asyncio.CancelledError:
             if not _cut_by_shutdown(call):
                 raise
@@ -222,11 +223,11 @@ class CompletionsEndpoint:
                 f"the gateway is shutting down and its drain grace ({grace:g}s) ran out before "
                 "the answer was complete; send the request again"
             )
-            status = await self._fail(ShuttingDown(message), send, call)
+            status = await send_failure(ShuttingDown(message), send, call.client, call.request_id, call.client_id)
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - never a traceback to the client; render() logs it
-            status = await self._fail(exc, send, call)
+            status = await send_failure(exc, send, call.client, call.request_id, call.client_id)
         finally:
             call.client.watching = False
             if watcher is not None:
@@ -272,7 +273,7 @@ class CompletionsEndpoint:
                     "this gateway routes to prefill/decode pairs"
                 )
         else:
-            body = parse_request(raw, self.kind, vocab_size=vocab_size_of(parts.analyzer))  # type: ignore[arg-type]
+            body = parse_request(raw, self.kind, vocab_size=self._vocab_size())  # type: ignore[arg-type]
         # an alias becomes the served name here, before the analyzer, the router or a worker reads it
         call.model = resolve_model(body, parts.known_models(), parts.settings.model_aliases)
         call.priority = parts.classes.classify(call.headers.get(parts.classes.header), body, call.tenant)
@@ -318,28 +319,6 @@ class CompletionsEndpoint:
             return await self._forward(call, routed, out, slo, send)
         finally:
             parts.shares.leave(call.tenant)
-
-    async def _fail(self, exc: BaseException, send: Send, call: _Call) -> int:
-        if isinstance(exc, UpstreamError) and exc.instance is not None and not exc.client_fault:
-            # a worker failed: the whole story for the log (what the transport said, the worker's
-            # address); the client gets the instance's name and the kind of failure only
-            log.warning("request %s failed: %s", call.request_id, exc.message)
-            exc = for_client(exc)
-        status, payload, extra = render(exc)
-        state = call.client
-        if state.response_done:  # the client has its whole answer: nothing may follow it
-            log.warning("request %s failed after its answer was complete: %s", call.client_id, exc)
-            return status
-        if state.response_started:  # too late for a status: tell the stream
-            state.response_done = True
-            await send({"type": "http.response.body", "body": sse_error(exc), "more_body": False})
-            return status
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", call.client_id.encode())]
-        headers.extend((k.lower().encode(), v.encode()) for k, v in extra.items())
-        state.response_started = state.response_done = True
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
-        return status
 
     def _outgoing(self, routed: Routed, body: dict[str, Any], call: _Call, stream: bool) -> Outgoing:
         parts = self.parts

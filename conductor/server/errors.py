@@ -14,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from conductor.core.errors import BadRequest, ConductorError, Overloaded, Rejected, ShuttingDown, UpstreamError
+from conductor.routing.attempt import for_client
+from conductor.routing.streams import ClientState, Send
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +101,28 @@ def install(app: Any) -> None:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)
     app.add_exception_handler(Exception, conductor_error_handler)
+
+
+async def send_failure(exc: BaseException, send: Send, state: ClientState, request_id: str, client_id: str) -> int:
+    """Tell the client a request failed, as far as its answer allows: an error response when nothing
+    was sent yet, an SSE error event once a stream has begun, nothing after a complete answer.
+    The HTTP status the failure stands for."""
+    if isinstance(exc, UpstreamError) and exc.instance is not None and not exc.client_fault:
+        # a worker failed: the whole story for the log (what the transport said, the worker's
+        # address); the client gets the instance's name and the kind of failure only
+        log.warning("request %s failed: %s", request_id, exc.message)
+        exc = for_client(exc)
+    status, payload, extra = render(exc)
+    if state.response_done:  # the client has its whole answer: nothing may follow it
+        log.warning("request %s failed after its answer was complete: %s", client_id, exc)
+        return status
+    if state.response_started:  # too late for a status: tell the stream
+        state.response_done = True
+        await send({"type": "http.response.body", "body": sse_error(exc), "more_body": False})
+        return status
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", client_id.encode())]
+    headers.extend((k.lower().encode(), v.encode()) for k, v in extra.items())
+    state.response_started = state.response_done = True
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+    return status
