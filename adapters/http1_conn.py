@@ -107,6 +107,9 @@ class Connection(asyncio.Protocol):
         self.busy = False  # a request holds it (and a pool slot)
         self.idle_since = 0.0
         self._fresh_parser = False
+        # one read timer for the connection's life: an exchange arms it, a handle armed by the one
+        # before still serves (adapters/lazy_timer.py)
+        self._timer = LazyTimer(loop, self._read_timed_out, self._read_deadline)
         self._reset(bodiless=False)
 
     def _reset(self, *, bodiless: bool) -> None:
@@ -132,7 +135,6 @@ class Connection(asyncio.Protocol):
         self._bodiless = bodiless  # a HEAD request: the answer ends with its headers
         self._informational = False
         self._last_rx = 0.0  # when the current exchange last heard from the server (loop time)
-        self._timer = LazyTimer(self.loop, self._read_timed_out, self._read_deadline)
 
     @property
     def reusable(self) -> bool:

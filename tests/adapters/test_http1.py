@@ -741,3 +741,30 @@ def test_instance_urls_are_checked_in_settings() -> None:
     for bad in ["ftp://w:1", "http://", "http://w:99999", "http://w:port", "http://user:pw@w:1", "http://w:1/?q=1"]:
         with pytest.raises(ConfigError, match="instance URL"):
             load_settings(overrides={"mixed": [bad]})
+
+
+async def test_back_to_back_exchanges_share_one_read_timer(serve: Callable[..., Awaitable[Server]], pools: list[Pool]) -> None:
+    """A pooled connection's read timeout is one timer for its life (adapters/lazy_timer.py): each
+    exchange moves its deadline on, none schedules a timer of its own (a timer per exchange would
+    be a heap entry each, and one left armed per exchange kept re-arming while the connection
+    stayed busy)."""
+    server = await serve(keep_alive_ok)
+    pool = new_pool(pools, server.port, read_timeout_s=30.0)
+    loop = asyncio.get_running_loop()
+    scheduled: list[object] = []
+    real_call_at = loop.call_at
+
+    def counting_call_at(when: float, callback: Callable[..., object], *args: object) -> asyncio.TimerHandle:
+        scheduled.append(callback)
+        return real_call_at(when, callback, *args)
+
+    loop.call_at = counting_call_at  # type: ignore[method-assign]
+    try:
+        for _ in range(20):
+            response = await pool.request("GET", "/", {})
+            assert await response.read() == b"hello"
+    finally:
+        loop.call_at = real_call_at  # type: ignore[method-assign]
+    assert pool.opened == 1 and len(server.requests) == 20
+    read_timers = [cb for cb in scheduled if getattr(cb, "__qualname__", "") == "LazyTimer._fire"]
+    assert len(read_timers) == 1
