@@ -118,13 +118,10 @@ class Connection(asyncio.Protocol):
         self.headers_done: asyncio.Future[None] = self.loop.create_future()
         self.body: collections.deque[Any] = collections.deque()
         self._buffered = 0  # bytes in `body`
-        # the head's size, two ways (each a lower bound, so neither trips early): bytes fed while the
-        # head stayed incomplete (an unfinished line sits inside httptools), and, when the head ended
-        # within a read that could take it past the limit, its header lines summed (`_check_head`)
-        self._head_fed = 0
-        self._feeding = 0  # the size of the read being fed while the head is incomplete
-        # header lines still allowed: the limit, less one for each interim answer (100, 103...)
-        self._lines_left = self.limits.headers
+        # the head's bytes: those of reads that left it incomplete, and of the read being fed then
+        # (on_headers_complete sums its lines only when these could pass the limit)
+        self._head_fed = self._feeding = 0
+        self._lines_left = self.limits.headers  # less one per interim answer (100, 103...)
         self._waiter: asyncio.Future[None] | None = None
         self.complete = False
         self.failed = False
@@ -184,7 +181,9 @@ class Connection(asyncio.Protocol):
             self._feeding = len(data)
         try:
             self.parser.feed_data(data)
-            if heading and not self.headers_done.done():
+            if self.body:
+                self._queued()
+            elif heading and not self.headers_done.done():
                 self._head_fed += len(data)
                 if self._head_fed > self.limits.head_bytes:
                     raise ResponseTooLarge(f"upstream response head over {self.limits.head_bytes} bytes")
@@ -277,16 +276,17 @@ class Connection(asyncio.Protocol):
         if self.complete:
             self.must_close = True  # a body after a HEAD answer: the server is out of step
             return
-        if body:  # called per chunk of every stream: kept to the fewest steps
-            queue = self.body
-            queue.append(body)
-            buffered = self._buffered = self._buffered + len(body)
-            waiter = self._waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-            if (buffered > _HIGH_WATER_BYTES or len(queue) > _HIGH_WATER) and not self.paused and self.transport is not None:
-                self.paused = True
-                self.transport.pause_reading()
+        if body:  # per chunk (a read of a stream holds dozens): the reader is woken once per read
+            self.body.append(body)
+            self._buffered += len(body)
+
+    def _queued(self) -> None:
+        """A read queued body: wake the reader; past the high-water mark (by a read at most), pause."""
+        self._wake()
+        crowded = self._buffered > _HIGH_WATER_BYTES or len(self.body) > _HIGH_WATER
+        if crowded and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
         if self._informational:
