@@ -17,7 +17,7 @@ A decision runs six stages (`KvCacheAwarePolicy._decide`):
    the SLOs; a predicted miss is a rejection, nothing is forwarded (stages.py, policies.admission).
    A class less urgent than the most urgent is judged by the guarded SLO (policies/classes.py); a
    flooding tenant above its share of the work is refused while another tenant sends and the fleet is
-   short of room (fairness.py).
+   short of room, or the request would go to a mixed worker decoding streams (fairness.py).
 5. fallback: a prefill on the decode itself where that wins (policies/local_prefill.py), and a
    probe let through after `probe_after` rejections in a row (stages.py).
 6. explain: the Decision, listing the best `listed_candidates` of each pool and the chosen ones.
@@ -183,7 +183,8 @@ class KvCacheAwarePolicy(BasePolicy):
         local = local_fallback(self.local, pred, request, cluster, pools, placed, verdict)
         rejection = probed(verdict.rejection, options.admission.probe_after, self._rejected_in_a_row)
         if rejection is None and local is None and self.tenants is not None and not pools.pinned:
-            rejection = self.tenants.refuse(request, cluster.now, verdict.ttft_s)
+            busy = not pools.disaggregated and verdict.judged is not None  # a mixed worker with streams
+            rejection = self.tenants.refuse(request, cluster.now, verdict.ttft_s, busy)
         decision = explain(request, self.name, pools, weighed, placed, verdict, rejection, local)
         if hint_marked is None and decode_marked is None:
             return decision

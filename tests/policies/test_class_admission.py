@@ -1,7 +1,7 @@
 """Class- and tenant-aware admission in kvcache_aware (issue 37): a less urgent class judged by the
 guarded SLO (policies/classes.py), a flooding tenant held to its share of the work admitted while
-another tenant sends and the fleet is short of room (policies/kvcache_aware/fairness.py), and the
-gateway telling the policy both."""
+another tenant sends and the fleet is short of room or the flooder would take a worker decoding
+streams (policies/kvcache_aware/fairness.py), and the gateway telling the policy both."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.kvcache_aware.fairness import (
     ACTIVE_S,
     CONTEND_S,
+    EVIDENCE,
+    FLOOD,
     NEAR,
     TENANT_SHARE,
     TenantService,
@@ -131,7 +133,7 @@ def _missed() -> Decision:
     return d
 
 
-def _flood(t: TenantService, at: float = 100.0, b_requests: int = 10, a_requests: int = 2) -> None:
+def _flood(t: TenantService, at: float = 100.0, b_requests: int = 20, a_requests: int = 2) -> None:
     """B sends `b_requests` and A `a_requests` (all admitted) just before `at`."""
     ok = _admitted()
     for i in range(b_requests):
@@ -194,10 +196,43 @@ def test_a_share_rejection_is_not_a_shortage_of_room_and_the_work_decays() -> No
     assert t.refuse(of("batch", "B"), 130.0) is None
 
 
+def test_a_flooding_tenant_is_refused_where_streams_decode_before_anyone_is_refused() -> None:
+    t = TenantService(RULES)
+    _flood(t)
+    assert t.refuse(of("batch", "B"), 100.0, ttft_s=0.1) is None  # an idle worker takes it: room
+    d = t.refuse(of("batch", "B"), 100.0, ttft_s=0.1, busy=True)  # a worker with streams: A's room
+    assert d is not None and d.reason == TENANT_SHARE and "decoding streams" in d.message
+    assert t.refuse(of("interactive", "B"), 100.0, ttft_s=0.1, busy=True) is not None
+    assert t.refuse(of("batch", "A"), 100.0, ttft_s=0.1, busy=True) is None  # A within its share
+    assert t.refuse(of("batch", "B"), 100.0 + ACTIVE_S, ttft_s=0.1, busy=True) is None  # A gone quiet: B alone
+
+
+def test_the_first_few_requests_of_an_even_load_are_no_flood() -> None:
+    t = TenantService(RULES)
+    _flood(t, b_requests=4, a_requests=1)  # 4x A's work, but a handful of requests: noise
+    assert FLOOD < 4 <= FLOOD * (1 + EVIDENCE)
+    assert t.refuse(of("batch", "B"), 100.0, busy=True) is None
+    _flood(t, b_requests=16, a_requests=0)  # 20 against 1: a flood, however few A sent
+    assert t.refuse(of("batch", "B"), 100.0, busy=True) is not None
+
+
+def test_the_policy_holds_a_flooder_off_busy_workers_and_admits_it_on_an_idle_one() -> None:
+    p = policy()
+    idle = ClusterSnapshot(99.0, (InstanceView("m0", Role.MIXED),))
+    for i in range(30):
+        assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
+    assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
+    # nobody refused, nothing near its SLO: B is held off the workers with streams, not off an idle one
+    d = routed(p, of("batch", "B", prompt=100, rid="b-busy"), busy(1))
+    assert d.rejection is not None and d.rejection.reason == TENANT_SHARE
+    assert not routed(p, of("batch", "A", prompt=100, rid="a-busy"), busy(1)).rejected
+    assert not routed(p, of("batch", "B", prompt=100, rid="b-idle"), ClusterSnapshot(100.0, idle.instances)).rejected
+
+
 def test_the_policy_refuses_a_flooding_tenant_and_admits_the_other() -> None:
     p = policy()
     idle = ClusterSnapshot(99.0, (InstanceView("m0", Role.MIXED),))
-    for i in range(6):
+    for i in range(30):
         assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
     assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
     missed = routed(p, of("interactive", "B", prompt=200_000, rid="b-big"), busy(1))
