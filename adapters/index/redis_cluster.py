@@ -13,8 +13,10 @@ every node and lose that early stop.
 The shards' slots spread over the masters, so different instances' data sit on different nodes.
 
 Round trips, for a prompt of B blocks, H instances holding its head block and M masters:
-- match: ONE round: one script per shard (`shards` commands), pipelined per node, all nodes in
-  parallel (min(shards, M) node pipelines), independent of B, H and M. Server work is
+- match: ONE round: one script per master, answering for all the shards it serves (the client's
+  slot map groups them; min(shards, M) scripts, all nodes in parallel), independent of B and H; the
+  packed keys travel once per master. A node that no longer serves a listed shard fails the call
+  (never skips the shard) and those shards are asked again one script each. Server work is
   O(instances + sum over the H holders of their matched run), split over the masters.
 - insert / remove / drop_instance: one script on one node, whatever B. Once a second (at most)
   an insert is preceded by one extra round of `shards` SCARDs that refreshes the instance count.
@@ -51,7 +53,8 @@ from urllib.parse import unquote, urlparse
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
+from redis.cluster import key_slot
+from redis.exceptions import NoScriptError, ResponseError, SlotNotCoveredError
 
 from adapters.index import redis_cluster_scripts as lua
 from adapters.index.base import TIER_BITS, IndexLimits, IndexStats, PrefixMatch
@@ -126,6 +129,7 @@ class RedisClusterIndex:
         self._read = _cluster_client(urls, timeout_s)
         self._write = _cluster_client(urls, write_timeout_s)
         self._tags = [f"{{{prefix}s{k}}}" for k in range(shards)]
+        self._slots = [key_slot(t.encode()) for t in self._tags]
         self._sha = {name: _sha1(src) for name, src in self._scripts().items()}
         self._hexpire: bool | None = None  # unknown until the first call reads the servers' version
         self._counts = [0] * shards  # instances per shard, as last seen
@@ -191,8 +195,36 @@ class RedisClusterIndex:
         if not keys:
             return PrefixMatch()
         blob = pack_keys(keys)
-        replies = await self._eval_each(self._read, "match", [([f"{t}instances"], [t, blob]) for t in self._tags])
-        return match_from_replies(replies)
+        groups = await self.node_groups()
+        calls = [([f"{self._tags[g[0]]}instances"], [blob, *(self._tags[s] for s in g)]) for g in groups]
+        replies = await self._eval_each(self._read, "match", calls, strict=False)
+        answers: list[Any] = []
+        again: list[int] = []
+        for group, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, ResponseError):
+                again.extend(group)  # a shard not on that node (stale slot map, migration): ask per shard
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                answers.append(reply)
+        if again:
+            # one call per shard is routed by its own key, so redis-py follows MOVED / ASK (and
+            # refreshes its slot map, which regroups the next look-ups)
+            per_shard = [([f"{self._tags[s]}instances"], [blob, self._tags[s]]) for s in again]
+            answers.extend(await self._eval_each(self._read, "match", per_shard))
+        return match_from_replies(answers)
+
+    async def node_groups(self) -> list[list[int]]:
+        """The shards grouped by the master serving them, as the read client's slot map says now:
+        a look-up sends one script per group. Every shard is in exactly one group."""
+        await self._read.initialize()  # returns at once once the slot map is loaded
+        by_node: dict[str, list[int]] = {}
+        try:
+            for shard, slot in enumerate(self._slots):
+                by_node.setdefault(self._read.nodes_manager.get_node_from_slot(slot).name, []).append(shard)
+        except SlotNotCoveredError:
+            return [[s] for s in range(self.shards)]  # no map to group by: per shard, redis-py routes
+        return list(by_node.values())
 
     async def stats(self) -> IndexStats:
         replies = await self._eval_each(self._write, "stats", [([f"{t}instances", f"{t}evictions"], [t]) for t in self._tags])
@@ -250,9 +282,12 @@ class RedisClusterIndex:
             # a node that never ran it (new, or a replica promoted by a failover): send the source once
             return await client.execute_command("EVAL", self._scripts()[script], len(keys), *keys, *args)
 
-    async def _eval_each(self, client: RedisCluster, script: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+    async def _eval_each(
+        self, client: RedisCluster, script: str, calls: list[tuple[list[str], list[Any]]], *, strict: bool = True
+    ) -> list[Any]:
         """One script per (keys, args), one pipeline per node, nodes in parallel (redis-py's cluster
-        pipeline groups by node and gathers); scripts a node lacks are sent again as EVAL."""
+        pipeline groups by node and gathers); scripts a node lacks are sent again as EVAL. strict:
+        raise the first error; otherwise errors are returned in their call's place."""
         async with client.pipeline() as pipe:
             for keys, args in calls:
                 pipe.execute_command("EVALSHA", self._sha[script], len(keys), *keys, *args)
@@ -267,7 +302,7 @@ class RedisClusterIndex:
                 for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
                     replies[i] = reply
         for reply in replies:
-            if isinstance(reply, Exception):
+            if strict and isinstance(reply, Exception):
                 raise reply
         return replies
 

@@ -130,17 +130,24 @@ end
 return deleted + redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3])
 """
 
-# KEYS[1] instances. ARGV: tag, packed keys. Returns [instance, blocks, worst tier rank, confirmed]*.
+# KEYS[1] the first listed shard's instances set (it routes the call). ARGV: packed keys, then the
+# tags of the shards to answer for: every shard a node serves, in ONE call per node (a per-node round
+# trip instead of one script per shard, and the 8-byte-per-block blob sent once per node). Old-style
+# EVAL scripts may already touch other slots of their node; the shebang says so explicitly, and
+# no-writes lets a replica answer. A shard whose slot this node does not serve (a stale slot map in
+# the client, a migration) makes Redis fail the whole call ("non local key"), never skip the shard,
+# so the client can ask shard by shard instead. Returns [instance, blocks, worst tier rank, confirmed]*.
 # Per instance holding the head block: probe the last field of the next chunk (HEXISTS); if it is
 # absent, bisect with HEXISTS for a missing position b, then HMGET only [pos, b). A missing field
 # ends every run at or before it, and the HMGET walk stops at any earlier hole or expired guess, so
 # the answer is exact, yet a run of r blocks costs about r fields plus a few probes (never a
 # whole 4x-overshooting chunk). Field strings are cut from the blob only as far as some run reaches.
 MATCH = (
-    _NOW_MS
+    "#!lua flags=allow-cross-slot-keys,no-writes\n"
+    + _NOW_MS
     + WALK_CHUNK
     + """
-local tag, blob = ARGV[1], ARGV[2]
+local blob = ARGV[1]
 local n = #blob / 8
 local memo = {}
 local function field(i)  -- 1-based
@@ -153,39 +160,47 @@ local function slice(a, b)
   for i = a, b do t[#t + 1] = field(i) end
   return t
 end
-local out = {}
-for _, inst in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local hk = tag .. 'i:' .. inst
-  if redis.call('HEXISTS', hk, field(1)) == 1 then
-    local pos, conf, worst, conf_open, stop = 0, 0, 0, true, false
-    local chunk = 32
-    while pos < n and not stop do
-      local hi = math.min(n, pos + chunk)
-      if hi < n and redis.call('HEXISTS', hk, field(hi + 1)) == 0 then
-        -- block hi+1 is missing: the run ends at or before it; narrow that bound when it is far
-        local lo_, up = pos + 1, hi + 1  -- up: a missing position
-        while up - lo_ > 16 do
-          local mid = math.floor((lo_ + up) / 2)
-          if redis.call('HEXISTS', hk, field(mid)) == 1 then lo_ = mid + 1 else up = mid end
-        end
-        hi = up - 1
-        stop = true
-      elseif hi == n then
-        stop = true
+local function run_of(hk)  -- blocks, confirmed, worst tier rank of hk's leading run
+  local pos, conf, worst, conf_open, stop = 0, 0, 0, true, false
+  local chunk = 32
+  while pos < n and not stop do
+    local hi = math.min(n, pos + chunk)
+    if hi < n and redis.call('HEXISTS', hk, field(hi + 1)) == 0 then
+      -- block hi+1 is missing: the run ends at or before it; narrow that bound when it is far
+      local lo_, up = pos + 1, hi + 1  -- up: a missing position
+      while up - lo_ > 16 do
+        local mid = math.floor((lo_ + up) / 2)
+        if redis.call('HEXISTS', hk, field(mid)) == 1 then lo_ = mid + 1 else up = mid end
       end
-      if hi > pos then
-        local vals = redis.call('HMGET', hk, unpack(slice(pos + 1, hi)))
-        local ended
-        pos, conf, worst, conf_open, ended = walk_chunk(vals, hi - pos, pos, conf, worst, conf_open)
-        stop = stop or ended
-      end
-      chunk = math.min(chunk * 4, 4096)
+      hi = up - 1
+      stop = true
+    elseif hi == n then
+      stop = true
     end
-    if pos > 0 then
-      out[#out + 1] = inst
-      out[#out + 1] = pos
-      out[#out + 1] = worst
-      out[#out + 1] = conf
+    if hi > pos then
+      local vals = redis.call('HMGET', hk, unpack(slice(pos + 1, hi)))
+      local ended
+      pos, conf, worst, conf_open, ended = walk_chunk(vals, hi - pos, pos, conf, worst, conf_open)
+      stop = stop or ended
+    end
+    chunk = math.min(chunk * 4, 4096)
+  end
+  return pos, conf, worst
+end
+local out = {}
+local head = field(1)
+for a = 2, #ARGV do
+  local tag = ARGV[a]
+  for _, inst in ipairs(redis.call('SMEMBERS', tag .. 'instances')) do
+    local hk = tag .. 'i:' .. inst
+    if redis.call('HEXISTS', hk, head) == 1 then
+      local pos, conf, worst = run_of(hk)
+      if pos > 0 then
+        out[#out + 1] = inst
+        out[#out + 1] = pos
+        out[#out + 1] = worst
+        out[#out + 1] = conf
+      end
     end
   end
 end

@@ -176,6 +176,56 @@ async def test_one_lookup_gathers_instances_from_several_masters(
     assert (await idx.match(keys)).blocks == {n: 64 for n in names}
 
 
+def one_name_per_shard(idx: RedisClusterIndex) -> dict[int, str]:
+    names: dict[int, str] = {}
+    i = 0
+    while len(names) < idx.shards:
+        names.setdefault(idx.shard_of(f"node-{i}"), f"node-{i}")
+        i += 1
+    return names
+
+
+async def test_a_lookup_asks_every_shard_once_in_one_script_per_master(
+    cluster: RedisClusterNodes, make_index: ClusterIndexFactory
+) -> None:
+    idx = make_index()
+    keys = chain(450, 80)
+    names = one_name_per_shard(idx)
+    for shard, name in names.items():  # a run length per shard: a skipped or doubled shard shows
+        await idx.insert(name, keys[: 20 + 3 * shard], confirmed=True)
+    groups = await idx.node_groups()
+    assert sorted(s for g in groups for s in g) == list(range(idx.shards))
+    assert len(groups) == len(cluster.masters())
+    assert (await idx.match(keys)).blocks == {name: 20 + 3 * shard for shard, name in names.items()}
+
+
+async def test_a_stale_slot_map_makes_the_lookup_ask_shard_by_shard_not_skip(
+    cluster: RedisClusterNodes, make_index: ClusterIndexFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    idx = make_index()
+    keys = chain(460, 40)
+    names = one_name_per_shard(idx)
+    for shard, name in names.items():
+        await idx.insert(name, keys[: 10 + shard], confirmed=True)
+
+    async def all_on_one_node() -> list[list[int]]:  # as if every shard had moved to shard 0's master
+        return [list(range(idx.shards))]
+
+    rounds: list[int] = []
+    eval_each = idx._eval_each
+
+    async def counted(*args: object, **kw: object) -> list[object]:
+        rounds.append(len(args[2]))  # type: ignore[arg-type]
+        return await eval_each(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(idx, "node_groups", all_on_one_node)
+    monkeypatch.setattr(idx, "_eval_each", counted)
+    assert (await idx.match(keys)).blocks == {name: 10 + shard for shard, name in names.items()}
+    first = cluster.master_of_slot(idx._slots[0])
+    assert any(cluster.master_of_slot(idx._slots[s]) != first for s in range(idx.shards))
+    assert rounds == [1, idx.shards]  # Redis refused the node's script; every shard was asked again
+
+
 async def test_gateway_routes_a_repeated_prefix_with_a_cluster_index(cluster: RedisClusterNodes) -> None:
     from conductor.config.settings import load_settings
     from conductor.gateway import Gateway
