@@ -18,6 +18,9 @@ the policy told the ClassRules).
 Capacity: `--capacity` (the live runs' 5 req/s, docs/benchmarks.md), else swept as bench_tenants.py
 does (Conductor without admission, the highest `--sweep` rate meeting `--capacity-met`).
 
+Also `trickle` (simulated only): A at 0.05x its share beside B at 10x, with and without the share
+rule: the fleet's met share of all sent, which a work-conserving share rule keeps (fairness.py).
+
 Prints bench_tenants.py's tables (medians over the seeds, [min..max]) and its goal line; with `--live`
 the live run's columns beside the simulated one and each goal figure's sim - live difference.
 """
@@ -39,7 +42,10 @@ from adapters.emulator.profile import load_profile
 from benchmarks.bench_tenants import CALIBRATE, ROUTERS, SCENARIOS, conductor_settings, goals, table
 from benchmarks.sim_gateway_classes import sim_classes
 from benchmarks.tenants_load import CLASSES, URGENT, shapes, workload
-from conductor.core.types import Slo
+from conductor.core.types import Policy, Slo
+from policies.classes import ClassRules
+from policies.kvcache_aware import KvCacheAwarePolicy
+from policies.kvcache_aware.fairness import TENANT_SHARE
 from traces.prompt_trace import prompt_trace
 from traces.sim.config import SimConfig
 from traces.sim.engine import simulate
@@ -48,13 +54,17 @@ from traces.sim.runner import PolicySpec, build_policy
 from traces.sim.truth import truth_from_emulator
 
 SIM_COLUMN = "conductor (sim)"
+# a trickle beside a flood (simulated only): A at 0.05x its share (half the capacity), B at 10x; a
+# work-conserving share rule leaves B what A does not use (fairness.py)
+TRICKLE = {"A": 0.025, "B": 5.0}
 CONDUCTOR = next(s for s in ROUTERS if s.kind == "conductor")
 
 
 def simulate_scenario(
-    rates: Mapping[str, float], seed: int, noise_seed: int, admission: str, args: argparse.Namespace
+    rates: Mapping[str, float], seed: int, noise_seed: int, admission: str, args: argparse.Namespace, share: bool = True
 ) -> RunResult:
-    """One scenario on a fresh simulated cluster (fresh predictors, as live on a fresh cluster)."""
+    """One scenario on a fresh simulated cluster (fresh predictors, as live on a fresh cluster);
+    `share` False: the policy without its tenant-share rule (fairness.py), the classes kept."""
     spec = CONDUCTOR if admission == CONDUCTOR.admission else CALIBRATE
     settings = conductor_settings(spec, {}, args, 0, Path(args.tmp))
     config = SimConfig(
@@ -70,7 +80,23 @@ def simulate_scenario(
     )
     requests = workload(rates, args.urgent_fraction, args.duration, shapes(args.time_scale), seed)
     policy = build_policy(PolicySpec(settings["policy"], settings["policy_options"]), config)
+    if not share:
+        _without_share(policy)
     return simulate(policy, prompt_trace(requests), config)
+
+
+def _without_share(policy: Policy) -> None:
+    """The policy told its classes as usual but keeping no tenant service (no `tenant_share` rule)."""
+    if not isinstance(policy, KvCacheAwarePolicy):
+        raise SystemExit(f"the share rule is kvcache_aware's, not {type(policy).__name__}'s")
+    configure = policy.configure_classes
+
+    def without(rules: ClassRules) -> None:
+        configure(rules)
+        policy.tenants = None
+
+    # the simulator tells the policy its classes when the run starts (traces/sim/engine.py): the one hook
+    policy.configure_classes = without  # type: ignore[method-assign]
 
 
 def calibrate(args: argparse.Namespace) -> float:
@@ -97,13 +123,36 @@ def run_repeat(capacity: float, args: argparse.Namespace, rep: int) -> dict[str,
         out[name] = {g: dict(v) for g, v in result.groups.items()}
         u, b = result.groups[f"class:{URGENT}"], result.groups[f"class:{CLASSES[1]}"]
         missed = {k: int(v) for k, v in u.items() if k.startswith("missed:")}
+        share = int(result.groups["all"].get(f"missed:{TENANT_SHARE}", 0))
         print(
             f"  seed {rep} {name:<6} urgent adm {u['admitted_share']:.0%} met/adm {u['met_admitted']:.1%} "
             f"| batch adm {b['admitted_share']:.0%} | A met {result.groups['tenant:A']['met_sent']:.1%} "
-            f"B met {result.groups['tenant:B']['met_sent']:.1%} | urgent missed {missed}",
+            f"B met {result.groups['tenant:B']['met_sent']:.1%} | urgent missed {missed} | {TENANT_SHARE} {share}",
             file=sys.stderr,
             flush=True,
         )
+    return out
+
+
+def run_trickle(capacity: float, args: argparse.Namespace, rep: int) -> dict[str, float]:
+    """`TRICKLE` with and without the share rule: the fleet's met share of all sent, A's, the refusals."""
+    rates = {t: m * capacity for t, m in TRICKLE.items()}
+    seed = 100 * rep + len(SCENARIOS)  # after bench_tenants.py's scenarios' seeds
+    on = simulate_scenario(rates, seed, rep, CONDUCTOR.admission, args)
+    off = simulate_scenario(rates, seed, rep, CONDUCTOR.admission, args, share=False)
+    out = {
+        "met_all": on.groups["all"]["met_sent"],
+        "met_all_no_share": off.groups["all"]["met_sent"],
+        "A_met": on.groups["tenant:A"]["met_sent"],
+        "A_met_no_share": off.groups["tenant:A"]["met_sent"],
+        "refused": float(on.groups["all"].get(f"missed:{TENANT_SHARE}", 0)),
+    }
+    print(
+        f"  seed {rep} trickle all met {out['met_all']:.1%} (no share rule {out['met_all_no_share']:.1%}) | A met "
+        f"{out['A_met']:.1%} ({out['A_met_no_share']:.1%}) | {TENANT_SHARE} {int(out['refused'])}",
+        file=sys.stderr,
+        flush=True,
+    )
     return out
 
 
@@ -142,6 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sheddable-share", type=float, default=None, help="as bench_tenants.py's")
     ap.add_argument("--batch-admit", type=float, default=0.0, help="as bench_tenants.py's")
     ap.add_argument("--live", default=None, help="a bench_tenants.py --json file: its routers' columns beside the simulation")
+    ap.add_argument("--no-trickle", dest="trickle", action="store_false", help="skip the simulated trickle scenario")
     ap.add_argument("--json", dest="json_out", default=None)
     return ap
 
@@ -153,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tmp = tmp  # conductor_settings writes the scaled predictor params here
         capacity = args.capacity or calibrate(args)
         runs = [run_repeat(capacity, args, r) for r in range(args.repeat)]
+        trickles = [run_trickle(capacity, args, r) for r in range(args.repeat)] if args.trickle else []
     cells: dict[str, list[dict[str, dict[str, Any]]]] = {SIM_COLUMN: runs}
     if args.live:
         live = json.loads(Path(args.live).read_text(encoding="utf-8"))
@@ -170,12 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{sim['urgent_admitted_3x']:.0%} vs batch {sim['batch_admitted_3x']:.0%}; tenant A loses "
         f"{statistics.median(drops):.1f} points to B's flood (per seed {drops})"
     )
+    if trickles:
+        on, off = (statistics.median(t[k] for t in trickles) for k in ("met_all", "met_all_no_share"))
+        a_on, a_off = (statistics.median(t[k] for t in trickles) for k in ("A_met", "A_met_no_share"))
+        print(
+            f"trickle (A {TRICKLE['A']:g}x, B {TRICKLE['B']:g}x of capacity): all met over sent {on:.1%} with the share "
+            f"rule, {off:.1%} without ({100 * (on - off):+.1f} points); A met {a_on:.1%} / {a_off:.1%}; "
+            f"{TENANT_SHARE} refusals per seed {[int(t['refused']) for t in trickles]}"
+        )
     live_conductor = f"{CONDUCTOR.name} (live)"
     if live_conductor in found:
         print("\n" + compare(found, live_conductor))
     if args.json_out:
         settings = {k: v for k, v in vars(args).items() if k != "tmp"}
-        out = {"settings": settings, "capacity_rps": capacity, "runs": cells, "goals": found}
+        out = {"settings": settings, "capacity_rps": capacity, "runs": cells, "goals": found, "trickle": trickles}
         Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     return 0
 

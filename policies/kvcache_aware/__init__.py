@@ -17,7 +17,8 @@ A decision runs six stages (`KvCacheAwarePolicy._decide`):
    the SLOs; a predicted miss is a rejection, nothing is forwarded (stages.py, policies.admission).
    A class less urgent than the most urgent is judged by the guarded SLO (policies/classes.py); a
    flooding tenant above its share of the work is refused while another tenant sends and the fleet is
-   short of room, or the request would go to a mixed worker decoding streams (fairness.py).
+   short of room, or the request would go to a mixed worker decoding streams, as long as that other
+   tenant is short of its max-min fair share (fairness.py).
 5. fallback: a prefill on the decode itself where that wins (policies/local_prefill.py), and a
    probe let through after `probe_after` rejections in a row (stages.py).
 6. explain: the Decision, listing the best `listed_candidates` of each pool and the chosen ones.

@@ -1,7 +1,8 @@
 """Class- and tenant-aware admission in kvcache_aware (issue 37): a less urgent class judged by the
 guarded SLO (policies/classes.py), a flooding tenant held to its share of the work admitted while
 another tenant sends and the fleet is short of room or the flooder would take a worker decoding
-streams (policies/kvcache_aware/fairness.py), and the gateway telling the policy both."""
+streams, as long as that tenant is short of its max-min fair share (policies/kvcache_aware/fairness.py),
+and the gateway telling the policy both."""
 
 from __future__ import annotations
 
@@ -212,8 +213,60 @@ def test_the_first_few_requests_of_an_even_load_are_no_flood() -> None:
     _flood(t, b_requests=4, a_requests=1)  # 4x A's work, but a handful of requests: noise
     assert FLOOD < 4 <= FLOOD * (1 + EVIDENCE)
     assert t.refuse(of("batch", "B"), 100.0, busy=True) is None
-    _flood(t, b_requests=16, a_requests=0)  # 20 against 1: a flood, however few A sent
+    _flood(t, b_requests=16, a_requests=1)  # 20 against 2: a flood, however few A sent
     assert t.refuse(of("batch", "B"), 100.0, busy=True) is not None
+
+
+def _steady(t: TenantService, a_every_s: float, a_refused: float = 0.0, b_admitted: float = 1.0) -> None:
+    """40 s of B sending 10 requests a second (a flood), a share `b_admitted` of them admitted and the
+    rest refused for room, and A one every `a_every_s`, a share `a_refused` of them refused for room."""
+    ok, missed = _admitted(), _missed()
+    a_next, a_sent, a_done, b_done = 0.0, 0, 0.0, 0.0
+    for i in range(400):
+        now = i * 0.1
+        b_done += b_admitted
+        t.record(of("batch", "B", rid=f"b{i}"), ok if b_done >= 1.0 else missed, now)
+        b_done -= 1.0 if b_done >= 1.0 else 0.0
+        if now >= a_next:
+            a_sent, a_done = a_sent + 1, a_done + a_refused
+            t.record(of("batch", "A", rid=f"a{i}"), missed if a_done >= 1.0 else ok, now)
+            a_done -= 1.0 if a_done >= 1.0 else 0.0
+            a_next += a_every_s
+
+
+def test_a_trickle_beside_a_flood_leaves_the_flooder_the_room_it_does_not_use() -> None:
+    t = TenantService(RULES)
+    _steady(t, a_every_s=4.0, b_admitted=0.5)  # A at a 40th of B's rate, all of it served
+    t.record(of("batch", "B", rid="late"), _missed(), 40.0)  # the fleet refusing for room
+    # A is a contender (sent within ACTIVE_S), B floods and is over its share of the service, but
+    # max-min: A has all it asked for, the rest is B's to take
+    assert t.refuse(of("batch", "B"), 40.0, ttft_s=10.0, busy=True) is None
+    # A's trickle refused for room: short of what it asked, by less than SLACK of the service
+    refused = TenantService(RULES)
+    _steady(refused, a_every_s=4.0, a_refused=1.0, b_admitted=0.5)
+    assert refused.refuse(of("batch", "B"), 40.0, busy=True) is None
+    # a trickle's rate is known by its demand over the window: a sending period as young as a flood's
+    # start would make the same requests a rate of the whole part (`wants`), and B refused
+    young = TenantService(RULES)
+    _steady(young, a_every_s=4.0, b_admitted=0.5)
+    young._since["A"] = 39.0  # as if A had started sending a second ago
+    assert young.refuse(of("batch", "B"), 40.0, busy=True) is not None
+
+
+def test_a_flood_is_refused_where_the_other_tenant_wants_its_share_or_is_short_of_it() -> None:
+    t = TenantService(RULES)  # A at 3 req/s, a third refused; B at 10x its share, a quarter admitted
+    _steady(t, a_every_s=1 / 3, a_refused=1 / 3, b_admitted=0.25)
+    assert t.refuse(of("batch", "B"), 40.0, busy=True) is not None
+    assert t.refuse(of("batch", "A"), 40.0, busy=True) is None
+    # A at 1 req/s, under its part of the service (B has 4 req/s of it) but nearly all refused: short
+    # of what it asked by more than SLACK of the service
+    short = TenantService(RULES)
+    _steady(short, a_every_s=1.0, a_refused=0.9, b_admitted=0.4)
+    assert short.refuse(of("batch", "B"), 40.0, busy=True) is not None
+    # the same A, all served: B over its share of the service keeps what A does not use
+    served = TenantService(RULES)
+    _steady(served, a_every_s=1.0, b_admitted=0.4)
+    assert served.refuse(of("batch", "B"), 40.0, busy=True) is None
 
 
 def test_the_policy_holds_a_flooder_off_busy_workers_and_admits_it_on_an_idle_one() -> None:
@@ -221,7 +274,8 @@ def test_the_policy_holds_a_flooder_off_busy_workers_and_admits_it_on_an_idle_on
     idle = ClusterSnapshot(99.0, (InstanceView("m0", Role.MIXED),))
     for i in range(30):
         assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
-    assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
+    for i in range(3):  # A sends a few in the second
+        assert not routed(p, of("batch", "A", rid=f"a{i}"), idle).rejected
     # nobody refused, nothing near its SLO: B is held off the workers with streams, not off an idle one
     d = routed(p, of("batch", "B", prompt=100, rid="b-busy"), busy(1))
     assert d.rejection is not None and d.rejection.reason == TENANT_SHARE
@@ -234,7 +288,8 @@ def test_the_policy_refuses_a_flooding_tenant_and_admits_the_other() -> None:
     idle = ClusterSnapshot(99.0, (InstanceView("m0", Role.MIXED),))
     for i in range(30):
         assert not routed(p, of("batch", "B", rid=f"b{i}"), idle).rejected
-    assert not routed(p, of("batch", "A", rid="a0"), idle).rejected
+    for i in range(3):
+        assert not routed(p, of("batch", "A", rid=f"a{i}"), idle).rejected
     missed = routed(p, of("interactive", "B", prompt=200_000, rid="b-big"), busy(1))
     assert missed.rejection is not None and missed.rejection.reason == "ttft_slo"
     d = routed(p, of("batch", "B", prompt=100, rid="b9"), busy(1))
