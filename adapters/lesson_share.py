@@ -10,7 +10,8 @@ A sibling that is not there (restarting) or whose receive queue is full loses th
 `dropped`: learning is best effort, later outcomes teach the same, and nothing waits or grows.
 Received datagrams are read on the event loop's thread (the one that decides), each lesson checked
 (predictors.lessons.checked, through the `learn` callback) before it is learned; a datagram that
-does not decode, or a lesson that is refused, is counted and dropped.
+does not decode, or a lesson that is refused, is counted and dropped. Between gateway replicas
+(`load_share.mode: redis`) lessons go through Redis instead: adapters/redis_lesson_share.py.
 """
 
 from __future__ import annotations
@@ -101,13 +102,13 @@ class InMemoryLessonShare:
 
     def receive(self, lessons: list[list[str | int | float]]) -> None:
         if self._learn is not None:
-            _learn_all(self._learn, lessons, self.counts)
+            learn_all(self._learn, lessons, self.counts)
 
     def close(self) -> None:
         self._learn = None
 
 
-def _learn_all(learn: Learn, lessons: list[list[str | int | float]], counts: Counter[str]) -> None:
+def learn_all(learn: Learn, lessons: list[list[str | int | float]], counts: Counter[str]) -> None:
     for lesson in lessons:
         try:
             learn(lesson)
@@ -192,7 +193,7 @@ class UnixLessonShare:
             except msgspec.DecodeError:
                 self.counts["refused"] += 1
                 continue
-            _learn_all(learn, lessons, self.counts)
+            learn_all(learn, lessons, self.counts)
 
     def close(self) -> None:
         if self._flush_handle is not None:

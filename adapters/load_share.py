@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 from prometheus_client import CollectorRegistry
 
 from adapters.breaker import CircuitBreaker, fail_fast_redis, register_breaker
+from adapters.decision_turn import DecisionTurn
 from conductor.core.types import ActiveDecode, QueuedPrefill
 
 if TYPE_CHECKING:
@@ -89,9 +90,9 @@ class PrefillEnds:
     A replica publishes when its own queue head started: at its dispatch, or when its own previous
     prefill ended. Another replica's prefill ahead of it in the instance's FCFS queue may have held
     it back since, which its owner cannot see; merged, its head looked as if running since its
-    dispatch, and the queue estimate took that whole wait off the remaining work. (Three replicas
-    still under-predict TTFT with this bound in place -- 25-41% mean error against 8% for one
-    gateway, docs/deploy.md -- so this is one source of that error, not all of it.) A policy can
+    dispatch, and the queue estimate took that whole wait off the remaining work. (The larger
+    source of the replicas' TTFT error was another: prefills dispatched by other replicas in the
+    last few milliseconds, not yet published; `turns` closes that, adapters/decision_turn.py.) A policy can
     bound the head's running time by the last end seen on the instance, local or remote: this is
     the remote half. An entry that leaves
     the tables between two reads ended in between; the later read's time is taken (a few ms late at
@@ -159,14 +160,16 @@ class RedisLoadShare:
         open_s: float = 1.0,
         registry: CollectorRegistry | None = None,
         breaker: CircuitBreaker | None = None,
+        turns: bool = False,
     ) -> None:
-        """breaker: one made by the caller (tests: a fake clock); else one from failures_to_open and open_s."""
+        """breaker: one made by the caller (tests: a fake clock); else one from failures_to_open and open_s.
+        turns: replicas decide in turn (adapters/decision_turn.py), `refresh` taking this replica's."""
         self._url = redis_url
         self.replica_id = replica_id
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._key = f"{prefix}{replica_id}"
-        self._prefix = prefix
+        self._prefix = self.prefix = prefix  # public: the lesson share keys its stream under it
         self._ttl_ms = max(1000, int(interval_s * 5000))  # a table outlives a few missed beats, not more
         self._remote: RemoteLoad = {}
         self._synced_at: float | None = None  # monotonic time of the last complete exchange
@@ -176,6 +179,10 @@ class RedisLoadShare:
         self._ends = PrefillEnds()
         self._redis: aioredis.Redis | None = None
         self._local: Callable[[], LoadTable] = dict
+        self.turn = DecisionTurn(replica_id, prefix, ttl_s=self._ttl_ms / 1000) if turns else None
+        self._taking: asyncio.Task[bool] | None = None  # the take of the turn decisions are waiting for
+        self._giving: asyncio.Task[bool] | None = None
+        self._give_due = False  # a release is scheduled after the decisions made under this turn
         self.breaker = breaker or CircuitBreaker("load share Redis", failures_to_open=failures_to_open, open_s=open_s, logger=log)
         register_breaker(self.breaker, registry, "conductor_load_share_redis")
 
@@ -192,7 +199,7 @@ class RedisLoadShare:
 
     async def close(self) -> None:
         # every step bounded: a Redis that hangs must not hold up the gateway's shutdown
-        for task in (self._task, self._refreshing):
+        for task in (self._task, self._refreshing, self._taking, self._giving):
             if task is not None:
                 task.cancel()
                 await asyncio.wait({task}, timeout=max(1.0, 4 * self.timeout_s))
@@ -222,6 +229,8 @@ class RedisLoadShare:
         # (up to interval_s: 100 ms); measured with three replicas, 12% of the time one prefill had
         # 2+ waiting while another had none, against 5% for one gateway. Waiting one round trip for
         # the others' tables before deciding closes that window to their own exchange's latency.
+        if self.turn is not None and await self._decide_in_turn():
+            return
         synced = self._synced_at
         if synced is not None and time.monotonic() - synced <= max_age_s:
             return
@@ -231,6 +240,54 @@ class RedisLoadShare:
         # shielded: a request cancelled while waiting must not cancel the exchange others wait for;
         # sync() goes through the breaker (bounded by timeout_s, skipped while it is open)
         await asyncio.shield(task)
+
+    async def _decide_in_turn(self) -> bool:
+        """True: this replica holds the fleet's decision turn, the others' tables read as it was
+        taken. False: no turn (Redis down, none within max_wait_s): decide as without turns."""
+        turn = self.turn
+        assert turn is not None
+        if not turn.holding:
+            task = self._taking
+            if task is None or task.done():
+                limit = turn.max_wait_s + 2 * self.timeout_s  # waiting for the turn is no failure of Redis
+                task = self._taking = asyncio.ensure_future(self.breaker.call(self._take, _false, timeout_s=limit))
+            await asyncio.shield(task)  # as in refresh: one take for every request waiting on it
+            if not turn.holding:
+                return False
+        if not self._give_due:
+            # the caller decides and dispatches before its next await; the callbacks queued by now
+            # (requests woken by the same take) decide too; then the table is taken and published
+            self._give_due = True
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._give)
+        return True
+
+    async def _take(self) -> bool:
+        assert self._redis is not None and self.turn is not None
+        raw = await self.turn.take(self._redis)
+        if raw is None:
+            return False
+        tables: list[LoadTable] = []
+        for item in raw:
+            try:
+                tables.append(_decode(item))
+            except msgspec.DecodeError as exc:
+                log.debug("skipped an undecodable load table: %s", exc)
+        self._remote = merge_tables(tables, time.time())
+        self._synced_at = time.monotonic()
+        self._ends.update(tables, self._synced_at)
+        return True
+
+    def _give(self) -> None:
+        turn = self.turn
+        self._give_due = False
+        if turn is None or self._redis is None:  # closed meanwhile: the turn's key expires by itself
+            return
+        turn.holding = False
+        table, redis = _encode(self._local()), self._redis
+        self._giving = asyncio.ensure_future(
+            self.breaker.call(lambda: _gave(turn.give(redis, table, self._key, self._ttl_ms)), _false, timeout_s=self.timeout_s)
+        )
 
     async def _loop(self) -> None:
         while True:
@@ -298,6 +355,11 @@ class RedisLoadShare:
 
 def _false() -> bool:
     return False
+
+
+async def _gave(giving: Awaitable[None]) -> bool:
+    await giving
+    return True
 
 
 def local_table(states: Mapping[str, object]) -> LoadTable:

@@ -32,6 +32,7 @@ from multiprocessing import shared_memory
 
 import msgspec
 
+from adapters.decision_turn import FdTurn
 from adapters.load_share import LoadTable, PrefillEnds, RemoteLoad, merge_tables
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,10 @@ class SharedMemoryLoadShare:
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         interval_s: float = 0.005,
         stale_after_s: float = 1.0,
+        turns: bool = False,
     ) -> None:
+        """turns: the workers decide in turn (adapters/decision_turn.py FdTurn), `refresh` taking it
+        (`load_share.turns`; set before `start`)."""
         if not 0 <= slot < workers:
             raise ValueError(f"slot {slot} outside 0..{workers - 1}")
         self.segment, self.slot, self.workers = segment, slot, workers
@@ -109,6 +113,8 @@ class SharedMemoryLoadShare:
         self._ends = PrefillEnds()
         self.oversized = 0  # publishes that did not fit the slot (the previous table stayed)
         self._soon: asyncio.Handle | None = None  # a publish asked for by changed(), not yet run
+        self.turns = turns
+        self.turn: FdTurn | None = None  # made at start, on the segment's file
 
     async def start(self, local: Callable[[], LoadTable]) -> None:
         self._shm = attach(self.segment)
@@ -117,10 +123,16 @@ class SharedMemoryLoadShare:
         if self._shm.size < segment_bytes(self.workers, self.slot_bytes):
             raise ValueError(f"shared memory segment {self.segment} is too small for {self.workers} workers")
         self._local = local
+        fd = getattr(self._shm, "_fd", -1)  # CPython's POSIX SharedMemory keeps its file open
+        if self.turns and isinstance(fd, int) and fd >= 0:
+            self.turn = FdTurn(fd)
         self.publish()
         self._task = asyncio.create_task(self._loop(), name="shm-load-share")
 
     async def close(self) -> None:
+        if self.turn is not None:
+            self.turn.give()
+            self.turn = None
         if self._soon is not None:
             self._soon.cancel()
             self._soon = None
@@ -147,8 +159,22 @@ class SharedMemoryLoadShare:
                 log.exception("publishing this worker's load failed")
 
     async def refresh(self, max_age_s: float) -> None:
-        # remote() reads the siblings' slots as they are now (each republished every interval_s)
-        return None
+        # remote() reads the siblings' slots as they are now (each republished every interval_s);
+        # with turns, a sibling's decision in progress is waited for, so its dispatch is in them
+        turn = self.turn
+        if turn is not None and not turn.holding and await turn.take():
+            # given back after this step (the decision and its dispatch), once the table is published
+            asyncio.get_running_loop().call_soon(self._give_turn)
+
+    def _give_turn(self) -> None:
+        if self.turn is None or not self.turn.holding:
+            return
+        try:
+            self.publish()
+        except Exception:
+            log.exception("publishing this worker's load failed")
+        finally:
+            self.turn.give()
 
     def changed(self) -> None:
         # published once the current loop iteration's callbacks have run, not at the next beat: a
@@ -156,6 +182,11 @@ class SharedMemoryLoadShare:
         # behind its timers on a busy box) a sibling would see the instance just chosen as idle
         # and choose it too (over-commit, docs/performance.md). The changes of one iteration --
         # under load, many dispatches -- share one publish, so the encode is not paid per request
+        if self.turn is not None and self.turn.holding:
+            # the decision under the turn has dispatched (its prefill queued): published now and
+            # the turn given back, so a sibling waits for the decision only, not this whole
+            # iteration (its decode stream, listed next, goes out with the publish below)
+            self._give_turn()
         if self._soon is None and self._shm is not None:
             self._soon = asyncio.get_running_loop().call_soon(self._publish_soon)
 

@@ -19,7 +19,13 @@ within 5% of one), and queue imbalance measured at the prefill workers (their
 vllm:num_requests_waiting gauge, polled every 50 ms): per instance the peak of prefills waiting;
 the mean over samples of the spread between the most and least loaded instance; the share of
 samples in which one instance had 2+ prefills waiting while another had none (an over-commit);
-and the spread of prompt tokens each prefill instance computed (vllm:prompt_tokens).
+and the spread of prompt tokens each prefill instance computed (vllm:prompt_tokens). Per gateway
+(replica or worker process), from its /metrics: the MAPE of its TTFT and prefill-leg predictions
+over its recent window, and the predictor lessons it learned from the others.
+
+Replicas and worker processes decide in turn (`load_share.turns`, adapters/decision_turn.py) unless
+`--turns off`; `--compare both` runs the two pairs in one invocation; `--logs DIR` keeps every
+process's log (with `--gateway-log-level info`, the decisions).
 """
 
 from __future__ import annotations
@@ -47,12 +53,13 @@ from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_
 from conductor.demo.run import DEFAULT_MODEL
 from tests.support.servers import free_port_run
 from traces.formats import load_trace, resolve_trace
-from traces.live_client import stream_completion
+from traces.live_client import prediction_errors, stream_completion
 from traces.live_results import LiveOutcome, LiveResult, summarize
 from traces.synth import PromptSynthesizer, SynthRequest
 
 _WAITING = re.compile(rb"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
 _PROMPT_TOKENS = re.compile(rb"^vllm:prompt_tokens_total(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
+_LESSONS_IN = re.compile(rb'^conductor_worker_lessons_total\{event="received"\} ([0-9.eE+-]+)', re.M)
 _REJECTIONS = re.compile(rb'^conductor_rejections_total\{reason="([^"]+)"\} ([0-9.eE+-]+)', re.M)
 
 
@@ -65,8 +72,7 @@ def start_mode(
     if args.compare == "workers":
         admin = free_port_run(replicas)  # worker i serves its /metrics on admin + i
         shared: dict[str, Any] = {"workers": replicas, "admin_port": admin} if replicas > 1 else {}
-        if replicas > 1:
-            shared["share_lessons"] = args.share_lessons == "on"
+        shared["load_share"] = {"turns": args.turns == "on"}  # the workers' flock (one process: nothing to share)
     else:
         shared = {
             "load_share": {
@@ -74,9 +80,13 @@ def start_mode(
                 "redis_url": redis_url,
                 "replica_id": f"bench-{run}-0",
                 "sync_interval_s": args.sync_interval,
+                "turns": args.turns == "on",
             },
             "kv": {"index": "redis", "redis_url": redis_url, "redis_prefix": f"bench:replicas:{run}:kv:"},
         }
+    shared["share_lessons"] = args.share_lessons == "on"
+    if args.gateway_log_level != "warning":  # info: every decision and outcome logged (costs CPU)
+        shared["logs"] = {"level": args.gateway_log_level}
     spec = ClusterSpec(
         n_prefill=args.prefill,
         n_decode=args.decode,
@@ -166,6 +176,26 @@ async def rejection_reasons(session: aiohttp.ClientSession, urls: Sequence[str])
     return out
 
 
+async def prediction_mapes(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, tuple[float, float]]]:
+    """Per gateway (replica or worker process), per predicted component ("ttft", the prefill leg
+    "queue_and_prefill", ...): (samples, MAPE) over its recent error window, from its /metrics."""
+    out = []
+    for url in urls:
+        async with session.get(url + "/metrics") as resp:
+            out.append(prediction_errors((await resp.read()).decode()))
+    return out
+
+
+async def lessons_received(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[int]:
+    """Per gateway: the other processes' or replicas' predictor lessons it learned."""
+    out = []
+    for url in urls:
+        async with session.get(url + "/metrics") as resp:
+            found = _LESSONS_IN.search(await resp.read())
+        out.append(int(float(found.group(1))) if found else 0)
+    return out
+
+
 async def replay_spread(
     urls: Sequence[str],
     prefill_urls: Sequence[str],
@@ -210,6 +240,8 @@ async def replay_spread(
         sampling.cancel()
         tokens_after = await prompt_tokens(probe, prefill_urls)
         reasons = await rejection_reasons(probe, metrics_urls)
+        mapes = await prediction_mapes(probe, metrics_urls)
+        learned = await lessons_received(probe, metrics_urls)
     finally:
         for s in sessions:
             await s.close()
@@ -230,6 +262,10 @@ async def replay_spread(
     queues["prompt_tokens_per_instance"] = computed
     queues["prompt_tokens_max_over_mean"] = max(computed) / mean if mean else 0.0
     queues["rejections_by_reason"] = reasons
+    queues["ttft_mape"] = [m.get("ttft", (0, 0.0))[1] for m in mapes]
+    queues["ttft_mape_samples"] = [int(m.get("ttft", (0, 0.0))[0]) for m in mapes]
+    queues["lessons_received"] = learned
+    queues["leg_mape"] = [m.get("queue_and_prefill", (0, 0.0))[1] for m in mapes]  # where the TTFT error comes from
     return result, queues
 
 
@@ -290,6 +326,11 @@ def print_table(rows: list[dict[str, Any]], compare: str) -> None:
         f"{[int(x) for x in three['peak_waiting']]!s:>16}"
     )
     print(f"{'rejections by reason':<30}{one['rejections_by_reason']!s:>16}{three['rejections_by_reason']!s:>16}")
+    for row, name in ((one, names[0]), (three, names[1])):
+        each = ", ".join(f"{m:.1%} (n={n})" for m, n in zip(row["ttft_mape"], row["ttft_mape_samples"], strict=True))
+        legs = ", ".join(f"{m:.1%}" for m in row["leg_mape"])
+        learned = row["lessons_received"]
+        print(f"TTFT MAPE per gateway, {name}: {each}; prefill leg: {legs}; lessons learned from the others: {learned}")
     ratio = three["goodput_rps"] / one["goodput_rps"] if one["goodput_rps"] else 0.0
     verdict = "PASS" if ratio >= 0.95 else "MISS"
     print(f"\ngoodput {names[1]} / {names[0]}: {ratio:.3f}  {verdict} (goal: within 5% of one gateway)")
@@ -310,29 +351,44 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy-options", default="{}", help="JSON, e.g. '{\"ttft_bound_shift_s\": 0.2}'")
     ap.add_argument("--json", dest="json_out", default=None, metavar="FILE")
+    ap.add_argument("--gateway-log-level", default="warning", choices=("debug", "info", "warning"))
+    ap.add_argument("--logs", default=None, metavar="DIR", help="keep every process's log here (default: a temporary directory)")
+    ap.add_argument(
+        "--turns",
+        choices=("on", "off"),
+        default="on",
+        help="whether replicas or worker processes decide in turn (load_share.turns, adapters/decision_turn.py)",
+    )
     ap.add_argument(
         "--share-lessons",
         choices=("on", "off"),
         default="on",
-        help="--compare workers: whether the workers learn from each other's outcomes",
+        help="whether the worker processes or replicas learn from each other's outcomes (share_lessons)",
     )
     ap.add_argument(
         "--compare",
-        choices=("replicas", "workers"),
+        choices=("replicas", "workers", "both"),
         default="replicas",
-        help="three Redis-sharing replicas, or one gateway of two worker processes, against one",
+        help="three Redis-sharing replicas, or one gateway of two worker processes, against one; both: the two pairs in one run",
     )
     args = ap.parse_args()
     synth = PromptSynthesizer(args.length_scale, seed=args.seed)
     trace = load_trace(resolve_trace(args.trace), limit=args.requests).requests
     requests = synth.synthesize_all(trace)
     started = time.monotonic()
+    compares = ("replicas", "workers") if args.compare == "both" else (args.compare,)
+    tables: dict[str, list[dict[str, Any]]] = {}
     with PrivateRedis() as server, tempfile.TemporaryDirectory(prefix="bench-replicas-") as logs:
-        rows = [run_mode(n, args, requests, server.url, Path(logs)) for n in (1, 2 if args.compare == "workers" else 3)]
-    print_table(rows, args.compare)
-    print(f"(both runs in {time.monotonic() - started:.0f}s)", file=sys.stderr)
+        log_root = Path(args.logs or logs)  # --logs: the gateways' decision logs kept for reading after
+        for compare in compares:
+            mode = argparse.Namespace(**{**vars(args), "compare": compare})
+            tables[compare] = [run_mode(n, mode, requests, server.url, log_root) for n in (1, 2 if compare == "workers" else 3)]
+    for compare, rows in tables.items():
+        print_table(rows, compare)
+    print(f"(all runs in {time.monotonic() - started:.0f}s)", file=sys.stderr)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"settings": vars(args), "runs": rows}, indent=2) + "\n", encoding="utf-8")
+        runs = tables[args.compare] if args.compare != "both" else tables
+        Path(args.json_out).write_text(json.dumps({"settings": vars(args), "runs": runs}, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json_out}")
 
 

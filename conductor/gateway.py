@@ -15,6 +15,8 @@ from adapters.http1 import ResponseLimits
 from adapters.lesson_share import LessonShare, NoLessonShare
 from adapters.load_share import LoadShare, NoLoadShare, RedisLoadShare
 from adapters.pd import PDProtocol, make_protocol
+from adapters.redis_lesson_share import RedisLessonShare
+from adapters.shm_load_share import SharedMemoryLoadShare
 from adapters.upstream import Timeouts, UpstreamPool
 from conductor.config.derived import kv_settings
 from conductor.config.keys import ApiKeys
@@ -70,13 +72,15 @@ class Gateway:
             limits.max_connections_per_upstream,
             limits=ResponseLimits(limits.max_upstream_head_bytes, limits.max_upstream_headers, limits.max_upstream_body_bytes),
         )
+        if isinstance(load_share, SharedMemoryLoadShare):  # a worker of `--workers N`: its turns too
+            load_share.turns = settings.load_share.turns
         self.registry = InstanceRegistry(settings, self.pool, load_share or _load_share(settings, self.metrics))
         for name in self.registry.states:  # series at 0 from the start, so rate() and alerts see them
             for kind in ("status", "transport"):
                 self.metrics.upstream_errors.labels(name, kind)
             self.metrics.ejections.labels(name)
         self.policy = policy or load_policy(settings.policy, settings.policy_options)
-        self.lessons = lesson_share or NoLessonShare()
+        self.lessons = lesson_share or _lesson_share(settings, self.registry.load_share, self.metrics)
         self.metrics.registry.register(LessonMetrics(self.lessons))
         # which LoRA adapter a model names (its KV keys), and the ones loaded at run time (lora_adapters)
         self.adapter_loads = AdapterLoads(
@@ -219,6 +223,20 @@ def _analyzer(settings: Settings, metrics: GatewayMetrics, adapters: AdapterLoad
     )
 
 
+def _lesson_share(settings: Settings, load_share: LoadShare, metrics: GatewayMetrics) -> LessonShare:
+    """Replicas sharing load through Redis share their predictors' lessons there too (a worker of
+    `--workers N` is given its socket's share instead); anything else learns alone."""
+    if isinstance(load_share, RedisLoadShare) and settings.share_lessons:
+        return RedisLessonShare(
+            settings.load_share.redis_url,
+            load_share.replica_id,
+            prefix=f"{load_share.prefix}lessons:",
+            timeout_s=settings.load_share.timeout_s,
+            registry=metrics.registry,
+        )
+    return NoLessonShare()
+
+
 def _load_share(settings: Settings, metrics: GatewayMetrics | None = None) -> LoadShare:
     """The load share the settings ask for; its breaker's metrics go on `metrics.registry` when given."""
     if settings.load_share.mode == "redis":
@@ -231,5 +249,6 @@ def _load_share(settings: Settings, metrics: GatewayMetrics | None = None) -> Lo
             failures_to_open=settings.load_share.breaker_failures,
             open_s=settings.load_share.breaker_open_s,
             registry=metrics.registry if metrics is not None else None,
+            turns=settings.load_share.turns,
         )
     return NoLoadShare()

@@ -7,6 +7,11 @@ of them, and calibrates its admission bounds on 1/N of the actual/predicted rati
 its bounds are then wider and admission turns more requests away: with two processes, 0.90x the
 goodput of one (benchmarks/bench_replicas.py --compare workers, docs/performance.md).
 
+Gateway replicas sharing load through Redis (`load_share.mode: redis`) are in the same position,
+each learning from a third of the outcomes with three of them: their lessons travel through a Redis
+stream (adapters/redis_lesson_share.py), the worker processes' through Unix datagram sockets
+(adapters/lesson_share.py).
+
 A lesson is one sample a model learned from: the features the model is fitted on and the measured
 seconds. `Predictors.record_lessons` makes a process keep what its models learn from its own
 observations; a sibling hands each one to its own `Predictors.learn`, which learns it as if it had

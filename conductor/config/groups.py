@@ -226,6 +226,10 @@ class LoadShareSettings(_Model):
     # (one Redis round trip, shared by the requests arriving meanwhile); None: decide on the view
     # the last beat or dispatch brought, up to sync_interval_s old
     sync_max_age_s: float | None = Field(default=0.005, ge=0)
+    # replicas (mode redis) or the processes of `--workers N` decide in turn (a Redis lock, a flock:
+    # adapters/decision_turn.py), each seeing every earlier dispatch as one gateway does; off by
+    # default: it serializes decisions and costs CPU (--workers 2: ~10% per request at 32 in flight)
+    turns: bool = False
     # each exchange with Redis gives up after timeout_s; after breaker_failures in a row none is
     # tried for breaker_open_s, and replicas route on their own load
     timeout_s: float = Field(default=0.2, gt=0)

@@ -132,3 +132,52 @@ async def test_a_change_is_published_before_the_next_beat(segment: SharedMemory)
     finally:
         await mine.close()
         await sibling.close()
+
+
+async def _blind_window(segment: SharedMemory, *, turns: bool) -> int:
+    """This worker decides and dispatches right after its refresh; its sibling refreshes meanwhile:
+    the prefills of this worker the sibling then sees (adapters/decision_turn.py FdTurn)."""
+    table: LoadTable = {}
+    mine = SharedMemoryLoadShare(segment.name, 0, 2, slot_bytes=SLOT_BYTES, interval_s=3600, turns=turns)
+    sibling = SharedMemoryLoadShare(segment.name, 1, 2, slot_bytes=SLOT_BYTES, interval_s=3600, turns=turns)
+    await mine.start(lambda: table)
+    await sibling.start(dict)
+    try:
+        await mine.refresh(0.0)  # this worker's decision begins (with turns: it holds the lock)
+        deciding = asyncio.ensure_future(sibling.refresh(0.0))  # the sibling's begins meanwhile
+        table["prefill-0"] = ([(2048, 0, 1.0e9)], [])  # dispatched, before this worker's next await
+        await deciding
+        return len(sibling.remote().get("prefill-0", ((), ()))[0])
+    finally:
+        await mine.close()
+        await sibling.close()
+
+
+async def test_with_turns_a_sibling_deciding_meanwhile_sees_the_dispatch(segment: SharedMemory) -> None:
+    assert await _blind_window(segment, turns=True) == 1
+
+
+async def test_without_turns_the_sibling_is_blind_to_it(segment: SharedMemory) -> None:
+    """The case turns exist for (and the proof the test above can fail)."""
+    assert await _blind_window(segment, turns=False) == 0
+
+
+async def test_a_turn_held_elsewhere_delays_a_decision_by_max_wait_only(segment: SharedMemory) -> None:
+    import fcntl
+
+    share = SharedMemoryLoadShare(segment.name, 0, 2, slot_bytes=SLOT_BYTES, interval_s=3600, turns=True)
+    await share.start(dict)
+    other = os.open(f"/dev/shm/{segment.name.lstrip('/')}", os.O_RDWR)  # another process's description
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        await asyncio.wait_for(share.refresh(0.0), timeout=30)
+        assert share.turn is not None and share.turn.counts["timeouts"] == 1 and not share.turn.holding
+        fcntl.flock(other, fcntl.LOCK_UN)
+        await share.refresh(0.0)
+        assert share.turn.holding and share.turn.counts["taken"] == 1
+        await asyncio.sleep(0)  # the decision's step is over: given back
+        assert not share.turn.holding
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free for anyone else (raises if not)
+    finally:
+        os.close(other)
+        await share.close()
