@@ -42,8 +42,8 @@ from adapters.emulator.profile import load_profile
 from benchmarks.bench_tenants import CALIBRATE, ROUTERS, SCENARIOS, conductor_settings, goals, table
 from benchmarks.sim_gateway_classes import sim_classes
 from benchmarks.tenants_load import CLASSES, URGENT, shapes, workload
+from conductor.core.classes import ClassRules
 from conductor.core.types import Policy, Slo
-from policies.classes import ClassRules
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.kvcache_aware.fairness import TENANT_SHARE
 from traces.prompt_trace import prompt_trace

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from conductor.core.classes import GUARD_MARGIN, NO_RULES, ClassRules
+from conductor.core.classes import ClassRules
 from conductor.core.types import RequestView, Slo
 
-__all__ = ["GUARD_MARGIN", "NO_RULES", "ClassRules", "guard_slo", "guarded"]
+__all__ = ["guard_slo", "guarded"]
 
 
 def guard_slo(own: Slo, urgent: Slo, margin: float) -> Slo:

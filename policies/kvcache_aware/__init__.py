@@ -33,10 +33,11 @@ does and the evidence behind its default: docs/kvcache_aware.md.
 
 from __future__ import annotations
 
+from conductor.core.classes import NO_RULES, ClassRules
 from conductor.core.errors import ConfigError
 from conductor.core.types import ClusterSnapshot, Decision, Observation, PrefillLeg, RequestView
 from policies.base import NO_INSTANCE, BasePolicy
-from policies.classes import NO_RULES, ClassRules, guarded
+from policies.classes import guarded
 from policies.estimate import decode_candidate, prefill_candidate
 from policies.kvcache_aware.fairness import TENANT_SHARE, TenantService
 from policies.kvcache_aware.inflight import InflightPrefixes, with_inflight

@@ -71,9 +71,9 @@ from __future__ import annotations
 
 import math
 
+from conductor.core.classes import ClassRules
 from conductor.core.types import Decision, Rejection, RequestView
 from policies.admission import TBT_SLO, TTFT_SLO
-from policies.classes import ClassRules
 
 TENANT_SHARE = "tenant_share"
 HALF_LIFE_S = 10.0  # the service counted is that of about the last half-minute

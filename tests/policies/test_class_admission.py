@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from conductor.config.settings import load_settings
+from conductor.core.classes import ClassRules
 from conductor.core.types import (
     ActiveDecode,
     ClusterSnapshot,
@@ -23,7 +24,7 @@ from conductor.core.types import (
     Slo,
 )
 from conductor.gateway import Gateway
-from policies.classes import ClassRules, guard_slo, guarded
+from policies.classes import guard_slo, guarded
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.kvcache_aware.fairness import (
     ACTIVE_S,
