@@ -166,8 +166,7 @@ class PullPlanner:
         lease (a staging that fails or is late leaves the prefill to compute the prefix)."""
         if plan.params is not None:
             return replace(out, pull=plan.params), plan.predicted_cached
-        if plan.stage is None:
-            return out, plan.predicted_cached
+        assert plan.stage is not None  # asked only of a plan that pulls (`PullPlan.pulls`)
         holder, tokens = plan.stage
         wait_s = self._settings.pd.peer_pull_lease_s / 2
         try:

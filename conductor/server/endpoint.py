@@ -59,10 +59,10 @@ Send = Callable[[Message], Awaitable[None]]
 # fields of a client's body that tell a worker where to connect for KV (vLLM's connectors, SGLang's
 # bootstrap): set by the gateway's P/D protocol, never taken from a client unless trusted
 _KV_STEERING_FIELDS = frozenset(("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"))
-# completions and chat are analysed, keyed and split; embeddings and responses are forwarded as
-# they are to mixed workers (vLLM serves both there), sized but not keyed
 # a status's label text, made once rather than per request and metric
 _STATUS_TEXT = {status: str(status) for status in range(100, 600)}
+# completions and chat are analysed, keyed and split; embeddings and responses are forwarded as
+# they are to mixed workers (vLLM serves both there), sized but not keyed
 EndpointKind = Literal["completions", "chat", "embeddings", "responses"]
 
 
