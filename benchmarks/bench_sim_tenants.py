@@ -6,7 +6,7 @@ the trace simulator (issue 37, "simulator the same within 10%").
     python benchmarks/bench_sim_tenants.py --capacity 5 --live live.json   # beside a bench_tenants.py --json run
 
 The same workload (benchmarks/tenants_load.py's `workload`, the same seeds: scenario i of repeat r is
-seed 100 r + i, as bench_tenants.py sends it), made a trace by traces/prompt_trace.py (16-token
+bench_tenants.scenario_seed, as bench_tenants.py sends it), made a trace by traces/prompt_trace.py (16-token
 blocks named by content, so each tenant's system prompt is a shared prefix), on a simulated cluster
 matching bench_tenants.py's: 4 mixed workers (`SimConfig.mixed`), timed by the emulators' own profile
 times `--time-scale` (traces.sim.truth.truth_from_emulator), lognormal noise `--noise` (seed r).
@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adapters.emulator.profile import load_profile
-from benchmarks.bench_tenants import CALIBRATE, ROUTERS, SCENARIOS, conductor_settings, goals, table
+from benchmarks.bench_tenants import CALIBRATE, ROUTERS, SCENARIOS, conductor_settings, goals, scenario_seed, table
 from benchmarks.sim_gateway_classes import sim_classes
 from benchmarks.tenants_load import CLASSES, URGENT, shapes, workload
 from conductor.core.classes import ClassRules
@@ -117,9 +117,9 @@ def calibrate(args: argparse.Namespace) -> float:
 def run_repeat(capacity: float, args: argparse.Namespace, rep: int) -> dict[str, dict[str, Any]]:
     """Every scenario once: scenario -> group -> its figures (bench_tenants.run_router's shape)."""
     out: dict[str, dict[str, Any]] = {}
-    for i, (name, multiples) in enumerate(SCENARIOS.items()):
+    for name, multiples in SCENARIOS.items():
         rates = {t: m * capacity for t, m in multiples.items()}
-        result = simulate_scenario(rates, 100 * rep + i, rep, CONDUCTOR.admission, args)
+        result = simulate_scenario(rates, scenario_seed(name, rep), rep, CONDUCTOR.admission, args)
         out[name] = {g: dict(v) for g, v in result.groups.items()}
         u, b = result.groups[f"class:{URGENT}"], result.groups[f"class:{CLASSES[1]}"]
         missed = {k: int(v) for k, v in u.items() if k.startswith("missed:")}

@@ -38,7 +38,7 @@ from policies.kvcache_aware.fairness import (
     over_share,
     work,
 )
-from policies.kvcache_aware.prefill_duty import WINDOW_S, PrefillDuty
+from policies.kvcache_aware.prefill_duty import MIN_SPAN_S, WINDOW_S, PrefillDuty
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
 from tests.policies.cluster_builders import request, routed
 
@@ -346,6 +346,7 @@ def test_prefill_duty_stretches_and_forgets() -> None:
     admitted = routed(policy(), of("interactive"), busy(1))
     assert admitted.prefill is not None and not admitted.rejected
     seconds = next(c.detail["prefill_s"] for c in admitted.candidates if c.instance_id == admitted.prefill)
+    duty.record(admitted, 100.0 - 2 * WINDOW_S)  # the policy's first decision, a whole window before
     for _ in range(3):
         duty.record(admitted, 100.0)
     assert duty.stretch(admitted.prefill, 0.0, 100.0) == pytest.approx(1 / (1 - 3 * seconds / WINDOW_S))
@@ -353,6 +354,19 @@ def test_prefill_duty_stretches_and_forgets() -> None:
     assert duty.stretch(admitted.prefill, 0.0, 100.0 + WINDOW_S + 1) == 1.0  # out of the window, before pruning
     duty.record(admitted, 100.0 + WINDOW_S + 1)  # pruned: only the new one
     assert duty.stretch(admitted.prefill, 0.0, 100.0 + WINDOW_S + 1) == pytest.approx(1 / (1 - seconds / WINDOW_S))
+
+
+def test_a_young_policys_duty_is_over_the_time_it_has_seen() -> None:
+    admitted = routed(policy(), of("interactive"), busy(1))
+    assert admitted.prefill is not None and not admitted.rejected
+    seconds = next(c.detail["prefill_s"] for c in admitted.candidates if c.instance_id == admitted.prefill)
+    duty = PrefillDuty()
+    duty.record(admitted, 100.0)  # its first decision
+    duty.record(admitted, 100.0)
+    # half a second in: over MIN_SPAN_S, not the whole window (an idle past assumed) nor 0.5 s
+    assert duty.stretch(admitted.prefill, 0.0, 100.5) == pytest.approx(1 / (1 - 2 * seconds / MIN_SPAN_S))
+    span = MIN_SPAN_S + 2.0  # past MIN_SPAN_S: over the seconds seen
+    assert duty.stretch(admitted.prefill, 0.0, 100.0 + span) == pytest.approx(1 / (1 - 2 * seconds / span))
 
 
 def test_a_batch_request_is_rejected_where_urgent_prefills_keep_the_workers_busy() -> None:
