@@ -36,7 +36,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-import zmq
 import zmq.asyncio
 
 from adapters.kv_event_batch import (
@@ -54,13 +53,13 @@ from adapters.kv_event_batch import (
 from adapters.kv_event_sources import (
     END_SEQ,
     EventSource,
+    FeedSocket,
+    Message,
     offset_endpoint,
     publisher_binds,
-    reconnect_when_cut,
     request_replay,
     subscriber_address,
 )
-from adapters.tasks import cancel_and_wait
 from adapters.throttled_log import ThrottledLog
 from conductor.core.event_bounds import DEFAULT_EVENT_BOUNDS
 
@@ -83,6 +82,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+BURST = 32  # a feed with a backlog never waits: after this many messages it lets the loop run (requests, other feeds)
+CLOSE_WAIT_S = 5.0  # close()'s wait for the feed's task: a handler that ignores cancellation holds no shutdown forever
 
 Handler = Callable[[str, EventBatch], Awaitable[None]]
 ResyncHandler = Callable[[str, str], Awaitable[None]]
@@ -140,8 +142,9 @@ class EventSubscriber:
         self._max_message_bytes = max_message_bytes
         self._max_seq_jump = max_seq_jump
         self._slice_blocks = max(1, slice_blocks)
-        self._sub: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._feed: FeedSocket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._last: int | None = None
         # after a catch-up: live batches up to here were already applied from the replay (they
         # queued on the SUB socket meanwhile); not a restart
@@ -161,29 +164,34 @@ class EventSubscriber:
         return self.source.instance + (f" (rank {self.source.rank})" if self.source.rank else "")
 
     async def start(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)  # bigger frames: dropped unbuffered
-        if self.binds:
-            sub.bind(self.address)  # a publisher cut off for an oversize frame reconnects itself
-        else:
-            sub.connect(self.address)
-            self._tasks.append(asyncio.create_task(reconnect_when_cut(sub, self.address, self._on_cut)))
-        self._sub = sub
+        self._feed = FeedSocket(
+            self._ctx, self.source.topic, self.address, self._on_cut, binds=self.binds, max_message_bytes=self._max_message_bytes
+        )
         self._started_wall = time.time()
         # subscribed first, replay second: whatever is published meanwhile queues on the socket
         if self._catch_up and self.source.replay_endpoint is not None:
             await self.catch_up()
-        self._tasks.append(asyncio.create_task(self._run(), name=f"kv-events-{self.source.instance}"))
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.source.instance}")
 
     async def close(self) -> None:
-        for task in self._tasks:
-            await cancel_and_wait(task)
-        self._tasks = []
-        if self._sub is not None:
-            self._sub.close(linger=0)
-            self._sub = None
+        """Stop the feed's task, then close its socket: never while a receive on it is under way.
+        Bounded: a task still running after CLOSE_WAIT_S is logged, and stops when it comes back."""
+        self._closing = True
+        task, self._task = self._task, None
+        try:
+            if task is not None:
+                task.cancel()
+                done, _ = await asyncio.wait((task,), timeout=CLOSE_WAIT_S)
+                if not done:
+                    log.warning(
+                        "kv events from %s: the feed did not stop within %.0f s; closing it anyway", self._name, CLOSE_WAIT_S
+                    )
+                elif not task.cancelled() and task.exception() is not None:
+                    log.warning("kv events from %s: the feed had stopped: %r", self._name, task.exception())
+        finally:
+            if self._feed is not None:
+                self._feed.close()
+                self._feed = None
 
     @property
     def stats(self) -> SubscriberStats:
@@ -222,32 +230,34 @@ class EventSubscriber:
 
     # ---- the live feed ----------------------------------------------------------------------------
     async def _run(self) -> None:
-        assert self._sub is not None
-        while True:
-            frames = await self._receive(self._sub)
-            if frames is None:
-                continue
-            try:
-                await self.handle(int.from_bytes(frames[1], "big"), frames[2])
-            except Exception as exc:  # noqa: BLE001  # the index failed (e.g. Redis down): the feed goes on
-                self._log.warn("kv events from %s: applying a batch failed: %r", self._name, exc)
+        """Read and apply messages until cancelled; this task is the only one that touches the
+        feed's socket while it runs (see FeedSocket)."""
+        feed = self._feed
+        assert feed is not None
+        in_a_row = 0
+        while not self._closing:  # a task that outlived close()'s wait stops before touching the socket
+            message = feed.read_now()
+            if message is None:
+                in_a_row = 0
+                message = await feed.wait()
+                if message is None:
+                    continue
+            await self._take(message)
+            in_a_row += 1
+            if in_a_row >= BURST:
+                in_a_row = 0
+                await asyncio.sleep(0)
 
-    async def _receive(self, sub: zmq.asyncio.Socket) -> list[bytes] | None:
-        """One message's frames, or None (counted) when it is not [topic, 8-byte seq, payload]. Read
-        frame by frame: a message of a million frames is never held as a list of them."""
-        frames: list[bytes] = []
-        count = 0
-        while True:
-            frame = await sub.recv()
-            count += 1
-            if count <= 3:
-                frames.append(frame)
-            if not sub.getsockopt(zmq.RCVMORE):
-                break
+    async def _take(self, message: Message) -> None:
+        """Apply one message, or drop it (counted) when it is not [topic, 8-byte seq, payload]."""
+        count, frames = message
         if count != 3 or len(frames[1]) != 8:
             self._reject("frames", f"{count} frames")
-            return None
-        return frames
+            return
+        try:
+            await self.handle(int.from_bytes(frames[1], "big"), frames[2])
+        except Exception as exc:  # noqa: BLE001  # the index failed (e.g. Redis down): the feed goes on
+            self._log.warn("kv events from %s: applying a batch failed: %r", self._name, exc)
 
     def _on_cut(self) -> None:
         self._log.warn(
