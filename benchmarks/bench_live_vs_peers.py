@@ -5,13 +5,30 @@
     python benchmarks/bench_live_vs_peers.py --rates 1,2,3 --repeat 3 --json out.json
 
 For every router and every speed-up: a FRESH cluster of `--workers` emulated vLLM workers (mixed
-role: prefix cache, vLLM KV events, the bundled Qwen3-8B/H800 timing profile times `--time-scale`),
-the router in front of them, and the same slice of Mooncake's conversation trace replayed through
-it with the same speed-up (`--rates`). Routers: Conductor kvcache_aware with admission
-("predicted"), kvcache_aware without admission, Conductor round_robin, vllm-router round_robin and
-cache_aware, sglang-router cache_aware. `--shape pd` makes half the workers prefill and half decode,
-over NIXL, with vllm-router in its `--vllm-pd-disaggregation` mode; sglang-router is left out there:
-its P/D mode speaks SGLang's bootstrap protocol, so it would not be on the same workers.
+role: prefix cache, vLLM KV events, the bundled Qwen3-8B/H800 timing profile, or `--worker-profile`,
+times `--time-scale`), the router in front of them, and the same slice of a trace (`--trace`:
+Mooncake's conversation-head400 by default; conversation, synthetic, tool-agent or a file) replayed
+through it with the same speed-up (`--rates`). Routers: Conductor kvcache_aware with admission
+("predicted"), kvcache_aware without admission, Conductor round_robin, vllm-router round_robin,
+cache_aware, power_of_two and kv_aware (fed the workers' ZMQ KV events; it tokenizes text prompts
+through the workers' /tokenize), sglang-router cache_aware. `--shape pd` makes half the workers
+prefill and half decode, over NIXL, with vllm-router in its `--vllm-pd-disaggregation` mode;
+sglang-router is left out there: its P/D mode speaks SGLang's bootstrap protocol, so it would not
+be on the same workers. "conductor rr+adm" (round robin under kvcache_aware's admission) is listed
+and left out with its reason: no live configuration places round robin under that admission.
+
+`--capacity` measures capacity at SLO (benchmarks/capacity.py): the highest speed-up at which at
+least 90% of the requests sent meet both SLOs, interpolated on the attainment curve of each router
+(`--repeat`, default 3, full sweeps; router order alternates per sweep, rate order too), with its
+min..max over the sweeps and its ratio to the best peer's; a markdown table, `--plot out.png`
+(matplotlib, the `plot` extra), `--json` with every run and request. The workers run
+`--worker-profile` (default there: conductor/data/profiles/qwen3-8b-a100-roofline.yaml) while
+Conductor's predictors start from the bundled H800 fit scaled like the workers: not the workers'
+timing, which they must learn online. `--from-json` redraws the table and plot of a saved run.
+
+    python benchmarks/bench_live_vs_peers.py --capacity --rates 0.5,1,1.5,2 --plot cap.png --json cap.json
+
+Peers measured with vllm-router 0.1.17 and sglang-router 0.3.2 (the header prints what is installed).
 
 Prompts are sent as TEXT (each synthesized token id in 0..255 mapped to one printable ASCII
 character, so the emulators' byte tokenizer sees a prompt of the same length and the trace's prefix
@@ -41,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import statistics
@@ -57,6 +75,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+from benchmarks import capacity
 from benchmarks.aiperf_load import DEFAULT_AIPERF, replay_aiperf
 from conductor.demo.cluster import ChildGroup, free_ports
 from traces.formats import TraceRequest, load_trace, resolve_trace
@@ -86,10 +105,23 @@ ROUTERS = (
     RouterSpec("conductor alg1+adm", "conductor", "kvcache_aware", "predicted", ALGORITHM1),
     RouterSpec("conductor kv", "conductor", "kvcache_aware", "none"),
     RouterSpec("conductor rr", "conductor", "round_robin"),
+    RouterSpec("conductor rr+adm", "conductor", "round_robin", "predicted"),
     RouterSpec("vllm-router rr", "vllm", "round_robin"),
     RouterSpec("vllm-router cache", "vllm", "cache_aware"),
+    RouterSpec("vllm-router p2", "vllm", "power_of_two"),
+    RouterSpec("vllm-router kv", "vllm", "kv_aware"),
     RouterSpec("sglang-router cache", "sglang", "cache_aware"),
 )
+COLUMNS = tuple(s.name for s in ROUTERS)
+PEERS = tuple(s.name for s in ROUTERS if s.kind != "conductor")
+
+# columns no configuration of this checkout can run live, and why (printed in their place)
+UNAVAILABLE = {
+    # kvcache_aware.judge() over a baseline's placement is wired in the simulator only (traces/sim/runner.py
+    # FittedAdmission); random and least_loaded take a simpler BaselineAdmission (bundled predictors, no learning)
+    "conductor rr+adm": "no live configuration: round_robin takes no admission, judge() is simulator-only",
+}
+A100_PROFILE = "conductor/data/profiles/qwen3-8b-a100-roofline.yaml"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +183,7 @@ def start_workers(group: ChildGroup, n: int, args: argparse.Namespace) -> dict[s
                 "warning",
                 "--kv-events-endpoint",
                 f"tcp://*:{events}",
+                *(["--profile", args.worker_profile] if args.worker_profile else []),
             ],
             url,
         )
@@ -162,6 +195,48 @@ def _urls(workers: dict[str, list[dict[str, Any]]], role: str) -> list[str]:
     return [w["url"] for w in workers.get(role, [])]
 
 
+def _kv_sources(workers: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """vllm-router kv_aware's static KV event sources: where the mixed (or, P/D, the prefill)
+    workers publish, as URL=ENDPOINT (it discovers nothing from the emulators: no /server_info)."""
+    if _urls(workers, "mixed"):
+        flag, role, extra = "--kv-event-source", "mixed", ["--kv-event-model", MODEL, "--kv-event-block-size", "16"]
+    else:
+        flag, role, extra = "--pd-kv-events", "prefill", []
+    sources = [x for w in workers[role] for x in (flag, f"{w['url']}={w['kv_events_endpoint'].replace('*', '127.0.0.1')}")]
+    return [*sources, *extra]
+
+
+def vllm_router_argv(
+    spec: RouterSpec, workers: dict[str, list[dict[str, Any]]], args: argparse.Namespace, port: int, prom: int
+) -> list[str]:
+    # vllm-router's P/D mode drives NIXL as vLLM's toy proxy does: prefill with
+    # kv_transfer_params {do_remote_decode}, then decode with what the prefill returned
+    urls = _urls(workers, "mixed")
+    where = (
+        ["--worker-urls", *urls]
+        if urls
+        else [
+            "--vllm-pd-disaggregation",
+            *(x for u in _urls(workers, "prefill") for x in ("--prefill", u)),
+            *(x for u in _urls(workers, "decode") for x in ("--decode", u)),
+        ]
+    )
+    kv = _kv_sources(workers) if spec.policy == "kv_aware" else []
+    return [
+        args.vllm_router,
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(prom),
+        "--policy",
+        spec.policy,
+        "--log-level",
+        "warning",
+        *where,
+        *kv,
+    ]
+
+
 def start_router(
     group: ChildGroup, spec: RouterSpec, workers: dict[str, list[dict[str, Any]]], args: argparse.Namespace, log_dir: Path
 ) -> tuple[str, str]:
@@ -170,32 +245,8 @@ def start_router(
     url = f"http://127.0.0.1:{port}"
     urls = _urls(workers, "mixed")
     if spec.kind == "vllm":
-        # vllm-router's P/D mode drives NIXL as vLLM's toy proxy does: prefill with
-        # kv_transfer_params {do_remote_decode}, then decode with what the prefill returned
-        where = (
-            ["--worker-urls", *urls]
-            if urls
-            else [
-                "--vllm-pd-disaggregation",
-                *(x for u in _urls(workers, "prefill") for x in ("--prefill", u)),
-                *(x for u in _urls(workers, "decode") for x in ("--decode", u)),
-            ]
-        )
-        group.start(
-            "router",
-            [
-                args.vllm_router,
-                "--port",
-                str(port),
-                "--prometheus-port",
-                str(prom),
-                "--policy",
-                spec.policy,
-                "--log-level",
-                "warning",
-                *where,
-            ],
-        )
+        # no Hugging Face hub here: kv_aware then tokenizes text through the workers' /tokenize
+        group.start("router", vllm_router_argv(spec, workers, args, port, prom), env={"HF_HUB_OFFLINE": "1"})
         return url, "/health"
     if spec.kind == "sglang":
         group.start(
@@ -221,7 +272,7 @@ def start_router(
     if spec.policy == "kvcache_aware":
         options["admission"] = spec.admission
         options.update(spec.options)
-        if args.time_scale != 1.0:  # predictions true to the scaled workers
+        if args.time_scale != 1.0:  # the bundled fit scaled like the workers (their own timing only without --worker-profile)
             options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
     settings = {
         "host": "127.0.0.1",
@@ -295,6 +346,16 @@ def gateway_kv_figures(url: str) -> str:
     return " ".join(f"{n.removeprefix('conductor_kv_')}={sample_value(text, n)}" for n in names)
 
 
+def vllm_kv_figures(group: ChildGroup) -> str:
+    """vllm-router kv_aware's own counts: prompts it prepared (tokenized) and KV index lookups by result."""
+    argv = group.children[-1].proc.args
+    assert isinstance(argv, list)
+    with urllib.request.urlopen(f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics", timeout=5.0) as resp:
+        text = resp.read().decode()
+    found = re.findall(r"^vllm_router_kv_(routing_inputs|placement_lookups)_total\{([^}]*)\}\s+(\S+)", text, re.M)
+    return " ".join(f"{name}{{{labels}}}={value}" for name, labels, value in found) or "no kv_aware counters"
+
+
 def run_one(
     spec: RouterSpec,
     requests: Sequence[TraceRequest],
@@ -348,6 +409,8 @@ def run_one(
         after = worker_prefix_counters(urls)
         if spec.kind == "conductor":
             print("   ", gateway_kv_figures(url), file=sys.stderr)
+        elif spec.policy == "kv_aware":  # that its KV index matched the workers' blocks, not load alone
+            print("   ", vllm_kv_figures(group), file=sys.stderr)
         dead = group.dead()
         if dead:
             raise RuntimeError(f"{dead[0].name} died during the replay:\n{dead[0].log_tail()}")
@@ -399,9 +462,13 @@ def report(rate: float, cells: dict[str, list[Measured]], missing: dict[str, str
 
 def find_peers(args: argparse.Namespace) -> dict[str, str]:
     """Router name -> why it cannot run here (those that can are left out)."""
-    missing: dict[str, str] = {}
+    missing: dict[str, str] = dict(UNAVAILABLE)
     if not (args.vllm_router and Path(args.vllm_router).exists()):
         missing.update({s.name: "vllm-router not installed" for s in ROUTERS if s.kind == "vllm"})
+    else:
+        smallest_pool = args.workers // 2 if args.shape == "pd" else args.workers  # P/D: prefill gets the smaller half
+        if smallest_pool < 2:
+            missing["vllm-router p2"] = "power_of_two needs two workers in each pool"
     sglang_ok = (
         Path(args.sglang_router).exists()
         and subprocess.run([args.sglang_router, "-c", "import sglang_router"], capture_output=True).returncode == 0
@@ -412,13 +479,111 @@ def find_peers(args: argparse.Namespace) -> dict[str, str]:
     return missing
 
 
-def main(argv: list[str] | None = None) -> int:
+def versions(args: argparse.Namespace) -> str:
+    """The peers as pip reports them in their virtualenvs, and this checkout's commit."""
+    parts = []
+    for dist, python in (("vllm-router", Path(args.vllm_router).parent / "python"), ("sglang-router", Path(args.sglang_router))):
+        found = None
+        if python.exists():
+            shown = subprocess.run([str(python), "-m", "pip", "show", dist], capture_output=True, text=True, timeout=120)
+            found = re.search(r"^Version: (\S+)", shown.stdout, re.M)
+        parts.append(f"{dist} {found.group(1) if found else 'not installed'} ({python.parent.parent})")
+    git = ["git", "-C", str(Path(__file__).resolve().parent.parent)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
+    return ", ".join([*parts, f"conductor {commit or '?'}{' + uncommitted changes' if dirty else ''}"])
+
+
+def profiles(args: argparse.Namespace) -> str:
+    """Which timing each side starts from: the workers run theirs, Conductor's predictors learn it."""
+    workers = args.worker_profile or "the emulator's bundled Qwen3-8B/H800 profile"
+    scaled = f", scaled x{args.time_scale:g} like the workers" if args.time_scale != 1.0 else ""
+    own = "" if args.worker_profile else " (the workers' own timing)"
+    return (
+        f"workers: {workers} x{args.time_scale:g}; Conductor kvcache_aware's predictors start from the bundled "
+        f"H800 fit{scaled}{own} and learn online; round_robin and the peers predict nothing"
+    )
+
+
+def idle_ceiling(requests: Sequence[TraceRequest], synth: PromptSynthesizer, args: argparse.Namespace) -> float:
+    """The share of the slice an idle worker prefills within the TTFT SLO, cold (the workers' profile
+    times the time scale): attainment cannot go above it but by prefix hits, at any rate."""
+    from adapters.emulator.profile import load_profile
+
+    profile = load_profile(args.worker_profile)
+    fits = [profile.prefill_s(len(synth.synthesize(r).prompt)) * args.time_scale <= args.slo_ttft for r in requests]
+    return sum(fits) / len(fits) if fits else 0.0
+
+
+def measure(
+    spec: RouterSpec, requests: Sequence[TraceRequest], synth: PromptSynthesizer, rate: float, args: argparse.Namespace, tmp: str
+) -> tuple[Measured, dict[str, Any]]:
+    """One run, its progress line, and its JSON record (with every request's outcome under --capacity)."""
+    started = time.monotonic()
+    m = run_one(spec, requests, synth, rate, args, Path(tmp))
+    r, wall, load = m.result.run, time.monotonic() - started, os.getloadavg()[0]
+    ok = [o.http for o in m.result.outcomes if o.http.status == "ok"]
+    late_ttft = sum(1 for h in ok if h.ttft_s is None or h.ttft_s > args.slo_ttft)
+    late_tbt = sum(1 for h in ok if h.tbt_s is not None and h.tbt_s > args.slo_tbt)
+    # why requests missed, and how late the client sent (a lagging client offers less than the rate)
+    print(
+        f"  {rate:g}x {spec.name:<20} goodput {r.goodput_rps:.2f}/s met {r.slo_attainment:.0%} (429 {r.rejected}, "
+        f"err {int(r.extra.get('errors', 0))}, late TTFT {late_ttft} TBT {late_tbt}) hit {m.hit_rate:.0%} "
+        f"client lag p99 {r.extra.get('client_lag_p99_s', 0.0):.2f}s ({wall:.0f}s, load {load:.1f})",
+        file=sys.stderr,
+        flush=True,
+    )
+    record = {
+        **r.as_dict(),
+        "late_ttft": late_ttft,
+        "late_tbt": late_tbt,
+        "worker_prefix_hit_rate": m.hit_rate,
+        "wall_s": round(wall, 1),
+        "loadavg_1m": load,
+    }
+    if args.capacity:
+        record["outcomes"] = m.result.as_dict()["requests"]
+    return m, record
+
+
+def run_rates(
+    specs: Sequence[RouterSpec],
+    requests: Sequence[TraceRequest],
+    synth: PromptSynthesizer,
+    args: argparse.Namespace,
+    missing: dict[str, str],
+    out: dict[str, Any],
+) -> None:
+    """The tables per speed-up: every router at one rate, `--repeat` times, before the next rate."""
+    tables = []
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
+        for rate in capacity.parse_rates(args.rates):
+            cells: dict[str, list[Measured]] = {}
+            records: dict[str, list[dict[str, Any]]] = {}
+            for rep in range(args.repeat):
+                for spec in specs if rep % 2 == 0 else specs[::-1]:
+                    m, record = measure(spec, requests, synth, rate, args, tmp)
+                    cells.setdefault(spec.name, []).append(m)
+                    records.setdefault(spec.name, []).append(record)
+            table, ratio = report(rate, cells, missing)
+            tables.append(table)
+            out["rates"][f"{rate:g}"] = {"ratio_vs_best_peer": ratio, "runs": records}
+    print("\n\n".join(tables))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default="conversation-head400")
+    ap.add_argument("--trace", default="conversation-head400", help="bundled trace name or file (traces/formats.py)")
     ap.add_argument("--requests", type=int, default=200, help="first N requests of the trace")
     ap.add_argument("--skip", type=int, default=0, help="start the slice after this many requests")
-    ap.add_argument("--rates", default="3,4,5", help="comma-separated speed-ups of the trace's arrivals")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per router and rate (median and min..max shown)")
+    ap.add_argument(
+        "--rates",
+        default=None,
+        help="comma-separated speed-ups of the trace's arrivals (default 3,4,5; --capacity 0.5,0.75,1,1.5,2,3)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=None, help="runs per router and rate, median and min..max shown (default 1; --capacity 3)"
+    )
     ap.add_argument("--workers", type=int, default=4, help="emulated workers per cluster")
     ap.add_argument(
         "--shape",
@@ -433,8 +598,20 @@ def main(argv: list[str] | None = None) -> int:
         default=3.0,
         help="multiply the workers' modelled durations (3: a slower GPU, so 2 cores carry 4 workers)",
     )
+    ap.add_argument(
+        "--worker-profile",
+        default=None,
+        help="the workers' timing profile, passed as the emulators' --profile ('bundled': the H800 one; "
+        f"default: bundled, --capacity {A100_PROFILE})",
+    )
     ap.add_argument("--length-scale", type=float, default=0.125, help="scale prompt and output lengths")
-    ap.add_argument("--slo-ttft", type=float, default=1.5, help="TTFT SLO, seconds (0.5 s times --time-scale)")
+    ap.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        help="TTFT SLO, seconds (default 1.5: 0.5 s times --time-scale; 3 under --worker-profile, where an idle A100 "
+        "roofline worker at time scale 3 prefills 7%% of conversation-head400's first 120 prompts in over 1.5 s)",
+    )
     ap.add_argument("--slo-tbt", type=float, default=0.12, help="TBT SLO, seconds (40 ms times --time-scale)")
     ap.add_argument("--noise", type=float, default=0.05, help="workers' timing noise (lognormal sigma)")
     ap.add_argument("--concurrency", type=int, default=256, help="most requests in flight at the client (--load client only)")
@@ -452,12 +629,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aiperf", default=DEFAULT_AIPERF, help="the aiperf executable (--load aiperf)")
     ap.add_argument("--json", dest="json_out", default=None, help="write every run's summary here")
     ap.add_argument("--quick", action="store_true", help="120 requests at one speed-up (4x unless --rates), once (< 2 minutes)")
+    ap.add_argument("--capacity", action="store_true", help="capacity at SLO: sweep --rates, interpolate the 90%% crossing")
+    ap.add_argument("--plot", default=None, help="--capacity: draw the attainment curves to this PNG (needs matplotlib)")
+    ap.add_argument(
+        "--from-json", default=None, help="--capacity: redraw the table (and --plot) of a saved --json run, run nothing"
+    )
     args = ap.parse_args(argv)
     if args.load == "aiperf" and not Path(args.aiperf).exists():
         ap.error(f"--load aiperf: {args.aiperf} not found (see the module docstring to install it)")
+    if (args.plot or args.from_json) and not args.capacity:
+        ap.error("--plot and --from-json go with --capacity")
+    args.rates = args.rates or ("0.5,0.75,1,1.5,2,3" if args.capacity else "3,4,5")
+    args.repeat = args.repeat or (3 if args.capacity else 1)
+    if args.worker_profile is None and args.capacity:
+        args.worker_profile = str(Path(__file__).resolve().parent.parent / A100_PROFILE)
+    if args.worker_profile == "bundled":
+        args.worker_profile = None
+    if args.slo_ttft is None:  # an SLO the workers' own timing can meet idle for nearly every prompt
+        args.slo_ttft = 3.0 if args.worker_profile else 1.5
     if args.quick:
         args.requests, args.repeat = 120, 1
-        args.rates = "4" if args.rates == ap.get_default("rates") else args.rates.split(",")[0]
+        args.rates = "4" if args.rates == "3,4,5" else args.rates.split(",")[0]
+    capacity.parse_rates(args.rates)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        capacity.report(json.loads(Path(args.from_json).read_text(encoding="utf-8")), COLUMNS, PEERS, args.plot)
+        return 0
     wanted = {n.strip() for n in args.routers.split(",")}
     missing = {n: why for n, why in find_peers(args).items() if n in wanted}
     specs = [s for s in ROUTERS if s.name in wanted and s.name not in missing]
@@ -465,41 +666,31 @@ def main(argv: list[str] | None = None) -> int:
     synth = PromptSynthesizer(args.length_scale, seed=0)
     requests = sorted(loaded, key=lambda r: r.arrival_s)
     tokens = sum(len(synth.synthesize(r).prompt) for r in requests)
-    print(
-        f"{len(requests)} requests of {args.trace} (after {args.skip}), {tokens} prompt tokens, "
-        f"{args.workers} {args.shape} workers (time scale {args.time_scale:g}), SLO TTFT {args.slo_ttft:g}s "
-        f"TBT {args.slo_tbt:g}s, load by {args.load}",
-        file=sys.stderr,
-    )
-    out: dict[str, Any] = {"settings": vars(args), "rates": {}}
-    tables = []
-    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
-        for rate in (float(x) for x in args.rates.split(",")):
-            cells: dict[str, list[Measured]] = {}
-            for rep in range(args.repeat):
-                for spec in specs if rep % 2 == 0 else specs[::-1]:
-                    started = time.monotonic()
-                    m = run_one(spec, requests, synth, rate, args, Path(tmp))
-                    cells.setdefault(spec.name, []).append(m)
-                    r = m.result.run
-                    print(
-                        f"  {rate:g}x {spec.name:<20} goodput {r.goodput_rps:.2f}/s met {r.slo_attainment:.0%} "
-                        f"429 {r.rejected} hit {m.hit_rate:.0%} ({time.monotonic() - started:.0f}s)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            table, ratio = report(rate, cells, missing)
-            tables.append(table)
-            out["rates"][f"{rate:g}"] = {
-                "ratio_vs_best_peer": ratio,
-                "runs": {
-                    n: [{**m.result.run.as_dict(), "worker_prefix_hit_rate": m.hit_rate} for m in runs]
-                    for n, runs in cells.items()
-                },
-            }
-    print("\n\n".join(tables))
+    span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
+    base_rps = len(requests) / span if span > 0 else 0.0
+    header = [
+        f"{len(requests)} requests of {args.trace} (after {args.skip}, {base_rps:.2f} req/s at 1x), {tokens} prompt "
+        f"tokens, {args.workers} {args.shape} workers (time scale {args.time_scale:g}), SLO TTFT {args.slo_ttft:g}s "
+        f"TBT {args.slo_tbt:g}s, load by {args.load}, {args.repeat} run(s) per rate",
+        f"versions: {versions(args)}",
+        f"profiles: {profiles(args)}",
+        f"an idle worker prefills {idle_ceiling(requests, synth, args):.1%} of these prompts cold within the TTFT SLO",
+    ]
+    print("\n".join(header), file=sys.stderr, flush=True)
+    out: dict[str, Any] = {"settings": vars(args), "header": header, "base_rps": base_rps, "missing": missing, "rates": {}}
+    started = time.monotonic()
+    if args.capacity:
+        with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
+            rates = capacity.parse_rates(args.rates)
+            out["rates"] = capacity.sweep(specs, rates, args.repeat, lambda s, r: measure(s, requests, synth, r, args, tmp)[1])
+    else:
+        run_rates(specs, requests, synth, args, missing, out)
+    out["wall_s"] = round(time.monotonic() - started, 1)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2, default=str) + "\n", encoding="utf-8")
+    if args.capacity:
+        capacity.report(out, COLUMNS, PEERS, args.plot)
+    print(f"wall time {out['wall_s']:.0f}s", file=sys.stderr)
     return 0
 
 
