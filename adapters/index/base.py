@@ -124,6 +124,28 @@ class PrefixMatch:
         return max(self.blocks.values(), default=0)
 
 
+# One write of a batch (`apply`): (kind, tier bits, keys), applied in order.
+# STORE: `keys` confirmed by an event, in the one tier `bits` names (a TIER_BITS value);
+# GUESS: `keys` assumed after a dispatch (`bits` as for STORE);
+# REMOVE: `keys` forgotten in the tiers of the mask `bits` (ALL_TIER_BITS: every tier);
+# DROP: everything the instance holds (no keys; `bits` unused).
+# Plain tuples and int kinds: the feeder builds one per event, and the Redis backends send the
+# numbers as they are (their scripts decode the same ones).
+STORE, GUESS, REMOVE, DROP = 0, 1, 2, 3
+Write = tuple[int, int, Sequence[int]]
+_ONE_TIER = frozenset(TIER_BITS.values())
+
+
+def check_write(kind: int, bits: int) -> None:
+    """A clear error for a write no backend knows (before anything of its batch is applied)."""
+    if kind not in (STORE, GUESS, REMOVE, DROP):
+        raise ValueError(f"unknown index write kind {kind!r}; expected STORE, GUESS, REMOVE or DROP")
+    if kind in (STORE, GUESS) and bits not in _ONE_TIER:
+        raise ValueError(f"an index insert names one tier: bits {bits!r} is not one of {sorted(_ONE_TIER)}")
+    if kind == REMOVE and not 0 < bits <= ALL_TIER_BITS:
+        raise ValueError(f"index removal tier mask {bits!r} out of range 1..{ALL_TIER_BITS}")
+
+
 class KVIndex(Protocol):
     """Where blocks live. Keys are 64-bit ints from one `BlockKeyScheme`."""
 
@@ -148,3 +170,33 @@ class KVIndex(Protocol):
     async def stats(self) -> IndexStats: ...
 
     async def close(self) -> None: ...
+
+
+class BatchIndex(KVIndex, Protocol):
+    """A KVIndex that takes a whole batch of writes for one instance in one call (one round trip)."""
+
+    async def apply(self, instance: str, writes: Sequence[Write]) -> None:
+        """Apply `writes` to `instance` in order, with the same result as calling insert / remove /
+        drop_instance for each in turn (caps and evictions included)."""
+        ...
+
+
+async def apply_writes(index: KVIndex, instance: str, writes: Sequence[Write]) -> None:
+    """`writes` through the index's `apply` where it has one; otherwise one call per write, in order
+    (a KVIndex of another module that has only the single-write methods)."""
+    apply = getattr(index, "apply", None)
+    if apply is not None:
+        await apply(instance, writes)
+        return
+    for kind, bits, keys in writes:
+        check_write(kind, bits)
+        if kind == DROP:
+            await index.drop_instance(instance)
+        elif kind == REMOVE and bits == ALL_TIER_BITS:
+            await index.remove(instance, keys, tier=None)
+        elif kind == REMOVE:
+            for tier, bit in TIER_BITS.items():
+                if bits & bit:
+                    await index.remove(instance, keys, tier=tier)
+        else:
+            await index.insert(instance, keys, tier=tier_of_bits(bits), confirmed=kind == STORE)

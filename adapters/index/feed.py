@@ -17,6 +17,12 @@ after the worker cached their prefix), and, in "vllm" mode, a check of the worke
 BlockStored at the start of a prompt carries its token ids, so the gateway hashes the first block
 itself; a different hash means kv.vllm_hash_algo or kv.vllm_hash_seed is not the workers'.
 
+A received batch costs the index one call: its events become plain writes (base.Write: store,
+remove, clear), applied in order by `apply` (one script, so one Redis round trip, per batch and
+instance), not one call per event. With hundreds of instances at ~100K block events/s, a call per
+event was what held the feed back (the servers sat mostly idle). The exception is "vllm" mode's
+parent check, which looks the parent up as the events before it left the index (see `on_batch`).
+
 A LoRA adapter's blocks (the event names it: `lora_name`) are indexed like any others. Their vLLM
 hashes include the adapter's name and path, so in "vllm" mode they go in as they are; where the
 feeder rebuilds keys from an event's token ids (its own keys in "xxhash" mode, the hash check) it
@@ -32,9 +38,10 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
-from adapters.index.base import KVIndex, MemoryUse, entries_within
-from adapters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from adapters.index.base import DROP, REMOVE, STORE, TIER_BITS, KVIndex, MemoryUse, Write, apply_writes, entries_within
+from adapters.kv_event_batch import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from conductor.core.adapter_keys import AdapterSchemes, event_adapter
 from conductor.core.block_keys import BlockKeyScheme
 from conductor.core.memory_budgets import DEFAULT_MAP_BUDGET_BYTES
@@ -170,30 +177,88 @@ class IndexFeeder:
 
     async def on_resync(self, instance: str, reason: str = "") -> None:
         """Forget what `instance` holds: its event stream can no longer be trusted (or it is gone)."""
+        self._forget(instance)
+        await self.index.drop_instance(instance)
+
+    def _forget(self, instance: str) -> None:
         self._cleared += 1
         feed = self.instance(instance)
         feed.cleared += 1
         feed.parent_checks = 0  # a fresh start: its first events are checked again
         self._maps.pop(instance, None)
-        await self.index.drop_instance(instance)
 
     async def on_batch(self, instance: str, batch: EventBatch) -> None:
+        """One received batch: its events become writes (base.Write), which reach the index in ONE
+        call (`apply`: one round trip to Redis), in the events' order. The only exception is the
+        parent check of "vllm" mode (the first ORPHAN_CHECKS parented events after a (re)start): the
+        writes before it go first, so that it sees the index as the events before it left it."""
+        feed = self.instance(instance)
+        writes: list[Write] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
-                await self._stored_event(instance, event)
+                scheme = self._usable(instance, feed, event)
+                if scheme is False:
+                    continue
+                if self.translate:
+                    keys = self._own_keys(instance, feed, event, scheme)
+                    if keys is not None:
+                        writes.append((STORE, _medium_bit(event.medium), keys))
+                    continue
+                self._check_hash(feed, event, scheme)
+                if event.parent_block_hash is not None and feed.parent_checks < self.ORPHAN_CHECKS:
+                    await self._flush(instance, feed, writes)
+                    writes = []
+                    await self._check_parent(instance, feed, event)
+                writes.append((STORE, _medium_bit(event.medium), event.block_hashes))
             elif isinstance(event, BlockRemoved):
-                await self._removed_event(instance, event)
+                if event.group_idx not in (None, 0):
+                    continue
+                if self.translate:
+                    mapping = self._maps.get(instance)
+                    if mapping is None:
+                        continue
+                    removed = [k for k in map(mapping.get, event.block_hashes) if k is not None]
+                    # The mapping stays: the same block may still sit in another tier, and its
+                    # children (if re-stored) still need their parent's key.
+                    if removed:
+                        writes.append((REMOVE, _medium_bit(event.medium), removed))
+                elif event.block_hashes:
+                    writes.append((REMOVE, _medium_bit(event.medium), event.block_hashes))
             elif isinstance(event, AllBlocksCleared):
-                await self.on_resync(instance, "AllBlocksCleared")
+                self._forget(instance)
+                writes.append((DROP, 0, ()))
+        await self._flush(instance, feed, writes)
 
-    async def _stored_event(self, instance: str, ev: BlockStored) -> None:
+    async def _flush(self, instance: str, feed: InstanceFeed, writes: list[Write]) -> None:
+        """The writes in one call; the blocks are counted once the index took them."""
+        if not writes:
+            return
+        await apply_writes(self.index, instance, writes)
+        stored = removed = 0
+        for kind, _, keys in writes:
+            if kind == STORE:
+                stored += len(keys)
+            elif kind == REMOVE:
+                removed += len(keys)
+        self._stored += stored
+        feed.stored += stored
+        self._removed += removed
+        feed.removed += removed
+
+    def _usable(self, instance: str, feed: InstanceFeed, ev: BlockStored) -> BlockKeyScheme | Literal[False] | None:
+        """The scheme that keys the event's blocks from their token ids (None: not known here, which
+        "vllm" mode can do without), or False when they are skipped (counted here)."""
         n = len(ev.block_hashes)
-        feed = self.instance(instance)
-        usable, scheme = self._event_scheme(instance, ev) if ev.group_idx in (None, 0) else (False, None)
+        if ev.group_idx not in (None, 0):
+            usable, scheme = False, None
+        elif not ev.lora_name and not ev.extra_keys:
+            usable, scheme = True, self.scheme  # a plain prompt's blocks (what event_adapter says of them)
+        else:
+            usable, scheme = self._event_scheme(instance, ev)
         if not usable or (scheme is None and self.translate):
             self._skipped += n
             feed.skipped += n
-            return
+            return False
         if ev.block_size != self.scheme.block_size:
             if not self._warned_block_size:
                 log.warning(
@@ -207,35 +272,34 @@ class IndexFeeder:
             self._skipped += n
             feed.skipped += n
             feed.block_size_mismatched += n
-            return
-        tier = tier_of_medium(ev.medium)
-        if not self.translate:
-            await self._check_vllm_event(instance, feed, ev, scheme)
-            await self.index.insert(instance, ev.block_hashes, tier=tier, confirmed=True)
-            self._stored += n
-            feed.stored += n
-            return
-        mapping = self._maps.setdefault(instance, OrderedDict())
+            return False
+        return scheme
+
+    def _own_keys(self, instance: str, feed: InstanceFeed, ev: BlockStored, scheme: BlockKeyScheme | None) -> list[int] | None:
+        """The event's blocks under the gateway's own keys ("xxhash" mode), chained from the parent's
+        own key (None, counted as unmapped, when the parent's pair is not known), pairs remembered."""
+        n = len(ev.block_hashes)
+        mapping = self._maps.get(instance)
+        if mapping is None:
+            mapping = self._maps[instance] = OrderedDict()
         parent: int | None = None
         if ev.parent_block_hash is not None:
             parent = mapping.get(ev.parent_block_hash)
             if parent is None:
                 self._unmapped += n
                 feed.orphans += n
-                return
+                return None
         assert scheme is not None
         keys = scheme.extend(parent, ev.token_ids[: n * ev.block_size])
         for vllm_hash, key in zip(ev.block_hashes, keys, strict=False):
-            mapping.pop(vllm_hash, None)
+            mapping.pop(vllm_hash, None)  # a re-stored pair becomes the newest
             mapping[vllm_hash] = key
         excess = len(mapping) - self._max_mapped
         if excess > 0:
             for _ in range(excess):
                 mapping.popitem(last=False)
             self._map_evictions[instance] = self._map_evictions.get(instance, 0) + excess
-        await self.index.insert(instance, keys, tier=tier, confirmed=True)
-        self._stored += len(keys)
-        feed.stored += len(keys)
+        return keys
 
     def _event_scheme(self, instance: str, ev: BlockStored) -> tuple[bool, BlockKeyScheme | None]:
         """(usable, scheme): whether the event's blocks may be indexed, and the scheme that keys
@@ -248,21 +312,21 @@ class IndexFeeder:
         adapter = self.adapter_of(instance, lora) if self.adapter_of is not None else None
         return True, (self._adapter_schemes.get(adapter) if adapter is not None else None)
 
-    async def _check_vllm_event(self, instance: str, feed: InstanceFeed, ev: BlockStored, scheme: BlockKeyScheme | None) -> None:
-        """Evidence for the diagnosis, "vllm" mode: are the worker's hashes ours, is its parent known?
-        `scheme`: what keys the event's blocks (an adapter's); None: not known, no hash check."""
+    def _check_hash(self, feed: InstanceFeed, ev: BlockStored, scheme: BlockKeyScheme | None) -> None:
+        """Evidence for the diagnosis, "vllm" mode: are the worker's hashes ours? One block's hash per
+        prompt start: cheap, and enough to tell a wrong seed or algo. `scheme`: what keys the event's
+        blocks (an adapter's); None: not known, no hash check."""
         size = self.scheme.block_size
-        if ev.parent_block_hash is None:
-            if scheme is not None and len(ev.token_ids) >= size and ev.block_hashes:
-                # one block's hash per prompt start: cheap, and enough to tell a wrong seed or algo
-                ours = scheme.keys(ev.token_ids[:size])[0]
-                feed.hash_checked += 1
-                if ours != ev.block_hashes[0]:
-                    feed.hash_mismatched += 1
-                    feed.last_mismatch = (ev.block_hashes[0], ours)
-            return
-        if feed.parent_checks >= self.ORPHAN_CHECKS:
-            return
+        if ev.parent_block_hash is None and scheme is not None and len(ev.token_ids) >= size and ev.block_hashes:
+            ours = scheme.keys(ev.token_ids[:size])[0]
+            feed.hash_checked += 1
+            if ours != ev.block_hashes[0]:
+                feed.hash_mismatched += 1
+                feed.last_mismatch = (ev.block_hashes[0], ours)
+
+    async def _check_parent(self, instance: str, feed: InstanceFeed, ev: BlockStored) -> None:
+        """Evidence for the diagnosis, "vllm" mode: is the event's parent known (confirmed) here?"""
+        assert ev.parent_block_hash is not None
         feed.parent_checks += 1
         try:
             held = await self.index.match([ev.parent_block_hash])
@@ -272,19 +336,15 @@ class IndexFeeder:
         if instance not in held.confirmed_blocks:
             feed.orphans += len(ev.block_hashes)
 
-    async def _removed_event(self, instance: str, ev: BlockRemoved) -> None:
-        if ev.group_idx not in (None, 0):
-            return
-        if self.translate:
-            mapping = self._maps.get(instance)
-            if mapping is None:
-                return
-            keys = [k for k in (mapping.get(h) for h in ev.block_hashes) if k is not None]
-            # The mapping stays: the same block may still sit in another tier, and its children
-            # (if re-stored) still need their parent's key.
-        else:
-            keys = list(ev.block_hashes)
-        if keys:
-            await self.index.remove(instance, keys, tier=tier_of_medium(ev.medium))
-            self._removed += len(keys)
-            self.instance(instance).removed += len(keys)
+
+_MEDIUM_BITS: dict[str | None, int] = {
+    None: TIER_BITS[Tier.DEVICE],
+    "GPU": TIER_BITS[Tier.DEVICE],
+    "CPU": TIER_BITS[Tier.HOST],
+}
+
+
+def _medium_bit(medium: str | None) -> int:
+    """tier_of_medium as the index's tier bit; the usual media without a function call per event."""
+    bit = _MEDIUM_BITS.get(medium)
+    return bit if bit is not None else TIER_BITS[tier_of_medium(medium)]

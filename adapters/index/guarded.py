@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from adapters.breaker import BreakerState, CircuitBreaker
-from adapters.index.base import TIER_BITS, IndexStats, KVIndex, MemoryUse, PrefixMatch
+from adapters.index.base import TIER_BITS, IndexStats, KVIndex, MemoryUse, PrefixMatch, Write, apply_writes, check_write
 from adapters.index.memory import MemoryIndex
 from conductor.core.types import Tier
 
@@ -88,6 +88,15 @@ class GuardedIndex:
         if self.fallback is not None:
             await self.fallback.drop_instance(instance)
         await self._write(instance, lambda: self.primary.drop_instance(instance))
+
+    async def apply(self, instance: str, writes: Sequence[Write]) -> None:
+        """A batch of writes: the local copy takes them all, the primary in one call (one breaker
+        attempt, one missed write when it fails)."""
+        for kind, bits, _ in writes:
+            check_write(kind, bits)  # bad input is the caller's error, not Redis failing the breaker
+        if self.fallback is not None:
+            self.fallback.apply_sync(instance, writes)
+        await self._write(instance, lambda: apply_writes(self.primary, instance, writes))
 
     async def match(self, keys: Sequence[int]) -> PrefixMatch:
         if not keys:

@@ -24,11 +24,17 @@ from itertools import takewhile
 
 from adapters.index.base import (
     ALL_TIER_BITS,
+    DROP,
+    GUESS,
+    REMOVE,
+    STORE,
     TIER_BITS,
     IndexLimits,
     IndexStats,
     MemoryUse,
     PrefixMatch,
+    Write,
+    check_write,
     entries_within,
 )
 from conductor.core.memory_budgets import DEFAULT_INDEX_BUDGET_BYTES as DEFAULT_INDEX_BUDGET_BYTES  # re-exported
@@ -96,13 +102,31 @@ class MemoryIndex:
         self.insert_sync(instance, keys, tier=tier, confirmed=confirmed)
 
     def insert_sync(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
+        self._insert(instance, keys, TIER_BITS[tier], confirmed)
+
+    async def apply(self, instance: str, writes: Sequence[Write]) -> None:
+        self.apply_sync(instance, writes)
+
+    def apply_sync(self, instance: str, writes: Sequence[Write]) -> None:
+        """`apply`, synchronously: each write exactly as its single-write method would do it, in order."""
+        for kind, bits, _ in writes:
+            check_write(kind, bits)  # all checked first: a bad write leaves the batch unapplied
+        for kind, bits, keys in writes:
+            if kind in (STORE, GUESS):
+                self._insert(instance, keys, bits, kind == STORE)
+            elif kind == REMOVE:
+                self._remove(instance, keys, bits)
+            else:
+                assert kind == DROP
+                self._drop(instance)
+
+    def _insert(self, instance: str, keys: Sequence[int], bit: int, confirmed: bool) -> None:
         h = self._by_instance.get(instance)
         if h is None:
             h = self._by_instance[instance] = _Holdings()
         before = h.size()
         if confirmed:
-            bit = TIER_BITS[tier]
-            if tier is not Tier.DEVICE:
+            if bit != TIER_BITS[Tier.DEVICE]:
                 h.only_device = False
             conf, unconf = h.confirmed, h.unconfirmed
             for key in reversed(keys):
@@ -144,11 +168,13 @@ class MemoryIndex:
         self._total -= before - h.size()
 
     async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
+        self._remove(instance, keys, ALL_TIER_BITS if tier is None else TIER_BITS[tier])
+
+    def _remove(self, instance: str, keys: Sequence[int], mask: int) -> None:
         h = self._by_instance.get(instance)
         if h is None:
             return
         before = h.size()
-        mask = ALL_TIER_BITS if tier is None else TIER_BITS[tier]
         conf, unconf = h.confirmed, h.unconfirmed
         for key in keys:
             unconf.pop(key, None)  # the worker just said it is gone: the guess goes too
@@ -163,6 +189,9 @@ class MemoryIndex:
         self._total -= before - h.size()
 
     async def drop_instance(self, instance: str) -> None:
+        self._drop(instance)
+
+    def _drop(self, instance: str) -> None:
         h = self._by_instance.pop(instance, None)
         if h is not None:
             self._total -= h.size()

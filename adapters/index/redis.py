@@ -11,18 +11,26 @@ Instance-major layout under one key prefix P (one prefix per deployment, or per 
 - P evictions     counter of entries dropped to stay under max_blocks.
 
 Every operation is one round trip: a Lua script does the whole job server-side, and the keys travel
-as one packed binary argument so the client never builds thousands of per-key strings. The prefix
-match asks each instance that holds the first block for its blocks in growing HMGET chunks, so a
-fully cached 8,192-block prompt costs a handful of commands, not 8,192. Block keys are built
+as one packed binary argument so the client never builds thousands of per-key strings. A batch of
+writes for one instance (`apply`: an event batch's stores, removals and clears, in order) is one
+script call as well, so the event feed costs one round trip per received batch, not one per event.
+The prefix match asks each instance that holds the first block for its blocks in growing HMGET
+chunks, so a fully cached 8,192-block prompt costs a handful of commands, not 8,192. Block keys are built
 inside the scripts, so this needs a single Redis node (or one Cluster slot), not a sharded
 Cluster. Dispatch guesses expire by Redis's own clock (TIME), so gateways with skewed clocks
 agree. Redis 7.0 has no per-field expiry, so a block's entry lives until the cap evicts it, a
 removal event, or its whole instance hash expiring (an instance nobody touched for key_ttl_s);
 LRU members of an expired hash are harmless and leave through the cap like any other.
+
+Calls in flight: at most CALLS_IN_FLIGHT per client (look-ups, writes); more wait their turn
+(CallGate), within the client's timeout. redis-py's pool fails a call past 100 connections at once
+(MaxConnectionsError): with hundreds of instances' feeds writing at the same time that dropped event
+batches, and behind the breaker (GuardedIndex) counted as Redis failing.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,58 +38,75 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from adapters.breaker import fail_fast_redis
-from adapters.index.base import TIER_BITS, IndexLimits, IndexStats, PrefixMatch
+from adapters.index.base import (
+    ALL_TIER_BITS,
+    DROP,
+    GUESS,
+    REMOVE,
+    STORE,
+    TIER_BITS,
+    IndexLimits,
+    IndexStats,
+    PrefixMatch,
+    Write,
+    check_write,
+)
 from conductor.core.types import Tier
 
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 
-# KEYS: instances, lru, evictions, clock. ARGV: prefix, instance, tier bit, confirmed,
-# unconfirmed ttl ms, key ttl ms, cap, packed keys.
-_INSERT = (
+# KEYS: instances, lru, evictions, clock. ARGV: prefix, instance, unconfirmed ttl ms, key ttl ms, cap,
+# the packed keys of all writes, then per write (base.Write, in order): kind, tier bits, key count.
+# A whole event batch (or one insert / remove / drop) is this one script: one round trip.
+# Returns the entries evicted.
+_APPLY = (
     _NOW_MS
     + """
-local prefix, inst, tbit = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local confirmed, unconf_ms, ttl_ms = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6])
-local cap, blob = tonumber(ARGV[7]), ARGV[8]
+local prefix, inst = ARGV[1], ARGV[2]
+local unconf_ms, ttl_ms, cap, blob = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local hk = prefix .. 'i:' .. inst
 local guess = 'u' .. (now + unconf_ms)
-local n = #blob / 8
--- LRU scores come from one shared counter, so touches from every replica are strictly ordered
-local base = redis.call('INCRBY', KEYS[4], n) - n
-redis.call('SADD', KEYS[1], inst)
-if redis.call('EXISTS', hk) == 0 then
-  -- one long-valued marker field forces the hashtable encoding from the start: a small hash would
-  -- otherwise be a listpack, where every HMGET field is a linear scan (3-5x slower lookups)
-  redis.call('HSET', hk, '~', string.rep('-', 65))
-end
-for lo = 0, n - 1, 1000 do
-  local hi = math.min(n, lo + 1000) - 1
-  local fields = {}
-  for i = lo, hi do fields[#fields + 1] = string.sub(blob, i * 8 + 1, i * 8 + 8) end
-  local old = redis.call('HMGET', hk, unpack(fields))
-  local sets, touch = {}, {}
-  for j = 1, #fields do
-    local v = old[j]
-    local f = fields[j]
-    if confirmed then
-      local b = 0
-      if v and string.byte(v, 1) ~= 117 then b = tonumber(v) end
-      sets[#sets + 1] = f
-      sets[#sets + 1] = tostring(bit.bor(b, tbit))
-    elseif not v or string.byte(v, 1) == 117 then
-      sets[#sets + 1] = f
-      sets[#sets + 1] = guess
-    end
-    -- the head of a prompt gets the newest score, so eviction eats chains from their tails
-    touch[#touch + 1] = base + n - (lo + j - 1)
-    touch[#touch + 1] = inst .. f
+
+-- n keys from byte offset `at` of the blob, in tier bit tbit (confirmed) or as dispatch guesses
+local function insert(at, n, tbit, confirmed)
+  -- LRU scores come from one shared counter, so touches from every replica are strictly ordered
+  local base = redis.call('INCRBY', KEYS[4], n) - n
+  redis.call('SADD', KEYS[1], inst)
+  if redis.call('EXISTS', hk) == 0 then
+    -- one long-valued marker field forces the hashtable encoding from the start: a small hash would
+    -- otherwise be a listpack, where every HMGET field is a linear scan (3-5x slower lookups)
+    redis.call('HSET', hk, '~', string.rep('-', 65))
   end
-  if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
-  redis.call('ZADD', KEYS[2], unpack(touch))
-end
-redis.call('PEXPIRE', hk, ttl_ms)
-local excess = redis.call('ZCARD', KEYS[2]) - cap
-if excess > 0 then
+  for lo = 0, n - 1, 1000 do
+    local hi = math.min(n, lo + 1000) - 1
+    local fields = {}
+    for i = lo, hi do fields[#fields + 1] = string.sub(blob, at + i * 8 + 1, at + i * 8 + 8) end
+    local old = redis.call('HMGET', hk, unpack(fields))
+    local sets, touch = {}, {}
+    for j = 1, #fields do
+      local v = old[j]
+      local f = fields[j]
+      if confirmed then
+        local b = 0
+        if v and string.byte(v, 1) ~= 117 then b = tonumber(v) end
+        sets[#sets + 1] = f
+        sets[#sets + 1] = tostring(bit.bor(b, tbit))
+      elseif not v or string.byte(v, 1) == 117 then
+        sets[#sets + 1] = f
+        sets[#sets + 1] = guess
+      end
+      -- the head of a prompt gets the newest score, so eviction eats chains from their tails
+      touch[#touch + 1] = base + n - (lo + j - 1)
+      touch[#touch + 1] = inst .. f
+    end
+    if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
+    redis.call('ZADD', KEYS[2], unpack(touch))
+  end
+  redis.call('PEXPIRE', hk, ttl_ms)
+  -- the cap after every insert, as separate calls would have it (not once per batch: a removal
+  -- later in the batch must not spare what an earlier insert pushed out)
+  local excess = redis.call('ZCARD', KEYS[2]) - cap
+  if excess <= 0 then return 0 end
   local victims = redis.call('ZPOPMIN', KEYS[2], excess)
   for i = 1, #victims, 2 do
     local m = victims[i]
@@ -90,30 +115,42 @@ if excess > 0 then
   redis.call('INCRBY', KEYS[3], excess)
   return excess
 end
-return 0
-"""
-)
 
-# KEYS: lru. ARGV: prefix, instance, tier mask, packed keys.
-_REMOVE = """
-local prefix, inst, mask, blob = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local hk = prefix .. 'i:' .. inst
-for off = 1, #blob, 8 do
-  local f = string.sub(blob, off, off + 7)
-  local v = redis.call('HGET', hk, f)
-  if v then
-    local b = 0
-    if string.byte(v, 1) ~= 117 then b = bit.band(tonumber(v), bit.bnot(mask)) end
-    if b == 0 then
-      redis.call('HDEL', hk, f)
-      redis.call('ZREM', KEYS[1], inst .. f)
-    else
-      redis.call('HSET', hk, f, tostring(b))
+-- n keys from byte offset `at`, forgotten in the tiers of `mask` (a guess goes whatever the mask)
+local function remove(at, n, mask)
+  for off = at + 1, at + n * 8, 8 do
+    local f = string.sub(blob, off, off + 7)
+    local v = redis.call('HGET', hk, f)
+    if v then
+      local b = 0
+      if string.byte(v, 1) ~= 117 then b = bit.band(tonumber(v), bit.bnot(mask)) end
+      if b == 0 then
+        redis.call('HDEL', hk, f)
+        redis.call('ZREM', KEYS[2], inst .. f)
+      else
+        redis.call('HSET', hk, f, tostring(b))
+      end
     end
   end
 end
-return 0
+
+local evicted, at = 0, 0
+for w = 7, #ARGV, 3 do
+  local kind, bits, n = tonumber(ARGV[w]), tonumber(ARGV[w + 1]), tonumber(ARGV[w + 2])
+  if kind <= 1 then
+    evicted = evicted + insert(at, n, bits, kind == 0)
+  elseif kind == 2 then
+    remove(at, n, bits)
+  else
+    -- the instance's LRU members stay until trimmed; evicting one then is a harmless HDEL
+    redis.call('UNLINK', hk)
+    redis.call('SREM', KEYS[1], inst)
+  end
+  at = at + n * 8
+end
+return evicted
 """
+)
 
 # One HMGET chunk of a run, walked in order; both match scripts (this one and the cluster's) use it.
 # In: the chunk's values, how many, and the run so far (blocks, confirmed blocks, worst tier rank,
@@ -213,6 +250,46 @@ def pack_keys(keys: Sequence[int]) -> bytes:
     return np.asarray(keys, dtype=np.uint64).astype(">u8").tobytes()
 
 
+CALLS_IN_FLIGHT = 64  # per client: under redis-py's pool cap (100), and Redis runs one script at a time
+
+
+class CallGate:
+    """At most `limit` calls in flight through one client; the others wait their turn, at most
+    `timeout_s` (then TimeoutError). asyncio.Semaphore hands a freed place to the longest waiter, so
+    busy callers never starve the rest (redis-py's BlockingConnectionPool does not: a task that
+    releases a connection can take it straight back, and waiters timed out under a steady feed)."""
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        self._places = asyncio.Semaphore(limit)
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> None:
+        if self._places.locked():
+            async with asyncio.timeout(self._timeout_s):
+                await self._places.acquire()
+        else:
+            await self._places.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._places.release()
+
+
+def pack_writes(writes: Sequence[Write]) -> tuple[bytes, list[int]]:
+    """The apply scripts' arguments for a batch of writes: every write's keys in one packed blob, in
+    order, and (kind, tier bits, key count) per write. Writes without keys are left out (an empty
+    insert or removal changes nothing; the single-write methods never sent one), except DROP."""
+    flat: list[int] = []
+    spec: list[int] = []
+    for kind, bits, keys in writes:
+        check_write(kind, bits)
+        if kind == DROP:
+            spec += (DROP, 0, 0)
+        elif keys:
+            flat.extend(keys)
+            spec += (kind, bits, len(keys))
+    return pack_keys(flat), spec
+
+
 class RedisIndex:
     """KVIndex on a shared Redis. `prefix` isolates deployments (and tests) on one server."""
 
@@ -236,50 +313,52 @@ class RedisIndex:
         self._own_client = client is None
         self._read: aioredis.Redis = client or fail_fast_redis(url, timeout_s=timeout_s)
         self._redis: aioredis.Redis = client or fail_fast_redis(url, timeout_s=write_timeout_s)
+        self._write_gate = CallGate(CALLS_IN_FLIGHT, write_timeout_s)
+        self._read_gate = self._write_gate if client is not None else CallGate(CALLS_IN_FLIGHT, timeout_s)
         self._k_instances = f"{prefix}instances"
         self._k_lru = f"{prefix}lru"
         self._k_evictions = f"{prefix}evictions"
         self._k_clock = f"{prefix}clock"
-        self._insert = self._redis.register_script(_INSERT)
-        self._remove = self._redis.register_script(_REMOVE)
+        self._apply_keys = [self._k_instances, self._k_lru, self._k_evictions, self._k_clock]
+        self._apply = self._redis.register_script(_APPLY)
         self._match = self._read.register_script(_MATCH)
 
     async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
-        if not keys:
+        await self.apply(instance, [(STORE if confirmed else GUESS, TIER_BITS[tier], keys)])
+
+    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
+        await self.apply(instance, [(REMOVE, ALL_TIER_BITS if tier is None else TIER_BITS[tier], keys)])
+
+    async def drop_instance(self, instance: str) -> None:
+        await self.apply(instance, [(DROP, 0, ())])
+
+    async def apply(self, instance: str, writes: Sequence[Write]) -> None:
+        """All of `writes`, in order, in one script call (see _APPLY)."""
+        blob, spec = pack_writes(writes)
+        if not spec:
             return
+        limits = self.limits
         args: list[Any] = [
             self.prefix,
             instance,
-            TIER_BITS[tier],
-            1 if confirmed else 0,
-            int(self.limits.unconfirmed_ttl_s * 1000),
-            int(self.limits.key_ttl_s * 1000),
-            self.limits.max_blocks,
-            pack_keys(keys),
+            int(limits.unconfirmed_ttl_s * 1000),
+            int(limits.key_ttl_s * 1000),
+            limits.max_blocks,
+            blob,
+            *spec,
         ]
-        await self._insert(keys=[self._k_instances, self._k_lru, self._k_evictions, self._k_clock], args=args)
-
-    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
-        if not keys:
-            return
-        mask = 7 if tier is None else TIER_BITS[tier]
-        await self._remove(keys=[self._k_lru], args=[self.prefix, instance, mask, pack_keys(keys)])
-
-    async def drop_instance(self, instance: str) -> None:
-        # The instance's LRU members stay until trimmed; evicting one then is a harmless HDEL.
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.unlink(f"{self.prefix}i:{instance}")
-            pipe.srem(self._k_instances, instance)
-            await pipe.execute()
+        async with self._write_gate:
+            await self._apply(keys=self._apply_keys, args=args)
 
     async def match(self, keys: Sequence[int]) -> PrefixMatch:
         if not keys:
             return PrefixMatch()
-        raw = await self._match(keys=[self._k_instances], args=[self.prefix, pack_keys(keys)])
+        async with self._read_gate:
+            raw = await self._match(keys=[self._k_instances], args=[self.prefix, pack_keys(keys)])
         return match_from_replies([raw])
 
     async def stats(self) -> IndexStats:
-        async with self._redis.pipeline(transaction=False) as pipe:
+        async with self._write_gate, self._redis.pipeline(transaction=False) as pipe:
             pipe.zcard(self._k_lru)
             pipe.get(self._k_evictions)
             pipe.smembers(self._k_instances)

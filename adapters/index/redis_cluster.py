@@ -18,8 +18,10 @@ Round trips, for a prompt of B blocks, H instances holding its head block and M 
   packed keys travel once per master. A node that no longer serves a listed shard fails the call
   (never skips the shard) and those shards are asked again one script each. Server work is
   O(instances + sum over the H holders of their matched run), split over the masters.
-- insert / remove / drop_instance: one script on one node, whatever B. Once a second (at most)
-  an insert is preceded by one extra round of `shards` SCARDs that refreshes the instance count.
+- insert / remove / drop_instance, and `apply` (a whole event batch of one instance: its stores,
+  removals and clears in order): one script on one node, whatever B, since an instance lives in one
+  shard. Once a second (at most) a call that inserts is preceded by one extra round of `shards`
+  SCARDs that refreshes the instance count.
 - stats: one round of `shards` scripts. Version check: one round to the masters, at first use.
 
 Cap. A shared LRU needs one counter for the whole cluster, which a one-slot script cannot touch.
@@ -57,8 +59,19 @@ from redis.cluster import key_slot
 from redis.exceptions import NoScriptError, ResponseError, SlotNotCoveredError
 
 from adapters.index import redis_cluster_scripts as lua
-from adapters.index.base import TIER_BITS, IndexLimits, IndexStats, PrefixMatch
-from adapters.index.redis import match_from_replies, pack_keys
+from adapters.index.base import (
+    ALL_TIER_BITS,
+    DROP,
+    GUESS,
+    REMOVE,
+    STORE,
+    TIER_BITS,
+    IndexLimits,
+    IndexStats,
+    PrefixMatch,
+    Write,
+)
+from adapters.index.redis import CALLS_IN_FLIGHT, CallGate, match_from_replies, pack_keys, pack_writes
 from conductor.core.types import Tier
 
 log = logging.getLogger(__name__)
@@ -128,6 +141,13 @@ class RedisClusterIndex:
         self.shards = shards
         self._read = _cluster_client(urls, timeout_s)
         self._write = _cluster_client(urls, write_timeout_s)
+        # CALLS_IN_FLIGHT per client, the rest waiting their turn: a call holds at most one
+        # connection per node, and redis-py's cluster client fails a call past 100 connections to a
+        # node (MaxConnectionsError) where it could wait; hundreds of feeds writing at once did that
+        self._gates = {
+            id(self._read): CallGate(CALLS_IN_FLIGHT, timeout_s),
+            id(self._write): CallGate(CALLS_IN_FLIGHT, write_timeout_s),
+        }
         self._tags = [f"{{{prefix}s{k}}}" for k in range(shards)]
         self._slots = [key_slot(t.encode()) for t in self._tags]
         self._sha = {name: _sha1(src) for name, src in self._scripts().items()}
@@ -138,9 +158,7 @@ class RedisClusterIndex:
     @staticmethod
     def _scripts() -> dict[str, str]:
         return {
-            "insert": lua.INSERT,
-            "remove": lua.REMOVE,
-            "drop": lua.DROP,
+            "apply": lua.APPLY,
             "stats": lua.STATS,
             "match": lua.MATCH,
             "clear": lua.CLEAR,
@@ -154,42 +172,41 @@ class RedisClusterIndex:
         return self._tags[shard]
 
     async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
-        if not keys:
+        await self.apply(instance, [(STORE if confirmed else GUESS, TIER_BITS[tier], keys)])
+
+    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
+        await self.apply(instance, [(REMOVE, ALL_TIER_BITS if tier is None else TIER_BITS[tier], keys)])
+
+    async def drop_instance(self, instance: str) -> None:
+        await self.apply(instance, [(DROP, 0, ())])
+
+    async def apply(self, instance: str, writes: Sequence[Write]) -> None:
+        """All of `writes`, in order, in one script on the node serving the instance's shard."""
+        blob, spec = pack_writes(writes)
+        if not spec:
             return
-        hexpire = await self._uses_hexpire()
         shard = self.shard_of(instance)
-        if time.monotonic() - self._counts_at > COUNT_REFRESH_S:
+        inserts = any(spec[i] in (STORE, GUESS) for i in range(0, len(spec), 3))
+        # what only an insert needs: the server version (per-field TTLs) and the others' counts (cap)
+        hexpire = await self._uses_hexpire() if inserts else False
+        if inserts and time.monotonic() - self._counts_at > COUNT_REFRESH_S:
             await self._refresh_counts()
         others = sum(self._counts) - self._counts[shard]
         t = self._tags[shard]
+        limits = self.limits
         args: list[Any] = [
             instance,
-            TIER_BITS[tier],
-            1 if confirmed else 0,
-            int(self.limits.unconfirmed_ttl_s * 1000),
-            int(self.limits.key_ttl_s * 1000),
-            self.limits.max_blocks,
+            int(limits.unconfirmed_ttl_s * 1000),
+            int(limits.key_ttl_s * 1000),
+            limits.max_blocks,
             others,
             1 if hexpire else 0,
-            pack_keys(keys),
+            blob,
+            *spec,
         ]
-        members, _ = await self._eval(
-            self._write, "insert", [f"{t}instances", f"{t}clock", f"{t}evictions", f"{t}i:{instance}", f"{t}l:{instance}"], args
-        )
+        keys = [f"{t}instances", f"{t}clock", f"{t}evictions", f"{t}i:{instance}", f"{t}l:{instance}"]
+        members, _ = await self._eval(self._write, "apply", keys, args)
         self._counts[shard] = int(members)
-
-    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
-        if not keys:
-            return
-        t = self._tags[self.shard_of(instance)]
-        mask = 7 if tier is None else TIER_BITS[tier]
-        await self._eval(self._write, "remove", [f"{t}i:{instance}", f"{t}l:{instance}"], [mask, pack_keys(keys)])
-
-    async def drop_instance(self, instance: str) -> None:
-        shard = self.shard_of(instance)
-        t = self._tags[shard]
-        removed = await self._eval(self._write, "drop", [f"{t}instances", f"{t}i:{instance}", f"{t}l:{instance}"], [instance])
-        self._counts[shard] = max(0, self._counts[shard] - int(removed))
 
     async def match(self, keys: Sequence[int]) -> PrefixMatch:
         if not keys:
@@ -253,7 +270,8 @@ class RedisClusterIndex:
 
     async def _uses_hexpire(self) -> bool:
         if self._hexpire is None:
-            infos = await self._write.info("server", target_nodes=RedisCluster.PRIMARIES)
+            async with self._gates[id(self._write)]:
+                infos = await self._write.info("server", target_nodes=RedisCluster.PRIMARIES)
             found = [info["redis_version"] for info in _per_node(infos)]
             oldest = min((_version(v) for v in found), default=(0, 0))
             self._hexpire = oldest >= _HEXPIRE_VERSION
@@ -268,7 +286,7 @@ class RedisClusterIndex:
         return self._hexpire
 
     async def _refresh_counts(self) -> None:
-        async with self._write.pipeline() as pipe:
+        async with self._gates[id(self._write)], self._write.pipeline() as pipe:
             for t in self._tags:
                 pipe.scard(f"{t}instances")
             counts = await pipe.execute()
@@ -276,11 +294,12 @@ class RedisClusterIndex:
         self._counts_at = time.monotonic()
 
     async def _eval(self, client: RedisCluster, script: str, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return await client.execute_command("EVALSHA", self._sha[script], len(keys), *keys, *args)
-        except NoScriptError:
-            # a node that never ran it (new, or a replica promoted by a failover): send the source once
-            return await client.execute_command("EVAL", self._scripts()[script], len(keys), *keys, *args)
+        async with self._gates[id(client)]:
+            try:
+                return await client.execute_command("EVALSHA", self._sha[script], len(keys), *keys, *args)
+            except NoScriptError:
+                # a node that never ran it (new, or a replica promoted by a failover): send the source once
+                return await client.execute_command("EVAL", self._scripts()[script], len(keys), *keys, *args)
 
     async def _eval_each(
         self, client: RedisCluster, script: str, calls: list[tuple[list[str], list[Any]]], *, strict: bool = True
@@ -288,6 +307,12 @@ class RedisClusterIndex:
         """One script per (keys, args), one pipeline per node, nodes in parallel (redis-py's cluster
         pipeline groups by node and gathers); scripts a node lacks are sent again as EVAL. strict:
         raise the first error; otherwise errors are returned in their call's place."""
+        async with self._gates[id(client)]:
+            return await self._pipelined(client, script, calls, strict=strict)
+
+    async def _pipelined(
+        self, client: RedisCluster, script: str, calls: list[tuple[list[str], list[Any]]], *, strict: bool
+    ) -> list[Any]:
         async with client.pipeline() as pipe:
             for keys, args in calls:
                 pipe.execute_command("EVALSHA", self._sha[script], len(keys), *keys, *args)

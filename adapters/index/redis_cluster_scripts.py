@@ -17,97 +17,109 @@ from __future__ import annotations
 from adapters.index.redis import _NOW_MS, WALK_CHUNK
 
 # KEYS[1] instances, KEYS[2] clock, KEYS[3] evictions, KEYS[4] T i:<inst>, KEYS[5] T l:<inst>.
-# ARGV: instance, tier bit, confirmed, unconfirmed ttl ms, key ttl ms, max_blocks, instances in other
-# shards, use HPEXPIRE (server 7.4+), packed keys. Returns {instances in this shard, evicted}.
-INSERT = (
+# ARGV: instance, unconfirmed ttl ms, key ttl ms, max_blocks, instances in other shards, use HPEXPIRE
+# (server 7.4+), the packed keys of all writes, then per write (base.Write, in order): kind, tier
+# bits, key count. An instance lives in one shard, so a whole event batch (or one insert / remove /
+# drop) is this one script on one node. Returns {instances in this shard, entries evicted}.
+APPLY = (
     _NOW_MS
     + """
-local inst, tbit = ARGV[1], tonumber(ARGV[2])
-local confirmed, unconf_ms, ttl_ms = ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
-local max_blocks, others, hexpire, blob = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8] == '1', ARGV[9]
+local inst, unconf_ms, ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_blocks, others, hexpire, blob = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1', ARGV[7]
 local hk, lk = KEYS[4], KEYS[5]
 local guess = 'u' .. (now + unconf_ms)
-local n = #blob / 8
-local base = redis.call('INCRBY', KEYS[2], n) - n
-redis.call('SADD', KEYS[1], inst)
-if redis.call('EXISTS', hk) == 0 then
-  -- a long marker value forces the hashtable encoding (a listpack makes every HMGET field a scan)
-  redis.call('HSET', hk, '~', string.rep('-', 65))
-end
-for lo = 0, n - 1, 1000 do
-  local hi = math.min(n, lo + 1000) - 1
-  local fields = {}
-  for i = lo, hi do fields[#fields + 1] = string.sub(blob, i * 8 + 1, i * 8 + 8) end
-  local old = redis.call('HMGET', hk, unpack(fields))
-  local sets, touch, guessed, kept = {}, {}, {}, {}
-  for j = 1, #fields do
-    local v, f = old[j], fields[j]
-    if confirmed then
-      local b = 0
-      if v and string.byte(v, 1) ~= 117 then b = tonumber(v) elseif v then kept[#kept + 1] = f end
-      sets[#sets + 1] = f
-      sets[#sets + 1] = tostring(bit.bor(b, tbit))
-    elseif not v or string.byte(v, 1) == 117 then
-      sets[#sets + 1] = f
-      sets[#sets + 1] = guess
-      guessed[#guessed + 1] = f
+
+-- n keys from byte offset `at` of the blob, in tier bit tbit (confirmed) or as dispatch guesses
+local function insert(at, n, tbit, confirmed)
+  local base = redis.call('INCRBY', KEYS[2], n) - n
+  redis.call('SADD', KEYS[1], inst)
+  if redis.call('EXISTS', hk) == 0 then
+    -- a long marker value forces the hashtable encoding (a listpack makes every HMGET field a scan)
+    redis.call('HSET', hk, '~', string.rep('-', 65))
+  end
+  for lo = 0, n - 1, 1000 do
+    local hi = math.min(n, lo + 1000) - 1
+    local fields = {}
+    for i = lo, hi do fields[#fields + 1] = string.sub(blob, at + i * 8 + 1, at + i * 8 + 8) end
+    local old = redis.call('HMGET', hk, unpack(fields))
+    local sets, touch, guessed, kept = {}, {}, {}, {}
+    for j = 1, #fields do
+      local v, f = old[j], fields[j]
+      if confirmed then
+        local b = 0
+        if v and string.byte(v, 1) ~= 117 then b = tonumber(v) elseif v then kept[#kept + 1] = f end
+        sets[#sets + 1] = f
+        sets[#sets + 1] = tostring(bit.bor(b, tbit))
+      elseif not v or string.byte(v, 1) == 117 then
+        sets[#sets + 1] = f
+        sets[#sets + 1] = guess
+        guessed[#guessed + 1] = f
+      end
+      -- the head of a prompt gets the newest score, so eviction eats chains from their tails
+      touch[#touch + 1] = base + n - (lo + j - 1)
+      touch[#touch + 1] = f
     end
-    -- the head of a prompt gets the newest score, so eviction eats chains from their tails
-    touch[#touch + 1] = base + n - (lo + j - 1)
-    touch[#touch + 1] = f
+    if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
+    if hexpire then
+      -- per-field TTL frees a guess's memory on time; the value's expiry stays the truth for look-ups
+      if #guessed > 0 then redis.call('HPEXPIRE', hk, unconf_ms, 'FIELDS', #guessed, unpack(guessed)) end
+      if #kept > 0 then redis.call('HPERSIST', hk, 'FIELDS', #kept, unpack(kept)) end
+    end
+    redis.call('ZADD', lk, unpack(touch))
   end
-  if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
-  if hexpire then
-    -- per-field TTL frees a guess's memory on time; the value's expiry stays the truth for look-ups
-    if #guessed > 0 then redis.call('HPEXPIRE', hk, unconf_ms, 'FIELDS', #guessed, unpack(guessed)) end
-    if #kept > 0 then redis.call('HPERSIST', hk, 'FIELDS', #kept, unpack(kept)) end
+  redis.call('PEXPIRE', hk, ttl_ms)
+  redis.call('PEXPIRE', lk, ttl_ms)
+  local members = redis.call('SCARD', KEYS[1])
+  -- fair share: an instance keeps at most max_blocks / (instances known), so the shards need no
+  -- shared counter and the total stays under max_blocks (see the module docstring for the bound);
+  -- checked after every insert, as separate calls would have it
+  local cap = math.max(1, math.floor(max_blocks / (others + members)))
+  local excess = redis.call('ZCARD', lk) - cap
+  if excess <= 0 then return 0 end
+  local victims = redis.call('ZPOPMIN', lk, excess)
+  for lo = 1, #victims, 2000 do
+    local gone = {}
+    for i = lo, math.min(#victims, lo + 1999), 2 do gone[#gone + 1] = victims[i] end
+    redis.call('HDEL', hk, unpack(gone))
   end
-  redis.call('ZADD', lk, unpack(touch))
+  redis.call('INCRBY', KEYS[3], excess)
+  return excess
 end
-redis.call('PEXPIRE', hk, ttl_ms)
-redis.call('PEXPIRE', lk, ttl_ms)
-local members = redis.call('SCARD', KEYS[1])
--- fair share: an instance keeps at most max_blocks / (instances known), so the shards need no
--- shared counter and the total stays under max_blocks (see the module docstring for the bound)
-local cap = math.max(1, math.floor(max_blocks / (others + members)))
-local excess = redis.call('ZCARD', lk) - cap
-if excess <= 0 then return {members, 0} end
-local victims = redis.call('ZPOPMIN', lk, excess)
-for lo = 1, #victims, 2000 do
-  local gone = {}
-  for i = lo, math.min(#victims, lo + 1999), 2 do gone[#gone + 1] = victims[i] end
-  redis.call('HDEL', hk, unpack(gone))
+
+-- n keys from byte offset `at`, forgotten in the tiers of `mask` (a guess goes whatever the mask)
+local function remove(at, n, mask)
+  for off = at + 1, at + n * 8, 8 do
+    local f = string.sub(blob, off, off + 7)
+    local v = redis.call('HGET', hk, f)
+    if v then
+      local b = 0
+      if string.byte(v, 1) ~= 117 then b = bit.band(tonumber(v), bit.bnot(mask)) end
+      if b == 0 then
+        redis.call('HDEL', hk, f)
+        redis.call('ZREM', lk, f)
+      else
+        redis.call('HSET', hk, f, tostring(b))
+      end
+    end
+  end
 end
-redis.call('INCRBY', KEYS[3], excess)
-return {members, excess}
+
+local evicted, at = 0, 0
+for w = 8, #ARGV, 3 do
+  local kind, bits, n = tonumber(ARGV[w]), tonumber(ARGV[w + 1]), tonumber(ARGV[w + 2])
+  if kind <= 1 then
+    evicted = evicted + insert(at, n, bits, kind == 0)
+  elseif kind == 2 then
+    remove(at, n, bits)
+  else
+    redis.call('UNLINK', hk, lk)
+    redis.call('SREM', KEYS[1], inst)
+  end
+  at = at + n * 8
+end
+return {redis.call('SCARD', KEYS[1]), evicted}
 """
 )
-
-# KEYS[1] T i:<inst>, KEYS[2] T l:<inst>. ARGV: tier mask, packed keys.
-REMOVE = """
-local hk, lk, mask, blob = KEYS[1], KEYS[2], tonumber(ARGV[1]), ARGV[2]
-for off = 1, #blob, 8 do
-  local f = string.sub(blob, off, off + 7)
-  local v = redis.call('HGET', hk, f)
-  if v then
-    local b = 0
-    if string.byte(v, 1) ~= 117 then b = bit.band(tonumber(v), bit.bnot(mask)) end
-    if b == 0 then
-      redis.call('HDEL', hk, f)
-      redis.call('ZREM', lk, f)
-    else
-      redis.call('HSET', hk, f, tostring(b))
-    end
-  end
-end
-return 0
-"""
-
-# KEYS[1] instances, KEYS[2] T i:<inst>, KEYS[3] T l:<inst>. ARGV: instance.
-DROP = """
-redis.call('UNLINK', KEYS[2], KEYS[3])
-return redis.call('SREM', KEYS[1], ARGV[1])
-"""
 
 # KEYS[1] instances, KEYS[2] evictions. ARGV: tag. Returns {evictions, entries, instance names...}.
 STATS = """

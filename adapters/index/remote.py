@@ -23,7 +23,8 @@ Semantics, per `KVIndex` method:
 - `insert(instance, keys, confirmed=False)`: a dispatch guess, kept in the overlay only, for
   limits.unconfirmed_ttl_s. With confirmed=True (a gateway that also subscribes to events itself)
   the entries are kept in the overlay as confirmed, until evicted or removed.
-- `remove`, `drop_instance`: the overlay only; the indexer learns removals from the workers' events.
+- `remove`, `drop_instance`, `apply` (a batch of writes): the overlay only; the indexer learns
+  removals from the workers' events.
 - `stats`, `memory`: the overlay's (what this process holds); `close`: the connection pool too.
 
 One pooled `httpx.AsyncClient` (keep-alive, created on first use inside the serving loop).
@@ -39,7 +40,7 @@ import httpx
 import msgspec
 
 from adapters.breaker import CircuitBreaker
-from adapters.index.base import IndexLimits, IndexStats, MemoryUse, PrefixMatch
+from adapters.index.base import IndexLimits, IndexStats, MemoryUse, PrefixMatch, Write
 from adapters.index.memory import MemoryIndex
 from conductor.core.types import Tier
 
@@ -166,6 +167,9 @@ class IndexerClient:
 
     async def drop_instance(self, instance: str) -> None:
         await self.overlay.drop_instance(instance)
+
+    async def apply(self, instance: str, writes: Sequence[Write]) -> None:
+        self.overlay.apply_sync(instance, writes)
 
     async def stats(self) -> IndexStats:
         return await self.overlay.stats()

@@ -131,7 +131,9 @@ async def test_writes_missed_while_redis_hung_are_reseeded_once_it_answers(serve
 
         server.resume()
         clock.now += 30.0
-        assert (await index.match(KEYS)).blocks == {"p0": 32}  # Redis, still stale: the trial succeeds
+        # Redis, still stale: the trial succeeds. (The removals sent while it hung may or may not land
+        # once it resumes, as a timed-out write may; p1's insert was never sent: the breaker was open.)
+        assert (await index.match([900, 901])).blocks == {}
         assert index._reseeding is not None
         await index._reseeding
         assert index.reseeds == 2
