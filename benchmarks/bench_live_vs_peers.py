@@ -9,13 +9,14 @@ role: prefix cache, vLLM KV events, the bundled Qwen3-8B/H800 timing profile, or
 times `--time-scale`), the router in front of them, and the same slice of a trace (`--trace`:
 Mooncake's conversation-head400 by default; conversation, synthetic, tool-agent or a file) replayed
 through it with the same speed-up (`--rates`). Routers: Conductor kvcache_aware with admission
-("predicted"), kvcache_aware without admission, Conductor round_robin, vllm-router round_robin,
+("predicted"), kvcache_aware without admission, Conductor round_robin, Conductor round_robin under
+kvcache_aware's admission ("conductor rr+adm": `policy: judged`, `place: round_robin`,
+policies/judged.py; what admission alone buys, apart from placement), vllm-router round_robin,
 cache_aware, power_of_two and kv_aware (fed the workers' ZMQ KV events; it tokenizes text prompts
 through the workers' /tokenize), sglang-router cache_aware. `--shape pd` makes half the workers
 prefill and half decode, over NIXL, with vllm-router in its `--vllm-pd-disaggregation` mode;
 sglang-router is left out there: its P/D mode speaks SGLang's bootstrap protocol, so it would not
-be on the same workers. "conductor rr+adm" (round robin under kvcache_aware's admission) is listed
-and left out with its reason: no live configuration places round robin under that admission.
+be on the same workers.
 
 `--capacity` measures capacity at SLO (benchmarks/capacity.py): the highest speed-up at which at
 least 90% of the requests sent meet both SLOs, interpolated on the attainment curve of each router
@@ -94,7 +95,7 @@ class RouterSpec:
     name: str
     kind: str  # conductor | vllm | sglang
     policy: str
-    admission: str = "predicted"  # Conductor kvcache_aware only
+    admission: str = "predicted"  # Conductor kvcache_aware and judged (its judge's) only
     options: tuple[tuple[str, Any], ...] = ()  # further policy options (Conductor)
 
 
@@ -105,7 +106,8 @@ ROUTERS = (
     RouterSpec("conductor alg1+adm", "conductor", "kvcache_aware", "predicted", ALGORITHM1),
     RouterSpec("conductor kv", "conductor", "kvcache_aware", "none"),
     RouterSpec("conductor rr", "conductor", "round_robin"),
-    RouterSpec("conductor rr+adm", "conductor", "round_robin", "predicted"),
+    # round robin places, kvcache_aware's judge admits: its predictors, bounds and admission (policies/judged.py)
+    RouterSpec("conductor rr+adm", "conductor", "judged", "predicted", (("place", "round_robin"),)),
     RouterSpec("vllm-router rr", "vllm", "round_robin"),
     RouterSpec("vllm-router cache", "vllm", "cache_aware"),
     RouterSpec("vllm-router p2", "vllm", "power_of_two"),
@@ -115,12 +117,6 @@ ROUTERS = (
 COLUMNS = tuple(s.name for s in ROUTERS)
 PEERS = tuple(s.name for s in ROUTERS if s.kind != "conductor")
 
-# columns no configuration of this checkout can run live, and why (printed in their place)
-UNAVAILABLE = {
-    # kvcache_aware.judge() over a baseline's placement is wired in the simulator only (traces/sim/runner.py
-    # FittedAdmission); random and least_loaded take a simpler BaselineAdmission (bundled predictors, no learning)
-    "conductor rr+adm": "no live configuration: round_robin takes no admission, judge() is simulator-only",
-}
 A100_PROFILE = "conductor/data/profiles/qwen3-8b-a100-roofline.yaml"
 
 
@@ -269,7 +265,7 @@ def start_router(
         )
         return url, "/health"
     options: dict[str, Any] = {}
-    if spec.policy == "kvcache_aware":
+    if spec.policy in ("kvcache_aware", "judged"):  # judged: kvcache_aware's judge takes these options
         options["admission"] = spec.admission
         options.update(spec.options)
         if args.time_scale != 1.0:  # the bundled fit scaled like the workers (their own timing only without --worker-profile)
@@ -462,7 +458,7 @@ def report(rate: float, cells: dict[str, list[Measured]], missing: dict[str, str
 
 def find_peers(args: argparse.Namespace) -> dict[str, str]:
     """Router name -> why it cannot run here (those that can are left out)."""
-    missing: dict[str, str] = dict(UNAVAILABLE)
+    missing: dict[str, str] = {}
     if not (args.vllm_router and Path(args.vllm_router).exists()):
         missing.update({s.name: "vllm-router not installed" for s in ROUTERS if s.kind == "vllm"})
     else:
@@ -500,8 +496,8 @@ def profiles(args: argparse.Namespace) -> str:
     scaled = f", scaled x{args.time_scale:g} like the workers" if args.time_scale != 1.0 else ""
     own = "" if args.worker_profile else " (the workers' own timing)"
     return (
-        f"workers: {workers} x{args.time_scale:g}; Conductor kvcache_aware's predictors start from the bundled "
-        f"H800 fit{scaled}{own} and learn online; round_robin and the peers predict nothing"
+        f"workers: {workers} x{args.time_scale:g}; Conductor kvcache_aware's predictors (rr+adm's judge's too) start "
+        f"from the bundled H800 fit{scaled}{own} and learn online; round_robin and the peers predict nothing"
     )
 
 

@@ -10,10 +10,12 @@ Two options are the simulator's, not the policy's:
 * ``allow_pull`` is filled in from `SimConfig.pull` for policies that take it (kvcache_aware) and
   whose spec does not set it, so they plan only pulls the simulated cluster can do.
 * ``fit_predictors=true`` on any policy without its own predictors (the baselines): its placement
-  is judged by a KvCacheAwarePolicy (`FittedAdmission`) with the same online-fitted predictors,
-  calibrated bounds and admission mode (the spec's ``admission``, default ``predicted``) as
-  kvcache_aware, learning from the baseline's own outcomes; the baseline itself then runs without
-  admission. Without it, a baseline's ``admission`` uses fixed (never refitted) predictors.
+  is judged by a KvCacheAwarePolicy (`JudgedPolicy`, policies/judged.py: the gateway's `judged`
+  policy, here named `FittedAdmission`) with the same online-fitted predictors, calibrated bounds
+  and admission mode (the spec's ``admission``, default ``predicted``) as kvcache_aware, learning
+  from the baseline's own outcomes; the baseline itself then runs without admission. Without it, a
+  baseline's ``admission`` uses fixed (never refitted) predictors. ``judged:place=round_robin``
+  builds the same as the gateway configures it (its judge with kvcache_aware's defaults).
 
 And one is set for speed: ``listed_candidates`` is 1 for policies that take it and whose spec does
 not set it (kvcache_aware, dynamo_kv, llmd, least_loaded, sglang_cache_aware). A decision still
@@ -23,7 +25,8 @@ scores into `Decision.candidates`, the part a gateway logs. Nothing in a simulat
 building eight of each per decision was a sixth of kvcache_aware's simulation time. For the same
 reason ``track_errors`` is false for policies that take it (kvcache_aware): the per-instance error
 windows a gateway exports feed no decision and nothing in a simulation reads them (RunResult's
-prediction errors are the engine's own). A `FittedAdmission` judge gets both.
+prediction errors are the engine's own). A `FittedAdmission` judge gets both, and so does a
+``judged`` spec's (its signature takes both, and not ``allow_pull``: a judged placement pulls nothing).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from typing import Any
 
 import yaml
 
-from conductor.core.types import ClusterSnapshot, Decision, Observation, Policy, PrefillLeg, RequestView
+from conductor.core.types import Policy
+from policies.judged import JudgedPolicy
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.registry import available_policies, load_policy
 from traces.formats import TraceRequest, load_trace, resolve_trace
@@ -93,43 +97,8 @@ def load_requests(trace: str | Path, limit: int | None = None) -> tuple[TraceReq
     return result.requests
 
 
-class FittedAdmission:
-    """A baseline's placement, admitted (or rejected) by kvcache_aware's fitted predictors.
-
-    The baseline decides where a request goes; `judge.judge` predicts TTFT and TBT for exactly that
-    placement and applies kvcache_aware's admission. Both see `on_decided` and `observe`, so the
-    judge's predictors learn online from the baseline's outcomes as kvcache_aware's do from its own.
-    """
-
-    def __init__(self, inner: Policy, judge: KvCacheAwarePolicy) -> None:
-        self.inner = inner
-        self.judge = judge
-        self.name = inner.name
-
-    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
-        decision = self.inner.decide(request, cluster)
-        if decision.rejection is not None or decision.prefill is None:
-            return decision
-        judged = self.judge.judge(request, cluster, decision.prefill, decision.decode)
-        if judged.rejection is not None:
-            return replace(judged, policy=decision.policy)
-        return replace(
-            decision,
-            predicted_ttft_s=judged.predicted_ttft_s,
-            predicted_tbt_s=judged.predicted_tbt_s,
-            candidates=judged.candidates + decision.candidates,
-        )
-
-    def on_decided(self, request: RequestView, cluster: ClusterSnapshot, decision: Decision) -> None:
-        self.inner.on_decided(request, cluster, decision)
-        self.judge.on_decided(request, cluster, decision)
-
-    def observe_prefill_leg(self, leg: PrefillLeg) -> None:
-        self.judge.observe_prefill_leg(leg)  # the baseline is told only the whole Observation
-
-    def observe(self, observation: Observation) -> None:
-        self.inner.observe(observation)
-        self.judge.observe(observation)
+# the simulator's name for it, kept for its callers (tests, benchmarks, docs/simulator.md)
+FittedAdmission = JudgedPolicy
 
 
 def _factory(name: str) -> object:
@@ -167,7 +136,7 @@ def build_policy(spec: PolicySpec, config: SimConfig) -> Policy:
         return load_policy(spec.name, options)  # kvcache_aware fits its own predictors anyway
     admission = str(options.pop("admission", "predicted"))
     judge = KvCacheAwarePolicy(admission=admission, allow_pull=False, listed_candidates=SIM_LISTED_CANDIDATES, track_errors=False)
-    return FittedAdmission(load_policy(spec.name, options), judge)
+    return JudgedPolicy(load_policy(spec.name, options), judge)
 
 
 def run_job(job: SimJob, requests: Sequence[TraceRequest] | None = None) -> RunResult:
