@@ -179,7 +179,7 @@ def start_workers(group: ChildGroup, n: int, args: argparse.Namespace) -> dict[s
                 "warning",
                 "--kv-events-endpoint",
                 f"tcp://*:{events}",
-                *(["--profile", args.worker_profile] if args.worker_profile else []),
+                *(["--profile", profile] if (profile := getattr(args, "worker_profile", None)) else []),
             ],
             url,
         )
