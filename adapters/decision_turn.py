@@ -75,7 +75,7 @@ class DecisionTurn:
         self._prefix = prefix
         self._key = f"{prefix}turn"
         self._members = f"{prefix}replicas"
-        self._hold_ms = max(1, int(hold_s * 1000))
+        self.hold_ms = max(1, int(hold_s * 1000))  # the longest a replica that died holding the turn keeps it
         self._poll_s = poll_s
         self.max_wait_s = max_wait_s
         self._ttl_s = ttl_s
@@ -89,7 +89,7 @@ class DecisionTurn:
         waited = False
         while True:
             got = await redis.eval(
-                _TAKE, 2, self._key, self._members, self.replica_id, self._hold_ms, self._prefix, time.time() - self._ttl_s
+                _TAKE, 2, self._key, self._members, self.replica_id, self.hold_ms, self._prefix, time.time() - self._ttl_s
             )
             if got:
                 self.holding = True

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from adapters.breaker import CircuitBreaker, fail_fast_redis, register_breaker
 from adapters.decision_turn import DecisionTurn
@@ -170,7 +170,8 @@ class RedisLoadShare:
         self.timeout_s = timeout_s
         self._key = f"{prefix}{replica_id}"
         self._prefix = self.prefix = prefix  # public: the lesson share keys its stream under it
-        self._ttl_ms = max(1000, int(interval_s * 5000))  # a table outlives a few missed beats, not more
+        # a table outlives a few missed beats, not more: the longest a dead replica's load still counts
+        self.ttl_ms = max(1000, int(interval_s * 5000))
         self._remote: RemoteLoad = {}
         self._synced_at: float | None = None  # monotonic time of the last complete exchange
         self._task: asyncio.Task[None] | None = None
@@ -179,12 +180,17 @@ class RedisLoadShare:
         self._ends = PrefillEnds()
         self._redis: aioredis.Redis | None = None
         self._local: Callable[[], LoadTable] = dict
-        self.turn = DecisionTurn(replica_id, prefix, ttl_s=self._ttl_ms / 1000) if turns else None
+        self.turn = DecisionTurn(replica_id, prefix, ttl_s=self.ttl_ms / 1000) if turns else None
         self._taking: asyncio.Task[bool] | None = None  # the take of the turn decisions are waiting for
         self._giving: asyncio.Task[bool] | None = None
         self._give_due = False  # a release is scheduled after the decisions made under this turn
         self.breaker = breaker or CircuitBreaker("load share Redis", failures_to_open=failures_to_open, open_s=open_s, logger=log)
         register_breaker(self.breaker, registry, "conductor_load_share_redis")
+        self._peers = 0  # the other replicas' tables the last exchange read
+        if registry is not None:
+            # what the survivors count of a replica that died: its table until the key's TTL ends it
+            peers = Gauge("conductor_load_share_peers", "Other replicas whose in-flight load this one sees", registry=registry)
+            peers.set_function(self.peers)
 
     async def start(self, local: Callable[[], LoadTable]) -> None:
         self._redis = fail_fast_redis(self._url, timeout_s=self.timeout_s)
@@ -276,6 +282,7 @@ class RedisLoadShare:
         self._remote = merge_tables(tables, time.time())
         self._synced_at = time.monotonic()
         self._ends.update(tables, self._synced_at)
+        self._peers = len(tables)
         return True
 
     def _give(self) -> None:
@@ -286,7 +293,7 @@ class RedisLoadShare:
         turn.holding = False
         table, redis = _encode(self._local()), self._redis
         self._giving = asyncio.ensure_future(
-            self.breaker.call(lambda: _gave(turn.give(redis, table, self._key, self._ttl_ms)), _false, timeout_s=self.timeout_s)
+            self.breaker.call(lambda: _gave(turn.give(redis, table, self._key, self.ttl_ms)), _false, timeout_s=self.timeout_s)
         )
 
     async def _loop(self) -> None:
@@ -312,7 +319,7 @@ class RedisLoadShare:
         """One exchange, raising what Redis raises: publish ours, read everyone else's."""
         r = self._redis
         assert r is not None
-        ttl_ms = self._ttl_ms
+        ttl_ms = self.ttl_ms
         now = time.time()
         members = self._prefix + "replicas"
         async with r.pipeline(transaction=False) as pipe:
@@ -334,14 +341,20 @@ class RedisLoadShare:
         self._remote = merge_tables(tables, time.time())
         self._synced_at = time.monotonic()
         self._ends.update(tables, self._synced_at)
+        self._peers = len(tables)
 
     def prefill_ends(self) -> Mapping[str, float]:
         return self._ends.ended_at
 
+    def peers(self) -> int:
+        """The other replicas whose tables `remote()` holds now (none once the view is too old)."""
+        synced = self._synced_at
+        return self._peers if synced is not None and time.monotonic() - synced <= self.ttl_ms / 1000 else 0
+
     def remote(self) -> RemoteLoad:
         synced = self._synced_at
         age = time.monotonic() - synced if synced is not None else 0.0
-        if synced is None or age > self._ttl_ms / 1000:
+        if synced is None or age > self.ttl_ms / 1000:
             return {}  # too old to trust (Redis down): route on our own load alone
         # elapsed_s was measured at the exchange; the prefills have run on since (up to an interval,
         # a large share of a prefill), and a frozen elapsed_s overstates what is left of the head

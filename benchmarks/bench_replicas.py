@@ -25,7 +25,7 @@ over its recent window, and the predictor lessons it learned from the others.
 
 Replicas and worker processes decide in turn (`load_share.turns`, adapters/decision_turn.py) unless
 `--turns off`; `--compare both` runs the two pairs in one invocation; `--logs DIR` keeps every
-process's log (with `--gateway-log-level info`, the decisions).
+process's log (with `--gateway-log-level info`, the decisions); `--compare kill`: benchmarks/replica_kill.py.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PrivateRedis, free_port, wait_http
+from replica_kill import run_kill
 
 from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 from conductor.demo.run import DEFAULT_MODEL
@@ -367,10 +368,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--compare",
-        choices=("replicas", "workers", "both"),
+        choices=("replicas", "workers", "both", "kill"),
         default="replicas",
         help="three Redis-sharing replicas, or one gateway of two worker processes, against one; both: the two pairs in one run",
     )
+    ap.add_argument("--kill-after", type=float, default=1 / 3, help="--compare kill: the share of requests sent before the kill")
     args = ap.parse_args()
     synth = PromptSynthesizer(args.length_scale, seed=args.seed)
     trace = load_trace(resolve_trace(args.trace), limit=args.requests).requests
@@ -380,6 +382,8 @@ def main() -> None:
     tables: dict[str, list[dict[str, Any]]] = {}
     with PrivateRedis() as server, tempfile.TemporaryDirectory(prefix="bench-replicas-") as logs:
         log_root = Path(args.logs or logs)  # --logs: the gateways' decision logs kept for reading after
+        if args.compare == "kill":
+            return run_kill(args, requests, server.url, log_root, start_mode)
         for compare in compares:
             mode = argparse.Namespace(**{**vars(args), "compare": compare})
             tables[compare] = [run_mode(n, mode, requests, server.url, log_root) for n in (1, 2 if compare == "workers" else 3)]
