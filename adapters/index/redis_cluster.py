@@ -7,9 +7,9 @@ T i:<inst> (its blocks), T l:<inst> (its LRU order), plus the shard's T instance
 T evictions (redis_cluster_scripts.py lists them). Instance-major, as in RedisIndex, because the
 question a look-up asks is per instance ("how long a leading run of these blocks do you hold?"):
 inside one shard a script answers it for all of the shard's instances with an early stop (HEXISTS
-on the head block, then HMGET chunks of growing size whose far end is probed first, so a run of r
-blocks reads about r fields), where a block-major layout would scatter one instance's run over
-every node and lose that early stop.
+on the head block; for a holder, a bisection with HEXISTS for where its run ends, then HMGET of
+that range in growing chunks, so a run of r blocks reads r fields plus ~log2(B) probes), where a
+block-major layout would scatter one instance's run over every node and lose that early stop.
 The shards' slots spread over the masters, so different instances' data sit on different nodes.
 
 Round trips, for a prompt of B blocks, H instances holding its head block and M masters:
