@@ -51,7 +51,8 @@ demand rate, from its first requests, already shows it wants its whole part; a t
 for the few seconds after its first request in `RESET_S`. `SLACK` leaves a trickle whose
 few requests are refused for room to the class rules: holding the flooder back for it cost ~10
 points of the fleet's met share. With it (bench_sim_tenants.py, 4 seeds): `trickle` 32.3% (no share
-rule 32.1%), A's loss in `flood` 2.9 points, as before (the same per seed). Work-conserving
+rule 32.1%), A's loss in `flood` 2.9 points, as before (the same per seed); since the young policy's
+prefill duty (prefill_duty.py, 8 seeds): `trickle` 29.6% (31.8%), A's loss 1.1. Work-conserving
 as far as it goes: a tenant alone, one placed on an idle worker with no request refused or near its
 SLO, or one whose contenders have their fair share, is never refused for share. What it costs still:
 a contender between a trickle and its part, crowded out by the flood, holds the flooder back while
