@@ -4,10 +4,10 @@
     python benchmarks/bench_tenants.py --quick                # + the capacity sweep (~2 minutes more)
     python benchmarks/bench_tenants.py --json out.json        # medians of 3 runs, 40 s scenarios (~40 minutes)
 
-Emulated vLLM workers (benchmarks/bench_live_vs_peers.py's: mixed role, KV events, the bundled
-profile times `--time-scale`, 6: 2 shared cores carry 4 workers and the load), a two-class workload
-(benchmarks/tenants_load.py: `interactive`, urgent, short, tight SLOs; `batch`, sheddable, long,
-loose SLOs; 30% urgent) from two tenants of equal weight, A and B.
+Emulated vLLM workers (bench_live_vs_peers.py's, started by benchmarks/live_routers.py: mixed role,
+KV events, the bundled profile times `--time-scale`, 6: 2 shared cores carry 4 workers and the load),
+a two-class workload (benchmarks/tenants_load.py: `interactive`, urgent, short, tight SLOs; `batch`,
+sheddable, long, loose SLOs; 30% urgent) from two tenants of equal weight, A and B.
 
 1. Capacity: the highest rate of that mix (both tenants, `--sweep`) at which Conductor kvcache_aware
    WITHOUT admission answers >= `--capacity-met` of the requests within their class's SLOs (or
@@ -47,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_live_vs_peers import MODEL, RouterSpec, _scaled_params, start_router, start_workers, wait_up
+from benchmarks.live_routers import MODEL, RouterSpec, scaled_params, start_router, start_workers, wait_up
 from benchmarks.tenants_load import CLASSES, SHEDDABLE, URGENT, ClassShape, Score, drive, score, shapes, workload
 from conductor.demo.cluster import ChildGroup, free_ports
 from traces.sim.results import render_table
@@ -83,7 +83,7 @@ def conductor_settings(
     classes = shapes(args.time_scale)
     options: dict[str, Any] = {"admission": spec.admission}
     if args.time_scale != 1.0:
-        options["predictor_params"] = _scaled_params(args.time_scale, log_dir)
+        options["predictor_params"] = scaled_params(args.time_scale, log_dir)
     urgent, batch = classes[URGENT], classes[SHEDDABLE]
     if args.batch_admit > 0:  # admit batch by a fraction of the urgent SLO: onto idle capacity only
         batch = ClassShape(urgent.ttft_s * args.batch_admit, urgent.tbt_s * args.batch_admit, batch.prompt, batch.output)

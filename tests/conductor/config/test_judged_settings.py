@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.bench_live_vs_peers import ROUTERS, parse_args, start_router
+from benchmarks.bench_live_vs_peers import parse_args
+from benchmarks.live_routers import ROUTERS, start_router
 from conductor.config.settings import load_settings
 from conductor.gateway import Gateway
 from policies.judged import JudgedPolicy
@@ -70,7 +71,7 @@ def test_a_bad_option_stops_serve_naming_the_key(tmp_path: Path) -> None:
 
 
 class _Recorded:
-    """Stands in for bench_live_vs_peers' process group: keeps the command it would start."""
+    """Stands in for the live bench's process group (live_routers.start_router's): keeps the command it would start."""
 
     def __init__(self) -> None:
         self.argv: list[str] = []
