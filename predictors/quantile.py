@@ -11,8 +11,8 @@ p90 bound is 0.9 on the next requests as long as the regime does not change fast
 window turns over -- and it moves with the regime (under overload the window fills with requests
 admitted behind long queues, whose relative error is smaller).
 
-Ratios describe the model that made the predictions. When a refit moves a model by more than
-`Predictors.RATIO_RESET` at a reference point, the windows are cleared (see predictors.online):
+Ratios describe the model that made the predictions. When a refit moves a model's predictions by
+more than `Predictors.RATIO_RESET`, the windows measuring that model are cleared (see predictors.online):
 the bound falls back to the fit's own p90 ratio until `min_samples` ratios of the new model exist,
 rather than calibrating a model with another model's errors (2x off after a time-scale change).
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 
 class RatioWindow:
@@ -141,9 +141,14 @@ class RatioWindows:
             return max(0.0, limit) / default_ratio if default_ratio > 0 else math.inf
         return win.largest_within(limit, q, default_ratio)
 
-    def clear(self) -> None:
-        """Forget every ratio: they measured a model that has since been replaced."""
-        self._by_key.clear()
+    def clear(self, keys: Iterable[str] | None = None) -> None:
+        """Forget the ratios of `keys` (None: of every quantity): they measured a model that has
+        since been replaced."""
+        if keys is None:
+            self._by_key.clear()
+            return
+        for key in keys:
+            self._by_key.pop(key, None)
 
     def samples(self, key: str) -> int:
         win = self._by_key.get(key)

@@ -83,11 +83,14 @@ class SampleWindow:
 class Refitter:
     """The refit schedule and the fits of one Predictors' windows, and how many fits it made."""
 
-    __slots__ = ("online", "refits")
+    __slots__ = ("moved", "online", "refits")
 
     def __init__(self, online: OnlineConfig) -> None:
         self.online = online
         self.refits = 0
+        # the last refit's move: the median relative change of the model's predictions over its
+        # window's own samples (where the model is used: the predictions its ratio windows measured)
+        self.moved = 0.0
 
     def window(self) -> SampleWindow:
         return SampleWindow(self.online.window, self.online.refit_every)
@@ -134,7 +137,9 @@ class Refitter:
         full window: while it fills, every refit has more to learn from than the last."""
         o = self.online
         new = np.maximum(x @ np.asarray(fitted.coef), 1e-12)
-        move = float(np.max(np.abs(new / np.maximum(x @ np.asarray(current.coef), 1e-12) - 1.0)))
+        moves = np.abs(new / np.maximum(x @ np.asarray(current.coef), 1e-12) - 1.0)
+        move = float(np.max(moves))
+        self.moved = float(np.median(moves))
         if win.n == len(win.y) and move < o.refit_stable_move and abs(float(np.median(y / new)) - 1.0) < o.refit_stable_move:
             win.every = min(2 * win.every, max(o.refit_every, o.refit_max_every))
         elif move >= o.refit_reset_move:

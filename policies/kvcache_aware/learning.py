@@ -51,7 +51,9 @@ class _Pending:
     first_tbt_s: float  # TBT the decode leg was predicted with
     bounds: tuple[float, float, float]  # p90 bounds at decision time: ttft, leg, tbt (0: none)
     judged_tbt_s: float | None  # the TBT admission judged (early: the load now; predicted: at arrival)
-    generation: int  # Predictors.generation when predicted: ratios of an older model are not kept
+    # Predictors.generation when predicted, (TTFT side, TBT side): ratios of a side whose model has
+    # since moved (its windows cleared) are not kept
+    generation: tuple[int, int]
     leg_learned: bool = False  # learn_leg taught its prefill leg already: learn must not again
 
 
@@ -155,7 +157,7 @@ class OutcomeLearner:
 
     def _learn_leg(self, p: _Pending, leg: float, cached_tokens: int | None, prompt_tokens: int) -> None:
         pred = self.predictors
-        ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
+        ratios = pred.ratios if p.generation[0] == pred.ttft_generation else _NoRatios()
         # the leg's and the prefill's errors and ratios feed only the exported error figures
         # (their bounds are read where errors are tracked): kept only there
         errors = pred.tracks_errors
@@ -183,7 +185,8 @@ class OutcomeLearner:
             return
         pred = self.predictors
         ttft_hi, _, tbt_hi = p.bounds
-        ratios = pred.ratios if p.generation == pred.generation else _NoRatios()
+        ttft_ratios = pred.ratios if p.generation[0] == pred.ttft_generation else _NoRatios()
+        tbt_ratios = pred.ratios if p.generation[1] == pred.tbt_generation else _NoRatios()
         # the decision-time TBT's errors and ratios feed only the exported error figures
         errors = pred.tracks_errors
         leg = obs.queue_and_prefill_s
@@ -198,14 +201,14 @@ class OutcomeLearner:
                 pred.observe_decode_leg(obs.prompt_tokens, p.first_tbt_s, obs.ttft_s - leg)
         if obs.ttft_s is not None and obs.ttft_s > 0:
             pred.record_error("ttft", p.prefill, p.ttft_s, ttft_hi, obs.ttft_s)
-            ratios.add("ttft", p.ttft_s, obs.ttft_s)
+            ttft_ratios.add("ttft", p.ttft_s, obs.ttft_s)
         decoder = obs.decode or (obs.prefill if p.decode is None else None)  # mixed: same worker
         if obs.token_intervals_s and decoder is not None:
             mean = sum(obs.token_intervals_s) / len(obs.token_intervals_s)
             if errors and p.tbt_s is not None:
                 pred.record_error("tbt_at_decision", decoder, p.tbt_s, tbt_hi, mean)
-                ratios.add("tbt_at_decision", p.tbt_s, mean)
+                tbt_ratios.add("tbt_at_decision", p.tbt_s, mean)
             if p.judged_tbt_s is not None:
-                ratios.add("tbt_judged", p.judged_tbt_s, mean)
+                tbt_ratios.add("tbt_judged", p.judged_tbt_s, mean)
             kv = obs.decode_resident_kv_tokens + obs.prompt_tokens + obs.output_tokens // 2
             pred.observe_tbt(obs.decode_batch + 1, kv, mean, decoder)
