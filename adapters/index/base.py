@@ -181,6 +181,23 @@ class BatchIndex(KVIndex, Protocol):
         ...
 
 
+class SingleWritesByApply:
+    """insert / remove / drop_instance as one-write batches, for an index whose one write path is
+    `apply` (the Redis indexes: one script for every kind of write)."""
+
+    async def apply(self, instance: str, writes: Sequence[Write]) -> None:
+        raise NotImplementedError
+
+    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
+        await self.apply(instance, [(STORE if confirmed else GUESS, TIER_BITS[tier], keys)])
+
+    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
+        await self.apply(instance, [(REMOVE, ALL_TIER_BITS if tier is None else TIER_BITS[tier], keys)])
+
+    async def drop_instance(self, instance: str) -> None:
+        await self.apply(instance, [(DROP, 0, ())])
+
+
 async def apply_writes(index: KVIndex, instance: str, writes: Sequence[Write]) -> None:
     """`writes` through the index's `apply` where it has one; otherwise one call per write, in order
     (a KVIndex of another module that has only the single-write methods)."""

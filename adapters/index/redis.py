@@ -39,15 +39,11 @@ import redis.asyncio as aioredis
 
 from adapters.breaker import fail_fast_redis
 from adapters.index.base import (
-    ALL_TIER_BITS,
     DROP,
-    GUESS,
-    REMOVE,
-    STORE,
-    TIER_BITS,
     IndexLimits,
     IndexStats,
     PrefixMatch,
+    SingleWritesByApply,
     Write,
     check_write,
 )
@@ -290,7 +286,7 @@ def pack_writes(writes: Sequence[Write]) -> tuple[bytes, list[int]]:
     return pack_keys(flat), spec
 
 
-class RedisIndex:
+class RedisIndex(SingleWritesByApply):
     """KVIndex on a shared Redis. `prefix` isolates deployments (and tests) on one server."""
 
     def __init__(
@@ -322,15 +318,6 @@ class RedisIndex:
         self._apply_keys = [self._k_instances, self._k_lru, self._k_evictions, self._k_clock]
         self._apply = self._redis.register_script(_APPLY)
         self._match = self._read.register_script(_MATCH)
-
-    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
-        await self.apply(instance, [(STORE if confirmed else GUESS, TIER_BITS[tier], keys)])
-
-    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
-        await self.apply(instance, [(REMOVE, ALL_TIER_BITS if tier is None else TIER_BITS[tier], keys)])
-
-    async def drop_instance(self, instance: str) -> None:
-        await self.apply(instance, [(DROP, 0, ())])
 
     async def apply(self, instance: str, writes: Sequence[Write]) -> None:
         """All of `writes`, in order, in one script call (see _APPLY)."""

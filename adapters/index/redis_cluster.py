@@ -60,19 +60,15 @@ from redis.exceptions import NoScriptError, ResponseError, SlotNotCoveredError
 
 from adapters.index import redis_cluster_scripts as lua
 from adapters.index.base import (
-    ALL_TIER_BITS,
-    DROP,
     GUESS,
-    REMOVE,
     STORE,
-    TIER_BITS,
     IndexLimits,
     IndexStats,
     PrefixMatch,
+    SingleWritesByApply,
     Write,
 )
 from adapters.index.redis import CALLS_IN_FLIGHT, CallGate, match_from_replies, pack_keys, pack_writes
-from conductor.core.types import Tier
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +112,7 @@ def _version(raw: Any) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-class RedisClusterIndex:
+class RedisClusterIndex(SingleWritesByApply):
     """KVIndex on a Redis Cluster. `prefix` isolates deployments (and tests) on one cluster."""
 
     def __init__(
@@ -170,15 +166,6 @@ class RedisClusterIndex:
 
     def tag(self, shard: int) -> str:
         return self._tags[shard]
-
-    async def insert(self, instance: str, keys: Sequence[int], *, tier: Tier = Tier.DEVICE, confirmed: bool) -> None:
-        await self.apply(instance, [(STORE if confirmed else GUESS, TIER_BITS[tier], keys)])
-
-    async def remove(self, instance: str, keys: Sequence[int], *, tier: Tier | None = None) -> None:
-        await self.apply(instance, [(REMOVE, ALL_TIER_BITS if tier is None else TIER_BITS[tier], keys)])
-
-    async def drop_instance(self, instance: str) -> None:
-        await self.apply(instance, [(DROP, 0, ())])
 
     async def apply(self, instance: str, writes: Sequence[Write]) -> None:
         """All of `writes`, in order, in one script on the node serving the instance's shard."""
