@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
 
-import pytest
 import redis.asyncio as aioredis
 
 from adapters.load_share import LoadTable, RedisLoadShare
@@ -22,17 +19,6 @@ from conductor.gateway import Gateway, _lesson_share, _load_share
 from conductor.ops.metrics import GatewayMetrics
 
 URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    name = f"test:turns:{uuid.uuid4().hex}:"
-    yield name
-    client = aioredis.Redis.from_url(URL)
-    keys = [k async for k in client.scan_iter(match=f"{name}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 def replica(name: str, prefix: str, *, turns: bool) -> RedisLoadShare:

@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
@@ -47,17 +45,6 @@ async def main(url: str, prefix: str) -> None:
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    name = f"test:kill:{uuid.uuid4().hex}:"
-    yield name
-    client = aioredis.Redis.from_url(URL)
-    keys = [k async for k in client.scan_iter(match=f"{name}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 async def until(cond: Callable[[], Awaitable[bool]], within_s: float = START_S) -> bool:
