@@ -48,7 +48,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PrivateRedis, free_port, wait_http
-from replica_kill import run_kill
+from replica_kill import completion_body, run_kill
 
 from conductor.demo.cluster import ChildGroup, ClusterSpec, start_cluster, wait_ready
 from conductor.demo.run import DEFAULT_MODEL
@@ -219,15 +219,7 @@ async def replay_spread(
 
         async def one(i: int, item: SynthRequest, due: float) -> LiveOutcome:
             sent = loop.time()
-            body = {
-                "model": DEFAULT_MODEL,
-                "prompt": list(item.prompt),
-                "max_tokens": item.max_tokens,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "ignore_eos": True,
-                "temperature": 0.0,
-            }
+            body = completion_body(item)
             http = await stream_completion(sessions[i % len(sessions)], body)
             return LiveOutcome(item.line, due - start, sent - due, len(item.prompt), item.max_tokens, http)
 

@@ -41,6 +41,20 @@ from conductor.demo.run import DEFAULT_MODEL
 from traces.live_client import HttpOutcome, stream_completion
 from traces.synth import SynthRequest
 
+
+def completion_body(item: SynthRequest) -> dict[str, Any]:
+    """The streamed completion a replay sends for one trace request (bench_replicas.py's too)."""
+    return {
+        "model": DEFAULT_MODEL,
+        "prompt": list(item.prompt),
+        "max_tokens": item.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+
+
 VICTIM = 2  # the replica killed: one of the extra gateways (replica 0 is the cluster's own)
 LOAD_PREFIX = "conductor:load:"  # RedisLoadShare's default key prefix
 _PEERS = re.compile(rb"^conductor_load_share_peers ([0-9.eE+-]+)", re.M)
@@ -154,15 +168,7 @@ async def replay_with_kill(
     watching: asyncio.Task[Release] | None = None
 
     async def one(i: int, item: SynthRequest, due: float) -> Served:
-        body = {
-            "model": DEFAULT_MODEL,
-            "prompt": list(item.prompt),
-            "max_tokens": item.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
+        body = completion_body(item)
         tried: set[int] = set()
         while True:
             r = balancer.pick(i, tried)
