@@ -60,6 +60,7 @@ from adapters.kv_event_sources import (
     request_replay,
     subscriber_address,
 )
+from adapters.tasks import cancel_and_wait
 from adapters.throttled_log import ThrottledLog
 from conductor.core.event_bounds import DEFAULT_EVENT_BOUNDS
 
@@ -179,15 +180,10 @@ class EventSubscriber:
         self._closing = True
         task, self._task = self._task, None
         try:
-            if task is not None:
-                task.cancel()
-                done, _ = await asyncio.wait((task,), timeout=CLOSE_WAIT_S)
-                if not done:
-                    log.warning(
-                        "kv events from %s: the feed did not stop within %.0f s; closing it anyway", self._name, CLOSE_WAIT_S
-                    )
-                elif not task.cancelled() and task.exception() is not None:
-                    log.warning("kv events from %s: the feed had stopped: %r", self._name, task.exception())
+            if not await cancel_and_wait(task, within_s=CLOSE_WAIT_S):
+                log.warning("kv events from %s: the feed did not stop within %.0f s; closing it anyway", self._name, CLOSE_WAIT_S)
+        except Exception as exc:  # noqa: BLE001  # the feed had already stopped on an error: closing goes on
+            log.warning("kv events from %s: the feed had stopped: %r", self._name, exc)
         finally:
             if self._feed is not None:
                 self._feed.close()

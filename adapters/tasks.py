@@ -14,10 +14,17 @@ import contextlib
 from typing import Any
 
 
-async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
-    """Cancel `task` (None: nothing to do) and wait until it has ended."""
+async def cancel_and_wait(task: asyncio.Task[Any] | None, within_s: float | None = None) -> bool:
+    """Cancel `task` (None: nothing to do) and wait until it has ended, or at most `within_s`
+    seconds (a task that ignores its cancellation holds no shutdown forever): whether it ended.
+    The task keeps running past that bound; it is not waited for again."""
     if task is None:
-        return
+        return True
     task.cancel()
+    if within_s is not None:
+        done, _ = await asyncio.wait((task,), timeout=within_s)
+        if not done:
+            return False
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    return True
