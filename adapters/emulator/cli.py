@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replays")
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
+    p.add_argument("--kv-events-delay-s", type=float, default=0.0, help="publish each KV event batch this late (lag)")
     p.add_argument("--profile", default=None, help="YAML/JSON timing profile (default: bundled Qwen3-8B/H800)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration")
     p.add_argument("--noise", type=float, default=0.0, help="sigma of multiplicative lognormal noise")
@@ -141,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
+        kv_events_delay_s=args.kv_events_delay_s,
         profile_path=args.profile,
         time_scale=args.time_scale,
         noise=args.noise,

@@ -28,6 +28,7 @@ class EmulatorConfig:
     kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for replays
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10_000  # replay buffer, in batches
+    kv_events_delay_s: float = 0.0  # each batch published this long after its step (a loaded engine's lag)
     profile_path: str | None = None  # YAML/JSON profile; None: the bundled default
     time_scale: float = 1.0  # every modelled duration is multiplied by this
     noise: float = 0.0  # sigma of the multiplicative lognormal noise (0: deterministic)

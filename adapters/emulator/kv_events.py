@@ -99,8 +99,10 @@ class KvEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         data_parallel_rank: int = 0,
+        delay_s: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
+        self.delay_s = delay_s  # each batch is sent this long after its step: a loaded engine's lag
         self.replay_endpoint = replay_endpoint
         self._topic = topic.encode()
         self._dp_rank = data_parallel_rank
@@ -146,12 +148,20 @@ class KvEventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
+        self.published += 1
+        if self.delay_s > 0:  # one delay for all: the batches keep their order
+            asyncio.get_running_loop().call_later(self.delay_s, self._send, seq, payload)
+        else:
+            self._send(seq, payload)
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        if self._pub.closed:
+            return
         try:
             # An asyncio socket's send returns a future; PUB sends complete immediately.
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # no peer, HWM reached: the replay buffer still has it
             log.debug("kv event batch %d not sent: %s", seq, exc)
-        self.published += 1
 
     async def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -183,4 +193,6 @@ def publisher_for(config: EmulatorConfig) -> KvEventPublisher | None:
     if not config.kv_events_endpoint:
         return None
     replay, topic, steps = config.kv_events_replay_endpoint, config.kv_events_topic, config.kv_events_buffer_steps
-    return KvEventPublisher(config.kv_events_endpoint, replay_endpoint=replay, topic=topic, buffer_steps=steps)
+    return KvEventPublisher(
+        config.kv_events_endpoint, replay_endpoint=replay, topic=topic, buffer_steps=steps, delay_s=config.kv_events_delay_s
+    )

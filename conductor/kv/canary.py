@@ -22,10 +22,11 @@ A restart's first event drops the instance's entries at once (the subscriber's r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +42,7 @@ from conductor.kv.canary_checks import (
     RESULTS,
     KeySetup,
     Verdict,
+    canary_text,
     canary_tokens,
     judge,
     late_start,
@@ -54,8 +56,8 @@ log = logging.getLogger(__name__)
 
 MAX_INSTANCES = 4096  # states kept; instances come from the settings, DNS or the admin API: a backstop
 RETRY_MAX_S = 30.0  # an unreachable instance is tried again after timeout_s, doubling up to this
-# words of the text canary: enough of them for several blocks with any real tokenizer
-_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "bakers", "count")
+# the canaries one run sends in turn: (a prompt's token ids, its request)
+Sends = AsyncGenerator[tuple[list[int], Awaitable[None]], None]
 
 
 class EventSink(Protocol):
@@ -240,56 +242,72 @@ class KVCanary:
 
     async def _ids_check(self, name: str, client: httpx.AsyncClient, url: str, model: str | None, endpoint: str) -> Verdict:
         """The token-id canary, sent again with fresh ids while no event of it arrives."""
-        wait_s = self.timeout_s / self.attempts
-        for _ in range(self.attempts):
-            tokens = canary_tokens(self.setup.block_size)
-            send = complete(client, url, model, tokens)
-            ev = await self._expect(name, functools.partial(starts_prompt, tokens=tokens), send, wait_s)
-            if ev is not None:
-                return judge(ev, tokens, self.scheme, self.setup)
-        return no_events(endpoint, self.attempts, self.timeout_s)
+
+        async def sends() -> Sends:
+            for _ in range(self.attempts):
+                tokens = canary_tokens(self.setup.block_size)
+                yield tokens, complete(client, url, model, tokens)
+
+        got = await self._expect(name, sends(), self.timeout_s / self.attempts)
+        if got is None:
+            return no_events(endpoint, self.attempts, self.timeout_s)
+        return judge(got[0], got[1], self.scheme, self.setup)
 
     async def _text_check(self, name: str, client: httpx.AsyncClient, url: str, model: str | None) -> Verdict:
-        """The text canary: the gateway's token ids of a text against the worker's (its event's)."""
-        assert self.tokenizer is not None
-        nonce = canary_tokens(1)[:4]
-        words = [_WORDS[(i * 7 + nonce[i % 4]) % len(_WORDS)] for i in range(4 * self.setup.block_size)]
-        text = "Canary " + "-".join(map(str, nonce)) + ": " + " ".join(words)
-        ids = await self.tokenizer.encode_prompt(text)
-        usage: dict[str, Any] = {}
+        """The text canary: the gateway's token ids of a text against the worker's (its event's),
+        sent again with a fresh text while the worker counts as many tokens and no event arrives."""
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+        sent: list[tuple[list[int], dict[str, Any]]] = []  # the gateway's token ids, the worker's usage
+
+        async def sends() -> Sends:
+            for _ in range(self.attempts):
+                text = canary_text(self.setup.block_size)
+                ids, usage = await tokenizer.encode_prompt(text), dict[str, Any]()
+                sent.append((ids, usage))
+                yield ids, complete(client, url, model, text, usage)
+
+        def counted(i: int) -> int | None:
+            tokens = sent[i][1].get("prompt_tokens")
+            return tokens if isinstance(tokens, int) else None
+
         # a worker that counted another prompt length has other token ids: no event to wait for
-        ev = await self._expect(
-            name,
-            functools.partial(starts_prompt, tokens=ids),
-            complete(client, url, model, text, usage),
-            self.timeout_s / self.attempts,
-            give_up=lambda: usage.get("prompt_tokens", len(ids)) != len(ids),
+        got = await self._expect(
+            name, sends(), self.timeout_s / self.attempts, give_up=lambda: counted(-1) not in (None, len(sent[-1][0]))
         )
-        counted = usage.get("prompt_tokens")
-        worker_tokens = counted if isinstance(counted, int) else None
-        return tokenizer_verdict(ids, worker_tokens, None if ev is None else ev.token_ids, self.tokenizer_name)
+        i = -1 if got is None else next(i for i, (ids, _) in enumerate(sent) if ids is got[1])
+        return tokenizer_verdict(sent[i][0], counted(i), None if got is None else got[0].token_ids, self.tokenizer_name)
 
     async def _expect(
         self,
         name: str,
-        wanted: Callable[[BlockStored], bool],
-        send: Awaitable[None],
+        sends: Sends,
         wait_s: float,
         give_up: Callable[[], bool] | None = None,
-    ) -> BlockStored | None:
-        """Send a canary and wait up to `wait_s` after its answer for the event `wanted` picks (not
-        at all when `give_up` says, once answered, that it will not come)."""
+    ) -> tuple[BlockStored, list[int]] | None:
+        """Send canaries one after another, each awaited and then waited on up to `wait_s`, until
+        the event that stores the first blocks of any prompt sent so far arrives: that event and its
+        prompt. A late event of an earlier send still counts (a loaded box delivers seconds late).
+        None when none came, or at once when `give_up` says, after an answer, that none will."""
+        prompts: list[list[int]] = []
         future: asyncio.Future[BlockStored] = asyncio.get_running_loop().create_future()
-        entry = (wanted, future)
+        entry = (lambda ev: any(starts_prompt(ev, tokens) for tokens in prompts), future)
         self._waiters.setdefault(name, []).append(entry)
         try:
-            await send
-            if give_up is not None and give_up() and not future.done():
-                return None
-            return await asyncio.wait_for(future, wait_s)
-        except TimeoutError:
+            async with contextlib.aclosing(sends):
+                async for tokens, send in sends:
+                    prompts.append(tokens)
+                    await send
+                    if give_up is not None and give_up() and not future.done():
+                        return None
+                    try:
+                        ev = await asyncio.wait_for(asyncio.shield(future), wait_s)
+                    except TimeoutError:
+                        continue
+                    return ev, next(tokens for tokens in prompts if starts_prompt(ev, tokens))
             return None
         finally:
+            future.cancel()
             waiters = self._waiters.get(name, [])
             if entry in waiters:
                 waiters.remove(entry)

@@ -50,6 +50,7 @@ _LOW_ID, _HIGH_ID = 3, 256
 # 256 tokens and one: a full block even for a worker whose --block-size is 256 (larger than the
 # gateway's), so a block size mismatch shows as one, not as missing events
 MIN_CANARY_TOKENS = 257
+_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "bakers", "count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,13 @@ def canary_tokens(block_size: int, rng: random.Random | None = None) -> list[int
     (and announced) anew each time; long enough for two blocks and for any block size up to 256."""
     rng = rng or random.SystemRandom()
     return [rng.randrange(_LOW_ID, _HIGH_ID) for _ in range(max(2 * block_size + 1, MIN_CANARY_TOKENS))]
+
+
+def canary_text(block_size: int) -> str:
+    """A text canary: a random tag and enough words for several blocks with any real tokenizer."""
+    nonce = canary_tokens(1)[:4]
+    words = [_WORDS[(i * 7 + nonce[i % 4]) % len(_WORDS)] for i in range(4 * block_size)]
+    return "Canary " + "-".join(map(str, nonce)) + ": " + " ".join(words)
 
 
 def starts_prompt(ev: BlockStored, tokens: Sequence[int]) -> bool:

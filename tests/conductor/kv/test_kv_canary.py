@@ -173,6 +173,25 @@ def test_kv_events_that_never_arrive_are_named(worker: Emulator, caplog: pytest.
     assert "[no_events]" in line
 
 
+def test_events_later_than_one_attempts_wait_still_verify(caplog: pytest.LogCaptureFixture) -> None:
+    # a loaded engine publishes its events seconds late: each canary (ids, then text) is sent again
+    # after 2 s, and the first one's event, 3 s late, arrives while the second is waited on; it
+    # still counts (a canary that waited only for its latest send read this as missing events, or
+    # on the text canary as a wrong tokenizer)
+    flags: dict[str, Any] = {"time_scale": 0.01, "model": "tiny", "block_size": BS, "hash_algo": ALGO, "hash_seed": SEED}
+    with ExitStack() as stack:
+        late = stack.enter_context(start_emulator("mixed", kv_events=True, kv_events_delay_s=3.0, **flags))
+        gateway = gateway_for(late.url, _port(late.kv_events_endpoint), canary_timeout_s=6.0, canary_attempts=3)
+        stack.enter_context(caplog.at_level(logging.WARNING, logger="conductor.kv"))
+        url = stack.enter_context(serve_gateway(gateway)).url
+        m0 = httpx.get(url + "/ready").json()["kv_canary"]["instances"]["m0"]
+        sent = len(httpx.get(late.url + "/emulator/requests", timeout=30).json())
+    assert (m0["state"], m0["result"]) == ("verified", "verified"), m0
+    assert "gives the worker's token ids" in m0["detail"]  # the text canary verified too
+    assert sent >= 3  # at least one canary was sent again before the late event came
+    assert not _canary_warnings(caplog)
+
+
 def test_an_instance_without_an_events_endpoint_is_reported_not_excluded(worker: Emulator) -> None:
     gateway = gateway_for(worker.url, None)
     with ExitStack() as stack:
