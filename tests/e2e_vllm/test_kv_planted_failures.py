@@ -54,6 +54,8 @@ def _kv_right(m: MixedEngines, **changes: Any) -> dict[str, Any]:
         "vllm_hash_seed": HASH_SEED,
         "agreement_min_samples": MIN_SAMPLES,
         "events_silence_s": 3600,
+        # the engines' events trail their answers by seconds on a busy 2-core box (CI): time to arrive
+        "canary_timeout_s": 10.0,
         "kv_events": {
             name: {"endpoint": e.events_endpoint, "replay_endpoint": e.replay_endpoint, "topic": "kv-events"}
             for name, e in m.engines.items()
@@ -257,7 +259,7 @@ def test_the_default_tokenizer_is_the_workers_own(mixed_engines: MixedEngines) -
     # prefix's hits are predicted where the built-in tokenizer above missed them
     events = _kv_right(mixed_engines)["kv_events"]
     kv = {"enabled": True, "agreement_min_samples": MIN_SAMPLES, "events_silence_s": 3600, "kv_events": events}
-    with planted_then_gateway(mixed_engines, **kv) as (gw, seed):
+    with planted_then_gateway(mixed_engines, canary_timeout_s=10.0, **kv) as (gw, seed):
         _canary_caught(gw, "verified", "verified", "")
         seen = _through(gw, seed, REQUESTS)
         assert [o.cached_tokens for o in seen] == [PLANTED_TOKENS] * len(seen)
