@@ -76,6 +76,11 @@ class Outgoing:
     # vLLM's `priority` for the request's legs on instances that schedule by priority (its class's,
     # conductor/routing/priority.py); None: none. `body` itself never holds a `priority`
     engine_priority: int | None = None
+    # called once the prefill leg of a sequential handshake (nixl) has answered, with its seconds
+    # from sent to answered and the cached tokens it reported, before the decode leg is sent: the
+    # prefill instance is free of the request then, not when the decode answers (a non-streamed
+    # decode answers at its last token); None: nobody is told
+    prefill_answered: Callable[[float, int | None], None] | None = None
 
     def headers_for(self, leg: str) -> Mapping[str, str]:
         """The headers the `leg` ("prefill" or "decode") sends, asked once as it is sent."""

@@ -56,6 +56,8 @@ class NixlProtocol(NoBootstrap):
         sent = leg_body(prefill, out, prefill_body(out.body, params))
         reply = await prefill.upstream.post(out.path, encode_json(sent), out.headers_for("prefill"))
         answer = check_leg(reply, prefill, "prefill")
+        if out.prefill_answered is not None:
+            out.prefill_answered(reply.elapsed_s, cached_tokens_of(answer))
         decode_body = dict(out.body)
         handed = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if handed:

@@ -11,6 +11,7 @@ happens its load leaves the registry and the router observes it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -135,6 +136,15 @@ class Relay:
         self.registry.end_prefill(a.dispatch.prefill.name, a.dispatch.request_id)
         self.registry.mark_decoding(a.dispatch.decode_name, a.dispatch.request_id)
 
+    def _prefill_answered(self, a: Attempt, elapsed_s: float, cached_tokens: int | None) -> None:
+        """A sequential prefill leg (nixl) answered: its load moves on and its leg is learned now,
+        before the decode leg is even sent (a non-streamed decode answers at its last token)."""
+        self.prefill_over(a)
+        d = a.dispatch
+        self.metrics.prefill_leg.labels(d.prefill.name).observe(elapsed_s)
+        prompt_tokens = a.routed.analysis.prompt_tokens
+        self.router.observe_prefill_leg(PrefillLeg(d.request_id, d.prefill.name, prompt_tokens, cached_tokens, elapsed_s))
+
     # ---- one request, one exchange ----------------------------------------------------------
     async def attempt(self, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float) -> int:
         """Serve `routed` on its instances; the HTTP status sent (see `run`)."""
@@ -148,15 +158,10 @@ class Relay:
         # where it decodes: the batch it joins is read there at its first token (only a stream's
         # token gaps teach the TBT fit, policies/kvcache_aware/learning.py)
         joined = self.registry.states[d.decode_name]
+        if d.decode is not None and not d.local:  # P/D: told as the prefill answers (nixl), not the decode
+            a.out = replace(a.out, prefill_answered=functools.partial(self._prefill_answered, a))
         exchange = await self._open(a)
         a.exchanges.append(exchange)
-        if exchange.prefill_s is not None:  # sequential prefill (nixl) is over
-            self.prefill_over(a)
-            self.metrics.prefill_leg.labels(d.prefill.name).observe(exchange.prefill_s)
-            leg = PrefillLeg(
-                d.request_id, d.prefill.name, a.routed.analysis.prompt_tokens, exchange.prefill_cached_tokens, exchange.prefill_s
-            )
-            self.router.observe_prefill_leg(leg)
         if exchange.reply is not None:
             return await self._relay_reply(a, exchange, send, client)
         return await self._relay_stream(a, exchange, joined, send, client)

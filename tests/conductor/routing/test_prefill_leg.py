@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 
 from conductor.core.types import ClusterSnapshot, Decision, Observation, PrefillLeg, RequestView, Role
@@ -80,3 +83,38 @@ def test_kvcache_aware_learns_the_leg_once() -> None:
             assert r.status_code == 200, r.text
     legs = [lesson for lesson in lessons if lesson[0] == "leg"]
     assert len(legs) == 3
+
+
+class _QueueWatcher(_Recording):
+    """Records the prefill instance's queue each decision sees; tells when a leg is learned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queues: list[int] = []
+        self.leg_seen = threading.Event()
+        self.decided = threading.Event()
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        self.queues.append(len(cluster.by_role(Role.PREFILL)[0].prefill_queue))
+        self.decided.set()
+        return super().decide(request, cluster)
+
+    def observe_prefill_leg(self, leg: PrefillLeg) -> None:
+        super().observe_prefill_leg(leg)
+        self.leg_seen.set()
+
+
+def test_a_prefill_that_answered_leaves_the_queue_before_its_decode_answers() -> None:
+    # a non-streamed decode answers at its last token: the prefill instance's queue must not hold the
+    # request that long (later decisions would predict a wait behind a prefill long over)
+    policy, release = _QueueWatcher(), threading.Event()
+    body = {"model": "tiny", "prompt": "abcd" * 20, "max_tokens": 3}
+    with cluster("nixl", policy=policy, standin={"decode": {"answer_after": release}}) as c, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, c.url + "/v1/completions", json=body, timeout=30)
+        assert policy.leg_seen.wait(30)  # its prefill answered; its decode is held
+        policy.decided.clear()
+        second = pool.submit(httpx.post, c.url + "/v1/completions", json=body, timeout=30)
+        assert policy.decided.wait(30)
+        release.set()
+        assert first.result().status_code == 200 and second.result().status_code == 200
+    assert policy.queues == [0, 0]  # the first request's entry was gone when the second was placed
