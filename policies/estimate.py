@@ -36,7 +36,7 @@ from types import MappingProxyType
 from conductor.core.fast_init import fast_init
 from conductor.core.types import ActiveDecode, CandidateScore, ClusterSnapshot, InstanceView, RequestView, Role, Tier
 from predictors.online import Predictors
-from predictors.params import INSTANCE_LINK, STORE_LINK
+from predictors.params import INSTANCE_LINK, NO_STRETCH, STORE_LINK
 
 STORE_SOURCE = "store"  # Decision.pull_from value for the pooled store
 _CONTEXT = attrgetter("context_tokens")
@@ -218,7 +218,10 @@ def estimate_prefill(
     best_transfer, best_prefill, prefix, pulled, source = prefix_plan(
         pred, n, _local_prefix(request, inst, n), sources if allow_pull else (), inst.id, waits
     )
-    queue = pred.queue_s(inst.prefill_queue)
+    stretch = NO_STRETCH if disaggregated else pred.mixed_stretch(inst)  # streams sharing a mixed engine
+    queue = pred.queue_s(inst.prefill_queue, stretch)
+    if stretch is not NO_STRETCH:
+        best_prefill += stretch[0] + stretch[1] * (n - prefix)
     handoff = pred.transfer_s(n) if disaggregated else 0.0
     return PrefillEstimate(
         instance=inst,

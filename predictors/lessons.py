@@ -42,6 +42,8 @@ Lesson = tuple[str | int | float, ...]
 FIELDS: Final[dict[str, tuple[type, ...]]] = {
     "prefill": (int, int, float),  # new tokens, cached tokens, seconds of the prefill's own compute
     "leg": (float, float, float, float),  # prefill features of a queue plus its request, seconds
+    # a mixed worker's leg: its 7 features (params.mixed_leg_features), seconds
+    "mixed_leg": (float, float, float, float, float, float, float, float),
     "decode_leg": (int, float, float),  # handoff tokens, TBT predicted, seconds of the decode leg
     "tbt": (int, int, float),  # batch, resident KV tokens, mean seconds between tokens
     "transfer": (str, float, float),  # link class, bytes, seconds

@@ -23,6 +23,7 @@ from predictors.lessons import Lesson, checked
 from predictors.linear import LinearModel
 from predictors.params import (
     INSTANCE_LINK,
+    NO_STRETCH,
     PredictorParams,
     prefill_features,
     tbt_features,
@@ -56,6 +57,11 @@ class Predictors:
     # samples of its window, Refitter.moved) clears the actual/predicted ratio windows behind the
     # calibrated bounds (predictors.quantile)
     RATIO_RESET = 0.1
+    # the mixed leg model's prior weighs this fraction of the others': its stretch coefficients start
+    # at 0, knowing nothing, and what they describe (a KV cache filling up) shows only once a worker
+    # is loaded, after a quiet start; at full weight the prior held the first 100 loaded legs back
+    # at half their TTFT (benchmarks/bench_prediction_accuracy.py --scenario mixed)
+    MIXED_PRIOR_SCALE = 0.1
 
     def __init__(self, params: PredictorParams, online: OnlineConfig = DEFAULT_ONLINE) -> None:
         self._params = params
@@ -65,6 +71,10 @@ class Predictors:
         self._tbt = refitter.window()
         self._transfer: dict[str, SampleWindow] = {}
         self._first = refitter.window()
+        self._mixed = refitter.window()
+        # (m0, m1, m2, m3): what the streams sharing a mixed worker's engine add to its prefills
+        # (predictors.params, "Mixed leg"); 0 until mixed legs are observed
+        self.mixed_coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         self.first_token_model = FIRST_TOKEN_PRIOR
         # the decode leg as fitted: k0 + k1 * handoff bytes + k2 * TBT (k1: the P -> D link's s/byte)
         lat, per_byte = params.transfer_model(INSTANCE_LINK).coef
@@ -130,16 +140,19 @@ class Predictors:
         coef = self._links.get(link) or self._links[INSTANCE_LINK]
         return coef[0] + coef[1] * tokens * self._params.kv_bytes_per_token
 
-    def queue_s(self, queue: Sequence[QueuedPrefill]) -> float:
+    def queue_s(self, queue: Sequence[QueuedPrefill], stretch: tuple[float, float] = NO_STRETCH) -> float:
         """Predicted time until an instance with this FCFS prefill queue starts a new prefill.
 
         The head of the queue is the one running: only what is left of it counts. Its elapsed_s
         is time since dispatch, which overstates its run time when it waited behind others, so
-        the remainder is clamped at zero rather than trusted to be exact.
+        the remainder is clamped at zero rather than trusted to be exact. `stretch`: a mixed
+        worker's (s0, s1) (`mixed_stretch`), added per queued prefill and per its token.
         """
         if not queue:
             return 0.0
         c0, c1, c2 = self._pc
+        if stretch is not NO_STRETCH:
+            c0, c1 = c0 + stretch[0], c1 + stretch[1]
         total = 0.0
         for q in queue:
             n = q.new_tokens
@@ -167,6 +180,18 @@ class Predictors:
 
     def instance_queue_s(self, instance: InstanceView) -> float:
         return self.queue_s(instance.prefill_queue)
+
+    def mixed_stretch(self, instance: InstanceView) -> tuple[float, float]:
+        """(s0, s1): the seconds per prefill and per prompt token that the streams listed on a
+        mixed worker add to each of its prefills (predictors.params, "Mixed leg"); NO_STRETCH
+        where none is listed or nothing was learned."""
+        streams = instance.decodes
+        m0, m1, m2, m3 = self.mixed_coef
+        if not streams or not (m0 or m1 or m2 or m3):
+            return NO_STRETCH
+        resident = float(instance.resident_kv_tokens)
+        n = float(len(streams))
+        return (m0 * resident + m2 * n, m1 * resident + m3 * n)
 
     def tbt_s(self, batch: float, resident_kv_tokens: float) -> float:
         d0, d1, d2 = self._tc
@@ -228,6 +253,25 @@ class Predictors:
         if self._refitter.add(self._prefill, tuple(float(f) for f in features), seconds):
             self._params = replace(self._params, prefill=self._refit(self._prefill, self._params.prefill, TTFT_RATIOS))
             self._cache_params()
+
+    def observe_mixed_leg(self, features: Sequence[float], seconds: float) -> None:
+        """A mixed worker's leg (its first token): `features` are params.mixed_leg_features of the
+        queue's and the request's summed prefill features and the worker's streams at decision
+        time, `seconds` as for `observe_leg`. One fit of the 7 coefficients: the first 3 become
+        the prefill model (what a prefill costs with no stream beside it), the rest `mixed_coef`."""
+        if seconds <= 0 or features[0] <= 0:
+            return
+        if self._lessons is not None:
+            self._lessons.append(("mixed_leg", *(float(f) for f in features[:7]), seconds))
+        if not self._refitter.add(self._mixed, tuple(float(f) for f in features), seconds):
+            return
+        prefill = self._params.prefill
+        current = LinearModel((*prefill.coef, *self.mixed_coef), prefill.p90_ratio, prefill.samples, prefill.mape)
+        fitted = self._refit(self._mixed, current, TTFT_RATIOS, self.MIXED_PRIOR_SCALE)
+        c = fitted.coef
+        self._params = replace(self._params, prefill=LinearModel(c[:3], fitted.p90_ratio, fitted.samples, fitted.mape))
+        self.mixed_coef = (c[3], c[4], c[5], c[6])
+        self._cache_params()
 
     def observe_decode_leg(self, handoff_tokens: int, tbt_s: float, seconds: float) -> None:
         """Observed TTFT minus observed prefill leg of a disaggregated request whose prompt KV of
@@ -335,6 +379,8 @@ class Predictors:
                 self.observe_prefill(int(args[0]), int(args[1]), float(args[2]))
             elif kind == "leg":
                 self.observe_leg((float(args[0]), float(args[1]), float(args[2])), float(args[3]))
+            elif kind == "mixed_leg":
+                self.observe_mixed_leg(tuple(float(a) for a in args[:7]), float(args[7]))
             elif kind == "decode_leg":
                 self.observe_decode_leg(int(args[0]), float(args[1]), float(args[2]))
             elif kind == "tbt":
@@ -345,7 +391,9 @@ class Predictors:
             self._lessons = lessons
             self._errors_on = self._online.track_errors
 
-    def _refit(self, win: SampleWindow, current: LinearModel, clears: tuple[str, ...] = ()) -> LinearModel:
+    def _refit(
+        self, win: SampleWindow, current: LinearModel, clears: tuple[str, ...] = (), prior_scale: float = 1.0
+    ) -> LinearModel:
         """`current` refitted on its window (as it is when that fails). A refit that moves the
         model's predictions by more than RATIO_RESET clears the ratio windows named in `clears`
         (TTFT_RATIOS or TBT_RATIOS: those measuring this model) and bumps their side's generation.
@@ -357,7 +405,7 @@ class Predictors:
         three, TBT refits moved the prediction at (32, 64K) by 52% and 24% while the window's
         predictions moved by a median of 1.6% and 0%, and each clear left the next 20 TTFT bounds
         on the fit's own p90 ratio (coverage 0.84 there against 0.89 elsewhere)."""
-        fitted = self._refitter.refit(win, current)
+        fitted = self._refitter.refit(win, current, prior_scale)
         if fitted is None:
             return current
         if clears and self._refitter.moved > self.RATIO_RESET:

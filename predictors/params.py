@@ -11,6 +11,13 @@ Model forms (all linear in their coefficients, fitted by `predictors.linear.fit_
   the MLP of cached tokens, which is exactly what prefix caching saves.
 * T_transfer(bytes) = latency + bytes / bandwidth, one model per link class ("instance" for
   instance -> instance over RDMA/TCP, "store" for Mooncake Store -> instance).
+* Mixed leg (a mixed worker: prefills and decodes share one engine) = the prefill leg above plus,
+  for every prefill of the queue and the request, s0 + s1 * new tokens, where s0 = m0 * R + m2 * S
+  and s1 = m1 * R + m3 * S over the S streams listed on the worker holding R context tokens. A
+  chunked-prefill engine runs the streams' decode tokens in every chunk's step (a prefill pays
+  their cost once per chunk: per prefill and per token) and slows every step as the resident KV
+  nears the cache's size (a stretch rising with R); the coefficients are learned online from the
+  mixed workers' observed first tokens, starting at 0 (predictors.online.observe_mixed_leg).
 * TBT(batch, resident_kv) = d0 + d1 * batch + d2 * resident_kv. A decode step is memory bound: it
   reads the weights once (d0), the KV of every resident token (d2) and does per-sequence work such
   as sampling (d1).
@@ -34,6 +41,17 @@ PARAMS_VERSION = 1
 
 def prefill_features(new_tokens: float, cached_tokens: float) -> tuple[float, float, float]:
     return (1.0, new_tokens, new_tokens * (new_tokens + 2.0 * cached_tokens))
+
+
+NO_STRETCH = (0.0, 0.0)  # (s0, s1) of a worker no stream shares: the plain prefill formula
+
+
+def mixed_leg_features(leg: tuple[float, float, float], resident_tokens: float, streams: float) -> tuple[float, ...]:
+    """The mixed leg model's features: a prefill leg's summed prefill features (`leg`: the queue's
+    and the request's) and their products with the worker's resident context tokens and streams
+    at decision time (the model's form is in the module docstring)."""
+    f0, f1, f2 = leg
+    return (f0, f1, f2, f0 * resident_tokens, f1 * resident_tokens, f0 * streams, f1 * streams)
 
 
 def transfer_features(nbytes: float) -> tuple[float, float]:

@@ -113,11 +113,11 @@ class Refitter:
             return True
         return False
 
-    def refit(self, win: SampleWindow, current: LinearModel) -> LinearModel | None:
+    def refit(self, win: SampleWindow, current: LinearModel, prior_scale: float = 1.0) -> LinearModel | None:
         """`current` refitted on its window, None when the window cannot be fitted (the model
-        then stays as it is)."""
+        then stays as it is). `prior_scale` scales the prior's weight (a model's own choice)."""
         o = self.online
-        opts = FitOptions(loss=o.loss, f_scale=o.f_scale, mad_k=o.mad_k, prior_weight=o.prior_weight)
+        opts = FitOptions(loss=o.loss, f_scale=o.f_scale, mad_k=o.mad_k, prior_weight=o.prior_weight * prior_scale)
         try:
             x, y = win.arrays()
             fitted = fit_linear(x, y, prior=current.coef, options=opts)

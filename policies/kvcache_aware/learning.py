@@ -10,7 +10,9 @@ state. What each outcome teaches:
   leg is the running head's remainder plus the queued prefills plus its own, so leg + the head's
   elapsed time - the predicted prefix pull is linear in the prefill coefficients with the summed
   features of the queue and the request (Predictors.queue_features / observe_leg). The model keeps
-  learning under sustained load, when no leg runs on an empty queue.
+  learning under sustained load, when no leg runs on an empty queue. A mixed worker's leg (its
+  first token) is learned with those features times the streams listed there at decision time and
+  their context tokens (Predictors.observe_mixed_leg): its engine runs them in every chunk's step.
 * decode leg: TTFT at the client minus the prefill leg (KV handoff, the decode step in progress and
   the one that samples the first token, HTTP) is fitted as k0 + k1*handoff bytes + k2*TBT
   (Predictors.observe_decode_leg); k1 is the link's cost per byte, so the transfer model (handoffs
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, PrefillLeg, RequestView
 from predictors.online import Predictors
-from predictors.params import prefill_features
+from predictors.params import mixed_leg_features, prefill_features
 
 
 @dataclass(slots=True)  # not frozen: nothing changes one, and a frozen one costs twice as much to build
@@ -54,6 +56,8 @@ class _Pending:
     # Predictors.generation when predicted, (TTFT side, TBT side): ratios of a side whose model has
     # since moved (its windows cleared) are not kept
     generation: tuple[int, int]
+    # a mixed worker's (resident context tokens, streams) listed at decision time; None: P/D
+    sharing: tuple[float, float] | None = None
     leg_learned: bool = False  # learn_leg taught its prefill leg already: learn must not again
 
 
@@ -142,6 +146,7 @@ class OutcomeLearner:
             else _NO_BOUNDS,
             judged_tbt_s=judged_tbt,
             generation=pred.generation,
+            sharing=(float(instance.resident_kv_tokens), float(len(instance.decodes))) if decision.decode is None else None,
         )
         while len(self.pending) > self.max_pending:  # observations that never came: forget them
             self.pending.popitem(last=False)
@@ -175,7 +180,11 @@ class OutcomeLearner:
         # every leg teaches the prefill model: behind an FCFS queue it is the queue's prefills
         # (the head's remainder) plus its own, linear in the same coefficients
         qf = p.queue_features
-        pred.observe_leg((qf[0] + own[0], qf[1] + own[1], qf[2] + own[2]), leg + p.head_elapsed_s - p.transfer_s)
+        features = (qf[0] + own[0], qf[1] + own[1], qf[2] + own[2])
+        if p.sharing is None:
+            pred.observe_leg(features, leg + p.head_elapsed_s - p.transfer_s)
+        else:
+            pred.observe_mixed_leg(mixed_leg_features(features, *p.sharing), leg + p.head_elapsed_s - p.transfer_s)
 
     def learn(self, observation: Observation) -> None:
         """Compare the request's outcome with what was predicted for it, and teach the predictors."""

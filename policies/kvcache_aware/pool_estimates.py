@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from conductor.core.types import InstanceView, RequestView, Tier
 from policies.estimate import PrefillEstimate, prefix_plan
 from predictors.online import Predictors
+from predictors.params import NO_STRETCH
 
 
 def _plan_sources(sources: Sequence[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
@@ -47,9 +48,13 @@ class PoolPrefillEstimates:
     (`estimate(i)`): most are weighed and dropped. `ttfts[i]` is bit for bit
     estimate_prefill(...).ttft_s of `prefills[i]` (the same float operations in the same order) and
     `estimate(i)` an equal PrefillEstimate.
+
+    On mixed workers (not `disaggregated`) each one's queue and prefill carry the stretch of the
+    streams listed there (Predictors.mixed_stretch): its own, so the shared plan's prefill is
+    stretched per worker (`_prefill`).
     """
 
-    __slots__ = ("_built", "_handoff", "_plan", "_plans", "_queues", "prefills", "ttfts")
+    __slots__ = ("_built", "_handoff", "_n", "_plan", "_plans", "_queues", "_stretches", "prefills", "ttfts")
 
     def __init__(
         self,
@@ -70,8 +75,16 @@ class PoolPrefillEstimates:
         # an instance named like a source (the store's "store" included) skips that source: its own plan
         singular = request.cached.keys() | ({s[1] for s in sources} if allow_pull else set())
         queue_s = pred.queue_s
-        self._queues = queues = [queue_s(inst.prefill_queue) for inst in prefills]
-        self.ttfts = [transfer + queue + prefill + handoff for queue in queues]  # estimate_prefill's sum, in its order
+        self._n = n
+        self._stretches = None if disaggregated else [pred.mixed_stretch(inst) for inst in prefills]
+        if self._stretches is None or all(st is NO_STRETCH for st in self._stretches):
+            self._stretches = None  # no stream shares any worker's engine (or nothing learned): the plain sums
+            self._queues = queues = [queue_s(inst.prefill_queue) for inst in prefills]
+            self.ttfts = [transfer + queue + prefill + handoff for queue in queues]  # estimate_prefill's sum, in its order
+        else:
+            stretches = self._stretches
+            self._queues = queues = [queue_s(inst.prefill_queue, st) for inst, st in zip(prefills, stretches, strict=True)]
+            self.ttfts = [transfer + queue + self._prefill(prefill, 0, i) + handoff for i, queue in enumerate(queues)]
         self._plans: dict[int, tuple[float, float, int, int, str | None]] = {}
         self._built: dict[int, PrefillEstimate] = {}  # estimate(i) as built: a decision asks for the best twice
         # a plan is a function of the local prefix and of the instance only where it is one of the
@@ -89,19 +102,26 @@ class PoolPrefillEstimates:
                 if plan is None:
                     plan = plans[key] = prefix_plan(pred, n, local, usable, key[1], waits)
                 own_plans[i] = plan
-                ttfts[i] = plan[0] + queues[i] + plan[1] + handoff
+                ttfts[i] = plan[0] + queues[i] + self._prefill(plan[1], plan[2], i) + handoff
 
     @property
     def handoff_s(self) -> float:
         """The predicted P->D handoff of the request's KV, the same on every instance (0 mixed)."""
         return self._handoff
 
+    def _prefill(self, prefill: float, prefix: int, i: int) -> float:
+        """A plan's prefill of the request on instance `i`, with its stretch (NO_STRETCH: as is)."""
+        stretches = self._stretches
+        if stretches is None:
+            return prefill
+        s0, s1 = stretches[i]
+        return prefill + (s0 + s1 * (self._n - prefix))
+
     def works(self) -> list[float]:
         """Each instance's own prefill compute (`PrefillEstimate.prefill_s`): what placing the
         request there takes from the pool's capacity, pulls and its cached prefix excluded."""
-        shared = self._plan[1]
-        plans = self._plans
-        return [plans[i][1] if i in plans else shared for i in range(len(self.prefills))]
+        shared, plans = self._plan, self._plans
+        return [self._prefill(plans.get(i, shared)[1], plans.get(i, shared)[2], i) for i in range(len(self.prefills))]
 
     def estimate(self, i: int) -> PrefillEstimate:
         est = self._built.get(i)
@@ -113,7 +133,7 @@ class PoolPrefillEstimates:
             ttft_s=self.ttfts[i],
             transfer_s=transfer,
             queue_s=self._queues[i],
-            prefill_s=prefill,
+            prefill_s=self._prefill(prefill, prefix, i),
             handoff_s=self._handoff,
             cached_tokens=prefix,
             pulled_tokens=pulled,

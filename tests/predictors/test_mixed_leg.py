@@ -1,0 +1,91 @@
+"""The mixed leg model (issue 39): a mixed worker's TTFT grows with the streams that share its engine
+(their decode tokens ride in every prefill chunk's step; their KV slows every step), which the plain
+prefill formula cannot see. Learned online from mixed legs, its stretch enters the worker's queue
+and prefill predictions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role
+from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
+from predictors.params import NO_STRETCH, mixed_leg_features, prefill_features
+
+# the truth: a prefill of n tokens beside streams holding R context tokens takes
+# (c0 + c1 n + c2 n^2) * (1 + R / 40,000): a KV-pressure stretch the plain formula lacks
+BASE = (0.015, 9.0e-5, 2.0e-9)
+
+
+def _truth(n: int, resident: int) -> float:
+    c0, c1, c2 = BASE
+    return (c0 + c1 * n + c2 * n * n) * (1.0 + resident / 40_000)
+
+
+def _worker(streams: int, context: int = 4000, queued: tuple[int, ...] = ()) -> InstanceView:
+    return InstanceView(
+        "m0",
+        Role.MIXED,
+        prefill_queue=tuple(QueuedPrefill(q, 0, 0.0) for q in queued),
+        decodes=tuple(ActiveDecode(context, 32) for _ in range(streams)),
+    )
+
+
+def _samples(count: int, seed: int = 1) -> list[tuple[int, int, int, float]]:
+    """(prompt tokens, streams, resident tokens, leg seconds) of legs on an idle queue, 3% noise."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n, streams = rng.randint(1024, 6144), rng.randint(0, 8)
+        resident = streams * 4000
+        out.append((n, streams, resident, _truth(n, resident) * rng.lognormvariate(0.0, 0.03)))
+    return out
+
+
+def _mape(pred: Predictors, cases: list[tuple[int, int, int, float]]) -> float:
+    errs = []
+    for n, streams, _, seconds in cases:
+        est = pred.prefill_s(n, 0)
+        s0, s1 = pred.mixed_stretch(_worker(streams))
+        errs.append(abs(est + s0 + s1 * n - seconds) / seconds)
+    return sum(errs) / len(errs)
+
+
+def test_mixed_legs_teach_the_stretch_of_the_streams_sharing_the_engine() -> None:
+    pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig())
+    plain = Predictors(fit_profiles([bundled_profile()]), OnlineConfig())
+    for n, streams, resident, seconds in _samples(256):
+        pred.observe_mixed_leg(mixed_leg_features(prefill_features(n, 0), resident, streams), seconds)
+        plain.observe_leg(prefill_features(n, 0), seconds)  # the old rule: one formula for every worker
+    held_out = _samples(100, seed=2)
+    assert _mape(pred, held_out) < 0.05
+    # without the streams' term the best one formula misses by far more
+    assert _mape(plain, held_out) > 0.15
+    # the prefill model is the fit's stream-free part: a worker alone prefills at the base cost
+    assert pred.prefill_s(4096, 0) == pytest.approx(_truth(4096, 0), rel=0.05)
+    assert pred.mixed_stretch(_worker(0)) is NO_STRETCH
+
+
+def test_the_stretch_enters_every_queued_prefill_and_the_request() -> None:
+    pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(enabled=False))
+    pred.mixed_coef = (1.0e-6, 2.0e-9, 0.0, 0.0)  # per prefill and per token, per resident token
+    worker = _worker(4, queued=(2000, 3000))
+    s0, s1 = pred.mixed_stretch(worker)
+    assert (s0, s1) == pytest.approx((1.0e-6 * 16_000, 2.0e-9 * 16_000))
+    plain = pred.queue_s(worker.prefill_queue)
+    assert pred.queue_s(worker.prefill_queue, (s0, s1)) == pytest.approx(plain + 2 * s0 + s1 * 5000)
+    assert pred.queue_s(worker.prefill_queue, NO_STRETCH) == plain
+
+
+def test_a_mixed_leg_is_a_lesson_a_sibling_learns_alike() -> None:
+    a = Predictors(fit_profiles([bundled_profile()]), OnlineConfig())
+    b = Predictors(fit_profiles([bundled_profile()]), OnlineConfig())
+    lessons = a.record_lessons()
+    for n, streams, resident, seconds in _samples(64):
+        a.observe_mixed_leg(mixed_leg_features(prefill_features(n, 0), resident, streams), seconds)
+    assert lessons and all(lesson[0] == "mixed_leg" for lesson in lessons)
+    for lesson in lessons:
+        b.learn(list(lesson))
+    assert b.mixed_coef == a.mixed_coef and b.params.prefill.coef == a.params.prefill.coef
+    assert any(a.mixed_coef)
