@@ -136,13 +136,12 @@ class Relay:
         self.registry.end_prefill(a.dispatch.prefill.name, a.dispatch.request_id)
         self.registry.mark_decoding(a.dispatch.decode_name, a.dispatch.request_id)
 
-    def _prefill_answered(self, a: Attempt, elapsed_s: float, cached_tokens: int | None) -> None:
+    def _prefill_answered(self, d: Dispatch, prompt_tokens: int, elapsed_s: float, cached_tokens: int | None) -> None:
         """A sequential prefill leg (nixl) answered: its load moves on and its leg is learned now,
         before the decode leg is even sent (a non-streamed decode answers at its last token)."""
-        self.prefill_over(a)
-        d = a.dispatch
+        self.registry.end_prefill(d.prefill.name, d.request_id)
+        self.registry.mark_decoding(d.decode_name, d.request_id)
         self.metrics.prefill_leg.labels(d.prefill.name).observe(elapsed_s)
-        prompt_tokens = a.routed.analysis.prompt_tokens
         self.router.observe_prefill_leg(PrefillLeg(d.request_id, d.prefill.name, prompt_tokens, cached_tokens, elapsed_s))
 
     # ---- one request, one exchange ----------------------------------------------------------
@@ -159,7 +158,8 @@ class Relay:
         # token gaps teach the TBT fit, policies/kvcache_aware/learning.py)
         joined = self.registry.states[d.decode_name]
         if d.decode is not None and not d.local:  # P/D: told as the prefill answers (nixl), not the decode
-            a.out = replace(a.out, prefill_answered=functools.partial(self._prefill_answered, a))
+            # bound to the dispatch, not the attempt: the attempt holds `out` (no reference cycle)
+            a.out = replace(a.out, prefill_answered=functools.partial(self._prefill_answered, d, a.routed.analysis.prompt_tokens))
         exchange = await self._open(a)
         a.exchanges.append(exchange)
         if exchange.reply is not None:
