@@ -47,6 +47,13 @@ def _add_effect_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_event_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replays")
+    p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
+    p.add_argument("--kv-events-delay-s", type=float, default=0.0, help="publish each KV event batch this late (lag)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="conductor emulate", description="Run an emulated vLLM worker.", formatter_class=DefaultsHelpFormatter
@@ -60,10 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bootstrap-port", type=int, default=None, help="prefill role, mooncake/sglang: serve the bootstrap server on this port"
     )
-    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
-    p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replays")
-    p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events")
-    p.add_argument("--kv-events-delay-s", type=float, default=0.0, help="publish each KV event batch this late (lag)")
+    _add_kv_event_flags(p)
     p.add_argument("--profile", default=None, help="YAML/JSON timing profile (default: bundled Qwen3-8B/H800)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every modelled duration")
     p.add_argument("--noise", type=float, default=0.0, help="sigma of multiplicative lognormal noise")

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -397,22 +397,3 @@ def build_canary(
         attempts=s.canary_attempts,
         registry=registry,
     )
-
-
-@runtime_checkable
-class RunsCanaries(Protocol):
-    """An analyzer that checks instances' KV events before trusting them (KVAwareAnalyzer; None: turned off)."""
-
-    @property
-    def canary(self) -> KVCanary | None: ...
-
-
-def canary_of(analyzer: object) -> KVCanary | None:
-    """The analyzer's canary, None for one that runs none."""
-    return analyzer.canary if isinstance(analyzer, RunsCanaries) else None
-
-
-def canary_detail(analyzer: object) -> dict[str, Any] | None:
-    """The canary report of an analyzer that runs canaries (None for one that does not)."""
-    canary = canary_of(analyzer)
-    return canary.report() if canary is not None and canary.enabled else None
