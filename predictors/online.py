@@ -12,6 +12,7 @@ tracked per instance, so a slow instance shows up in the error stats rather than
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
@@ -57,10 +58,9 @@ class Predictors:
     # samples of its window, Refitter.moved) clears the actual/predicted ratio windows behind the
     # calibrated bounds (predictors.quantile)
     RATIO_RESET = 0.1
-    # the mixed leg model's prior weighs this fraction of the others': its stretch coefficients start
-    # at 0, knowing nothing, and what they describe (a KV cache filling up) shows only once a worker
-    # is loaded, after a quiet start; at full weight the prior held the first 100 loaded legs back
-    # at half their TTFT (benchmarks/bench_prediction_accuracy.py --scenario mixed)
+    # the mixed leg model's prior weighs this fraction of the others': its stretch terms start at 0 and
+    # what they describe shows only once a worker is loaded; at full weight the prior held the first
+    # 100 loaded legs at half their TTFT (bench_prediction_accuracy.py --scenario mixed)
     MIXED_PRIOR_SCALE = 0.1
 
     def __init__(self, params: PredictorParams, online: OnlineConfig = DEFAULT_ONLINE) -> None:
@@ -130,6 +130,14 @@ class Predictors:
         c0, c1, c2 = self._pc
         return c0 + c1 * new_tokens + c2 * new_tokens * (new_tokens + 2 * cached_tokens)
 
+    def prefill_scaled(self, scale: float) -> Predictors:
+        """A view predicting prefills `scale` times slower, for one decision behind prefills that
+        overran (predictors/overrun.py). Predict only: it shares this one's windows and learning."""
+        view = copy.copy(self)
+        view._pc = tuple(c * scale for c in self._pc)
+        view.mixed_coef = tuple(c * scale for c in self.mixed_coef)  # type: ignore[assignment]
+        return view
+
     def prefill_p90_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.prefill_s(new_tokens, cached_tokens) * self._params.prefill.p90_ratio
 
@@ -161,25 +169,6 @@ class Predictors:
         n = head.new_tokens
         head_t = c0 + c1 * n + c2 * n * (n + 2 * head.cached_tokens)
         return total - min(head.elapsed_s, head_t)
-
-    @staticmethod
-    def queue_features(queue: Sequence[QueuedPrefill]) -> tuple[tuple[float, float, float], float]:
-        """(sum of prefill_features over every queued entry, the head's elapsed time).
-
-        Behind an FCFS queue whose head started running `elapsed` ago, a new prefill's leg is
-        (head's run time - elapsed) + the others' + its own: linear in the prefill coefficients
-        with these summed features, which is what `observe_leg` fits to.
-        """
-        f0 = f1 = f2 = 0.0
-        for q in queue:
-            n = q.new_tokens
-            f0 += 1.0
-            f1 += n
-            f2 += n * (n + 2.0 * q.cached_tokens)
-        return (f0, f1, f2), (queue[0].elapsed_s if queue else 0.0)
-
-    def instance_queue_s(self, instance: InstanceView) -> float:
-        return self.queue_s(instance.prefill_queue)
 
     def mixed_stretch(self, instance: InstanceView) -> tuple[float, float]:
         """(s0, s1): the seconds per prefill and per prompt token that the streams listed on a
@@ -245,7 +234,7 @@ class Predictors:
 
     def observe_leg(self, features: Sequence[float], seconds: float) -> None:
         """A prefill leg as the sum of its FCFS queue's and its own prefill features (see
-        `queue_features`): `seconds` = observed leg + head elapsed - predicted prefix pull."""
+        `params.queue_features`): `seconds` = observed leg + head elapsed - predicted prefix pull."""
         if seconds <= 0 or features[0] <= 0:
             return
         if self._lessons is not None:
@@ -397,14 +386,8 @@ class Predictors:
         """`current` refitted on its window (as it is when that fails). A refit that moves the
         model's predictions by more than RATIO_RESET clears the ratio windows named in `clears`
         (TTFT_RATIOS or TBT_RATIOS: those measuring this model) and bumps their side's generation.
-
-        The move is measured over the window's own samples, where the model is used, not at a fixed
-        point: a point outside the workload (once 4,096 prompt tokens; a decode batch of 32 over
-        64K resident tokens) magnified changes of coefficients the workload hardly exercises. On
-        two real vLLM CPU engines serving prompts of under 2K tokens and decode batches of one to
-        three, TBT refits moved the prediction at (32, 64K) by 52% and 24% while the window's
-        predictions moved by a median of 1.6% and 0%, and each clear left the next 20 TTFT bounds
-        on the fit's own p90 ratio (coverage 0.84 there against 0.89 elsewhere)."""
+        The move is measured over the window's own samples, where the model is used, not at a
+        fixed point outside the workload (docs/kvcache_aware.md, "Learning", says why)."""
         fitted = self._refitter.refit(win, current, prior_scale)
         if fitted is None:
             return current

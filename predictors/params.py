@@ -26,12 +26,13 @@ Model forms (all linear in their coefficients, fitted by `predictors.linear.fit_
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from conductor.core.types import QueuedPrefill
 from predictors.linear import LinearModel
 
 INSTANCE_LINK = "instance"  # prefix pulled from another instance's memory
@@ -160,3 +161,19 @@ class PredictorParams:
     @classmethod
     def load(cls, path: str | Path) -> PredictorParams:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def queue_features(queue: Sequence[QueuedPrefill]) -> tuple[tuple[float, float, float], float]:
+    """(sum of prefill_features over every queued entry, the head's elapsed time).
+
+    Behind an FCFS queue whose head started running `elapsed` ago, a new prefill's leg is (head's
+    run time - elapsed) + the others' + its own: linear in the prefill coefficients with these
+    summed features, which is what `Predictors.observe_leg` fits to.
+    """
+    f0 = f1 = f2 = 0.0
+    for q in queue:
+        n = q.new_tokens
+        f0 += 1.0
+        f1 += n
+        f2 += n * (n + 2.0 * q.cached_tokens)
+    return (f0, f1, f2), (queue[0].elapsed_s if queue else 0.0)

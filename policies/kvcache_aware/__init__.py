@@ -81,6 +81,7 @@ from policies.kvcache_aware.stages import (
 from policies.local_prefill import LocalPrefill, local_prefill_s
 from predictors.errors import ErrorStats
 from predictors.online import OnlineConfig, Predictors
+from predictors.overrun import overrun_scale
 
 __all__ = [
     "OPTION_KEYS",
@@ -170,18 +171,21 @@ class KvCacheAwarePolicy(BasePolicy):
         pools = candidates(request, cluster, self.pull_links, only_p, only_d, self.name)
         if isinstance(pools, Decision):
             return pools  # no healthy instance in a pool the request needs
+        scale = overrun_scale(pred, pools.prefills, mixed=not pools.disaggregated)
+        if scale > 1.0:  # the running prefills show the model too fast: predict as slow as they are
+            pred = pred.prefill_scaled(scale)
         seen = with_inflight(self.inflight, request)  # what the index and the in-flight table report
         last = None if self.sessions is None or request.session is None or pools.pinned else self.sessions.last(request.session)
         hint = None if last is None else hinted(seen, last, pools.prefills)
         weighed = estimates(pred, seen if hint is None else hint, pools, None)
-        placed, tbt = self._place(request, pools, weighed, cluster.now)
+        placed, tbt = self._place(pred, request, pools, weighed, cluster.now)
         hint_marked = None
         if hint is not None and last is not None:
             plain = None  # the placement without the hint, needed only where the hint's instance won
             if pools.prefills[placed.best].id == last.prefill:
-                plain = self._place(request, pools, estimates(pred, seen, pools, None), cluster.now)[0].best
+                plain = self._place(pred, request, pools, estimates(pred, seen, pools, None), cluster.now)[0].best
             hint_marked = hint_mark(placed.best, pools.prefills, last, plain)
-        placed, verdict, decode_marked = self._admit(request, cluster, pools, weighed, placed, tbt, last)
+        placed, verdict, decode_marked = self._admit(pred, request, cluster, pools, weighed, placed, tbt, last)
         local = local_fallback(self.local, pred, request, cluster, pools, placed, verdict)
         rejection = probed(verdict.rejection, options.admission.probe_after, self._rejected_in_a_row)
         if rejection is None and local is None and self.tenants is not None and not pools.pinned:
@@ -192,10 +196,12 @@ class KvCacheAwarePolicy(BasePolicy):
             return decision
         return mark_session(decision, (hint_marked, decode_marked))
 
-    def _place(self, request: RequestView, pools: Pools, weighed: PoolPrefillEstimates, now: float) -> tuple[Placement, TbtBound]:
+    def _place(
+        self, pred: Predictors, request: RequestView, pools: Pools, weighed: PoolPrefillEstimates, now: float
+    ) -> tuple[Placement, TbtBound]:
         """Stage 3, placement, and the TBT bound admission will judge it by; a less urgent class on
         mixed workers under the prefills queued ahead (backlog) and the workers' duty (prefill_duty.py)."""
-        pred, options = self.predictors, self.options
+        options = self.options
         if pools.disaggregated:
             tbt = TbtBound.of(pred, options.admission.tbt_quantile)
             placed = place_disaggregated(
@@ -210,6 +216,7 @@ class KvCacheAwarePolicy(BasePolicy):
 
     def _admit(
         self,
+        pred: Predictors,
         request: RequestView,
         cluster: ClusterSnapshot,
         pools: Pools,
@@ -221,7 +228,7 @@ class KvCacheAwarePolicy(BasePolicy):
         """Stage 4, admission, of the placement, or of it on the session's decode where a readback
         is offered from that decode (sessions.py); a session whose decode would miss an SLO that
         the placement meets moves. The decode's mark (None: the rule did not apply)."""
-        pred, options = self.predictors, self.options
+        options = self.options
         decode_id = None if last is None or not pools.disaggregated else readback_decode(request, last)
         if decode_id is None:
             return placed, admission(pred, request, cluster, pools, weighed, placed, options.admission, tbt), None

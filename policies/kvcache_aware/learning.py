@@ -9,7 +9,7 @@ state. What each outcome teaches:
 * prefill: every observed prefill leg (queue_and_prefill_s) is a sample. Behind an FCFS queue the
   leg is the running head's remainder plus the queued prefills plus its own, so leg + the head's
   elapsed time - the predicted prefix pull is linear in the prefill coefficients with the summed
-  features of the queue and the request (Predictors.queue_features / observe_leg). The model keeps
+  features of the queue and the request (predictors.params.queue_features / observe_leg). The model keeps
   learning under sustained load, when no leg runs on an empty queue. A mixed worker's leg (its
   first token) is learned with those features times the streams listed there at decision time and
   their context tokens (Predictors.observe_mixed_leg): its engine runs them in every chunk's step.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from conductor.core.types import CandidateScore, ClusterSnapshot, Decision, Observation, PrefillLeg, RequestView
 from predictors.online import Predictors
-from predictors.params import mixed_leg_features, prefill_features
+from predictors.params import mixed_leg_features, prefill_features, queue_features
 
 
 @dataclass(slots=True)  # not frozen: nothing changes one, and a frozen one costs twice as much to build
@@ -120,7 +120,7 @@ class OutcomeLearner:
         pred = self.predictors
         detail = prefill.detail
         queue_s, transfer_s, prefill_s = detail["queue_s"], detail["transfer_s"], detail["prefill_s"]
-        features, head_elapsed = pred.queue_features(instance.prefill_queue)
+        features, head_elapsed = queue_features(instance.prefill_queue)
         ttft, tbt = decision.predicted_ttft_s, decision.predicted_tbt_s
         leg = queue_s + transfer_s + prefill_s
         judged_tbt = None if decode is None else decode.detail.get("admission_tbt_s", decode.predicted_tbt_s)
