@@ -1,8 +1,9 @@
 """Simulator benchmarks: speed targets and the paper's figures, side by side with ratios.
 
-    python benchmarks/bench_simulator.py            # everything (a few minutes on 2 cores)
+    python benchmarks/bench_simulator.py            # everything (tens of minutes on 2 cores)
     python benchmarks/bench_simulator.py speed fig5 # some sections: speed, sweep, fig5, fig15, table3, fair, ratios,
-                                                    # ratios-staged, sessions
+                                                    # ratios-direct, sessions
+    python benchmarks/bench_simulator.py ratios --seeds 4 --markdown   # docs/simulator.md's tables
 
 Settings: the conversation / synthetic traces bundled in traces/data; `--paper` truth model (the
 bundled Qwen3-8B/H800 profile with prefill cost x7 and 320 KB of KV per token, emulating the
@@ -11,7 +12,9 @@ the setting it ran. Two of them reproduce the paper only in a stated setting: Fi
 `--paper` (with the profile's own 8B prefill cost the cluster is idle and the schedulers tie),
 and Table 3's ordering (predicted rejects fewer than early) only shows in a tuned decode-bound
 setting, 8P+4D with a 45 ms TBT SLO; on the --paper defaults (8P+8D) decode never binds and the
-two modes coincide. Prefix pulls: peer-to-peer allowed (`--pull both`, no store configured).
+two modes coincide. Prefix pulls: peer-to-peer allowed (`--pull both`, no store configured), except
+`ratios`, whose pulls are the live gateway's (`--pull staged`; `ratios-direct` is the `--pull both`
+variant). `ratios` runs every cell over `--seeds` seeds (benchmarks/sim_ratios.py).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import sim_ratios
 from traces.agent_trace import AgentWorkload, generate
 from traces.agent_trace import write as write_agent
-from traces.formats import reusable_prefix_share
 from traces.sim.options import add_cluster_args, config_from_args, describe
 from traces.sim.results import RunResult
 from traces.sim.runner import PolicySpec, SimJob, default_workers, load_requests, run_job, run_jobs
@@ -213,92 +218,8 @@ def bench_fair() -> None:
         )
 
 
-# Speed-ups where the best baseline (fitted predictors, predicted admission) met 80-90% and 60-70%
-# of both SLOs in the --paper setting, found with runs of every baseline on 2026-12-01; the table
-# prints the share it met this time, so a drifted calibration shows.
-RATIO_LOADS: dict[str, tuple[float, float]] = {
-    "conversation": (2.5, 3.5),
-    "synthetic": (2.5, 3.5),
-    "tool-agent": (4.0, 5.0),
-}
-RATIO_BASELINES = ("random", "round_robin", "least_loaded", "sglang_cache_aware", "dynamo_kv", "llmd")
-# '+local': kvcache_aware that may also prefill short prompts on a decode instance itself
-# (policies/local_prefill.py; vLLM decodes with kv_role kv_both do), at most this share of its time
-LOCAL_PREFILL: dict[str, object] = {"local_prefill_tokens": 8192, "local_prefill_duty": 0.25}
-RATIO_GOAL = 1.15  # kvcache_aware / best baseline, on at least two of the three workloads; never below 1.0
-
-
 def _hit(r: RunResult) -> float:
     return r.prefix_hit_local + r.prefix_hit_remote + r.prefix_hit_store
-
-
-def bench_ratios(pull: str = "both") -> None:
-    how = {
-        "both": "peer pulls read directly",
-        "staged": "peer pulls staged on the holder with priority, as the gateway drives them over vLLM NIXL (--pull staged)",
-    }[pull]
-    print("== kvcache_aware against the best baseline, equal fitted predictors and predicted admission,")
-    print(f"   at the loads where the best baseline meets 80-90% and 60-70% of both SLOs; 8P+8D --paper, {how}")
-    print("   'Algorithm 1' is kvcache_aware as the paper states it: lowest predicted TTFT, blind to prefixes in")
-    print("   flight (ttft_slack none, inflight_prefixes false)")
-    tokens, duty = LOCAL_PREFILL["local_prefill_tokens"], LOCAL_PREFILL["local_prefill_duty"]
-    print(f"   '+local': kvcache_aware that may also prefill prompts of up to {tokens} tokens on a")
-    print(f"   decode instance, within {duty:.0%} of its time (policies/local_prefill.py); met: its SLO")
-    print("   attainment, TBT ms: its mean TBT, local: prefills it ran on decodes. The baselines never do")
-    print("   hit: prefix-cache hit rate of the served prompts (local + pulled), best baseline / kvcache_aware;")
-    print("   reusable: the trace's own bound on any policy's hit rate (traces.formats.reusable_prefix_share)")
-    head = (
-        f"{'workload':>13}  {'speed-up':>8}  {'best baseline':>18}  {'its SLO met':>11}  {'goodput':>7}  "
-        f"{'kvcache_aware':>13}  {'ratio':>5}  {'Algorithm 1':>11}  {'ratio':>5}  {'+local':>7}  {'ratio':>5}  "
-        f"{'met':>5}  {'TBT ms':>6}  {'local':>6}  {'hit':>9}  {'reusable':>8}"
-    )
-    print(head)
-    wins: dict[str, list[float]] = {}
-    local_wins: dict[str, list[float]] = {}
-    why: list[tuple[str, float, RunResult, RunResult]] = []
-    for trace, loads in RATIO_LOADS.items():
-        reusable = reusable_prefix_share(load_requests(trace))
-        for speedup in loads:
-            config = config_from_args(_args("--paper", "--speedup", str(speedup), "--pull", pull), 8, 8)
-            specs = [PolicySpec(n, {"fit_predictors": True}, n) for n in RATIO_BASELINES]
-            specs += [
-                PolicySpec("kvcache_aware"),
-                PolicySpec("kvcache_aware", {"ttft_slack": None, "inflight_prefixes": False}, "algorithm1"),
-                PolicySpec("kvcache_aware", LOCAL_PREFILL, "local"),
-            ]
-            results = run_jobs([SimJob(spec, config, trace) for spec in specs])
-            best = max(results[: len(RATIO_BASELINES)], key=lambda r: r.goodput_rps)
-            ours, alg1, local = results[len(RATIO_BASELINES) :]
-            ratio, local_ratio = ours.goodput_rps / best.goodput_rps, local.goodput_rps / best.goodput_rps
-            wins.setdefault(trace, []).append(ratio)
-            local_wins.setdefault(trace, []).append(local_ratio)
-            why.append((trace, speedup, best, ours))
-            print(
-                f"{trace:>13}  {speedup:>7.1f}x  {best.policy:>18}  {best.slo_attainment:>10.0%}  "
-                f"{best.goodput_rps:7.2f}  {ours.goodput_rps:13.2f}  {ratio:5.2f}  {alg1.goodput_rps:11.2f}  "
-                f"{alg1.goodput_rps / best.goodput_rps:5.2f}  {local.goodput_rps:7.2f}  {local_ratio:5.2f}  "
-                f"{local.slo_attainment:5.0%}  {local.tbt.mean * 1e3:5.1f}  {local.extra['local_prefills']:6.0f}  "
-                f"{_hit(best):.0%} / {_hit(ours):.0%}  {reusable:8.0%}"
-            )
-    print("   why: prefill s per served request (its prompt mix and its reuse), best baseline / kvcache_aware, and")
-    print("   the prefills' busy share. Where both keep the prefills busy, goodput is prefill capacity over that cost,")
-    print("   so the goodput ratio is about the cost ratio; reuse beyond the trace's bound is not available to it")
-    for trace, speedup, best, ours in why:
-        b, o = best.extra, ours.extra
-        print(
-            f"{trace:>13}  {speedup:>7.1f}x  cost {b['prefill_s_per_served']:.3f} / {o['prefill_s_per_served']:.3f} s "
-            f"(ratio {b['prefill_s_per_served'] / o['prefill_s_per_served']:.2f})  served prompt "
-            f"{b['served_prompt_mean']:,.0f} / {o['served_prompt_mean']:,.0f} tokens  prefills busy "
-            f"{b['prefill_busy']:.0%} / {o['prefill_busy']:.0%}"
-        )
-    for label, table in (("kvcache_aware, P/D only", wins), ("kvcache_aware with local prefills", local_wins)):
-        reached = [t for t, rs in table.items() if min(rs) >= RATIO_GOAL]
-        floor = min(r for rs in table.values() for r in rs)
-        print(
-            f"goal ({label}): >= {RATIO_GOAL}x at both loads on at least two workloads, never below 1.0x: "
-            f"{len(reached)} of {len(table)} workloads reach it ({', '.join(reached) or 'none'}), "
-            f"lowest ratio {floor:.2f}x"
-        )
 
 
 # Capacity at SLO with and without session tags (issue 37): the agent workload of traces/agent_trace.py,
@@ -392,34 +313,55 @@ def bench_sessions() -> None:
         print(f"{index}, with / without tags per seed: {per_seed} (median {statistics.median(ratios):.3f})")
 
 
-SECTIONS: dict[str, Callable[[], None]] = {
-    "speed": bench_speed,
-    "sweep": bench_sweep,
-    "fig5": bench_fig5,
-    "fig15": bench_fig15,
-    "table3": bench_table3,
-    "fair": bench_fair,
-    "ratios": bench_ratios,
-    "ratios-staged": lambda: bench_ratios("staged"),
-    "sessions": bench_sessions,
+def _plain(bench: Callable[[], None]) -> Callable[[argparse.Namespace], None]:
+    return lambda _: bench()
+
+
+def _ratios(pull: str) -> Callable[[argparse.Namespace], None]:
+    return lambda opts: sim_ratios.bench(pull, opts.seeds, opts.limit, opts.markdown)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "speed": _plain(bench_speed),
+    "sweep": _plain(bench_sweep),
+    "fig5": _plain(bench_fig5),
+    "fig15": _plain(bench_fig15),
+    "table3": _plain(bench_table3),
+    "fair": _plain(bench_fair),
+    "ratios": _ratios("staged"),  # the pulls the live gateway can carry out
+    "ratios-direct": _ratios("both"),  # a prefill reads a peer's cache directly: not on live vLLM
+    "sessions": _plain(bench_sessions),
 }
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """Sections to run, in the order given (none given: all of them), and the ratio tables' options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of: {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--seeds", type=int, default=4, help="ratios: seeds 0..N-1 per cell (default 4)")
+    parser.add_argument("--limit", type=int, default=None, help="ratios: the first N requests of each trace")
+    parser.add_argument("--markdown", action="store_true", help="ratios: the tables as markdown, for the docs")
+    opts = parser.parse_args(argv)
+    unknown = [n for n in opts.sections if n not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if opts.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    opts.sections = opts.sections or list(SECTIONS)
+    return opts
 
 
 def parse_sections(argv: list[str] | None = None) -> list[str]:
     """Section names to run, in the order given; none given: all of them."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of: {', '.join(SECTIONS)} (default: all)")
-    names: list[str] = parser.parse_args(argv).sections
-    unknown = [n for n in names if n not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
-    return names or list(SECTIONS)
+    names: list[str] = parse_options(argv).sections
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
-    for name in parse_sections(argv):
+    opts = parse_options(argv)
+    for name in opts.sections:
         t0 = time.perf_counter()
-        SECTIONS[name]()
+        SECTIONS[name](opts)
         print(f"({name}: {time.perf_counter() - t0:.1f} s)\n")
     return 0
 
