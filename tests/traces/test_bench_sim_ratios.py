@@ -4,7 +4,6 @@ the headline ratio, the staged pulls by default, and the markdown the docs paste
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -12,7 +11,7 @@ import pytest
 
 from benchmarks import sim_ratios
 from benchmarks.sim_ratios import RATIO_BASELINES, Cell, SeedRuns, Spread, goal_lines, local_rows, main_rows
-from tests.traces.test_bench_simulator_args import BENCH
+from tests.support.benchmarks import load_benchmark
 from traces.sim.results import Dist, RunResult
 from traces.sim.runner import SimJob
 
@@ -111,11 +110,7 @@ def test_the_goal_is_judged_on_the_medians_and_on_every_seed() -> None:
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_simulator", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_simulator")
 
 
 def _fake_runs(jobs: Sequence[SimJob], **_: object) -> list[RunResult]:
@@ -124,13 +119,19 @@ def _fake_runs(jobs: Sequence[SimJob], **_: object) -> list[RunResult]:
     return [_run(j.spec.label or j.spec.name, rates.get(j.spec.label or j.spec.name, 5.0) + j.config.seed) for j in jobs]
 
 
-def test_ratios_runs_four_seeds_of_staged_pulls_by_default_and_prints_markdown(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    jobs: list[SimJob] = []
-    monkeypatch.setattr(sim_ratios, "run_jobs", lambda js: jobs.extend(js) or _fake_runs(js))
+@pytest.fixture
+def jobs(monkeypatch: pytest.MonkeyPatch) -> list[SimJob]:
+    """The simulator faked out: the jobs the command ran, answered by `_fake_runs`."""
+    ran: list[SimJob] = []
+    monkeypatch.setattr(sim_ratios, "run_jobs", lambda js: ran.extend(js) or _fake_runs(js))
     monkeypatch.setattr(sim_ratios, "load_requests", lambda trace, limit=None: ())
     monkeypatch.setattr(sim_ratios, "reusable_prefix_share", lambda reqs: 0.5)
+    return ran
+
+
+def test_ratios_runs_four_seeds_of_staged_pulls_by_default_and_prints_markdown(
+    jobs: list[SimJob], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _bench().main(["ratios", "--markdown"]) == 0
     assert {j.config.seed for j in jobs} == {0, 1, 2, 3} and {j.config.pull for j in jobs} == {"staged"}
     assert len(jobs) == 3 * 2 * 4 * (len(RATIO_BASELINES) + 3)
@@ -141,13 +142,7 @@ def test_ratios_runs_four_seeds_of_staged_pulls_by_default_and_prints_markdown(
     assert "1.17 (1.15..1.20)" in out and "DIRECT-READ" not in out
 
 
-def test_the_direct_read_variant_is_its_own_labelled_section(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    jobs: list[SimJob] = []
-    monkeypatch.setattr(sim_ratios, "run_jobs", lambda js: jobs.extend(js) or _fake_runs(js))
-    monkeypatch.setattr(sim_ratios, "load_requests", lambda trace, limit=None: ())
-    monkeypatch.setattr(sim_ratios, "reusable_prefix_share", lambda reqs: 0.5)
+def test_the_direct_read_variant_is_its_own_labelled_section(jobs: list[SimJob], capsys: pytest.CaptureFixture[str]) -> None:
     _bench().main(["ratios-direct", "--seeds", "2"])
     assert {j.config.pull for j in jobs} == {"both"} and {j.config.seed for j in jobs} == {0, 1}
     assert "DIRECT-READ variant" in capsys.readouterr().out

@@ -3,21 +3,15 @@ Python 3.11, whose argparse checked the list default against the choices)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_simulator.py"
+from tests.support.benchmarks import load_benchmark
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_simulator", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_simulator")
 
 
 def test_no_arguments_means_every_section() -> None:
