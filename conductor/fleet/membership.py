@@ -40,7 +40,7 @@ from conductor.core.types import Role
 from conductor.fleet.instances import InstanceRegistry, InstanceState, Origin
 from conductor.kv.analysis import PromptAnalyzer
 from conductor.kv.analyzer import KVAwareAnalyzer, KVEventsEndpoint
-from conductor.kv.canary_io import canary_of
+from conductor.kv.canary_access import canary_of
 from conductor.ops.loop_metrics import LoopMetric
 from conductor.ops.metrics import GatewayMetrics
 

@@ -1,16 +1,12 @@
-"""The KV canary's requests to a worker, its metrics, and an analyzer's canary (the runs:
-conductor/kv/canary.py)."""
+"""The KV canary's requests to a worker and its metrics (the runs: conductor/kv/canary.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-if TYPE_CHECKING:
-    from conductor.kv.canary import KVCanary
 
 
 async def served_model(client: httpx.AsyncClient, url: str) -> str | None:
@@ -82,22 +78,3 @@ class CanaryMetrics:
             self.excluded.remove(instance)
         except KeyError:
             pass
-
-
-@runtime_checkable
-class RunsCanaries(Protocol):
-    """An analyzer that checks instances' KV events before trusting them (KVAwareAnalyzer; None: turned off)."""
-
-    @property
-    def canary(self) -> KVCanary | None: ...
-
-
-def canary_of(analyzer: object) -> KVCanary | None:
-    """The analyzer's canary, None for one that runs none."""
-    return analyzer.canary if isinstance(analyzer, RunsCanaries) else None
-
-
-def canary_detail(analyzer: object) -> dict[str, Any] | None:
-    """The canary report of an analyzer that runs canaries (None for one that does not)."""
-    canary = canary_of(analyzer)
-    return canary.report() if canary is not None and canary.enabled else None

@@ -30,7 +30,7 @@ from conductor.core.capabilities import ReportsPredictionErrors
 from conductor.core.errors import ConfigError
 from conductor.fleet.membership import admin_routes
 from conductor.gateway import Gateway
-from conductor.kv.canary_io import canary_detail
+from conductor.kv.canary_access import canary_detail
 from conductor.server import errors as http_errors
 from conductor.server.docs import OPENAI_ROUTES, PASS_THROUGH_ROUTES, Guard, docs_routes, install_openapi, openapi_document
 from conductor.server.endpoint import CompletionsEndpoint

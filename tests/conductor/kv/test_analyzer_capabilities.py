@@ -31,7 +31,7 @@ from conductor.kv.analysis import (
     vocabulary_of,
 )
 from conductor.kv.analyzer import HashAgreement, KVAwareAnalyzer, build_analyzer
-from conductor.kv.canary_io import canary_detail, canary_of
+from conductor.kv.canary_access import canary_detail, canary_of
 from conductor.kv.prompt_bounds import PromptBound
 from tests.support.ports import free_port
 from tests.support.servers import serve, serve_gateway
