@@ -131,7 +131,8 @@ def merge_tables(tables: list[LoadTable], now_wall: float) -> RemoteLoad:
     for instance in prefills.keys() | decodes.keys():
         queue = sorted(prefills.get(instance, []), key=lambda p: p[2])
         out[instance] = (
-            tuple(QueuedPrefill(int(n), int(c), max(0.0, now_wall - t)) for n, c, t in queue),
+            # whether its replica sees its prefill end is not shared: not evidence of one (overrun.py)
+            tuple(QueuedPrefill(int(n), int(c), max(0.0, now_wall - t), end_seen=False) for n, c, t in queue),
             tuple(decodes.get(instance, [])),
         )
     return out
@@ -359,7 +360,7 @@ class RedisLoadShare:
         # elapsed_s was measured at the exchange; the prefills have run on since (up to an interval,
         # a large share of a prefill), and a frozen elapsed_s overstates what is left of the head
         return {
-            instance: (tuple(QueuedPrefill(q.new_tokens, q.cached_tokens, q.elapsed_s + age) for q in queue), decodes)
+            instance: (tuple(QueuedPrefill(q.new_tokens, q.cached_tokens, q.elapsed_s + age, q.end_seen) for q in queue), decodes)
             if queue
             else (queue, decodes)
             for instance, (queue, decodes) in self._remote.items()

@@ -38,7 +38,7 @@ def overrun_scale(
     scale = 1.0
     for inst in instances:
         queue = inst.prefill_queue
-        if not queue:
+        if not queue or not queue[0].end_seen:  # it may be long over, waiting on its decode's answer
             continue
         s0, s1 = pred.mixed_stretch(inst) if mixed else NO_STRETCH
         predicted = sum(pred.prefill_s(q.new_tokens, q.cached_tokens) + s0 + s1 * q.new_tokens for q in queue)

@@ -131,6 +131,8 @@ class Exchange:
 class NoBootstrap:
     """For handshakes that need nothing from the prefill instances before the first request."""
 
+    prefill_answers_first = False
+
     async def start(self, prefills: list[Target]) -> None:
         return None
 
@@ -145,6 +147,9 @@ class PDProtocol(Protocol):
     """A P/D handshake: how one request is split into legs."""
 
     name: str
+    # the prefill leg answers before the decode leg is sent (nixl: Outgoing.prefill_answered is
+    # called then), so the gateway sees a prefill's end even when the answer is not streamed
+    prefill_answers_first: bool
 
     async def start(self, prefills: list[Target]) -> None: ...
 

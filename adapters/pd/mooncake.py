@@ -123,6 +123,7 @@ def parse_query(answer: Any, bootstrap_addr: str) -> EngineInfo:
 
 class MooncakeProtocol:
     name = "mooncake"
+    prefill_answers_first = False  # both legs are sent at once
 
     def __init__(self, schema: str = "transfer_id", *, retry_s: float = 1.0, timeout_s: float = 5.0) -> None:
         if schema not in SCHEMAS:

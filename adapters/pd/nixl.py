@@ -48,6 +48,7 @@ PREFILL_PARAMS = {
 
 class NixlProtocol(NoBootstrap):
     name = "nixl"
+    prefill_answers_first = True
 
     async def exchange(self, out: Outgoing, prefill: Target, decode: Target | None) -> Exchange:
         if decode is None:

@@ -103,6 +103,10 @@ class QueuedPrefill:
     # estimate may subtract): time since it started, i.e. since its dispatch or since the entry
     # before it finished, whichever is later; the gateway and the simulator fill it so
     elapsed_s: float
+    # its end is seen when its prefill is over (a streamed first token, a NIXL prefill's answer);
+    # False: it leaves the queue only with the whole answer (a non-streamed request on a mixed
+    # worker, another replica's entry), so its elapsed time says nothing about its prefill's
+    end_seen: bool = True
 
 
 @fast_init
@@ -244,23 +248,31 @@ class Observation:
 @fast_init
 @dataclass(frozen=True, slots=True)
 class PrefillLeg:
-    """A disaggregated request's prefill leg, reported as soon as the prefill instance answered,
-    before the request's decode (and so its Observation) is over: a cold or drifted prefill model
-    learns from it a decode's length sooner, while the queues it misjudges are still short."""
+    """A request's prefill leg, reported as soon as it is over, before the request's decode (and so
+    its Observation) is: a cold or drifted prefill model learns from it a decode's length sooner,
+    while the queues it misjudges are still short. Two kinds of leg:
+
+    * disaggregated (NIXL): the prefill instance answered; `queue_and_prefill_s` is dispatch to
+      that answer, as the Observation's `queue_and_prefill_s` repeats it.
+    * a mixed worker's streamed answer (no prefill leg of its own: its first token ends the
+      prefill): `queue_and_prefill_s` is the request's arrival to that first token, as the
+      Observation's `ttft_s` repeats it, and `cached_tokens` is None (the worker reports them with
+      its last chunk). A non-streamed answer shows no first token: none is reported."""
 
     request_id: str
-    prefill: str  # the instance that answered the leg
+    prefill: str  # the instance that answered the leg (a mixed worker: the worker itself)
     prompt_tokens: int
     cached_tokens: int | None  # as the prefill worker reported it (None: not reported)
-    queue_and_prefill_s: float  # dispatch to the prefill's answer, as Observation.queue_and_prefill_s
+    queue_and_prefill_s: float  # see above: the Observation's queue_and_prefill_s, or its ttft_s (mixed)
 
 
 @runtime_checkable
 class PrefillLegObserver(Protocol):
     """Optional beside Policy: a policy that has `observe_prefill_leg` is given each PrefillLeg of
     a request it placed, where the protocol answers the prefill before the decode starts (vLLM
-    NIXL); the request's Observation follows, with the same leg in `queue_and_prefill_s`, and a
-    policy that learned the leg early must not learn it again from there."""
+    NIXL), and at the first token of a mixed worker's streamed answer; the request's Observation
+    follows, with the same leg in `queue_and_prefill_s` (mixed: in `ttft_s`), and a policy that
+    learned the leg early must not learn it again from there."""
 
     def observe_prefill_leg(self, leg: PrefillLeg) -> None: ...
 
@@ -276,7 +288,8 @@ class Policy(Protocol):
        (e.g. predictions to learn from later, a count of rejections in a row).
     3. `observe(observation)`: when an admitted request finishes or fails; may update fitted state.
 
-    Before 3, a policy that is also a PrefillLegObserver is given the request's prefill leg.
+    Before 3, a policy that is also a PrefillLegObserver is given the request's prefill leg (NIXL;
+    a mixed worker's first token of a stream).
     """
 
     name: str

@@ -339,9 +339,10 @@ class InstanceRegistry:
             state = self.retired[name][0]
         return state
 
-    def add_prefill(self, name: str, request_id: str, new_tokens: int, cached_tokens: int) -> None:
+    def add_prefill(self, name: str, request_id: str, new_tokens: int, cached_tokens: int, end_seen: bool = True) -> None:
+        """`end_seen`: QueuedPrefill.end_seen (the gateway will see the prefill end, not only the answer)."""
         state = self.states[name]  # only a member is routed to
-        state.prefills[request_id] = QueuedPrefill(new_tokens, cached_tokens, 0.0)
+        state.prefills[request_id] = QueuedPrefill(new_tokens, cached_tokens, 0.0, end_seen)
         state.started[request_id] = time.monotonic()
         self.load_share.changed()
 

@@ -86,7 +86,7 @@ class InstanceState:
         if queue:  # only the head of an FCFS queue has run; its elapsed time is the one that matters
             head_id = next(iter(self.prefills))
             head = queue[0]
-            queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, now - self.started[head_id]), *queue[1:])
+            queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, now - self.started[head_id], head.end_seen), *queue[1:])
         decodes = tuple(self.decodes.values())
         if remote is not None:  # other gateway replicas' work on the same instance
             remote_queue, remote_decodes = remote
@@ -100,7 +100,7 @@ class InstanceState:
             last_end = max(self.last_prefill_end, remote_end if remote_end is not None else float("-inf"))
             if queue and now - last_end < queue[0].elapsed_s:
                 head = queue[0]
-                queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, max(0.0, now - last_end)), *queue[1:])
+                queue = (QueuedPrefill(head.new_tokens, head.cached_tokens, max(0.0, now - last_end), head.end_seen), *queue[1:])
         return InstanceView(
             id=self.name,
             role=self.spec.role,

@@ -96,7 +96,9 @@ class Relay:
         if self.tracing is not None:  # each leg's span starts as the protocol sends it
             legs = self.tracing.legs({"prefill": prefill.name, "decode": d.decode_name}, one_leg=decode is None)
             out = replace(out, leg_headers=legs.headers)
-        self.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted)
+        # its end is seen at a streamed first token, or at a sequential (nixl) prefill's answer
+        end_seen = out.stream or (decode is not None and self.protocol.prefill_answers_first)
+        self.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted, end_seen)
         self.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
         await self.analyzer.on_dispatch(analysis, decision)
         return Attempt(routed, out, d, arrived, predicted, batched=batched, legs=legs)
@@ -143,6 +145,15 @@ class Relay:
         self.registry.mark_decoding(d.decode_name, d.request_id)
         self.metrics.prefill_leg.labels(d.prefill.name).observe(elapsed_s)
         self.router.observe_prefill_leg(PrefillLeg(d.request_id, d.prefill.name, prompt_tokens, cached_tokens, elapsed_s))
+
+    def _first_token_leg(self, a: Attempt, now: float) -> None:
+        """A mixed worker's first token ends its leg (queue, the prompt's chunks, the step that
+        samples it): learned now, not at the stream's end, when under a surge it came seconds late.
+        Timed from arrival, as the Observation's ttft_s that repeats it: the leg model is the whole
+        TTFT prediction on a mixed worker (no decode-leg term takes the gateway's own time before
+        the dispatch, as on P/D). Its cached tokens come with the last chunk: not known yet."""
+        d, prompt_tokens = a.dispatch, a.routed.analysis.prompt_tokens
+        self.router.observe_prefill_leg(PrefillLeg(d.request_id, d.prefill.name, prompt_tokens, None, now - a.arrived))
 
     # ---- one request, one exchange ----------------------------------------------------------
     async def attempt(self, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float) -> int:
@@ -228,6 +239,8 @@ class Relay:
                 # dispatch (some still in prefill then, some gone by now) -- the TBT fit
                 others = [s for rid, s in joined.decodes.items() if rid != request_id and s.decoding]
                 a.decode_batch, a.decode_resident = len(others), sum(s.context_tokens for s in others)
+                if d.decode is None and not d.local:  # a mixed worker: its first token ends its prefill
+                    self._first_token_leg(a, now)
             unaccounted += events
             if unaccounted >= _ADVANCE_EVERY:
                 registry.advance_decode(decode_name, request_id, unaccounted)

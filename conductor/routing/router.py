@@ -267,8 +267,9 @@ class Router:
 
     # ---- learning ---------------------------------------------------------------------------
     def observe_prefill_leg(self, leg: PrefillLeg) -> None:
-        """Tell a PrefillLegObserver policy a prefill leg as soon as it answered (NIXL, before the
-        decode): its prefill model learns it a decode's length sooner than from the Observation."""
+        """Tell a PrefillLegObserver policy a prefill leg as soon as it is over (NIXL: the prefill
+        answered, before the decode; a mixed worker: its stream's first token): its prefill model
+        learns it a decode's length sooner than from the Observation."""
         if self._leg_observer is not None:
             self._teach(self._leg_observer.observe_prefill_leg, leg, leg.request_id)
 

@@ -277,8 +277,9 @@ class KvCacheAwarePolicy(BasePolicy):
     # ---- learning -------------------------------------------------------------------------
 
     def observe_prefill_leg(self, leg: PrefillLeg) -> None:
-        """A prefill leg as soon as it answered (PrefillLegObserver): the prefill model learns it
-        now, not after the request's decode, which on a cold start came too late
+        """A prefill leg as soon as it is over (PrefillLegObserver: a NIXL prefill's answer, a mixed
+        worker's first token): the prefill model learns it now, not after the request's decode,
+        which on a cold start (and a mixed worker's load surge) came too late
         (docs/kvcache_aware.md, "Learning")."""
         self.learner.learn_leg(leg)
 

@@ -13,6 +13,8 @@ state. What each outcome teaches:
   learning under sustained load, when no leg runs on an empty queue. A mixed worker's leg (its
   first token) is learned with those features times the streams listed there at decision time and
   their context tokens (Predictors.observe_mixed_leg): its engine runs them in every chunk's step.
+  A leg is learned once, as soon as it is told (`learn_leg`: a NIXL prefill's answer, a mixed
+  stream's first token), else from the Observation (a non-streamed mixed answer).
 * decode leg: TTFT at the client minus the prefill leg (KV handoff, the decode step in progress and
   the one that samples the first token, HTTP) is fitted as k0 + k1*handoff bytes + k2*TBT
   (Predictors.observe_decode_leg); k1 is the link's cost per byte, so the transfer model (handoffs
@@ -152,10 +154,11 @@ class OutcomeLearner:
             self.pending.popitem(last=False)
 
     def learn_leg(self, leg: PrefillLeg) -> None:
-        """Teach the prefill model a disaggregated request's leg as soon as its prefill answered
-        (see PrefillLegObserver); its Observation later teaches the rest, not the leg again."""
+        """Teach the prefill model a request's leg as soon as it is over (see PrefillLegObserver: a
+        disaggregated prefill answered, a mixed worker's first token streamed); its Observation
+        later teaches the rest, not the leg again."""
         p = self.pending.get(leg.request_id)
-        if p is None or p.leg_learned or p.decode is None or leg.prefill != p.prefill or not leg.queue_and_prefill_s > 0:
+        if p is None or p.leg_learned or leg.prefill != p.prefill or not leg.queue_and_prefill_s > 0:
             return
         p.leg_learned = True
         self._learn_leg(p, leg.queue_and_prefill_s, leg.cached_tokens, leg.prompt_tokens)

@@ -245,6 +245,38 @@ def test_a_prefill_leg_teaches_when_told_and_not_again_from_the_observation(para
     assert "leg" not in {lesson[0] for lesson in lessons}
 
 
+def test_a_mixed_leg_teaches_at_its_first_token_and_not_again_from_the_observation(params: PredictorParams) -> None:
+    """A mixed stream's leg told at its first token (PrefillLeg, from arrival, no cached tokens yet)
+    is one sample of the mixed fit; the Observation after it, whose ttft_s is that leg, teaches the
+    TBT only. A leg told for another worker than the one chosen is not learned."""
+    pol = KvCacheAwarePolicy(predictors=Predictors(params, OnlineConfig()))
+    lessons = pol.predictors.record_lessons()
+    cluster = snapshot(InstanceView("m0", Role.MIXED))
+    truth = 3 * pol.predictors.prefill_s(4000, 0)
+    decided = []
+    for i in range(8):
+        req = replace(request(prompt=4000, rid=f"x{i}"), stream=True)
+        d = routed(pol, req, cluster)
+        assert (d.prefill, d.decode) == ("m0", None)
+        pol.observe_prefill_leg(PrefillLeg(req.request_id, "m0", 4000, None, truth))
+        decided.append(req)
+    assert [lesson[0] for lesson in lessons] == ["mixed_leg"] * 8
+    assert pol.predictors.refits == 1  # the young window's first refit, at 8 samples: before any stream ended
+    lessons.clear()
+    for req in decided:
+        intervals = (0.02,) * 4
+        pol.observe(
+            Observation(req.request_id, "m0", None, 4000, 0, 0, None, truth, token_intervals_s=intervals, output_tokens=5)
+        )
+    assert [lesson[0] for lesson in lessons] == ["tbt"] * 8
+    req = replace(request(prompt=4000, rid="elsewhere"), stream=True)
+    routed(pol, req, cluster)
+    pol.observe_prefill_leg(PrefillLeg("elsewhere", "m1", 4000, None, truth))
+    assert "mixed_leg" not in {lesson[0] for lesson in lessons}
+    pol.observe(Observation("elsewhere", "m0", None, 4000, 0, 0, None, truth))  # not told early: learned here
+    assert [lesson[0] for lesson in lessons][-1] == "mixed_leg"
+
+
 def test_pending_predictions_are_bounded(params: PredictorParams) -> None:
     pol = policy(params, max_pending=4)
     cluster = snapshot(prefill("p0"), decode("d0"))

@@ -63,3 +63,10 @@ def test_a_decision_behind_overrunning_prefills_predicts_and_admits_by_them() ->
     # its own prefill alone is predicted 8x: the running ones showed the model 8x too fast
     assert refused.rejection.predicted_s is not None
     assert refused.rejection.predicted_s >= 8 * PRED.prefill_s(30_000)
+
+
+def test_a_head_whose_end_is_not_seen_is_no_evidence() -> None:
+    # a non-streamed request on a mixed worker leaves the queue only with its whole answer: its
+    # elapsed time may be mostly decoding (so also another replica's entry, whose kind is not shared)
+    queue = (QueuedPrefill(4000, 0, 10 * PRED.prefill_s(4000), end_seen=False),)
+    assert overrun_scale(PRED, [InstanceView("m0", Role.MIXED, prefill_queue=queue)], mixed=True) == 1.0

@@ -309,3 +309,44 @@ def test_a_leg_observer_is_told_each_prefill_leg_as_it_ends() -> None:
     quiet = LegScripted(to(0))
     simulate(quiet, trace, cfg(observe=False))
     assert quiet.events == []
+
+
+class ClockedLegs(LegScripted):
+    """LegScripted that also keeps the simulator's clock when each leg is told."""
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(route)
+        self.sim: Simulator | None = None
+        self.told_at: list[float] = []
+
+    def observe_prefill_leg(self, leg: PrefillLeg) -> None:
+        super().observe_prefill_leg(leg)
+        assert self.sim is not None
+        self.told_at.append(self.sim.now)
+
+
+def test_a_mixed_workers_leg_is_told_at_its_first_token() -> None:
+    """As the gateway tells a mixed stream's leg at its first token: at that time (not when its
+    prefill is planned), before its decode is over, from arrival, with the TTFT its Observation
+    repeats; the worker's cached tokens unknown then (None)."""
+
+    def route(r: RequestView, c: ClusterSnapshot) -> Decision:
+        return Decision(r.request_id, "scripted", prefill="mixed-0")
+
+    c = SimConfig(0, 1, truth=fit_truth(), noise=0.0, slo=Slo(ttft_s=5.0, tbt_s=0.1), mixed=True, pull="none")
+    pol = ClockedLegs(route)
+    sim = pol.sim = Simulator(pol, c)
+    trace = [req(0.0, 4000, 40, (1,), 1), req(0.01, 2000, 40, (2,), 2)]
+    sim.run(trace)
+    assert [kind for kind, _ in pol.events] == ["leg", "leg", "observation", "observation"]
+    by_id = {o.request_id: o for o in pol.observed}
+    for leg, told_at, arrival in zip(pol.legs, pol.told_at, (0.0, 0.01), strict=True):
+        obs = by_id[leg.request_id]
+        assert (leg.prefill, obs.decode, leg.prompt_tokens, leg.cached_tokens) == ("mixed-0", None, obs.prompt_tokens, None)
+        assert obs.queue_and_prefill_s is None
+        assert leg.queue_and_prefill_s == obs.ttft_s
+        assert told_at == pytest.approx(arrival + leg.queue_and_prefill_s)  # at the first token
+    assert pol.legs[0].queue_and_prefill_s > c.truth.prefill_s(4000, 0)  # the prefill and the step sampling it
+    quiet = LegScripted(route)  # with observations off, no leg either
+    simulate(quiet, trace, replace(c, observe=False))
+    assert quiet.events == []

@@ -54,9 +54,9 @@ from traces.sim.instance_views import cluster_view, request_view_of
 from traces.sim.pulls import plan_pull
 from traces.sim.results import RunResult
 from traces.sim.summary import run_result
-from traces.sim.views import job_observation, refused_observation
+from traces.sim.views import job_observation, mixed_leg, refused_observation
 
-_PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK, _INDEXED = range(5)
+_PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK, _INDEXED, _FIRST_TOKEN = range(6)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
 
 
@@ -66,7 +66,9 @@ class Simulator:
     def __init__(self, policy: Policy, config: SimConfig) -> None:
         self.policy = policy
         # told each prefill leg as it ends, as the gateway tells it after a NIXL prefill answers
+        # and at a mixed worker's first token (a stream's: the simulator's requests all stream)
         self._leg_observer = policy if isinstance(policy, PrefillLegObserver) and config.observe else None
+        self._mixed_legs = self._leg_observer is not None and config.mixed
         self.cfg = config
         self.truth = config.truth
         self.rng = random.Random(config.seed)
@@ -298,6 +300,8 @@ class Simulator:
         start = max(self.now, d.t_last)  # after any recompute this admission started
         for job in joined:
             job.first_token = start + d.tbt
+            if self._mixed_legs:  # a first join (a rejoin after preemption is not listed): its leg is told then
+                self._push(job.first_token, _FIRST_TOKEN, d_idx, job)
         d.tick += 1  # whatever tick was pending is void: this one replaces it
         if nxt is not None:
             self._push(nxt, _DECODE_TICK, d_idx, d.tick)
@@ -379,6 +383,9 @@ class Simulator:
         elif kind == _DECODE_ARRIVE:
             assert isinstance(payload, Job)
             self._decode_arrive(target, payload)
+        elif kind == _FIRST_TOKEN:  # a mixed worker's first token: its leg, as the gateway tells it
+            assert self._leg_observer is not None and isinstance(payload, Job)
+            self._leg_observer.observe_prefill_leg(mixed_leg(payload, self.decodes[target].id))
         elif kind == _INDEXED:
             assert isinstance(payload, tuple)
             self._indexes[target][1].touch(payload)

@@ -27,6 +27,7 @@ from conductor.core.types import (
     ClusterSnapshot,
     InstanceView,
     Observation,
+    PrefillLeg,
     QueuedPrefill,
     RequestView,
     Role,
@@ -36,7 +37,7 @@ from traces.sim.cluster import Job
 
 _VIEW_FIELDS = ("id", "role", "url", "healthy", "prefill_queue", "decodes", "kv_capacity_tokens", "kv_usage", "waiting_requests")
 _DECODE_FIELDS = ("context_tokens", "remaining_tokens", "decoding")
-_QUEUED_FIELDS = ("new_tokens", "cached_tokens", "elapsed_s")
+_QUEUED_FIELDS = ("new_tokens", "cached_tokens", "elapsed_s", "end_seen")
 _REQUEST_FIELDS = (
     "request_id",
     "seq",
@@ -87,7 +88,7 @@ _v_id, _v_role, _v_url, _v_healthy, _v_queue, _v_decodes, _v_kv_cap, _v_kv_usage
     InstanceView, _VIEW_FIELDS
 )
 _d_context, _d_remaining, _d_decoding = _setters(ActiveDecode, _DECODE_FIELDS)
-_q_new, _q_cached, _q_elapsed = _setters(QueuedPrefill, _QUEUED_FIELDS)
+_q_new, _q_cached, _q_elapsed, _q_end_seen = _setters(QueuedPrefill, _QUEUED_FIELDS)
 (
     _r_id,
     _r_seq,
@@ -160,11 +161,12 @@ def active_decode(context_tokens: int, remaining_tokens: int, decoding: bool = T
 
 
 def queued_prefill(new_tokens: int, cached_tokens: int, elapsed_s: float) -> QueuedPrefill:
-    """QueuedPrefill(new_tokens, cached_tokens, elapsed_s)."""
+    """QueuedPrefill(new_tokens, cached_tokens, elapsed_s): the simulator sees every prefill end."""
     entry: QueuedPrefill = _new(QueuedPrefill)
     _q_new(entry, new_tokens)
     _q_cached(entry, cached_tokens)
     _q_elapsed(entry, elapsed_s)
+    _q_end_seen(entry, True)
     return entry
 
 
@@ -272,6 +274,12 @@ def job_observation(job: Job, prefill: str, decode: str | None) -> Observation:
         decode_batch=job.batch_at_join - 1,
         decode_resident_kv_tokens=max(0, job.resident_at_join - 2 * job.req.input_length),
     )
+
+
+def mixed_leg(job: Job, worker: str) -> PrefillLeg:
+    """A mixed worker's leg, told at its first token as the gateway tells a stream's: from arrival
+    (its Observation's ttft_s), the worker's cached tokens unknown until its last chunk."""
+    return PrefillLeg(f"r{job.seq}", worker, job.req.input_length, None, job.first_token - job.arrival)
 
 
 def refused_observation(job: Job, prefill: str, decode: str) -> Observation:
