@@ -120,9 +120,13 @@ class Predictors:
         return self._params.kv_bytes_per_token
 
     @property
-    def refits(self) -> int:
-        """Refits made so far, of every model."""
+    def refits(self) -> int:  # of every model, so far
         return self._refitter.refits
+
+    @property
+    def prefill_fitted(self) -> bool:
+        """Refitted on this fleet's legs (or not learned): its seconds are seconds, not an order."""
+        return not self._online.enabled or max(self._prefill.n, self._mixed.n) >= self._online.min_samples
 
     # ---- evaluation -----------------------------------------------------------------------
 
@@ -150,12 +154,8 @@ class Predictors:
 
     def queue_s(self, queue: Sequence[QueuedPrefill], stretch: tuple[float, float] = NO_STRETCH) -> float:
         """Predicted time until an instance with this FCFS prefill queue starts a new prefill.
-
-        The head of the queue is the one running: only what is left of it counts. Its elapsed_s
-        is time since dispatch, which overstates its run time when it waited behind others, so
-        the remainder is clamped at zero rather than trusted to be exact. `stretch`: a mixed
-        worker's (s0, s1) (`mixed_stretch`), added per queued prefill and per its token.
-        """
+        Only what is left of the running head counts, clamped at zero (its elapsed_s may include a
+        wait). `stretch`: a mixed worker's (s0, s1) (`mixed_stretch`), per prefill and per token."""
         if not queue:
             return 0.0
         c0, c1, c2 = self._pc

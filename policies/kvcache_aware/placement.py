@@ -155,7 +155,11 @@ def place_disaggregated(
     tbts, batches, kvs = decode_loads_now(pred, request, decodes)
     chosen = lowest_load(tbts, batches)
     listed_decodes = {i: DecodeEstimate(decodes[i], tbts[i], batches[i], kvs[i], 0.0) for i in listed_indices(tbts, keep, chosen)}
-    limit = slack_limit(pred, request, weighed.handoff_s, tbts[chosen], options.ttft_slack, ttft_quantile)
+    # the slack compares predicted seconds with the SLO: a model not yet fitted to this fleet (the
+    # bundled profile of a faster GPU) fits every leg in it and piles work on a prefix's holder;
+    # the lowest TTFT needs only the instances' order, which a wrong scale keeps
+    slack = options.ttft_slack if pred.prefill_fitted else None
+    limit = slack_limit(pred, request, weighed.handoff_s, tbts[chosen], slack, ttft_quantile)
     best = placement_best(limit, weighed)
     return Placement(
         best=best,

@@ -225,3 +225,28 @@ def test_ttft_slack_takes_the_least_compute_within_the_slack_and_the_fastest_pas
     assert decide(0.5, None)[0] == "p1"
     with pytest.raises(ConfigError, match="ttft_slack"):
         KvCacheAwarePolicy(online=False, ttft_slack=1.5)
+
+
+def test_the_slack_waits_for_a_prefill_model_fitted_to_the_fleet() -> None:
+    # a learning policy that has seen no leg yet holds the bundled profile's seconds, perhaps a
+    # faster GPU's: the slack (seconds against the SLO) waits for its first refit, the lowest TTFT
+    # (an order of the instances, which a wrong scale keeps) places meanwhile
+    from conductor.core.types import CachedPrefix
+
+    cluster = ClusterSnapshot(
+        now=0.0,
+        instances=(
+            InstanceView(id="p0", role=Role.PREFILL, prefill_queue=(QueuedPrefill(12000, 0, 0.0),)),
+            InstanceView(id="p1", role=Role.PREFILL),
+            InstanceView(id="d0", role=Role.DECODE),
+        ),
+    )
+    req = RequestView("r", 1, "m", 6000, 16, block_size=BS, cached={"p0": CachedPrefix(5600)}, slo=Slo(ttft_s=60.0, tbt_s=1.0))
+    policy = KvCacheAwarePolicy(admission="none", allow_pull=False, ttft_slack=0.5)
+    assert not policy.predictors.prefill_fitted
+    assert policy.decide(req, cluster).prefill == "p1"  # the fastest, not the holder
+    for n in range(1000, 9000, 1000):  # eight legs of this fleet: the first refit
+        policy.predictors.observe_leg((1.0, float(n), float(n * n)), 2 * policy.predictors.prefill_s(n))
+    assert policy.predictors.prefill_fitted
+    assert policy.decide(req, cluster).prefill == "p0"  # both well within the slack: the least compute
+    assert KvCacheAwarePolicy(online=False).predictors.prefill_fitted  # not learned: taken as given

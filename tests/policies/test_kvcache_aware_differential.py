@@ -108,7 +108,7 @@ class ReferencePolicy(KvCacheAwarePolicy):
         predicted = self.admission is AdmissionMode.PREDICTED
         slack_s = (
             None
-            if opts.placement.ttft_slack is None or request.slo.ttft_s is None or not disaggregated
+            if opts.placement.ttft_slack is None or request.slo.ttft_s is None or not disaggregated or not pred.prefill_fitted
             else opts.placement.ttft_slack * request.slo.ttft_s
         )  # mixed workers: the lowest TTFT always
         chosen_decode: DecodeEstimate | None = None
