@@ -34,7 +34,9 @@ def _parallel_calls(tagged: dict[str, Any]) -> list[int]:
     """Three calls of one agent step, each sent while the ones before wait in their prefill (the
     prefills answer only once released): how many landed on each prefill instance."""
     hold = threading.Event()
-    policy = KvCacheAwarePolicy()
+    # predictions taken as given (no learning): a learning policy keeps its TTFT slack, which the
+    # session's hint acts through, off until its first refit on the fleet's legs (placement.py)
+    policy = KvCacheAwarePolicy(online=False)
     with cluster("nixl", n_prefill=2, n_decode=1, policy=policy, standin={"prefill": {"answer_after": hold}}, **SETTINGS) as c:
         futures: list[Future[httpx.Response]] = []
         with ThreadPoolExecutor(3) as pool:
