@@ -88,7 +88,7 @@ async def _serve(relay: Relay, a: Attempt, bodies: list[dict[str, Any]], send: S
     except UpstreamError as exc:
         relay.count_failure(exc)
         raise
-    relay.prefill_over(a)
+    relay.prefill_over(a.dispatch)
     if not a.out.stream:
         return await _relay_replies(relay, a, send, client)
     return await _relay_streams(relay, a, send, client)

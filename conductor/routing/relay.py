@@ -96,8 +96,9 @@ class Relay:
         if self.tracing is not None:  # each leg's span starts as the protocol sends it
             legs = self.tracing.legs({"prefill": prefill.name, "decode": d.decode_name}, one_leg=decode is None)
             out = replace(out, leg_headers=legs.headers)
-        # its end is seen at a streamed first token, or at a sequential (nixl) prefill's answer
-        end_seen = out.stream or (decode is not None and self.protocol.prefill_answers_first)
+        # its end is seen at a streamed first token, or at a sequential (nixl) prefill's answer; a
+        # batch's prefills leave together, once every leg has answered (batch_relay.py)
+        end_seen = out.stream or (decode is not None and self.protocol.prefill_answers_first and not batched)
         self.registry.add_prefill(prefill.name, request_id, analysis.prompt_tokens - predicted, predicted, end_seen)
         self.registry.add_decode(d.decode_name, request_id, analysis.prompt_tokens, output_tokens)
         await self.analyzer.on_dispatch(analysis, decision)
@@ -133,16 +134,15 @@ class Relay:
     def count_failure(self, exc: UpstreamError) -> None:
         count_failure(self.metrics, self.registry, exc)
 
-    def prefill_over(self, a: Attempt) -> None:
+    def prefill_over(self, d: Dispatch) -> None:
         """The prefill leg answered before the decode started (sequential P/D): its load moves on."""
-        self.registry.end_prefill(a.dispatch.prefill.name, a.dispatch.request_id)
-        self.registry.mark_decoding(a.dispatch.decode_name, a.dispatch.request_id)
+        self.registry.end_prefill(d.prefill.name, d.request_id)
+        self.registry.mark_decoding(d.decode_name, d.request_id)
 
     def _prefill_answered(self, d: Dispatch, prompt_tokens: int, elapsed_s: float, cached_tokens: int | None) -> None:
         """A sequential prefill leg (nixl) answered: its load moves on and its leg is learned now,
         before the decode leg is even sent (a non-streamed decode answers at its last token)."""
-        self.registry.end_prefill(d.prefill.name, d.request_id)
-        self.registry.mark_decoding(d.decode_name, d.request_id)
+        self.prefill_over(d)
         self.metrics.prefill_leg.labels(d.prefill.name).observe(elapsed_s)
         self.router.observe_prefill_leg(PrefillLeg(d.request_id, d.prefill.name, prompt_tokens, cached_tokens, elapsed_s))
 
