@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STARTUP_S = 10.0  # a worker that never published and exits sooner than this failed to start
+WORKER_CANNOT_START = 3  # a worker's exit code: its start-up failed (a bind, a plugin), a restart fails again
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 
@@ -186,7 +187,13 @@ def run_worker(settings: Settings, slot: int, workers: int, segment: str, lesson
         run(uvicorn_config(settings, gateway), gateway, sockets=[sock])
     except ConfigError as exc:  # a start-up failure of the operator's making: one line, not a traceback
         log.error("worker %d cannot start: %s", slot, exc.message)
-        raise SystemExit(2) from None
+        raise SystemExit(WORKER_CANNOT_START) from None
+    except SystemExit as exc:
+        # uvicorn exits only when a server could not start (its admin port taken, say); said by
+        # the exit code, not by how long the worker lived, which a busy host stretches past STARTUP_S
+        if exc.code not in (0, None):
+            raise SystemExit(WORKER_CANNOT_START) from None
+        raise
 
 
 class Supervisor:
@@ -262,7 +269,7 @@ class Supervisor:
         only surviving STARTUP_S tells)."""
         now = time.monotonic()
         lived = now - self._started_at[slot]
-        if not started and lived < STARTUP_S:
+        if exitcode == WORKER_CANNOT_START or (not started and lived < STARTUP_S):
             log.error("worker %d exited with %s %.1fs after it started: it cannot start; stopping", slot, exitcode, lived)
             return 1
         self._deaths.append(now)

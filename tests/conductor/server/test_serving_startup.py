@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -50,3 +51,15 @@ def test_a_worker_that_cannot_start_stops_the_supervisor() -> None:
         )
     assert out.returncode == 1
     assert "cannot start" in out.stdout + out.stderr
+
+
+def test_a_slow_start_up_failure_still_stops_the_supervisor() -> None:
+    """A worker whose start-up failed says so by its exit code: on a busy host it may have lived past
+    STARTUP_S (CI: six restarts of a worker whose admin port was taken, read as deaths of a running one)."""
+    from conductor.server.serving import STARTUP_S, WORKER_CANNOT_START, Supervisor
+    from conductor.config.settings import Settings
+
+    supervisor = Supervisor(Settings(workers=2, admin_port=free_port()))
+    supervisor._started_at[1] = time.monotonic() - 3 * STARTUP_S  # it took long to fail
+    assert supervisor._after_death(1, WORKER_CANNOT_START, started=False) == 1
+    assert supervisor._after_death(1, 1, started=True) == 0  # a running worker's death: restarted
