@@ -56,8 +56,8 @@ def test_a_worker_that_cannot_start_stops_the_supervisor() -> None:
 def test_a_slow_start_up_failure_still_stops_the_supervisor() -> None:
     """A worker whose start-up failed says so by its exit code: on a busy host it may have lived past
     STARTUP_S (CI: six restarts of a worker whose admin port was taken, read as deaths of a running one)."""
-    from conductor.server.serving import STARTUP_S, WORKER_CANNOT_START, Supervisor
     from conductor.config.settings import Settings
+    from conductor.server.serving import STARTUP_S, WORKER_CANNOT_START, Supervisor
 
     supervisor = Supervisor(Settings(workers=2, admin_port=free_port()))
     supervisor._started_at[1] = time.monotonic() - 3 * STARTUP_S  # it took long to fail
