@@ -108,19 +108,34 @@ def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) 
     )
 
 
-def stall_fits(worker: InstanceView, stall_s: float, spare_s: float) -> bool:
+def stall_fits(worker: InstanceView, stall_s: float, spare_s: float, slo_s: float | None = None, now: float = 0.0) -> bool:
     """Whether the streams decoding on `worker` can absorb a `stall_s` pause of their batch (a
     prefill computed there) and keep their mean TBT within the SLO: `spare_s` (SLO - the predicted
-    TBT) per token over each one's remaining tokens. What a stream has spent of its budget so far
-    is not known, so a stream near its end is taken to see the pause whole. At most a tenth of them
-    (rounded down) may not absorb it: on a worker with few streams, none."""
+    TBT) per token over each one's remaining tokens plus, given the SLO `slo_s` and the snapshot's
+    `now`, what a stream the gateway watched has saved so far (earned_slack_s). A stream not
+    watched is taken to see the pause whole near its end. At most a tenth of them (rounded down)
+    may not absorb it: on a worker with few streams, none."""
     allowed = len(worker.decodes) // 10
     for a in worker.decodes:  # stops at the first stream over the allowance
-        if a.remaining_tokens > 0 and stall_s > spare_s * a.remaining_tokens:
-            allowed -= 1
-            if allowed < 0:
-                return False
+        if a.remaining_tokens <= 0 or stall_s <= spare_s * a.remaining_tokens:
+            continue
+        if slo_s is not None and stall_s <= spare_s * a.remaining_tokens + max(0.0, earned_slack_s(a, slo_s, now)):
+            continue
+        allowed -= 1
+        if allowed < 0:
+            return False
     return True
+
+
+def earned_slack_s(stream: ActiveDecode, slo_s: float, now: float) -> float:
+    """What a stream has saved of its mean-TBT budget so far: the SLO times the intervals it has
+    generated, less the time they took (the gateway's measure, on the snapshot's clock); negative
+    when it runs behind, 0 when it was not watched. A mixed worker's stream on a fast engine saves
+    most of its budget early, and a prefill's pause spends it (docs/kvcache_aware.md, "Mixed workers")."""
+    first = stream.first_token_at
+    if first is None or stream.generated < 2:
+        return 0.0
+    return slo_s * (stream.generated - 1) - (now - first)
 
 
 def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> float:

@@ -98,7 +98,7 @@ class LocalPrefill:
             if duty > self.max_duty:
                 continue
             stretched = tbt / (1.0 - duty)
-            if slo is not None and (stretched > slo or not stall_fits(d, prefill_s, slo - tbt)):
+            if slo is not None and (stretched > slo or not stall_fits(d, prefill_s, slo - tbt, slo, now)):
                 continue
             queue_s = pred.queue_s(d.prefill_queue)
             ttft = queue_s + prefill_s + tbt

@@ -119,6 +119,12 @@ class ActiveDecode:
     # False while the request is routed here but still in prefill or KV transfer (listed from
     # dispatch): "load now" (plain early rejection) leaves these out, forecasts count them in
     decoding: bool = True
+    # the stream's own pace as the gateway saw it (a streamed answer's tokens as they came): tokens
+    # generated and when the first came, on the snapshot's clock (ClusterSnapshot.now); None where
+    # it is not seen (a non-streamed answer, another replica's stream). A stream that ran faster than
+    # its TBT SLO has slack to absorb a pause (policies.estimate.stall_fits)
+    generated: int = 0
+    first_token_at: float | None = None
 
 
 @fast_init

@@ -365,7 +365,9 @@ class InstanceRegistry:
         # listed from dispatch, so forecasts count it; "decoding" once its first token arrives
         self.states[name].decodes[request_id] = ActiveDecode(context_tokens, max_tokens, decoding=False)
 
-    def advance_decode(self, name: str, request_id: str, tokens: int) -> None:
+    def advance_decode(self, name: str, request_id: str, tokens: int, first_token_at: float | None = None) -> None:
+        """`tokens` more of the stream relayed; `first_token_at`: when its first came (time.monotonic),
+        where the relay watched its pace (what a mixed worker's streams have saved, stall_fits)."""
         state = self._state(name)
         if state is None:
             return
@@ -373,7 +375,11 @@ class InstanceRegistry:
         decode = decodes.get(request_id)
         if decode is not None and tokens:
             decodes[request_id] = ActiveDecode(
-                decode.context_tokens + tokens, max(0, decode.remaining_tokens - tokens), decoding=True
+                decode.context_tokens + tokens,
+                max(0, decode.remaining_tokens - tokens),
+                True,
+                decode.generated + tokens,
+                decode.first_token_at if first_token_at is None else first_token_at,
             )
 
     def mark_decoding(self, name: str, request_id: str) -> None:
@@ -384,7 +390,9 @@ class InstanceRegistry:
         decodes = state.decodes
         decode = decodes.get(request_id)
         if decode is not None and not decode.decoding:
-            decodes[request_id] = ActiveDecode(decode.context_tokens, decode.remaining_tokens, decoding=True)
+            decodes[request_id] = ActiveDecode(
+                decode.context_tokens, decode.remaining_tokens, True, decode.generated, decode.first_token_at
+            )
 
     def end_decode(self, name: str, request_id: str) -> None:
         state = self._state(name)

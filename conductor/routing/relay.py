@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -228,11 +229,12 @@ class Relay:
         stats, registry, d = a.stats, self.registry, a.dispatch
         request_id, decode_name = d.request_id, d.decode_name
         unaccounted = 0  # tokens relayed and not yet added to the stream's context in the registry
+        first_at = 0.0  # the first token's time on the registry's clock (time.monotonic, as its snapshots)
         async for chunk in upstream.chunks():
             now = loop.time()
             events = stats.see(chunk, now)
             if events and stats.first_token is None:
-                stats.first_token = now
+                stats.first_token, first_at = now, time.monotonic()
                 registry.end_prefill(d.prefill.name, request_id)
                 self.metrics.ttft.observe(now - a.arrived)
                 # the batch it really joined: streams decoding there now, not those listed at
@@ -243,7 +245,7 @@ class Relay:
                     self._first_token_leg(a, now)
             unaccounted += events
             if unaccounted >= _ADVANCE_EVERY:
-                registry.advance_decode(decode_name, request_id, unaccounted)
+                registry.advance_decode(decode_name, request_id, unaccounted, first_at)
                 unaccounted = 0
             client.response_done = client.response_done or stats.done
             if b'"cached_tokens"' in chunk:  # the usage: the prefill's cached tokens, not the decode's

@@ -212,7 +212,7 @@ class KvCacheAwarePolicy(BasePolicy):
         less_urgent = self.classes.less_urgent(request.priority)
         duty = self.duty
         stretch = None if duty is None or not less_urgent else lambda worker, prefill_s: duty.stretch(worker, prefill_s, now)
-        return place_mixed(pred, request, weighed, options, tbt, less_urgent, stretch), tbt
+        return place_mixed(pred, request, weighed, options, tbt, less_urgent, stretch, now), tbt
 
     def _admit(
         self,

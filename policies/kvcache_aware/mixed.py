@@ -89,6 +89,7 @@ class MixedWorkers:
 
     __slots__ = (
         "_decodes",
+        "now",
         "pred",
         "predicted",
         "request",
@@ -110,8 +111,10 @@ class MixedWorkers:
         tbt_ratio: float,
         backlog: bool = False,
         stretch: Stretch | None = None,
+        now: float = 0.0,
     ) -> None:
         self.pred = pred
+        self.now = now  # the snapshot's clock: what the streams watched have saved (stall_fits)
         self.request = request
         self.workers = weighed.prefills
         self.ttfts = weighed.ttfts
@@ -148,7 +151,7 @@ class MixedWorkers:
         """The streams on worker `i` absorb the request's prefill and keep their TBT SLO."""
         slo = self.tbt_slo
         assert slo is not None  # asked only of requests with a TBT SLO
-        return stall_fits(self.workers[i], self.stalls[i], slo - self.tbt_bound(i))
+        return stall_fits(self.workers[i], self.stalls[i], slo - self.tbt_bound(i), slo, self.now)
 
     def absorbed_bound(self, i: int) -> float:
         """`tbt_bound` where the streams absorb the prefill, else inf: such a worker fits no SLO."""
@@ -163,13 +166,15 @@ def place_mixed(
     tbt: TbtBound,
     backlog: bool = False,
     stretch: Stretch | None = None,
+    now: float = 0.0,
 ) -> Placement:
     """The worker by the rules above; the workers listed are the same as prefill and as decode.
     `backlog`: the streams must absorb the prefills queued ahead of this one too (a less urgent
     class: it may not take the urgent streams' spare time, only what is left of it); `stretch`, its
-    TBT bound stretched by each worker's prefill duty (prefill_duty.py; the same class)."""
+    TBT bound stretched by each worker's prefill duty (prefill_duty.py; the same class); `now`, the
+    snapshot's clock."""
     mode = options.admission.mode
-    workers = MixedWorkers(pred, request, weighed, mode is AdmissionMode.PREDICTED, tbt.ratio, backlog, stretch)
+    workers = MixedWorkers(pred, request, weighed, mode is AdmissionMode.PREDICTED, tbt.ratio, backlog, stretch, now)
     stalled = [stalled_stream_s(w, len(p.decodes)) for w, p in zip(workers.works, weighed.prefills, strict=True)]
     protect = options.mixed.protect_streams and request.slo.tbt_s is not None and mode is not AdmissionMode.NONE
     best, calm = _choose(workers, options, stalled, protect)

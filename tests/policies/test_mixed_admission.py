@@ -219,3 +219,31 @@ def test_without_the_slack_the_lowest_ttft_whose_streams_absorb_it() -> None:
         .prefill
         == "m0"
     )
+
+
+def watched_streams(iid: str, n: int, remaining: int, generated: int, took_s: float) -> InstanceView:
+    """n streams the gateway relayed: `generated` tokens so far, the first `took_s` before the
+    snapshot's now (100.0), `remaining` still to come."""
+    first = 100.0 - took_s
+    return InstanceView(iid, Role.MIXED, decodes=tuple(ActiveDecode(2000, remaining, True, generated, first) for _ in range(n)))
+
+
+def test_streams_that_ran_ahead_of_their_tbt_slo_absorb_a_prefill_near_their_end() -> None:
+    pred = predictors()
+    req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.03))
+    stall = pred.prefill_s(4096, 0)
+    # 2 tokens left each, as in test_rejected_where_no_worker_can_absorb_it, but watched: 400 tokens
+    # came at a third of the SLO's pace, 399 intervals x 0.02 s saved, far more than the pause
+    saved = 0.03 * 399 - 0.01 * 399
+    assert stall < saved
+    ahead = watched_streams("m0", 4, 2, 400, 0.01 * 399)
+    assert not KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(ahead)).rejected
+    # the same streams, behind their pace (each interval took the SLO): nothing saved, refused as before
+    behind = watched_streams("m0", 4, 2, 400, 0.03 * 399)
+    d = KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(behind))
+    assert d.rejected and d.rejection is not None and "would pause more than a tenth" in d.rejection.message
+    # saved, but not enough for this pause: 2 intervals at a third of the pace save 0.04 s, and
+    # 2 tokens left have at most the whole SLO each to spare
+    few = watched_streams("m0", 4, 2, 3, 0.01 * 2)
+    assert stall > 0.02 * 2 + 0.03 * 2
+    assert KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(few)).rejected

@@ -77,7 +77,10 @@ def decode_view(d: DecodeInstance, now: float, cfg: SimConfig) -> InstanceView:
                 entry = j.decode_view
                 if entry is None or j.view_gen != gen:  # a stream's entry changes only as it generates
                     j.view_gen = gen
-                    entry = j.decode_view = active_decode(j.req.input_length + gen, max(0, j.output_tokens - gen))
+                    # the stream as a gateway relaying it sees it: its tokens so far and its first's time
+                    entry = j.decode_view = active_decode(
+                        j.req.input_length + gen, max(0, j.output_tokens - gen), True, gen, j.first_token
+                    )
                 streams.append(entry)
                 if j.local == 2 and j.prefill_done > now:  # its local prefill: still stalling the batch
                     local.append(queued_prefill(j.est_new, j.est_cached, max(0.0, now - j.prefill_start)))

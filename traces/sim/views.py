@@ -36,7 +36,7 @@ from conductor.core.types import (
 from traces.sim.cluster import Job
 
 _VIEW_FIELDS = ("id", "role", "url", "healthy", "prefill_queue", "decodes", "kv_capacity_tokens", "kv_usage", "waiting_requests")
-_DECODE_FIELDS = ("context_tokens", "remaining_tokens", "decoding")
+_DECODE_FIELDS = ("context_tokens", "remaining_tokens", "decoding", "generated", "first_token_at")
 _QUEUED_FIELDS = ("new_tokens", "cached_tokens", "elapsed_s", "end_seen")
 _REQUEST_FIELDS = (
     "request_id",
@@ -87,7 +87,7 @@ _new = object.__new__
 _v_id, _v_role, _v_url, _v_healthy, _v_queue, _v_decodes, _v_kv_cap, _v_kv_usage, _v_waiting = _setters(
     InstanceView, _VIEW_FIELDS
 )
-_d_context, _d_remaining, _d_decoding = _setters(ActiveDecode, _DECODE_FIELDS)
+_d_context, _d_remaining, _d_decoding, _d_generated, _d_first = _setters(ActiveDecode, _DECODE_FIELDS)
 _q_new, _q_cached, _q_elapsed, _q_end_seen = _setters(QueuedPrefill, _QUEUED_FIELDS)
 (
     _r_id,
@@ -151,12 +151,16 @@ def instance_view(
     return view
 
 
-def active_decode(context_tokens: int, remaining_tokens: int, decoding: bool = True) -> ActiveDecode:
-    """ActiveDecode(context_tokens, remaining_tokens, decoding)."""
+def active_decode(
+    context_tokens: int, remaining_tokens: int, decoding: bool = True, generated: int = 0, first_token_at: float | None = None
+) -> ActiveDecode:
+    """ActiveDecode(context_tokens, remaining_tokens, decoding, generated, first_token_at)."""
     entry: ActiveDecode = _new(ActiveDecode)
     _d_context(entry, context_tokens)
     _d_remaining(entry, remaining_tokens)
     _d_decoding(entry, decoding)
+    _d_generated(entry, generated)
+    _d_first(entry, first_token_at)
     return entry
 
 
