@@ -25,7 +25,9 @@ from conductor.config.settings import load_settings, merge_settings
 from conductor.core.types import Observation
 from conductor.gateway import Gateway
 from conductor.kv.analyzer import KVAwareAnalyzer
+from conductor.kv.canary_access import canary_detail
 from tests.support.servers import ServerThread, serve_gateway
+from tests.support.waiting import wait_for
 
 T = TypeVar("T")
 
@@ -73,6 +75,26 @@ class GatewayUnderTest:
     def keys_of(self, token_ids: Sequence[int]) -> list[int]:
         """The gateway's block keys for these token ids (vLLM's event hashes in key_mode vllm)."""
         return self.analyzer.scheme.keys(list(token_ids))
+
+    def canary_report(self) -> dict[str, Any] | None:
+        """The KV canary's report (/ready's kv_canary detail), read on the gateway's loop."""
+
+        async def read() -> dict[str, Any] | None:
+            return canary_detail(self.gateway.analyzer)
+
+        return self.on_loop(read)
+
+    def until_verified(self, timeout_s: float = 300.0) -> None:
+        """Until the KV canary has verified every instance: one still pending (or failed) is left out
+        of the prompt analysis, so its blocks are neither a hit nor a pull source. On a saturated box
+        the first canary request can time out (CI: ReadTimeout on both prefills of
+        test_pd_readback.py, whose holder was then no pull source); it is sent again within 30 s."""
+
+        def verified() -> bool:
+            report = self.canary_report()
+            return report is not None and report["unverified"] == 0 and bool(report["instances"])
+
+        assert wait_for(verified, timeout_s), self.canary_report()
 
     def events_received(self, instance: str) -> int:
         return sum(s.stats.batches for s in self.analyzer.subscribers if s.source.instance == instance)

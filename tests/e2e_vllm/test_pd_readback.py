@@ -29,7 +29,6 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.kv.canary_access import canary_detail
 from tests.conductor.routing.test_peer_pull_gateway import AwayFromTheHolder
 from tests.e2e_vllm.engines import (
     BLOCK_SIZE,
@@ -96,23 +95,10 @@ def pair(vllm_python: str, tiny_model: Path, e2e_dir: Path) -> Iterator[Pair]:
             block_size=BLOCK_SIZE,
             kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": "sha256"},
         ) as gw:
-            until_verified(gw)
+            gw.until_verified()
             yield Pair(p, d, gw, p2)
     finally:
         stop_all(engines)
-
-
-def until_verified(gw: GatewayUnderTest, timeout_s: float = 300.0) -> None:
-    """Until the gateway's KV canary has verified every prefill: an instance still pending (or
-    failed) is left out of the prompt analysis, so its blocks are neither a hit nor a pull source.
-    On a saturated box the first canary request can time out (CI: ReadTimeout on both prefills, then
-    the pull test's holder was no pull source); it is sent again within 30 s."""
-
-    def verified() -> bool:
-        detail = canary_detail(gw.gateway.analyzer)
-        return detail is not None and detail["unverified"] == 0 and bool(detail["instances"])
-
-    assert wait_for(verified, timeout_s), canary_detail(gw.gateway.analyzer)
 
 
 def readbacks(gw: GatewayUnderTest, event: str) -> float:
@@ -215,7 +201,7 @@ def peers(pair: Pair, tiny_model: Path) -> Iterator[tuple[GatewayUnderTest, Away
         block_size=BLOCK_SIZE,
         kv={"enabled": True, "key_mode": "vllm", "tokenizer": str(tiny_model), "vllm_hash_algo": "sha256"},
     ) as gw:
-        until_verified(gw)
+        gw.until_verified()
         yield gw, policy
 
 
