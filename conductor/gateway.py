@@ -40,6 +40,7 @@ from conductor.routing.relay import Relay
 from conductor.routing.request_path import InflightLimit, RequestPath
 from conductor.routing.router import Router
 from conductor.routing.shares import Shares
+from conductor.routing.waiting_room import WaitingRoom
 from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class Gateway:
             tracing=self.tracing,
             lessons=self.lessons,
         )
+        self.waiting_room = WaitingRoom(self.settings.hold, self.metrics)
         self.relay = Relay(
             self.settings,
             registry=self.registry,
@@ -134,6 +136,7 @@ class Gateway:
             metrics=self.metrics,
             tracing=self.tracing,
             adapter_loads=self.adapter_loads if self.settings.lora_adapters else None,
+            freed=self.waiting_room.freed,
         )
         self.request_path = RequestPath(
             settings=self.settings,
@@ -142,6 +145,7 @@ class Gateway:
             analyzer=self.analyzer,
             router=self.router,
             relay=self.relay,
+            waiting_room=self.waiting_room,
             deadlines=self.deadlines,
             inflight=self.inflight,
             shares=Shares(self.settings, self.inflight, self.metrics),

@@ -115,6 +115,7 @@ def check_tbt(pred: Predictors, request: RequestView, decode: DecodeEstimate, bo
         predicted_s=decode.tbt_s,
         slo_s=slo,
         retry_after_s=_retry(drain if drain is not None else MAX_RETRY_S),
+        retryable=drain is not None,  # None: it alone, on an idle instance, misses the SLO
     )
 
 

@@ -183,6 +183,16 @@ class LimitSettings(_Model):
     max_pipelined_requests: int = Field(default=32, gt=0)
 
 
+class HoldSettings(_Model):
+    """Requests refused only for their TBT wait at the gateway for streams to end, within their
+    TTFT SLO, instead of a 429 at once (conductor/routing/waiting_room.py); at most `max_held` at once."""
+
+    enabled: bool = True
+    max_held: int = Field(default=256, ge=0)
+    # the longest a request waits, whatever its TTFT SLO (a client's header may set any)
+    max_wait_s: float = Field(default=10.0, gt=0)
+
+
 class OutlierSettings(_Model):
     """Passive outlier ejection: this many consecutive 5xx answers or transport failures take an
     instance out of rotation for ejection_s (doubling on each ejection in a row, up to

@@ -37,6 +37,7 @@ from conductor.config.env import env_values
 from conductor.config.groups import (
     AuthSettings,
     HealthSettings,
+    HoldSettings,
     LimitSettings,
     LoadShareSettings,
     LogSettings,
@@ -155,6 +156,7 @@ class Settings(_Model):
     auth: AuthSettings = AuthSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     limits: LimitSettings = LimitSettings()
+    hold: HoldSettings = HoldSettings()
     outlier: OutlierSettings = OutlierSettings()
     health: HealthSettings = HealthSettings()
     load_share: LoadShareSettings = LoadShareSettings()

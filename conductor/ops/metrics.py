@@ -120,6 +120,15 @@ class GatewayMetrics:
             "conductor_tbt_seconds", "Mean time between tokens of each stream", buckets=_TBT_BUCKETS, registry=r
         )
         self.e2e = LoopHistogram("conductor_request_seconds", "Arrival to last byte", buckets=_LATENCY_BUCKETS, registry=r)
+        # requests refused for their TBT that wait for streams to end instead (conductor/routing/waiting_room.py)
+        self.hold_time = LoopHistogram(
+            "conductor_hold_seconds",
+            "Time requests waited at the gateway for streams to end, by how the wait ended",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.held_requests = Gauge("conductor_held_requests", "Requests waiting at the gateway now", registry=r)
         self.decision_time = LoopHistogram(
             "conductor_decision_seconds",
             "Time to analyse a prompt and decide",

@@ -99,7 +99,9 @@ class Attempt:
             cached_tokens=reported,
             predicted_cached_tokens=self.predicted_cached,
             queue_and_prefill_s=exchange.prefill_s if exchange else None,
-            ttft_s=(stats.first_token - self.arrived) if streamed and stats.first_token is not None else None,
+            # from its admission, as predicted (a held request's wait is not the instances'; its
+            # view's TTFT SLO is what was left of it then)
+            ttft_s=stats.first_token - self.arrived - self.routed.held_s if streamed and stats.first_token is not None else None,
             token_intervals_s=tuple(stats.intervals),
             output_tokens=stats.usage_completion_tokens if stats.usage_completion_tokens is not None else stats.tokens,
             decode_batch=self.decode_batch,

@@ -57,6 +57,7 @@ class Relay:
         metrics: GatewayMetrics,
         tracing: Tracing | None,
         adapter_loads: AdapterLoads | None = None,
+        freed: Callable[[], None] | None = None,
     ) -> None:
         """adapter_loads: the LoRA adapters loaded on the chosen instances before a request that
         names one goes there (conductor/routing/adapter_loads.py); None: none is ever loaded."""
@@ -69,6 +70,7 @@ class Relay:
         self.analyzer = analyzer
         self.metrics = metrics
         self.tracing = tracing
+        self._freed = freed  # told when an attempt's load leaves the registry (waiting_room.py)
 
     # ---- the skeleton -----------------------------------------------------------------------
     async def dispatch(
@@ -126,6 +128,8 @@ class Relay:
             raise
         finally:
             a.dispatch.end(self.registry)
+            if self._freed is not None:
+                self._freed()
             if self.adapter_loads is not None:
                 self.adapter_loads.release(a.dispatch.request_id)
             if self.tracing is not None:
@@ -154,7 +158,8 @@ class Relay:
         TTFT prediction on a mixed worker (no decode-leg term takes the gateway's own time before
         the dispatch, as on P/D). Its cached tokens come with the last chunk: not known yet."""
         d, prompt_tokens = a.dispatch, a.routed.analysis.prompt_tokens
-        self.router.observe_prefill_leg(PrefillLeg(d.request_id, d.prefill.name, prompt_tokens, None, now - a.arrived))
+        leg_s = now - a.arrived - a.routed.held_s  # from admission: a held request's wait is not the worker's
+        self.router.observe_prefill_leg(PrefillLeg(d.request_id, d.prefill.name, prompt_tokens, None, leg_s))
 
     # ---- one request, one exchange ----------------------------------------------------------
     async def attempt(self, routed: Routed, out: Outgoing, send: Send, client: ClientState, arrived: float) -> int:

@@ -18,6 +18,7 @@ from conductor.routing.priority import Classifier
 from conductor.routing.relay import Relay
 from conductor.routing.router import Router
 from conductor.routing.shares import Shares
+from conductor.routing.waiting_room import WaitingRoom
 
 
 class InflightLimit:
@@ -51,6 +52,7 @@ class RequestPath:
     analyzer: PromptAnalyzer
     router: Router
     relay: Relay
+    waiting_room: WaitingRoom  # holds a request refused for its TBT until streams end
     deadlines: Deadlines
     inflight: InflightLimit
     shares: Shares  # admits into `inflight`: priority classes shed first, tenants' fair shares

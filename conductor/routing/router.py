@@ -44,6 +44,7 @@ from conductor.ops.metrics import GatewayMetrics
 from conductor.ops.status import GatewayStatus
 from conductor.ops.tracing import Tracing, decision_attributes
 from conductor.routing.pulls import PullOffer, PullPlanner
+from policies.admission import TBT_SLO
 from policies.base import NO_INSTANCE
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Routed:
     analysis: PromptAnalysis
     view: RequestView
     pulls: PullOffer  # the pulls offered to the policy (one is carried out if the decision pulls)
+    held_s: float = 0.0  # how long it waited at the gateway before this decision (waiting_room.py)
 
 
 @fast_init
@@ -208,24 +210,33 @@ class Router:
         priority: str | None = None,
         tenant: str | None = None,
         session: int | None = None,
-    ) -> Routed:
+        may_hold: bool = False,
+    ) -> Routed | None:
         """Ask the policy; `exclude`: instances this request already failed on (a failover);
         `priority`, `tenant`: its class and tenant, where configured (in the view and the log);
         `session`: its session's hashed key (conductor/routing/sessions.py), in the view.
-        Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away."""
+        Raises Rejected (429) or NoHealthyInstance (503) when the policy turns the request away;
+        with `may_hold`, a refusal for its TBT only (which streams ending may cure) returns None
+        instead, with nothing remembered, logged or counted: the caller holds the request
+        (conductor/routing/waiting_room.py) and asks again."""
         started = time.perf_counter()
-        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        seq = self._next_seq
         args = (request_id, model, max_tokens, stream, slo, analysis, exclude)
         if self._tracing is None:
             proposal = self.propose(*args, seq=seq, priority=priority, tenant=tenant, session=session)
             decision, view = proposal.decision, proposal.view
+            if may_hold and _holdable(decision):
+                return None
             self.policy.on_decided(view, proposal.snapshot, decision)
         else:
             with self._tracing.child("conductor.decide") as span:
                 proposal = self.propose(*args, seq=seq, priority=priority, tenant=tenant, session=session)
                 decision, view = proposal.decision, proposal.view
+                if may_hold and _holdable(decision):
+                    return None
                 self.policy.on_decided(view, proposal.snapshot, decision)
                 span.set_attributes(decision_attributes(decision, view.prompt_tokens))
+        self._next_seq = seq + 1
         self._metrics.decision_time.observe(time.perf_counter() - started)
         log_decision(decision_log, decision, analysis.prompt_tokens, model, priority=priority, tenant=tenant)
         self.status.decided(decision, analysis.prompt_tokens)
@@ -236,7 +247,7 @@ class Router:
         """`decide` for a request decided before (`routed`) that failed on the instances `exclude`
         (a failover): the same model, sizes, analysis, class, tenant and session."""
         view = routed.view
-        return self.decide(
+        again = self.decide(
             view.request_id,
             view.model,
             view.max_tokens,
@@ -248,6 +259,8 @@ class Router:
             tenant=view.tenant,
             session=view.session,
         )
+        assert again is not None  # not held: a refusal is raised
+        return again
 
     def _count(self, decision: Decision, model: str, tenant: str | None) -> None:
         """The decision's metrics; a rejection raised as the error the client gets."""
@@ -296,6 +309,14 @@ class Router:
         if self._lesson_outbox:
             self._lessons.publish(self._lesson_outbox)
             self._lesson_outbox.clear()
+
+
+def _holdable(decision: Decision) -> bool:
+    """A refusal for the request's TBT alone: the streams it would stall or join are too many now,
+    and fewer once some end (conductor/routing/waiting_room.py); not one it would get on an idle
+    instance too (not `retryable`)."""
+    rejection = decision.rejection
+    return rejection is not None and rejection.reason == TBT_SLO and rejection.retryable
 
 
 def _model_slos(settings: Settings) -> dict[str, Slo]:

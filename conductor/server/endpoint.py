@@ -312,9 +312,13 @@ class CompletionsEndpoint:
             max_age_s = parts.settings.load_share.sync_max_age_s
             if max_age_s is not None:  # other replicas' load, at most this old
                 await parts.load_share.refresh(max_age_s)
-            routed = parts.router.decide(
-                call.request_id, body["model"], max_tokens, stream, slo, analysis, priority=call.priority, tenant=call.tenant,
-                session=call.session)  # fmt: skip
+
+            def decide(s: Slo, may_hold: bool) -> Routed | None:
+                return parts.router.decide(
+                    call.request_id, body["model"], max_tokens, stream, s, analysis, priority=call.priority,
+                    tenant=call.tenant, session=call.session, may_hold=may_hold)  # fmt: skip
+
+            routed = await parts.waiting_room.admit(decide, slo, call.arrived)
             out = self._outgoing(routed, body, call, stream)
             return await self._forward(call, routed, out, slo, send)
         finally:

@@ -79,6 +79,15 @@ def test_tbt_rejection(params: PredictorParams) -> None:
         assert r.predicted_s is not None and r.predicted_s > 0.05 and r.slo_s == 0.05
         assert "TBT SLO 50.00ms" in r.message and "d0" in r.message
         assert 1.0 < r.retry_after_s <= 60.0
+        assert r.retryable  # streams end: the gateway may hold it for that (conductor/routing/waiting_room.py)
+
+
+def test_a_tbt_slo_an_idle_decode_misses_is_not_retryable(params: PredictorParams) -> None:
+    # 1 ms a token: no step of the model is that fast, whatever the batch; waiting cannot cure it
+    d = policy(params).decide(request(slo=Slo(ttft_s=5.0, tbt_s=0.001)), snapshot(prefill("p0"), decode("d0", streams=4)))
+    r = d.rejection
+    assert r is not None and r.reason == "tbt_slo"
+    assert r.retryable is False
 
 
 def test_prediction_based_admits_what_plain_early_rejection_refuses(params: PredictorParams) -> None:

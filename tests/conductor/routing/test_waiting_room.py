@@ -1,0 +1,168 @@
+"""A request refused for its TBT waits at the gateway for streams to end, within its TTFT SLO
+(conductor/routing/waiting_room.py): through the gateway, in front of a stand-in mixed worker whose
+stream the test holds and lets go."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import httpx
+import pytest
+
+from conductor.core.types import ClusterSnapshot, Decision, Rejection, RequestView, Role
+from policies.admission import TBT_SLO
+from policies.base import BasePolicy
+from tests.support.cluster import Cluster, cluster
+
+STREAM = {"model": "tiny", "prompt": "first", "max_tokens": 3, "stream": True}
+SECOND = {"model": "tiny", "prompt": "second", "max_tokens": 2}
+
+
+class RefusedWhileStreaming(BasePolicy):
+    """The one mixed worker, refused for the TBT while any stream decodes there (as kvcache_aware
+    refuses a prefill its streams cannot absorb); what each decision was asked is kept."""
+
+    name = "refused_while_streaming"
+
+    def __init__(self) -> None:
+        self.asked: list[float | None] = []  # the TTFT SLO left, per decision asked
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        worker = cluster.by_role(Role.MIXED)[0]
+        self.asked.append(request.slo.ttft_s)
+        if worker.decodes:
+            rejection = Rejection(reason=TBT_SLO, message="the streams cannot absorb it", retry_after_s=1.0)
+            return Decision(request.request_id, self.name, rejection=rejection)
+        return Decision(request.request_id, self.name, prefill=worker.id)
+
+
+def _mixed(gate: threading.Semaphore, policy: BasePolicy, **settings: Any) -> AbstractContextManager[Cluster]:
+    """One stand-in mixed worker whose streams wait at `gate` after their first token."""
+    return cluster(n_prefill=0, n_decode=0, n_mixed=1, policy=policy, standin={"mixed": {"token_gate": gate}}, **settings)
+
+
+async def _polled(cond: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s  # a bound for a hang, not a speed check
+    while not cond():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def _stream(client: httpx.AsyncClient, url: str) -> int:
+    async with client.stream("POST", url + "/v1/completions", json=STREAM) as r:
+        await r.aread()
+    return r.status_code
+
+
+def _metric(c: Cluster, name: str, labels: dict[str, str] | None = None) -> float:
+    value = c.gateway.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+async def _streaming(c: Cluster, client: httpx.AsyncClient) -> asyncio.Task[int]:
+    """The first request, streaming, held after its first token by the worker's gate."""
+    first = asyncio.create_task(_stream(client, c.url))
+    await _polled(lambda: bool(c.gateway.registry.states["mixed-0"].decodes), "the stream never reached the worker")
+    return first
+
+
+def test_a_request_refused_for_its_tbt_waits_for_the_stream_to_end_and_is_served() -> None:
+    gate = threading.Semaphore(0)
+    policy = RefusedWhileStreaming()
+    with _mixed(gate, policy, slo={"ttft_s": 120.0}) as c:
+
+        async def run() -> tuple[int, httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = await _streaming(c, client)
+                second = asyncio.create_task(client.post(c.url + "/v1/completions", json=SECOND))
+                await _polled(lambda: c.gateway.waiting_room.held == 1, "the second request was not held")
+                assert not second.done() and not first.done()
+                gate.release(10)  # the stream's other tokens: it ends, and the held request is decided again
+                return await first, await second
+
+        first_status, second = asyncio.run(run())
+    assert first_status == 200
+    assert second.status_code == 200, second.text
+    assert c.gateway.waiting_room.held == 0
+    assert _metric(c, "conductor_hold_seconds_count", {"outcome": "admitted"}) == 1
+    assert _metric(c, "conductor_held_requests") == 0
+    assert _metric(c, "conductor_rejections_total", {"reason": TBT_SLO}) == 0  # a hold is no refusal
+    # the second request was asked about at least twice, the last time with less of its TTFT SLO left
+    second_asks = policy.asked[1:]
+    assert len(second_asks) >= 2
+    assert second_asks[0] == 120.0
+    assert second_asks[-1] is not None and second_asks[-1] < 120.0
+
+
+@pytest.mark.parametrize(
+    ("settings", "headers"),
+    [
+        ({}, {"x-slo-ttft-ms": "200"}),  # 200 ms of TTFT SLO: held, then refused when they are spent
+        ({"slo": {"ttft_s": 1e300}, "hold": {"max_wait_s": 0.2}}, {}),  # a TTFT SLO without end: the wait has one
+    ],
+    ids=["ttft-slo", "max-wait"],
+)
+def test_a_request_held_past_its_budget_is_refused(settings: dict[str, Any], headers: dict[str, str]) -> None:
+    gate = threading.Semaphore(0)
+    with _mixed(gate, RefusedWhileStreaming(), **settings) as c:
+
+        async def run() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = await _streaming(c, client)
+                try:
+                    return await client.post(c.url + "/v1/completions", json=SECOND, headers=headers)
+                finally:
+                    gate.release(10)
+                    await first
+
+        second = asyncio.run(run())
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["code"] == TBT_SLO
+    assert _metric(c, "conductor_hold_seconds_count", {"outcome": "refused"}) == 1
+    assert _metric(c, "conductor_rejections_total", {"reason": TBT_SLO}) == 1
+    assert c.gateway.waiting_room.held == 0
+
+
+def test_past_max_held_the_refusal_is_sent_at_once() -> None:
+    gate = threading.Semaphore(0)
+    with _mixed(gate, RefusedWhileStreaming(), slo={"ttft_s": 120.0}, hold={"max_held": 0}) as c:
+
+        async def run() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = await _streaming(c, client)
+                try:
+                    return await client.post(c.url + "/v1/completions", json=SECOND)
+                finally:
+                    gate.release(10)
+                    await first
+
+        second = asyncio.run(run())
+    assert second.status_code == 429
+    assert second.json()["error"]["code"] == TBT_SLO
+    assert _metric(c, "conductor_hold_seconds_count", {"outcome": "refused"}) == 0  # never held
+
+
+def test_a_held_request_whose_client_goes_away_leaves_the_room() -> None:
+    gate = threading.Semaphore(0)
+    policy = RefusedWhileStreaming()
+    with _mixed(gate, policy, slo={"ttft_s": 120.0}) as c:
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = await _streaming(c, client)
+                async with httpx.AsyncClient(timeout=120) as other:  # its own connection, closed below
+                    second = asyncio.create_task(other.post(c.url + "/v1/completions", json=SECOND))
+                    await _polled(lambda: c.gateway.waiting_room.held == 1, "the second request was not held")
+                    second.cancel()
+                await _polled(lambda: c.gateway.waiting_room.held == 0, "the request stayed held after its client left")
+                gate.release(10)
+                assert await first == 200
+
+        asyncio.run(run())
+    assert _metric(c, "conductor_hold_seconds_count", {"outcome": "cancelled"}) == 1
+    assert _metric(c, "conductor_held_requests") == 0
