@@ -318,7 +318,7 @@ class CompletionsEndpoint:
                     call.request_id, body["model"], max_tokens, stream, s, analysis, priority=call.priority,
                     tenant=call.tenant, session=call.session, may_hold=may_hold)  # fmt: skip
 
-            routed = await parts.waiting_room.admit(decide, slo, call.arrived)
+            routed = await parts.waiting_room.admit(decide, slo)
             out = self._outgoing(routed, body, call, stream)
             return await self._forward(call, routed, out, slo, send)
         finally:

@@ -14,13 +14,21 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.core.types import ClusterSnapshot, Decision, Rejection, RequestView, Role
+from conductor.config.groups import HoldSettings
+from conductor.core.types import ClusterSnapshot, Decision, Rejection, RequestView, Role, Slo
+from conductor.kv.analysis import PromptAnalysis
+from conductor.ops.metrics import GatewayMetrics
+from conductor.routing.pulls import NO_PULL_OFFER
+from conductor.routing.router import Routed
+from conductor.routing.waiting_room import WAKE_PER_END, WaitingRoom
 from policies.admission import TBT_SLO
 from policies.base import BasePolicy
+from tests.policies.cluster_builders import request
 from tests.support.cluster import Cluster, cluster
 
 STREAM = {"model": "tiny", "prompt": "first", "max_tokens": 3, "stream": True}
 SECOND = {"model": "tiny", "prompt": "second", "max_tokens": 2}
+ADMITTED = Routed(Decision("r1", "test", prefill="m0"), PromptAnalysis(prompt_tokens=8192, exact=True), request(), NO_PULL_OFFER)
 
 
 class RefusedWhileStreaming(BasePolicy):
@@ -166,3 +174,42 @@ def test_a_held_request_whose_client_goes_away_leaves_the_room() -> None:
         asyncio.run(run())
     assert _metric(c, "conductor_hold_seconds_count", {"outcome": "cancelled"}) == 1
     assert _metric(c, "conductor_held_requests") == 0
+
+
+def test_a_stream_end_decides_again_the_longest_waiting_few_not_every_held_request() -> None:
+    """WAKE_PER_END per end, the longest waiting first; one not admitted goes to the back."""
+    room = WaitingRoom(HoldSettings(), GatewayMetrics())
+    asked: list[int] = []
+    admit: set[int] = set()
+
+    def decider(n: int) -> Callable[[Slo, bool], Routed | None]:
+        def decide(slo: Slo, may_hold: bool) -> Routed | None:
+            asked.append(n)
+            if n in admit:
+                return ADMITTED
+            assert may_hold, "the budget of 120 s ran out"
+            return None
+
+        return decide
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(room.admit(decider(n), Slo(ttft_s=120.0))) for n in range(6)]
+        await _polled(lambda: room.held == 6 and len(room._waiters) == 6, "six held")
+        asked.clear()
+        room.freed()
+        await _polled(lambda: len(asked) == WAKE_PER_END and len(room._waiters) == 6, "four decided again")
+        assert asked == [0, 1, 2, 3]
+        asked.clear()
+        admit.update({4, 0})
+        room.freed()  # 4 and 5 have waited longest now, then 0 and 1
+        await _polled(lambda: len(asked) == WAKE_PER_END and room.held == 4, "the next four decided again")
+        assert asked == [4, 5, 0, 1]
+        assert not tasks[5].done()
+        for n in (4, 0):  # the decision, with the time it waited
+            assert tasks[n].result().decision is ADMITTED.decision and tasks[n].result().held_s > 0
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert room.held == 0 and not room._waiters
+
+    asyncio.run(run())
