@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from conductor.core.types import ClusterSnapshot, InstanceView, Rejection, RequestView, Role
+from conductor.core.types import ClusterSnapshot, Decision, InstanceView, Rejection, RequestView, Role
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
@@ -44,6 +44,11 @@ from predictors.online import Predictors
 
 TTFT_SLO = "ttft_slo"
 TBT_SLO = "tbt_slo"
+# held requests decided again per stream that ends, the longest waiting first (the gateway's
+# conductor/routing/waiting_room.py and the simulator's traces/sim/hold.py): a stream's end frees
+# room for about one prefill, and deciding every held request at each end would cost up to
+# hold.max_held decisions per end for one admission
+WAKE_PER_END = 4
 MIN_RETRY_S = 1.0  # Retry-After is whole seconds; sooner than this is noise
 MAX_RETRY_S = 60.0  # beyond this the estimate means "much later", not a time
 
@@ -190,3 +195,11 @@ class BaselineAdmission:
         pending = self.mode is AdmissionMode.PREDICTED  # early: the load now, decoding streams only
         d_est = estimate_decode(pred, request, d_inst, at, joins, include_pending=pending)
         return admit(pred, request, self.mode, p_est, d_est)
+
+
+def holdable(decision: Decision) -> bool:
+    """A refusal for the request's TBT alone, which streams ending may cure: the gateway holds such a
+    request instead of refusing it (conductor/routing/waiting_room.py), and so does the simulator
+    (traces/sim/hold.py); not one it would get on an idle instance too (not `retryable`)."""
+    rejection = decision.rejection
+    return rejection is not None and rejection.reason == TBT_SLO and rejection.retryable

@@ -44,7 +44,7 @@ from conductor.ops.metrics import GatewayMetrics
 from conductor.ops.status import GatewayStatus
 from conductor.ops.tracing import Tracing, decision_attributes
 from conductor.routing.pulls import PullOffer, PullPlanner
-from policies.admission import TBT_SLO
+from policies.admission import holdable
 from policies.base import NO_INSTANCE
 
 log = logging.getLogger(__name__)
@@ -225,14 +225,14 @@ class Router:
         if self._tracing is None:
             proposal = self.propose(*args, seq=seq, priority=priority, tenant=tenant, session=session)
             decision, view = proposal.decision, proposal.view
-            if may_hold and _holdable(decision):
+            if may_hold and holdable(decision):
                 return None
             self.policy.on_decided(view, proposal.snapshot, decision)
         else:
             with self._tracing.child("conductor.decide") as span:
                 proposal = self.propose(*args, seq=seq, priority=priority, tenant=tenant, session=session)
                 decision, view = proposal.decision, proposal.view
-                if may_hold and _holdable(decision):
+                if may_hold and holdable(decision):
                     return None
                 self.policy.on_decided(view, proposal.snapshot, decision)
                 span.set_attributes(decision_attributes(decision, view.prompt_tokens))
@@ -309,14 +309,6 @@ class Router:
         if self._lesson_outbox:
             self._lessons.publish(self._lesson_outbox)
             self._lesson_outbox.clear()
-
-
-def _holdable(decision: Decision) -> bool:
-    """A refusal for the request's TBT alone: the streams it would stall or join are too many now,
-    and fewer once some end (conductor/routing/waiting_room.py); not one it would get on an idle
-    instance too (not `retryable`)."""
-    rejection = decision.rejection
-    return rejection is not None and rejection.reason == TBT_SLO and rejection.retryable
 
 
 def _model_slos(settings: Settings) -> dict[str, Slo]:

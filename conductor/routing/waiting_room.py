@@ -33,14 +33,10 @@ from conductor.config.groups import HoldSettings
 from conductor.core.types import Slo
 from conductor.ops.metrics import GatewayMetrics
 from conductor.routing.router import Routed
+from policies.admission import WAKE_PER_END
 
 # the decision with this SLO; True: a refusal the streams' ending may cure returns None instead
 Decide = Callable[[Slo, bool], Routed | None]
-
-# held requests decided again per stream that ends, the longest waiting first: a stream's end frees
-# room for about one prefill, and deciding every held request at each end would cost up to
-# max_held decisions per end (256 x the streams ending a second) for one admission
-WAKE_PER_END = 4
 
 
 def _loop_time() -> float:

@@ -72,6 +72,10 @@ class SimConfig:
     # decodes along a prefill) with a prefix cache of `prefill_cache_tokens`; the policy sees
     # Role.MIXED instances and decides `prefill` = the worker, `decode` None
     mixed: bool = False
+    # the gateway's waiting room (its `hold` settings, conductor/config/groups.py HoldSettings): a job
+    # refused for its TBT only waits for streams to end, at most this many at once (0: none waits)
+    hold_max: int = 256
+    hold_max_wait_s: float = 10.0
     # priority classes, tenants and the in-flight limit, as the gateway runs them (traces/sim/classes.py);
     # None: every request of one class with `slo`, no tenants, no limit
     classes: SimClasses | None = None

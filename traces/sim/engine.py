@@ -7,32 +7,9 @@ learn them late, or not at all) and a ClusterSnapshot of
 prefill queues and decode streams it dispatched. Outcomes go back through `policy.observe`, so the
 policy's own predictors fit online and their error shows in the result.
 
-Modelling choices (documented, deliberate):
-* A prefill instance reuses its *own* cache automatically (vLLM prefix caching). It uses another
-  instance's or the store's blocks only when the decision says `pull_from`/`pull_tokens`
-  (`pull_tokens`: tokens pulled beyond its own prefix), and only over a mechanism the cluster has
-  (`SimConfig.pull`: peer-to-peer, store, both or none; a pull over a missing one is refused and
-  counted in `extra["refused_pulls"]`).
-* Every instance has one inbound and one outbound KV link, each carrying one transfer at a time
-  (a NIC's bandwidth shared by concurrent transfers finishes them no sooner in total). A peer pull
-  holds the holder's outbound link and the destination's inbound link; the pooled store is striped
-  over many nodes and has no single sender. So pulls of a hot prefix from one holder queue behind
-  each other, and behind the holder's own P -> D handoffs.
-* Pulled prefixes travel while the job waits in the queue; the prefill starts when it is at the
-  head and the pull is done.
-* After prefill, the whole prompt's KV goes to the decode instance over the prefill's outbound and
-  the decode's inbound link (as vLLM's NIXL and Mooncake connectors send it); with
-  `kv_handoff="layerwise"` (Mooncake's own engine) it streams layer by layer from the prefill's
-  start and only the last layer's share follows the prefill. The first token comes one decode step
-  after the request joins the decode batch. Waiting for decode KV space therefore shows up in TTFT.
-* Decode KV space: `decode_kv` ("preempt", vLLM's recompute preemption, or "reserve"); see
-  traces/sim/cluster.py, DecodeInstance.
-* Every finished prefill writes its blocks to the store (when configured) and its local cache.
-* Mixed workers (`SimConfig.mixed`): decode instances that prefill every request themselves (the
-  local-prefill path), reusing their own prefix cache; the policy's index reports those caches.
-* Priority classes and tenants (`SimConfig.classes`): a request is classified and enters the
-  gateway's in-flight shares before the policy decides, and leaves them when it ends
-  (traces/sim/classes.py); its class's SLO is the one the policy and the results judge it by.
+Modelling choices, each with its reason: docs/simulator.md, "What is modelled" (prefix reuse and
+pulls, one transfer per link and direction, the P -> D handoff, decode KV space, mixed workers,
+priority classes and tenants, the gateway's waiting room).
 """
 
 from __future__ import annotations
@@ -46,17 +23,19 @@ from collections.abc import Sequence
 
 from conductor.core.capabilities import ClassAware
 from conductor.core.types import CachedPrefix, Decision, Policy, PrefillLeg, PrefillLegObserver, RequestView
+from policies.admission import holdable
 from traces.formats import TraceRequest
 from traces.sim.classes import admit
 from traces.sim.cluster import BlockLRU, DecodeInstance, Job, PrefillInstance, index_caches
 from traces.sim.config import SimConfig
+from traces.sim.hold import SimWaitingRoom
 from traces.sim.instance_views import cluster_view, request_view_of
 from traces.sim.pulls import plan_pull
 from traces.sim.results import RunResult
 from traces.sim.summary import run_result
 from traces.sim.views import job_observation, mixed_leg, refused_observation
 
-_PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK, _INDEXED, _FIRST_TOKEN = range(6)
+_PREFILL_DONE, _PULL_READY, _DECODE_ARRIVE, _DECODE_TICK, _INDEXED, _FIRST_TOKEN, _HOLD_WAKE, _HOLD_DUE = range(8)
 MAX_QUEUE = 100_000  # requests routed to one decode instance; past it they are rejected ("queue_full")
 
 
@@ -74,6 +53,7 @@ class Simulator:
         self.rng = random.Random(config.seed)
         self.prefills = [PrefillInstance(i, config.prefill_cache_tokens, 512) for i in config.prefill_ids()]
         self.gate = config.classes.admission(lambda: self.now) if config.classes is not None else None
+        self.room = SimWaitingRoom(config.hold_max, config.hold_max_wait_s)  # the gateway's `hold`
         if config.classes is not None and isinstance(policy, ClassAware):  # as the gateway tells it at start-up
             policy.configure_classes(config.classes.rules)
         # staged peer pulls (SimConfig.staging): every prefill is a source the policy must wait on
@@ -138,12 +118,23 @@ class Simulator:
         if self.gate is not None:
             self.gate.leave(job.tenant)
 
-    def _arrive(self, job: Job) -> None:
-        if not self._enter(job):
-            return
-        view = self._request_view(job)
+    def _decide(self, job: Job, may_hold: bool) -> None:
+        """Decide the job and act on it: on arrival, or held (traces/sim/hold.py) at a stream's end
+        (`may_hold`: a refusal for its TBT only holds it on) or at its deadline."""
+        held = self.room.held(job)
+        view = self.room.view(self._request_view(job), job, self.now) if held else self._request_view(job)
         snapshot = cluster_view(self.prefills, self.decodes, self.now, self.cfg)
         decision = self.policy.decide(view, snapshot)
+        if may_hold and holdable(decision):  # it waits for streams to end, where there is room
+            if held:
+                self.room.back(job)
+                return
+            due = self.room.hold(job, view.slo, self.now)
+            if due is not None:
+                self._push(due, _HOLD_DUE, 0, job)
+                return
+        elif held:
+            self.room.release(job)
         self.policy.on_decided(view, snapshot, decision)
         if decision.rejection is not None:
             self._refuse(job, decision.rejection.reason)
@@ -331,6 +322,8 @@ class Simulator:
 
     def _finish(self, job: Job) -> None:
         self.done.append(job)
+        if len(self.room):  # a stream ended: held jobs are decided again, once this event is over
+            self._push(self.now, _HOLD_WAKE, 0)
         if self.gate is not None:
             self.gate.leave(job.tenant)
         if not self.cfg.observe:
@@ -359,7 +352,8 @@ class Simulator:
                 while events and events[0][0] <= job.arrival:
                     self._dispatch_event()
                 self.now = job.arrival
-                self._arrive(job)
+                if self._enter(job):
+                    self._decide(job, True)
             while events:
                 self._dispatch_event()
         finally:
@@ -386,6 +380,13 @@ class Simulator:
         elif kind == _FIRST_TOKEN:  # a mixed worker's first token: its leg, as the gateway tells it
             assert self._leg_observer is not None and isinstance(payload, Job)
             self._leg_observer.observe_prefill_leg(mixed_leg(payload, self.decodes[target].id))
+        elif kind == _HOLD_WAKE:
+            for held in self.room.woken():
+                self._decide(held, True)
+        elif kind == _HOLD_DUE:
+            assert isinstance(payload, Job)
+            if self.room.held(payload):
+                self._decide(payload, False)
         elif kind == _INDEXED:
             assert isinstance(payload, tuple)
             self._indexes[target][1].touch(payload)

@@ -270,7 +270,7 @@ def job_observation(job: Job, prefill: str, decode: str | None) -> Observation:
         cached_tokens=job.reused,
         predicted_cached_tokens=job.predicted_cached,
         queue_and_prefill_s=job.prefill_done - job.dispatch if decode is not None else None,
-        ttft_s=job.first_token - job.arrival,
+        ttft_s=job.first_token - job.dispatch,  # from its admission, as the gateway learns it (a held job's wait is not)
         token_intervals_s=(mean_tbt,) * (out - 1),
         output_tokens=out,
         # Observation counts the *other* streams and their KV (batch_at_join includes this one,
@@ -281,9 +281,9 @@ def job_observation(job: Job, prefill: str, decode: str | None) -> Observation:
 
 
 def mixed_leg(job: Job, worker: str) -> PrefillLeg:
-    """A mixed worker's leg, told at its first token as the gateway tells a stream's: from arrival
-    (its Observation's ttft_s), the worker's cached tokens unknown until its last chunk."""
-    return PrefillLeg(f"r{job.seq}", worker, job.req.input_length, None, job.first_token - job.arrival)
+    """A mixed worker's leg, told at its first token as the gateway tells a stream's: from its
+    admission (its Observation's ttft_s), the worker's cached tokens unknown until its last chunk."""
+    return PrefillLeg(f"r{job.seq}", worker, job.req.input_length, None, job.first_token - job.dispatch)
 
 
 def refused_observation(job: Job, prefill: str, decode: str) -> Observation:

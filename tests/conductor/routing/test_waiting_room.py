@@ -20,8 +20,8 @@ from conductor.kv.analysis import PromptAnalysis
 from conductor.ops.metrics import GatewayMetrics
 from conductor.routing.pulls import NO_PULL_OFFER
 from conductor.routing.router import Routed
-from conductor.routing.waiting_room import WAKE_PER_END, WaitingRoom
-from policies.admission import TBT_SLO
+from conductor.routing.waiting_room import WaitingRoom
+from policies.admission import TBT_SLO, WAKE_PER_END
 from policies.base import BasePolicy
 from tests.policies.cluster_builders import request
 from tests.support.cluster import Cluster, cluster
