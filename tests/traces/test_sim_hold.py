@@ -97,5 +97,5 @@ def test_a_stream_end_decides_again_the_longest_waiting_few() -> None:
 
 def test_the_simulators_room_is_the_gateways_by_default() -> None:
     gateway = HoldSettings()
-    sim = SimConfig(0, 1)
+    sim = SimConfig(1, 1)
     assert (sim.hold_max, sim.hold_max_wait_s) == (gateway.max_held, gateway.max_wait_s)
