@@ -139,7 +139,9 @@ def test_at_3x_overload_the_sheddable_class_is_shed_and_the_urgent_one_meets_its
     _check_groups_add_up(result, len(trace))
     urgent, batch = result.groups[f"class:{URGENT}"], result.groups[f"class:{SHEDDABLE}"]
     assert urgent["admitted_share"] >= 0.95
-    assert batch["admitted_share"] <= 0.25  # the sheddable class takes the shedding
+    # the sheddable class takes the shedding: 0.31, of which the waiting room (traces/sim/hold.py)
+    # admits about 0.19 once streams end (0.12 with `hold_max` 0), every one meeting both SLOs
+    assert batch["admitted_share"] <= 0.35
     assert urgent["met_admitted"] >= 0.9 and batch["met_admitted"] >= 0.95
     assert "class:batch admitted, met/admitted, met/sent" in format_table([result])
 
