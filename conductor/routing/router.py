@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from adapters.lesson_share import LessonShare, NoLessonShare
@@ -245,14 +245,15 @@ class Router:
 
     def decide_again(self, routed: Routed, stream: bool, slo: Slo, exclude: frozenset[str]) -> Routed:
         """`decide` for a request decided before (`routed`) that failed on the instances `exclude`
-        (a failover): the same model, sizes, analysis, class, tenant and session."""
+        (a failover): the same model, sizes, analysis, class, tenant and session; a request held
+        before (waiting_room.py) keeps its wait and the SLO it was admitted with."""
         view = routed.view
         again = self.decide(
             view.request_id,
             view.model,
             view.max_tokens,
             stream,
-            slo,
+            view.slo if routed.held_s else slo,
             routed.analysis,
             exclude,
             priority=view.priority,
@@ -260,7 +261,7 @@ class Router:
             session=view.session,
         )
         assert again is not None  # not held: a refusal is raised
-        return again
+        return replace(again, held_s=routed.held_s) if routed.held_s else again
 
     def _count(self, decision: Decision, model: str, tenant: str | None) -> None:
         """The decision's metrics; a rejection raised as the error the client gets."""
