@@ -82,6 +82,20 @@ def _traffic_row() -> Row:
                 description="Requests refused before forwarding: predicted TTFT/TBT over the SLO, queue full, ...",
             ),
             Panel(
+                "Requests held for streams to end",
+                (Target(f"sum({sel('conductor_held_requests')})", "held"),),
+                "short",
+                description="Requests refused for their TBT only that wait at the gateway for streams to end, "
+                "within their TTFT SLO (hold.max_held at most per replica), instead of a 429 at once.",
+            ),
+            Panel(
+                "Hold time",
+                tuple(Target(quantile(q, "conductor_hold_seconds"), f"p{int(q * 100)}") for q in (0.5, 0.9)),
+                "s",
+                description="How long held requests waited, admitted or refused at the end "
+                "(conductor_hold_seconds by outcome: admitted, refused, cancelled).",
+            ),
+            Panel(
                 "Requests by priority class",
                 (Target(f"sum by (class, status) ({rate('conductor_priority_requests_total')})", "{{class}} {{status}}"),),
                 "reqps",

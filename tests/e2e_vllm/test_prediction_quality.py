@@ -42,8 +42,10 @@ WARMUP, MEASURED, CLIENTS = 60, 100, 3
 VOCAB = 480  # the tiny tokenizer's words w0..w479 (make_tiny_model.py)
 # TTFT, learning: 0.38-2.08 in 11 runs of this module on a quiet 2-core box (median 0.7; a
 # handful of 10x outliers, a request caught behind an engine stall, move a 100-sample MAPE by
-# 1.0 or more: CI failed at 1.66 under a cap of 1.0); not learning (from 10x off): 26
-MAPE_CAP = 3.0
+# 1.0 or more: CI failed at 1.66 under a cap of 1.0, and a clean-clone run of the whole suite, the
+# other units busy on the second core, read 3.16 with its coverage at 0.88); not learning (from 10x
+# off): 26. The cap keeps a 4x margin below that
+MAPE_CAP = 6.0
 COVERAGE = (0.6, 1.0)  # TTFT; TBT's is checked within (0.5, 1.0): its samples are fewer and noisier
 POLICY_OPTIONS: dict[str, Any] = {}  # kvcache_aware's defaults: online learning on
 # the gateway starts from the bundled profile made this much slower: far enough from the engines
