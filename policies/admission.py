@@ -28,9 +28,10 @@ queue ahead of it will have drained by the excess; for TBT, when enough decodes 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from enum import StrEnum
 
-from conductor.core.types import ClusterSnapshot, Decision, InstanceView, Rejection, RequestView, Role
+from conductor.core.types import ClusterSnapshot, Decision, InstanceView, Rejection, RequestView, Role, Slo
 from policies.estimate import (
     DecodeEstimate,
     JoinForecast,
@@ -203,3 +204,10 @@ def holdable(decision: Decision) -> bool:
     (traces/sim/hold.py); not one it would get on an idle instance too (not `retryable`)."""
     rejection = decision.rejection
     return rejection is not None and rejection.reason == TBT_SLO and rejection.retryable
+
+
+def slo_after_wait(slo: Slo, waited_s: float) -> Slo:
+    """A held request's SLO when it is decided again: its TTFT SLO less the time it has waited (at
+    least 0), as the gateway's waiting room and the simulator's judge it."""
+    assert slo.ttft_s is not None  # only a request with a TTFT SLO is held
+    return replace(slo, ttft_s=max(0.0, slo.ttft_s - waited_s))

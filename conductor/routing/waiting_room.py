@@ -33,7 +33,7 @@ from conductor.config.groups import HoldSettings
 from conductor.core.types import Slo
 from conductor.ops.metrics import GatewayMetrics
 from conductor.routing.router import Routed
-from policies.admission import WAKE_PER_END
+from policies.admission import WAKE_PER_END, slo_after_wait
 
 # the decision with this SLO; True: a refusal the streams' ending may cure returns None instead
 Decide = Callable[[Slo, bool], Routed | None]
@@ -83,7 +83,7 @@ class WaitingRoom:
                 left = budget - (self._clock() - start)
                 may_hold = left > 0 and await self._freed_within(left)
                 waited = self._clock() - start
-                routed = decide(replace(slo, ttft_s=max(0.0, slo.ttft_s - waited)), may_hold)
+                routed = decide(slo_after_wait(slo, waited), may_hold)
                 if routed is not None:
                     self._metrics.hold_time.labels("admitted").observe(waited)
                     return replace(routed, held_s=waited)

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import replace
 
 from conductor.core.types import RequestView, Slo
-from policies.admission import WAKE_PER_END
+from policies.admission import WAKE_PER_END, slo_after_wait
 from traces.sim.cluster import Job
 
 
@@ -65,8 +65,4 @@ class SimWaitingRoom:
 
     def view(self, view: RequestView, job: Job, now: float) -> RequestView:
         """The job's view with its TTFT SLO less the time it has waited."""
-        slo = view.slo
-        if slo.ttft_s is None:
-            return view
-        waited = now - self._since[job.seq]
-        return replace(view, slo=replace(slo, ttft_s=max(0.0, slo.ttft_s - waited)))
+        return replace(view, slo=slo_after_wait(view.slo, now - self._since[job.seq]))
