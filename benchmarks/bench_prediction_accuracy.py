@@ -1,7 +1,8 @@
 """Issues 5 and 39: the KVCache-aware policy's TTFT and TBT predictions, measured by the gateway itself
 on wall-clock times against emulated workers whose timing the predictors do not start from.
 
-    python benchmarks/bench_prediction_accuracy.py                     # P/D and mixed, mismatched + effects
+    python benchmarks/bench_prediction_accuracy.py                     # P/D and mixed, mismatched + effects, 4 seeds
+    python benchmarks/bench_prediction_accuracy.py --scenario mixed --seeds 1   # one run (~2.5 min)
     python benchmarks/bench_prediction_accuracy.py --scenario pd --matched --no-effects   # the old, by-construction setup
     python benchmarks/bench_prediction_accuracy.py --engines vllm --scenario mixed   # real vLLM CPU engines
 
@@ -23,7 +24,10 @@ Scenarios: `pd` (2 prefill + 2 decode, nixl) and `mixed` (2 mixed workers: prefi
 an engine). Open-loop Poisson arrivals at about 65% of prefill capacity, prompts of 1K-6K tokens
 (unique: nothing cached), 16-64 output tokens. After a warm-up the gateway's error windows are
 restarted; the next requests are measured and the gateway's own exported figures
-(`conductor_prediction_mape` / `_p90_coverage` / `_samples` on /metrics) are read back.
+(`conductor_prediction_mape` / `_p90_coverage` / `_samples` on /metrics) are read back. Each
+scenario runs `--seeds` times (default 4), each seed drawing other worker noise, arrivals and
+prompts; the targets are judged on the median over the seeds, printed with the min..max (one
+seed's mixed TTFT MAPE has read from 8.5% to 14.4%).
 
 Targets: TTFT MAPE <= 10%; p90 coverage 0.90 with a tolerance of +-0.05: over ~300 requests the
 binomial standard deviation of an exact 0.9 coverage is 0.017, and the bound itself is a quantile
@@ -39,6 +43,7 @@ import asyncio
 import os
 import random
 import re
+import statistics
 import sys
 import time
 from contextlib import ExitStack
@@ -118,8 +123,9 @@ def _settings(urls: dict[str, list[str]]) -> object:
     return load_settings(environ={}, overrides=overrides)
 
 
-def run(scenario: str, mismatched: bool, effects: bool, rate: float | None) -> dict[str, tuple[int, float, float]]:
-    """One scenario end to end; pooled (samples, MAPE, p90 coverage) per exported component."""
+def run(scenario: str, mismatched: bool, effects: bool, rate: float | None, seed: int = 0) -> dict[str, tuple[int, float, float]]:
+    """One scenario end to end; pooled (samples, MAPE, p90 coverage) per exported component. `seed`
+    k > 0 draws other workers' noise and other arrivals and prompts (seed 0: the original run)."""
     opts: dict[str, Any] = {"noise": NOISE, "time_scale": TIME_SCALE, "log_level": "warning"}
     if mismatched:
         opts["profile"] = str(MISMATCHED)
@@ -128,8 +134,8 @@ def run(scenario: str, mismatched: bool, effects: bool, rate: float | None) -> d
     rate = rate or RATES[(scenario, mismatched)]
     with ExitStack() as stack:
 
-        def emu(role: str, seed: int) -> str:
-            return stack.enter_context(start_emulator(role, model="tiny", seed=seed, **opts)).url
+        def emu(role: str, worker: int) -> str:
+            return stack.enter_context(start_emulator(role, model="tiny", seed=worker + 10 * seed, **opts)).url
 
         if scenario == "pd":
             urls = {"prefill": [emu("prefill", 1), emu("prefill", 2)], "decode": [emu("decode", 3), emu("decode", 4)]}
@@ -137,13 +143,13 @@ def run(scenario: str, mismatched: bool, effects: bool, rate: float | None) -> d
             urls = {"mixed": [emu("mixed", 1), emu("mixed", 2)]}
         gateway = Gateway(_settings(urls))  # type: ignore[arg-type]
         url = stack.enter_context(serve(create_app(gateway))).url
-        statuses = asyncio.run(_drive(url + "/v1/completions", WARMUP, 11, rate))
+        statuses = asyncio.run(_drive(url + "/v1/completions", WARMUP, 11 + 100 * seed, rate))
         gateway.policy.predictors.reset_errors()  # type: ignore[attr-defined]
-        statuses += asyncio.run(_drive(url + "/v1/completions", MEASURED, 12, rate))
+        statuses += asyncio.run(_drive(url + "/v1/completions", MEASURED, 12 + 100 * seed, rate))
         stats = _exported(httpx.get(url + "/metrics").text)
     ok = statuses.count(200)
     print(
-        f"{scenario}, workers on {'the A100 profile' if mismatched else 'the bundled profile'}, effects "
+        f"{scenario} (seed {seed}), workers on {'the A100 profile' if mismatched else 'the bundled profile'}, effects "
         f"{'on' if effects else 'off'}, {rate:g} req/s: {ok} of {len(statuses)} ok (load average {os.getloadavg()[0]:.1f})"
     )
     for (component, instance), v in sorted(stats.items()):
@@ -155,6 +161,17 @@ def run(scenario: str, mismatched: bool, effects: bool, rate: float | None) -> d
     for c, (n, mape, cover) in pooled.items():
         print(f"  {c} pooled: n={n} MAPE {mape:.1%} coverage {cover:.3f}")
     return pooled
+
+
+def _median_of_seeds(scenario: str, ttfts: list[tuple[int, float, float]]) -> tuple[int, float, float]:
+    """The TTFT figures' median over the seeds (each figure apart), printed with their spread."""
+    n, mape, cover = (statistics.median(column) for column in zip(*ttfts, strict=True))
+    mapes, covers = [t[1] for t in ttfts], [t[2] for t in ttfts]
+    print(
+        f"{scenario}, TTFT over {len(ttfts)} seeds: MAPE median {mape:.1%} ({min(mapes):.1%}..{max(mapes):.1%}), "
+        f"p90 coverage median {cover:.3f} ({min(covers):.3f}..{max(covers):.3f})"
+    )
+    return int(n), mape, cover
 
 
 def _gateway_figures(url: str) -> dict[str, tuple[int, float, float]]:
@@ -198,18 +215,19 @@ def main() -> int:
     ap.add_argument("--matched", action="store_true", help="workers on the bundled profile (the by-construction setup)")
     ap.add_argument("--no-effects", action="store_true", help="workers without the timing effects")
     ap.add_argument("--rate", type=float, default=None, help="arrivals per second (default: ~65%% of capacity)")
+    ap.add_argument("--seeds", type=int, default=4, help="emulated: runs per scenario, each its own seed (the median is judged)")
     args = ap.parse_args()
     if args.engines == "vllm":
         return main_vllm(args)
     t0 = time.monotonic()
     missed = []
     for scenario in ("pd", "mixed") if args.scenario == "all" else (args.scenario,):
-        pooled = run(scenario, not args.matched, not args.no_effects, args.rate)
-        n, mape, cover = pooled.get("ttft", (0, 1.0, 0.0))
+        runs = [run(scenario, not args.matched, not args.no_effects, args.rate, k) for k in range(args.seeds)]
+        n, mape, cover = _median_of_seeds(scenario, [r.get("ttft", (0, 1.0, 0.0)) for r in runs])
         if not (n >= 0.95 * MEASURED and mape <= 0.10 and 0.85 <= cover <= 0.95):
             missed.append(scenario)
     print(
-        f"targets (n >= {0.95 * MEASURED:.0f}, TTFT MAPE <= 10%, p90 coverage 0.85..0.95): "
+        f"targets, on the median over seeds (n >= {0.95 * MEASURED:.0f}, TTFT MAPE <= 10%, p90 coverage 0.85..0.95): "
         f"{'MISSED on ' + ', '.join(missed) if missed else 'met'} ({time.monotonic() - t0:.0f} s wall)"
     )
     return 1 if missed else 0

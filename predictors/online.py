@@ -71,7 +71,7 @@ class Predictors:
         self._tbt = refitter.window()
         self._transfer: dict[str, SampleWindow] = {}
         self._first = refitter.window()
-        self._mixed = refitter.window()
+        self._mixed = refitter.window(online.mixed_refit_every)
         # (m0, m1, m2, m3): what the streams sharing a mixed worker's engine add to its prefills
         # (predictors.params, "Mixed leg"); 0 until mixed legs are observed
         self.mixed_coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)

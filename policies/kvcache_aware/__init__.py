@@ -301,6 +301,7 @@ def _predictors(options: KvCacheAwareOptions) -> Predictors:
         enabled=learning.online,
         window=learning.window,
         refit_every=learning.refit_every,
+        mixed_refit_every=learning.mixed_refit_every,
         ttft_bound_shift_s=options.admission.ttft_bound_shift_s,
         track_errors=learning.track_errors,
     )

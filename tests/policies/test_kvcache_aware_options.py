@@ -49,6 +49,7 @@ OTHER_VALUES: dict[str, object] = {
     "online": False,
     "window": 64,
     "refit_every": 8,
+    "mixed_refit_every": 4,
     "refit_queue_fraction": 0.0,
     "max_pending": 10,
     "track_errors": False,

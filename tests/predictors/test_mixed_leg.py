@@ -5,6 +5,7 @@ and prefill predictions."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -89,3 +90,35 @@ def test_a_mixed_leg_is_a_lesson_a_sibling_learns_alike() -> None:
         b.learn(list(lesson))
     assert b.mixed_coef == a.mixed_coef and b.params.prefill.coef == a.params.prefill.coef
     assert any(a.mixed_coef)
+
+
+def _refits_at(pred: Predictors, legs: list[tuple[int, int, int, float]], scale: float = 1.0) -> list[int]:
+    at = []
+    for i, (n, streams, resident, seconds) in enumerate(legs, 1):
+        before = pred.refits
+        pred.observe_mixed_leg(mixed_leg_features(prefill_features(n, 0), resident, streams), scale * seconds)
+        if pred.refits > before:
+            at.append(i)
+    return at
+
+
+def test_the_mixed_leg_model_refits_on_its_own_shorter_interval() -> None:
+    """The mixed leg model refits every `mixed_refit_every` legs while the others keep `refit_every`;
+    backed off on a steady feed, a shifted truth brings it back to its own interval, not to 32."""
+    pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(refit_every=32, mixed_refit_every=8))
+    assert _refits_at(pred, _samples(64)) == [8, 16, 24, 32, 40, 48, 56, 64]
+    plain = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(refit_every=32, mixed_refit_every=8))
+    at = []
+    for i, (n, _, _, seconds) in enumerate(_samples(64), 1):
+        before = plain.refits
+        plain.observe_leg(prefill_features(n, 0), seconds)
+        if plain.refits > before:
+            at.append(i)
+    assert at == [8, 16, 48]
+
+    steady = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(window=64, refit_max_every=64, mixed_refit_every=8))
+    calm = _refits_at(steady, _samples(512, seed=3))
+    assert max(b - a for a, b in itertools.pairwise(calm)) > 8  # backed off while nothing moved
+    shifted = _refits_at(steady, _samples(96, seed=4), scale=2.0)
+    first = shifted[0]  # due on the backed-off interval; it moves the model, so every 8 again
+    assert first > 8 and shifted[1] == first + 8  # (refit_every's 32 would come at first + 32)
