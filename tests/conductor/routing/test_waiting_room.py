@@ -213,3 +213,44 @@ def test_a_stream_end_decides_again_the_longest_waiting_few_not_every_held_reque
         assert room.held == 0 and not room._waiters
 
     asyncio.run(run())
+
+
+class HeldThenFailedOver(RefusedWhileStreaming):
+    """Two mixed workers: the first request to mixed-0; any other refused for the TBT while a stream
+    decodes, then sent to mixed-1 while it is offered, else to mixed-0 (its failover)."""
+
+    def decide(self, request: RequestView, cluster: ClusterSnapshot) -> Decision:
+        self.asked.append(request.slo.ttft_s)
+        workers = {w.id: w for w in cluster.by_role(Role.MIXED)}
+        if any(w.decodes for w in workers.values()):
+            rejection = Rejection(reason=TBT_SLO, message="the streams cannot absorb it", retry_after_s=1.0)
+            return Decision(request.request_id, self.name, rejection=rejection)
+        target = "mixed-1" if len(self.asked) > 1 and "mixed-1" in workers else "mixed-0"
+        return Decision(request.request_id, self.name, prefill=target)
+
+
+def test_a_held_request_that_fails_over_keeps_the_slo_it_was_admitted_with() -> None:
+    """Held, admitted to a worker that fails, decided again elsewhere: the failover's decision sees
+    the TTFT SLO the wait left (not the whole SLO again), and the request is served."""
+    gate = threading.Semaphore(0)
+    policy = HeldThenFailedOver()
+    standin = {"mixed": {"token_gate": gate}}
+    with cluster(n_prefill=0, n_decode=0, n_mixed=2, policy=policy, standin=standin, slo={"ttft_s": 120.0}) as c:
+        c.mixed[1].fail_status = 503  # mixed-1 answers every completion with a 503
+
+        async def run() -> tuple[int, httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                first = await _streaming(c, client)
+                second = asyncio.create_task(client.post(c.url + "/v1/completions", json=SECOND))
+                await _polled(lambda: c.gateway.waiting_room.held == 1, "the second request was not held")
+                gate.release(10)
+                return await first, await second
+
+        first_status, second = asyncio.run(run())
+    assert first_status == 200
+    assert second.status_code == 200, second.text
+    assert c.mixed[1].requests and c.mixed[0].requests  # tried on mixed-1, served by mixed-0
+    woken, failover = policy.asked[-2:]
+    assert woken is not None and woken < 120.0  # decided again with the wait taken off
+    assert failover == woken  # the failover keeps it
+    assert _metric(c, "conductor_hold_seconds_count", {"outcome": "admitted"}) == 1
