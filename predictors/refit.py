@@ -135,7 +135,8 @@ class Refitter:
         return fitted
 
     def _adapt_interval(self, win: SampleWindow, x: np.ndarray, y: np.ndarray, current: LinearModel, fitted: LinearModel) -> None:
-        """Back a window's refits off while they change nothing; back to the window's own interval (`base_every`) on a change.
+        """Back a window's refits off while they change nothing; back to the window's own interval
+        (`base_every`) on a change.
 
         The move is the largest relative change of the model's prediction over the window's own
         samples (one point would hide a trade between the constant and the slope). Steady also
