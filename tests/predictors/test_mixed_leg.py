@@ -92,11 +92,16 @@ def test_a_mixed_leg_is_a_lesson_a_sibling_learns_alike() -> None:
     assert any(a.mixed_coef)
 
 
-def _refits_at(pred: Predictors, legs: list[tuple[int, int, int, float]], scale: float = 1.0) -> list[int]:
+def _refits_at(pred: Predictors, legs: list[tuple[int, int, int, float]], scale: float = 1.0, mixed: bool = True) -> list[int]:
+    """The 1-based indices of the legs after which `pred` refitted: fed as mixed legs, or (`mixed`
+    False) as plain prefill legs; each leg's seconds times `scale`."""
     at = []
     for i, (n, streams, resident, seconds) in enumerate(legs, 1):
         before = pred.refits
-        pred.observe_mixed_leg(mixed_leg_features(prefill_features(n, 0), resident, streams), scale * seconds)
+        if mixed:
+            pred.observe_mixed_leg(mixed_leg_features(prefill_features(n, 0), resident, streams), scale * seconds)
+        else:
+            pred.observe_leg(prefill_features(n, 0), scale * seconds)
         if pred.refits > before:
             at.append(i)
     return at
@@ -108,13 +113,7 @@ def test_the_mixed_leg_model_refits_on_its_own_shorter_interval() -> None:
     pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(refit_every=32, mixed_refit_every=8))
     assert _refits_at(pred, _samples(64)) == [8, 16, 24, 32, 40, 48, 56, 64]
     plain = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(refit_every=32, mixed_refit_every=8))
-    at = []
-    for i, (n, _, _, seconds) in enumerate(_samples(64), 1):
-        before = plain.refits
-        plain.observe_leg(prefill_features(n, 0), seconds)
-        if plain.refits > before:
-            at.append(i)
-    assert at == [8, 16, 48]
+    assert _refits_at(plain, _samples(64), mixed=False) == [8, 16, 48]
 
     steady = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(window=64, refit_max_every=64, mixed_refit_every=8))
     calm = _refits_at(steady, _samples(512, seed=3))
