@@ -94,11 +94,14 @@ def prefill_candidate(est: PrefillEstimate, stalled_stream_s: float | None = Non
     )
 
 
-def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None) -> CandidateScore:
-    """A decode instance as weighed for the choice; the chosen one also says how admission saw it."""
+def decode_candidate(est: DecodeEstimate, judged: DecodeEstimate | None = None, pace_s: float = 0.0) -> CandidateScore:
+    """A decode instance as weighed for the choice; the chosen one also says how admission saw it,
+    and (`pace_s`, mixed_pace_floor) the pace of the streams there its TBT bound was kept above."""
     detail = {"batch": est.batch, "resident_kv_tokens": est.resident_kv_tokens, "at_s": est.at_s}
     if judged is not None and judged is not est:
         detail.update(admission_tbt_s=judged.tbt_s, admission_batch=judged.batch, admission_at_s=judged.at_s)
+    if pace_s > 0.0:
+        detail["streams_pace_s"] = pace_s
     return CandidateScore(
         instance_id=est.instance.id,
         role=est.instance.role,
@@ -136,6 +139,26 @@ def earned_slack_s(stream: ActiveDecode, slo_s: float, now: float) -> float:
     if first is None or stream.generated < 2:
         return 0.0
     return slo_s * (stream.generated - 1) - (now - first)
+
+
+def observed_pace_s(worker: InstanceView, now: float, min_intervals: int = 4) -> float | None:
+    """The seconds per token the streams the gateway watches on `worker` have taken so far, pooled
+    (their time since the first token over their intervals), or None below `min_intervals`
+    intervals in all. `now` falls somewhere in each stream's next interval, so each counts half
+    an interval more than it has completed. What the engine delivers, whatever the TBT model says:
+    a model started from another GPU's profile can be several times too fast until its first refit
+    (docs/kvcache_aware.md, "Mixed workers")."""
+    elapsed = 0.0
+    intervals = 0.0
+    for a in worker.decodes:
+        first = a.first_token_at
+        if first is None or a.generated < 2 or now <= first:
+            continue
+        elapsed += now - first
+        intervals += a.generated - 0.5
+    if intervals < min_intervals:
+        return None
+    return elapsed / intervals
 
 
 def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from conductor.core.types import InstanceView, RequestView
 from policies.admission import AdmissionMode
 from policies.base import listed_indices
-from policies.estimate import DecodeEstimate, estimate_decode, stall_fits
+from policies.estimate import DecodeEstimate, estimate_decode, observed_pace_s, stall_fits
 from policies.kvcache_aware.options import KvCacheAwareOptions
 from policies.kvcache_aware.placement import Placement, TbtBound
 from policies.kvcache_aware.pool_estimates import PoolPrefillEstimates
@@ -90,6 +90,7 @@ class MixedWorkers:
     __slots__ = (
         "_decodes",
         "now",
+        "pace_floor",
         "pred",
         "predicted",
         "request",
@@ -112,8 +113,10 @@ class MixedWorkers:
         backlog: bool = False,
         stretch: Stretch | None = None,
         now: float = 0.0,
+        pace_floor: bool = False,
     ) -> None:
         self.pred = pred
+        self.pace_floor = pace_floor  # the TBT bound no lower than the worker's streams' pace
         self.now = now  # the snapshot's clock: what the streams watched have saved (stall_fits)
         self.request = request
         self.workers = weighed.prefills
@@ -144,8 +147,13 @@ class MixedWorkers:
         worker = self.workers[i]
         if idle(worker):
             return 0.0
-        bound = self.decode(i).tbt_s * self.tbt_ratio
+        bound = max(self.decode(i).tbt_s * self.tbt_ratio, self.pace(i))
         return bound if self.stretch is None else bound * self.stretch(worker.id, self.works[i])
+
+    def pace(self, i: int) -> float:
+        """With `pace_floor`, the pace the streams on worker `i` get (observed_pace_s): the TBT bound
+        is never lower; else, or where too few intervals were seen, 0."""
+        return (observed_pace_s(self.workers[i], self.now) or 0.0) if self.pace_floor else 0.0
 
     def absorbs(self, i: int) -> bool:
         """The streams on worker `i` absorb the request's prefill and keep their TBT SLO."""
@@ -174,7 +182,8 @@ def place_mixed(
     TBT bound stretched by each worker's prefill duty (prefill_duty.py; the same class); `now`, the
     snapshot's clock."""
     mode = options.admission.mode
-    workers = MixedWorkers(pred, request, weighed, mode is AdmissionMode.PREDICTED, tbt.ratio, backlog, stretch, now)
+    predicted = mode is AdmissionMode.PREDICTED
+    workers = MixedWorkers(pred, request, weighed, predicted, tbt.ratio, backlog, stretch, now, options.mixed.pace_floor)
     stalled = [stalled_stream_s(w, len(p.decodes)) for w, p in zip(workers.works, weighed.prefills, strict=True)]
     protect = options.mixed.protect_streams and request.slo.tbt_s is not None and mode is not AdmissionMode.NONE
     best, calm = _choose(workers, options, stalled, protect)
@@ -188,6 +197,7 @@ def place_mixed(
         stalled=stalled,
         unabsorbed_s=unabsorbed,
         tbt_stretch=1.0 if stretch is None else stretch(weighed.prefills[best].id, workers.works[best]),
+        tbt_floor_s=workers.pace(best),
     )
 
 

@@ -35,6 +35,7 @@ class Placement:
     stalled: list[float] | None = None  # mixed: stream-seconds each worker's streams would stall
     unabsorbed_s: float | None = None  # mixed: the prefill the chosen worker's streams cannot absorb
     tbt_stretch: float = 1.0  # mixed, a less urgent class: the chosen worker's TBT stretch by prefill duty
+    tbt_floor_s: float = 0.0  # mixed, `mixed_pace_floor`: the chosen worker's streams' pace (observed_pace_s)
 
 
 @dataclass(frozen=True, slots=True)

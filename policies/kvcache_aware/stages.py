@@ -125,6 +125,8 @@ def admission(
     ttft = leg + pred.first_token_s(best.handoff_s, tbt_s) if pools.disaggregated else best.ttft_s
     ttft_bound = ttft if options.ttft_quantile is None else pred.bound("ttft", ttft, options.ttft_quantile)
     tbt_bound = None if tbt.quantile is None else judged.tbt_s * tbt.ratio
+    if placed.tbt_floor_s > 0.0:  # mixed: no lower than the pace the chosen worker's streams get
+        tbt_bound = max(judged.tbt_s if tbt_bound is None else tbt_bound, placed.tbt_floor_s)
     if placed.tbt_stretch != 1.0:  # a less urgent class on a mixed worker: its prefill duty (prefill_duty.py)
         tbt_bound = (judged.tbt_s if tbt_bound is None else tbt_bound) * placed.tbt_stretch
     if not pools.disaggregated and idle(best.instance):
@@ -191,7 +193,9 @@ def explain(
         stalled = placed.stalled
         prefill_scores = tuple(prefill_candidate(e, stalled[i]) for i, e in zip(placed.listed, listed, strict=True))
     chosen = placed.decode
-    scores = prefill_scores + tuple(decode_candidate(e, verdict.judged if e is chosen else None) for e in decodes)
+    scores = prefill_scores + tuple(
+        decode_candidate(e, verdict.judged, placed.tbt_floor_s) if e is chosen else decode_candidate(e) for e in decodes
+    )
     if local is not None:
         return local_decision(local, request, policy, scores, unlisted)
     if rejection is not None:

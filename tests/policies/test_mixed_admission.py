@@ -7,6 +7,7 @@ import pytest
 
 from conductor.core.errors import ConfigError
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
+from policies.estimate import observed_pace_s
 from policies.kvcache_aware import KvCacheAwarePolicy
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
 from tests.policies.cluster_builders import request, snapshot
@@ -247,3 +248,39 @@ def test_streams_that_ran_ahead_of_their_tbt_slo_absorb_a_prefill_near_their_end
     few = watched_streams("m0", 4, 2, 3, 0.01 * 2)
     assert stall > 0.02 * 2 + 0.03 * 2
     assert KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(few)).rejected
+
+
+# ---- the TBT bound no lower than the streams' pace (mixed_pace_floor) --------------------------
+
+
+def test_observed_pace_pools_the_watched_streams() -> None:
+    # 3 streams of 5 tokens, the first 1.35 s ago: each is half an interval into its fifth
+    paced = watched_streams("m0", 3, 500, 5, 1.35)
+    assert observed_pace_s(paced, 100.0) == pytest.approx(1.35 / 4.5)
+    # too few intervals seen (1.5 each, 4 needed in all), and streams not watched, tell nothing
+    assert observed_pace_s(watched_streams("m0", 2, 500, 2, 0.3), 100.0) is None
+    assert observed_pace_s(mixed("m0", 8), 100.0) is None
+
+
+def test_a_worker_whose_streams_lag_is_judged_by_their_pace() -> None:
+    # a model several times too fast (a profile from another GPU, before its first refit): every
+    # worker's predicted TBT fits the SLO, but the streams on m0 get a token every 0.3 s
+    pred = predictors()
+    slo = Slo(ttft_s=5.0, tbt_s=0.1)
+    assert pred.tbt_s(4, 8192 + 3 * 2000) < 0.1
+    lagging, keeping_up = watched_streams("m0", 3, 500, 5, 1.35), watched_streams("m1", 3, 500, 5, 0.09)
+    blind_policy = KvCacheAwarePolicy(predictors=pred, mixed_pace_floor=False)
+    blind = blind_policy.decide(request(4096, slo=slo), snapshot(lagging, keeping_up))
+    assert (blind.prefill, blind.rejected) == ("m0", False)  # equal in every prediction: the first
+    paced = KvCacheAwarePolicy(predictors=pred)  # the default
+    d = paced.decide(request(4096, slo=slo), snapshot(lagging, keeping_up))
+    assert (d.prefill, d.rejected) == ("m1", False)
+    # the decision log shows the pace the chosen worker's bound was held above
+    chosen = [c for c in d.candidates if c.predicted_tbt_s is not None and c.instance_id == "m1"]
+    assert chosen[0].detail["streams_pace_s"] == pytest.approx(0.09 / 4.5)
+    # where every worker's streams lag, admission refuses what the model alone would admit
+    assert not blind_policy.decide(request(4096, slo=slo), snapshot(lagging)).rejected
+    assert paced.decide(request(4096, slo=slo), snapshot(lagging)).rejected
+    # without admission it is still placed, by the same rule
+    unjudged = KvCacheAwarePolicy(predictors=pred, admission="none")
+    assert unjudged.decide(request(4096, slo=slo), snapshot(lagging, keeping_up)).prefill == "m1"
