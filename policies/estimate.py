@@ -141,26 +141,6 @@ def earned_slack_s(stream: ActiveDecode, slo_s: float, now: float) -> float:
     return slo_s * (stream.generated - 1) - (now - first)
 
 
-def observed_pace_s(worker: InstanceView, now: float, min_intervals: int = 4) -> float | None:
-    """The seconds per token the streams the gateway watches on `worker` have taken so far, pooled
-    (their time since the first token over their intervals), or None below `min_intervals`
-    intervals in all. `now` falls somewhere in each stream's next interval, so each counts half
-    an interval more than it has completed. What the engine delivers, whatever the TBT model says:
-    a model started from another GPU's profile can be several times too fast until its first refit
-    (docs/kvcache_aware.md, "Mixed workers")."""
-    elapsed = 0.0
-    intervals = 0.0
-    for a in worker.decodes:
-        first = a.first_token_at
-        if first is None or a.generated < 2 or now <= first:
-            continue
-        elapsed += now - first
-        intervals += a.generated - 0.5
-    if intervals < min_intervals:
-        return None
-    return elapsed / intervals
-
-
 def pull_threshold(pred: Predictors, local: int, link: str = INSTANCE_LINK) -> float:
     """Smallest prefix gain d* (tokens) beyond which pulling beats recomputing; inf if never."""
     _, c1, c2 = pred.params.prefill.coef

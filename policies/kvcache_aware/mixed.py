@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from conductor.core.types import InstanceView, RequestView
 from policies.admission import AdmissionMode
 from policies.base import listed_indices
-from policies.estimate import DecodeEstimate, estimate_decode, observed_pace_s, stall_fits
+from policies.estimate import DecodeEstimate, estimate_decode, stall_fits
 from policies.kvcache_aware.options import KvCacheAwareOptions
 from policies.kvcache_aware.placement import Placement, TbtBound
 from policies.kvcache_aware.pool_estimates import PoolPrefillEstimates
@@ -41,6 +41,26 @@ def stalled_stream_s(prefill_s: float, streams: int) -> float:
     """The stream-seconds a prefill of `prefill_s` pauses on a mixed worker with `streams` decoding:
     each of them waits for it, and one more for the capacity it takes (what mixed placement ranks by)."""
     return prefill_s * (streams + 1)
+
+
+def observed_pace_s(worker: InstanceView, now: float, min_intervals: int = 4) -> float | None:
+    """The seconds per token the streams the gateway watches on `worker` have taken so far, pooled
+    (their time since the first token over their intervals), or None below `min_intervals`
+    intervals in all. `now` falls somewhere in each stream's next interval, so each counts half
+    an interval more than it has completed. What the engine delivers, whatever the TBT model says:
+    a model started from another GPU's profile can be several times too fast until its first refit
+    (docs/kvcache_aware.md, "Mixed workers")."""
+    elapsed = 0.0
+    intervals = 0.0
+    for a in worker.decodes:
+        first = a.first_token_at
+        if first is None or a.generated < 2 or now <= first:
+            continue
+        elapsed += now - first
+        intervals += a.generated - 0.5
+    if intervals < min_intervals:
+        return None
+    return elapsed / intervals
 
 
 def mixed_choice(ttfts: Sequence[float], tbt_bound: Callable[[int], float], slo_s: float | None) -> int:

@@ -7,8 +7,8 @@ import pytest
 
 from conductor.core.errors import ConfigError
 from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role, Slo
-from policies.estimate import observed_pace_s
 from policies.kvcache_aware import KvCacheAwarePolicy
+from policies.kvcache_aware.mixed import observed_pace_s
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
 from tests.policies.cluster_builders import request, snapshot
 
