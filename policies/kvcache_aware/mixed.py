@@ -109,6 +109,7 @@ class MixedWorkers:
 
     __slots__ = (
         "_decodes",
+        "_paces",
         "now",
         "pace_floor",
         "pred",
@@ -150,6 +151,7 @@ class MixedWorkers:
         self.tbt_ratio = tbt_ratio
         self.tbt_slo = request.slo.tbt_s
         self._decodes: dict[int, DecodeEstimate] = {}
+        self._paces: dict[int, float] = {}
 
     def decode(self, i: int) -> DecodeEstimate:
         """The request's TBT on worker `i` (the same object each time: the decision log marks the
@@ -172,8 +174,14 @@ class MixedWorkers:
 
     def pace(self, i: int) -> float:
         """With `pace_floor`, the pace the streams on worker `i` get (observed_pace_s): the TBT bound
-        is never lower; else, or where too few intervals were seen, 0."""
-        return (observed_pace_s(self.workers[i], self.now) or 0.0) if self.pace_floor else 0.0
+        is never lower; else, or where too few intervals were seen, 0. Walked once per worker, as
+        `decode`: the rules ask a worker's bound several times."""
+        if not self.pace_floor:
+            return 0.0
+        pace = self._paces.get(i)
+        if pace is None:
+            pace = self._paces[i] = observed_pace_s(self.workers[i], self.now) or 0.0
+        return pace
 
     def absorbs(self, i: int) -> bool:
         """The streams on worker `i` absorb the request's prefill and keep their TBT SLO."""
