@@ -34,7 +34,8 @@ its kind, arity and field types, finite numbers within bounds, short names.
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, Protocol
 
 Lesson = tuple[str | int | float, ...]
 
@@ -75,3 +76,31 @@ def checked(raw: object) -> Lesson:
             raise ValueError(f"{kind}: {value!r} is not a finite number within {MAX_VALUE:g}")
         out.append(float(value) if want is float else value)
     return tuple(out)
+
+
+class Learner(Protocol):
+    """What a lesson is taught to (predictors.online.Predictors)."""
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None: ...
+    def observe_leg(self, features: Sequence[float], seconds: float) -> None: ...
+    def observe_mixed_leg(self, features: Sequence[float], seconds: float) -> None: ...
+    def observe_decode_leg(self, handoff_tokens: int, tbt_s: float, seconds: float) -> None: ...
+    def observe_tbt(self, batch: int, resident_kv_tokens: int, seconds: float) -> None: ...
+    def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None: ...
+
+
+def teach(learner: Learner, lesson: Lesson) -> None:
+    """Hand a `checked` lesson to the observation it records."""
+    kind, *args = lesson
+    if kind == "prefill":
+        learner.observe_prefill(int(args[0]), int(args[1]), float(args[2]))
+    elif kind == "leg":
+        learner.observe_leg((float(args[0]), float(args[1]), float(args[2])), float(args[3]))
+    elif kind == "mixed_leg":
+        learner.observe_mixed_leg(tuple(float(a) for a in args[:7]), float(args[7]))
+    elif kind == "decode_leg":
+        learner.observe_decode_leg(int(args[0]), float(args[1]), float(args[2]))
+    elif kind == "tbt":
+        learner.observe_tbt(int(args[0]), int(args[1]), float(args[2]))
+    else:  # "transfer"
+        learner.observe_transfer(str(args[0]), float(args[1]), float(args[2]))

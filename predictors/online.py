@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 from conductor.core.types import InstanceView, QueuedPrefill
 from predictors.errors import ErrorStats, ErrorTracker
-from predictors.lessons import Lesson, checked
+from predictors.lessons import Lesson, checked, teach
 from predictors.linear import LinearModel
 from predictors.params import (
     INSTANCE_LINK,
@@ -62,6 +62,7 @@ class Predictors:
     # what they describe shows only once a worker is loaded; at full weight the prior held the first
     # 100 loaded legs at half their TTFT (bench_prediction_accuracy.py --scenario mixed)
     MIXED_PRIOR_SCALE = 0.1
+    MIXED_SCALE_MAX = 2.0  # mixed_scale stays within [1 / this, this]
 
     def __init__(self, params: PredictorParams, online: OnlineConfig = DEFAULT_ONLINE) -> None:
         self._params = params
@@ -75,6 +76,9 @@ class Predictors:
         # (m0, m1, m2, m3): what the streams sharing a mixed worker's engine add to its prefills
         # (predictors.params, "Mixed leg"); 0 until mixed legs are observed
         self.mixed_coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        # what the newest mixed legs ran over the mixed leg model (OnlineConfig.mixed_recent): a
+        # decision on mixed workers predicts with `prefill_scaled(mixed_scale)`; 1.0 until known
+        self.mixed_scale = 1.0
         self.first_token_model = FIRST_TOKEN_PRIOR
         # the decode leg as fitted: k0 + k1 * handoff bytes + k2 * TBT (k1: the P -> D link's s/byte)
         lat, per_byte = params.transfer_model(INSTANCE_LINK).coef
@@ -252,15 +256,18 @@ class Predictors:
             return
         if self._lessons is not None:
             self._lessons.append(("mixed_leg", *(float(f) for f in features[:7]), seconds))
-        if not self._refitter.add(self._mixed, tuple(float(f) for f in features), seconds):
-            return
-        prefill = self._params.prefill
-        current = LinearModel((*prefill.coef, *self.mixed_coef), prefill.p90_ratio, prefill.samples, prefill.mape)
-        fitted = self._refit(self._mixed, current, TTFT_RATIOS, self.MIXED_PRIOR_SCALE)
-        c = fitted.coef
-        self._params = replace(self._params, prefill=LinearModel(c[:3], fitted.p90_ratio, fitted.samples, fitted.mape))
-        self.mixed_coef = (c[3], c[4], c[5], c[6])
-        self._cache_params()
+        if self._refitter.add(self._mixed, tuple(float(f) for f in features), seconds):
+            prefill = self._params.prefill
+            current = LinearModel((*prefill.coef, *self.mixed_coef), prefill.p90_ratio, prefill.samples, prefill.mape)
+            fitted = self._refit(self._mixed, current, TTFT_RATIOS, self.MIXED_PRIOR_SCALE)
+            c = fitted.coef
+            self._params = replace(self._params, prefill=LinearModel(c[:3], fitted.p90_ratio, fitted.samples, fitted.mape))
+            self.mixed_coef = (c[3], c[4], c[5], c[6])
+            self._cache_params()
+        recent = self._online.mixed_recent
+        ratio = self._mixed.recent_ratio((*self._params.prefill.coef, *self.mixed_coef), recent) if recent else None
+        if ratio is not None:  # bounded: a larger lag is the overrun check's (predictors/overrun.py)
+            self.mixed_scale = min(self.MIXED_SCALE_MAX, max(1.0 / self.MIXED_SCALE_MAX, ratio))
 
     def observe_decode_leg(self, handoff_tokens: int, tbt_s: float, seconds: float) -> None:
         """Observed TTFT minus observed prefill leg of a disaggregated request whose prompt KV of
@@ -360,22 +367,11 @@ class Predictors:
         """Learn a sibling's lesson as if this process had made the observation: the same windows
         and refits, no error records (those are each process's own diagnostics), and nothing kept
         as a lesson of its own (no echo back). ValueError, and nothing learned, if it is malformed."""
-        kind, *args = checked(raw)
+        lesson = checked(raw)
         lessons, self._lessons = self._lessons, None
         self._errors_on = False
         try:
-            if kind == "prefill":
-                self.observe_prefill(int(args[0]), int(args[1]), float(args[2]))
-            elif kind == "leg":
-                self.observe_leg((float(args[0]), float(args[1]), float(args[2])), float(args[3]))
-            elif kind == "mixed_leg":
-                self.observe_mixed_leg(tuple(float(a) for a in args[:7]), float(args[7]))
-            elif kind == "decode_leg":
-                self.observe_decode_leg(int(args[0]), float(args[1]), float(args[2]))
-            elif kind == "tbt":
-                self.observe_tbt(int(args[0]), int(args[1]), float(args[2]))
-            else:  # "transfer"
-                self.observe_transfer(str(args[0]), float(args[1]), float(args[2]))
+            teach(self, lesson)
         finally:
             self._lessons = lessons
             self._errors_on = self._online.track_errors

@@ -172,7 +172,9 @@ class KvCacheAwarePolicy(BasePolicy):
         if isinstance(pools, Decision):
             return pools  # no healthy instance in a pool the request needs
         scale = overrun_scale(pred, pools.prefills, mixed=not pools.disaggregated)
-        if scale > 1.0:  # the running prefills show the model too fast: predict as slow as they are
+        if not pools.disaggregated:  # and the newest mixed legs' lag behind the fit (Predictors.mixed_scale)
+            scale = max(scale, pred.mixed_scale) if scale > 1.0 else pred.mixed_scale
+        if scale != 1.0:  # the running prefills show the model too fast: predict as slow as they are
             pred = pred.prefill_scaled(scale)
         seen = with_inflight(self.inflight, request)  # what the index and the in-flight table report
         last = None if self.sessions is None or request.session is None or pools.pinned else self.sessions.last(request.session)
@@ -302,6 +304,7 @@ def _predictors(options: KvCacheAwareOptions) -> Predictors:
         window=learning.window,
         refit_every=learning.refit_every,
         mixed_refit_every=learning.mixed_refit_every,
+        mixed_recent=learning.mixed_recent,
         ttft_bound_shift_s=options.admission.ttft_bound_shift_s,
         track_errors=learning.track_errors,
     )

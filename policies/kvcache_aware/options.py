@@ -231,6 +231,7 @@ class LearningOptions(_Checked):
     window: int = field(default=512, metadata=_option("window", Whole(1)))
     refit_every: int = field(default=32, metadata=_option("refit_every", Whole(1)))
     mixed_refit_every: int = field(default=8, metadata=_option("mixed_refit_every", Whole(1)))
+    mixed_recent: int = field(default=8, metadata=_option("mixed_recent", Whole(0)))
     refit_queue_fraction: float = field(default=0.2, metadata=_option("refit_queue_fraction", Real(0.0)))
     max_pending: int = field(default=65536, metadata=_option("max_pending", Whole(1)))
     track_errors: bool = field(default=True, metadata=_option("track_errors", Flag()))

@@ -51,6 +51,7 @@ OTHER_VALUES: dict[str, object] = {
     "window": 64,
     "refit_every": 8,
     "mixed_refit_every": 4,
+    "mixed_recent": 0,
     "refit_queue_fraction": 0.0,
     "max_pending": 10,
     "track_errors": False,

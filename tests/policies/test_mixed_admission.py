@@ -10,7 +10,7 @@ from conductor.core.types import ActiveDecode, InstanceView, QueuedPrefill, Role
 from policies.kvcache_aware import KvCacheAwarePolicy
 from policies.kvcache_aware.mixed import observed_pace_s
 from predictors import OnlineConfig, Predictors, bundled_profile, fit_profiles
-from tests.policies.cluster_builders import request, snapshot
+from tests.policies.cluster_builders import decode, prefill, request, snapshot
 
 
 def streams(n: int, context: int = 8000) -> tuple[ActiveDecode, ...]:
@@ -284,3 +284,17 @@ def test_a_worker_whose_streams_lag_is_judged_by_their_pace() -> None:
     # without admission it is still placed, by the same rule
     unjudged = KvCacheAwarePolicy(predictors=pred, admission="none")
     assert unjudged.decide(request(4096, slo=slo), snapshot(lagging, keeping_up)).prefill == "m1"
+
+
+def test_a_decision_on_mixed_workers_predicts_with_the_newest_legs_scale() -> None:
+    """`Predictors.mixed_scale` (what the newest mixed legs ran over the fit) scales a mixed
+    decision's queue and prefill; a disaggregated decision's prefill is not a mixed leg."""
+    pred = predictors()
+    req = request(4096, slo=Slo(ttft_s=5.0, tbt_s=0.5))
+    worker = InstanceView("m0", Role.MIXED, prefill_queue=(QueuedPrefill(2048, 0, 0.0),), decodes=streams(3))
+    pd = snapshot(prefill("p0", queued=1), decode("d0", 3))
+    before = KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(worker)).predicted_ttft_s
+    before_pd = KvCacheAwarePolicy(predictors=pred).decide(req, pd).predicted_ttft_s
+    pred.mixed_scale = 1.5
+    assert KvCacheAwarePolicy(predictors=pred).decide(req, snapshot(worker)).predicted_ttft_s == pytest.approx(1.5 * before)
+    assert KvCacheAwarePolicy(predictors=pred).decide(req, pd).predicted_ttft_s == before_pd

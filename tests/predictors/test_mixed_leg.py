@@ -121,3 +121,39 @@ def test_the_mixed_leg_model_refits_on_its_own_shorter_interval() -> None:
     shifted = _refits_at(steady, _samples(96, seed=4), scale=2.0)
     first = shifted[0]  # due on the backed-off interval; it moves the model, so every 8 again
     assert first > 8 and shifted[1] == first + 8  # (refit_every's 32 would come at first + 32)
+
+
+def _leg_mape(pred: Predictors, legs: list[tuple[int, int, int, float]], scale: float) -> float:
+    """Each leg predicted as a decision on mixed workers predicts it (`prefill_scaled(mixed_scale)`)
+    before it is learned; its seconds times `scale`."""
+    errs = []
+    for n, streams, resident, seconds in legs:
+        view = pred.prefill_scaled(pred.mixed_scale)
+        s0, s1 = view.mixed_stretch(_worker(streams))
+        actual = scale * seconds
+        errs.append(abs(view.prefill_s(n, 0) + s0 + s1 * n - actual) / actual)
+        pred.observe_mixed_leg(mixed_leg_features(prefill_features(n, 0), resident, streams), actual)
+    return sum(errs) / len(errs)
+
+
+def test_the_newest_mixed_legs_scale_predictions_before_the_refit_follows_a_surge() -> None:
+    """A surge makes every leg 1.4x slower. The refit weighs its 512-leg window alike and follows
+    over hundreds of legs; `mixed_scale`, the median actual / predicted of the newest legs (8 by
+    default), takes the prediction there within them, and back when the surge ends."""
+    tracked = Predictors(fit_profiles([bundled_profile()]), OnlineConfig())
+    fit_only = Predictors(fit_profiles([bundled_profile()]), OnlineConfig(mixed_recent=0))
+    for pred in (tracked, fit_only):
+        _leg_mape(pred, _samples(512, seed=5), 1.0)
+    assert tracked.mixed_scale == pytest.approx(1.0, abs=0.05)
+    surge = _samples(64, seed=6)
+    assert _leg_mape(tracked, surge, 1.4) < 0.5 * _leg_mape(fit_only, surge, 1.4)
+    assert tracked.mixed_scale == pytest.approx(1.4, rel=0.1) and fit_only.mixed_scale == 1.0
+    _leg_mape(tracked, _samples(32, seed=7), 1.0)
+    assert tracked.mixed_scale == pytest.approx(1.0, abs=0.05)  # the surge over, so is its scale
+
+
+def test_the_recent_scale_is_bounded() -> None:
+    pred = Predictors(fit_profiles([bundled_profile()]), OnlineConfig())
+    _leg_mape(pred, _samples(256, seed=8), 1.0)
+    _leg_mape(pred, _samples(16, seed=9), 10.0)  # ten times slower: beyond what the scale may say
+    assert pred.mixed_scale == Predictors.MIXED_SCALE_MAX
