@@ -174,7 +174,7 @@ class KvCacheAwarePolicy(BasePolicy):
         scale = overrun_scale(pred, pools.prefills, mixed=not pools.disaggregated)
         if not pools.disaggregated:  # and the newest mixed legs' lag behind the fit (Predictors.mixed_scale)
             scale = max(scale, pred.mixed_scale) if scale > 1.0 else pred.mixed_scale
-        if scale != 1.0:  # the running prefills show the model too fast: predict as slow as they are
+        if scale != 1.0:  # predict as slow as the running prefills (or the newest mixed legs) show
             pred = pred.prefill_scaled(scale)
         seen = with_inflight(self.inflight, request)  # what the index and the in-flight table report
         last = None if self.sessions is None or request.session is None or pools.pinned else self.sessions.last(request.session)

@@ -108,6 +108,7 @@ class MixedWorkers:
     estimate walks the worker's streams, and the rules ask about as few workers as they can)."""
 
     __slots__ = (
+        "_bounds",
         "_decodes",
         "_paces",
         "now",
@@ -152,6 +153,7 @@ class MixedWorkers:
         self.tbt_slo = request.slo.tbt_s
         self._decodes: dict[int, DecodeEstimate] = {}
         self._paces: dict[int, float] = {}
+        self._bounds: dict[int, float] = {}
 
     def decode(self, i: int) -> DecodeEstimate:
         """The request's TBT on worker `i` (the same object each time: the decision log marks the
@@ -165,12 +167,19 @@ class MixedWorkers:
     def tbt_bound(self, i: int) -> float:
         """Worker `i`'s TBT as admission will judge it, under the same calibrated bound (placing by
         the point prediction chose workers whose bound admission then rejected, beside one that
-        fit); 0 on an idle worker, whose TBT is not judged (`idle`)."""
-        worker = self.workers[i]
-        if idle(worker):
-            return 0.0
-        bound = max(self.decode(i).tbt_s * self.tbt_ratio, self.pace(i))
-        return bound if self.stretch is None else bound * self.stretch(worker.id, self.works[i])
+        fit); 0 on an idle worker, whose TBT is not judged (`idle`). Once per worker: the rules
+        ask it up to four times (least stall, choice, absorbs, absorbed bound)."""
+        bound = self._bounds.get(i)
+        if bound is None:
+            worker = self.workers[i]
+            if idle(worker):
+                bound = 0.0
+            else:
+                bound = max(self.decode(i).tbt_s * self.tbt_ratio, self.pace(i))
+                if self.stretch is not None:
+                    bound *= self.stretch(worker.id, self.works[i])
+            self._bounds[i] = bound
+        return bound
 
     def pace(self, i: int) -> float:
         """With `pace_floor`, the pace the streams on worker `i` get (observed_pace_s): the TBT bound
