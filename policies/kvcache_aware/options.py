@@ -210,7 +210,7 @@ class MixedOptions(_Checked):
     tbt_quantile: float | None = field(default=0.5, metadata=_option("mixed_tbt_quantile", QUANTILE))
     ttft_slack: float | None = field(default=0.8, metadata=_option("mixed_ttft_slack", SLACK))
     protect_streams: bool = field(default=True, metadata=_option("mixed_protect_streams", Flag()))
-    pace_floor: bool = field(default=True, metadata=_option("mixed_pace_floor", Flag()))
+    pace_floor: bool = field(default=False, metadata=_option("mixed_pace_floor", Flag()))
 
 
 @dataclass(frozen=True, slots=True)

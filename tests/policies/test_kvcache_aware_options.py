@@ -42,7 +42,7 @@ OTHER_VALUES: dict[str, object] = {
     "mixed_tbt_quantile": 0.9,
     "mixed_ttft_slack": None,
     "mixed_protect_streams": False,
-    "mixed_pace_floor": False,
+    "mixed_pace_floor": True,
     "local_prefill_tokens": 2048,
     "local_prefill_duty": 0.25,
     "local_prefill_gain": 1.0,

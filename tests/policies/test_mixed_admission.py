@@ -272,7 +272,7 @@ def test_a_worker_whose_streams_lag_is_judged_by_their_pace() -> None:
     blind_policy = KvCacheAwarePolicy(predictors=pred, mixed_pace_floor=False)
     blind = blind_policy.decide(request(4096, slo=slo), snapshot(lagging, keeping_up))
     assert (blind.prefill, blind.rejected) == ("m0", False)  # equal in every prediction: the first
-    paced = KvCacheAwarePolicy(predictors=pred)  # the default
+    paced = KvCacheAwarePolicy(predictors=pred, mixed_pace_floor=True)
     d = paced.decide(request(4096, slo=slo), snapshot(lagging, keeping_up))
     assert (d.prefill, d.rejected) == ("m1", False)
     # the decision log shows the pace the chosen worker's bound was held above
@@ -282,7 +282,7 @@ def test_a_worker_whose_streams_lag_is_judged_by_their_pace() -> None:
     assert not blind_policy.decide(request(4096, slo=slo), snapshot(lagging)).rejected
     assert paced.decide(request(4096, slo=slo), snapshot(lagging)).rejected
     # without admission it is still placed, by the same rule
-    unjudged = KvCacheAwarePolicy(predictors=pred, admission="none")
+    unjudged = KvCacheAwarePolicy(predictors=pred, admission="none", mixed_pace_floor=True)
     assert unjudged.decide(request(4096, slo=slo), snapshot(lagging, keeping_up)).prefill == "m1"
 
 
